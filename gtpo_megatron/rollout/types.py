@@ -1,0 +1,88 @@
+"""Typed containers that cross module boundaries between rollout, trainer and policy.
+
+Notation (``../shared/GTPO_SPEC.md``): P prompts, G completions per prompt (``group_size``), B = P*G sequences laid
+out group by group (rows ``g*G .. g*G+G-1`` are prompt g), S = padded prompt+response length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class Completion:
+    """One sampled completion of one prompt, as the rollout engine returns it.
+
+    ``token_ids``: response token ids (EOS included when generated; never padded).
+    ``rollout_logprobs``: the engine's log-probability (nats) of each sampled token, same length as ``token_ids``.
+    ``finish_reason``: ``"stop"`` (EOS or a stop string) or ``"length"`` (truncated at max tokens).
+    """
+
+    token_ids: list[int]
+    rollout_logprobs: list[float]
+    text: str
+    finish_reason: str
+
+
+@dataclass
+class PromptCompletions:
+    """The G completions of one prompt (``prompt_ids`` is the tokenised chat-templated prompt)."""
+
+    prompt_ids: list[int]
+    completions: list[Completion]
+
+
+@dataclass
+class TrainBatch:
+    """One data-parallel rank's share of a step, padded to a rectangle, ready for the policy.
+
+    Every tensor is on CPU; the policy moves what it needs. Rows are sequences (prompt then response, right
+    padded). Column ``s`` of the per-token tensors describes the prediction of ``input_ids[:, s]`` from the prefix
+    ``input_ids[:, :s]``, so column 0 is never a response token.
+
+    Attributes:
+        input_ids: ``[B, S]`` int64 prompt+response token ids; padding holds ``pad_token_id`` (any id).
+        attention_mask: ``[B, S]`` bool, True on real (prompt or response) tokens.
+        response_mask: ``[B, S]`` bool, True on response tokens (the tokens the loss acts on).
+        old_logprobs: ``[B, S]`` fp32, log pi_old of each token in nats (0 off the response); filled by the
+            trainer's no-grad pass before the update (GTPO_SPEC section 1: r = pi_theta / pi_old).
+        advantages: ``[B]`` fp32 final per-sequence advantage (after the entropy penalty, GTPO_SPEC section 4).
+        token_weights: ``[B, S]`` fp32 per-token multiplier: conflict weight lambda (section 3) times the entropy
+            filter's delta_i (section 4), 0 off the response.
+        ref_logprobs: ``[B, S]`` fp32 reference-policy log-probs for the optional GRPO KL term, else None.
+        group_ids: ``[B]`` int64 prompt index of each row (conflicts never cross groups).
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    response_mask: torch.Tensor
+    old_logprobs: torch.Tensor | None = None
+    advantages: torch.Tensor | None = None
+    token_weights: torch.Tensor | None = None
+    ref_logprobs: torch.Tensor | None = None
+    group_ids: torch.Tensor | None = None
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def num_sequences(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    def select(self, rows: slice | torch.Tensor) -> TrainBatch:
+        """Rows ``rows`` of every tensor (used to cut micro-batches; per-token weights travel with their rows)."""
+
+        def take(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t[rows]
+
+        return TrainBatch(
+            input_ids=self.input_ids[rows],
+            attention_mask=self.attention_mask[rows],
+            response_mask=self.response_mask[rows],
+            old_logprobs=take(self.old_logprobs),
+            advantages=take(self.advantages),
+            token_weights=take(self.token_weights),
+            ref_logprobs=take(self.ref_logprobs),
+            group_ids=take(self.group_ids),
+            extras={k: v[rows] for k, v in self.extras.items()},
+        )
