@@ -1,0 +1,40 @@
+"""Problem sets, prompts, the resumable prompt loader and DAPO's sampling helpers.
+
+Public API (stable; details in each module's docstring):
+
+- ``load_problems(source, *, path=None, split=None, limit=None, data_dir=None, seed=0, difficulty="easy")
+  -> list[Problem]`` with ``Problem(id, question, answer, source)``; sources gsm8k, math500, aime24, aime25, amc23,
+  synthetic, math (HF) or a Hugging Face dataset name.
+- ``build_prompt_text(tokenizer, question) -> str`` and ``build_prompt_ids(tokenizer, question) -> list[int]``.
+- ``PromptLoader(problems, *, batch_size, seed=0, shuffle=True)``: ``next_batch(size=None)``, iteration,
+  ``state_dict()`` / ``load_state_dict(state)``.
+- ``filter_uniform_groups``, ``overlong_penalty``, ``overlong_filter_mask`` (DAPO).
+
+Importing this package imports torch (for the sampling helpers) but neither megatron nor vllm.
+"""
+
+from __future__ import annotations
+
+from gtpo_megatron.data.datasets import Problem, default_data_dir, load_problems, read_jsonl
+from gtpo_megatron.data.loader import PromptLoader
+from gtpo_megatron.data.prompts import SYSTEM_PROMPT, build_messages, build_prompt_ids, build_prompt_text
+from gtpo_megatron.data.sampling import filter_uniform_groups, overlong_filter_mask, overlong_penalty
+from gtpo_megatron.data.synthetic import SYNTHETIC_LEVELS, SyntheticLevel, generate_problems
+
+__all__ = [
+    "SYNTHETIC_LEVELS",
+    "SYSTEM_PROMPT",
+    "Problem",
+    "PromptLoader",
+    "SyntheticLevel",
+    "build_messages",
+    "build_prompt_ids",
+    "build_prompt_text",
+    "default_data_dir",
+    "filter_uniform_groups",
+    "generate_problems",
+    "load_problems",
+    "overlong_filter_mask",
+    "overlong_penalty",
+    "read_jsonl",
+]

@@ -1,0 +1,59 @@
+"""Chat prompts with the paper's reasoning/answer instructions (GTPO_SPEC section 6).
+
+The system message asks the model to think step by step inside ``<reasoning>...</reasoning>`` and to put only the
+final answer inside ``<answer>...</answer>``; the rewards in :mod:`gtpo_megatron.rewards` check that format.
+
+- :func:`build_prompt_text` renders ``[system, user]`` with the tokenizer's chat template and the generation
+  prompt (the assistant turn opener). A tokenizer without a chat template gets :data:`PLAIN_TEMPLATE`.
+- :func:`build_prompt_ids` tokenises that text. A chat template already writes any BOS it wants, so the text is
+  encoded with ``add_special_tokens=False``; the plain template is encoded with the tokenizer's defaults (BOS
+  added when the tokenizer adds one).
+
+``tokenizer`` is any Hugging Face tokenizer (``transformers.PreTrainedTokenizerBase``): only ``chat_template``,
+``apply_chat_template`` and ``__call__`` are used, so this module never imports transformers itself.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+SYSTEM_PROMPT = (
+    "You are a careful math tutor. Think through the problem step by step and write your reasoning inside "
+    "<reasoning> and </reasoning>. Then write only the final answer, with no units or words, inside <answer> and "
+    "</answer>. Use exactly this format:\n"
+    "<reasoning>\n...\n</reasoning>\n<answer>\n...\n</answer>"
+)
+PLAIN_TEMPLATE = "{system}\n\nQuestion: {question}\n\nAnswer:\n"
+
+
+def build_messages(question: str, *, system_prompt: str = SYSTEM_PROMPT) -> list[dict[str, str]]:
+    """The ``[system, user]`` chat messages for ``question``."""
+    return [{"role": "system", "content": system_prompt}, {"role": "user", "content": question}]
+
+
+def _has_chat_template(tokenizer: Any) -> bool:
+    """Whether the tokenizer carries a chat template."""
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def build_prompt_text(tokenizer: Any, question: str, *, system_prompt: str = SYSTEM_PROMPT) -> str:
+    """The full prompt string (chat template + generation prompt, or the plain fallback).
+
+    Raises:
+        ValueError: if ``question`` is empty.
+    """
+    if not question.strip():
+        raise ValueError("question is empty; every problem needs a non-empty question text")
+    if not _has_chat_template(tokenizer):
+        return PLAIN_TEMPLATE.format(system=system_prompt, question=question)
+    text = tokenizer.apply_chat_template(
+        build_messages(question, system_prompt=system_prompt), tokenize=False, add_generation_prompt=True
+    )
+    return str(text)
+
+
+def build_prompt_ids(tokenizer: Any, question: str, *, system_prompt: str = SYSTEM_PROMPT) -> list[int]:
+    """Token ids of :func:`build_prompt_text` (``list[int]``, no padding, BOS rule in the module docstring)."""
+    text = build_prompt_text(tokenizer, question, system_prompt=system_prompt)
+    add_special = not _has_chat_template(tokenizer)
+    return list(tokenizer(text, add_special_tokens=add_special)["input_ids"])

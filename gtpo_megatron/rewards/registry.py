@@ -1,0 +1,132 @@
+"""Reward functions by name: ``REWARD_REGISTRY``, ``register_reward``, ``get_reward``.
+
+Contract (keep stable): a reward function is a plain, picklable callable
+
+    reward_fn(*, completion: str, reference: str) -> RewardResult
+
+``completion`` is the decoded response text only (no prompt); ``reference`` is the dataset answer, either the
+final answer (``"72"``, ``"\\frac{1}{2}"``) or a full GSM8K / boxed solution (reduced with
+:func:`~gtpo_megatron.rewards.math_answer.reference_answer`). Every reward fills the same fields so that metrics
+(accuracy, format rate) mean the same thing whatever reward trains the policy:
+
+- ``correct``: the leniently extracted answer (:func:`extract_answer`, last-number fallback included) is
+  equivalent to the reference (:func:`answers_match`);
+- ``format_ok``: the strict paper format: a ``<reasoning>...</reasoning>`` block and an ``<answer>...</answer>``
+  block that ends the text (trailing whitespace allowed);
+- ``extracted``: that extracted answer (``None`` if none), used for maj@k voting after ``normalize_answer``.
+
+Registered rewards:
+
+- ``math_verify``: 1.0 if ``correct`` else 0.0 (binary correctness, GTPO_SPEC section 6).
+- ``format``: 1.0 if ``format_ok`` else 0.0.
+- ``paper``: the authors' scheme (GTPO_SPEC section 6): format part 10 when ``format_ok``; otherwise 1.5 when
+  exactly one of the two blocks is complete and a tag of the other is present, 1.0 when exactly one block is
+  complete, 0 when neither is. Correctness part 10 only when ``format_ok`` and the ``<answer>`` block is correct.
+  Totals are in {0, 1, 1.5, 10, 20}. Deviation from the authors' code: their "lenient string match" accepted any
+  reference that is a substring of the prediction (``"1"`` in ``"10"``); we use :func:`answers_match` instead.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from gtpo_megatron.rewards.math_answer import answers_match, extract_answer, reference_answer
+
+
+@dataclass(frozen=True, slots=True)
+class RewardResult:
+    """Score and diagnostics of one completion (field meanings in the module docstring)."""
+
+    score: float
+    correct: bool
+    format_ok: bool
+    extracted: str | None
+
+
+class RewardFn(Protocol):
+    """A reward function: keyword-only ``completion`` and ``reference``, returns a :class:`RewardResult`."""
+
+    def __call__(self, *, completion: str, reference: str) -> RewardResult: ...
+
+
+REWARD_REGISTRY: dict[str, RewardFn] = {}
+
+_REASONING_RE = re.compile(r"<reasoning>.*?</reasoning>", re.DOTALL)
+_ANSWER_AT_END_RE = re.compile(r"<answer>.*?</answer>\s*$", re.DOTALL)
+PAPER_FORMAT_SCORE = 10.0
+PAPER_CORRECT_SCORE = 10.0
+
+
+def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
+    """Decorator that adds a reward function under ``name``.
+
+    Raises:
+        ValueError: if ``name`` is already registered.
+    """
+
+    def decorator(fn: RewardFn) -> RewardFn:
+        if name in REWARD_REGISTRY:
+            raise ValueError(f"reward {name!r} is already registered; pick another name")
+        REWARD_REGISTRY[name] = fn
+        return fn
+
+    return decorator
+
+
+def get_reward(name: str) -> RewardFn:
+    """The reward function registered as ``name``.
+
+    Raises:
+        ValueError: if ``name`` is unknown; the message lists the available names.
+    """
+    if name not in REWARD_REGISTRY:
+        raise ValueError(f"unknown reward {name!r}; available rewards: {sorted(REWARD_REGISTRY)}")
+    return REWARD_REGISTRY[name]
+
+
+def paper_format_score(completion: str) -> float:
+    """The paper's format part: 10, 1.5, 1 or 0 (rules in the module docstring)."""
+    has_reasoning = _REASONING_RE.search(completion) is not None
+    has_answer = _ANSWER_AT_END_RE.search(completion) is not None
+    if has_reasoning and has_answer:
+        return PAPER_FORMAT_SCORE
+    if has_reasoning:
+        return 1.5 if ("<answer>" in completion or "</answer>" in completion) else 1.0
+    if has_answer:
+        return 1.5 if ("<reasoning>" in completion or "</reasoning>" in completion) else 1.0
+    return 0.0
+
+
+def _judge(completion: str, reference: str) -> tuple[bool, bool, str | None]:
+    """``(correct, format_ok, extracted)`` shared by every registered reward."""
+    extracted = extract_answer(completion)
+    correct = answers_match(extracted, reference_answer(reference))
+    format_ok = paper_format_score(completion) == PAPER_FORMAT_SCORE
+    return correct, format_ok, extracted
+
+
+@register_reward("math_verify")
+def math_verify_reward(*, completion: str, reference: str) -> RewardResult:
+    """1.0 when the extracted answer is equivalent to the reference, else 0.0."""
+    correct, format_ok, extracted = _judge(completion, reference)
+    return RewardResult(score=float(correct), correct=correct, format_ok=format_ok, extracted=extracted)
+
+
+@register_reward("format")
+def format_reward(*, completion: str, reference: str) -> RewardResult:
+    """1.0 when the completion has the strict reasoning/answer format, else 0.0."""
+    correct, format_ok, extracted = _judge(completion, reference)
+    return RewardResult(score=float(format_ok), correct=correct, format_ok=format_ok, extracted=extracted)
+
+
+@register_reward("paper")
+def paper_reward(*, completion: str, reference: str) -> RewardResult:
+    """The authors' format + correctness reward; total in {0, 1, 1.5, 10, 20} (GTPO_SPEC section 6)."""
+    correct, format_ok, extracted = _judge(completion, reference)
+    score = paper_format_score(completion)
+    if format_ok and correct:
+        score += PAPER_CORRECT_SCORE
+    return RewardResult(score=score, correct=correct, format_ok=format_ok, extracted=extracted)

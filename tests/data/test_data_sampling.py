@@ -1,0 +1,50 @@
+"""DAPO helpers against hand-computed values (arXiv 2503.14476 eq. 13 for the overlong penalty)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gtpo_megatron.data import filter_uniform_groups, overlong_filter_mask, overlong_penalty
+
+
+def test_filter_uniform_groups_literal() -> None:
+    rewards = [1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 20.0, 20.0, 10.0, 0.0, 0.0, 1e-9]
+    keep = filter_uniform_groups(rewards, group_size=3)
+    assert keep.dtype == torch.bool
+    assert keep.tolist() == [False, True, True, False]  # last group differs by 1e-9 < atol: uniform
+    assert filter_uniform_groups(torch.tensor(rewards), 3, atol=0.0).tolist() == [False, True, True, True]
+    assert filter_uniform_groups([1.0, 2.0], 2).repeat_interleave(2).tolist() == [True, True]
+
+
+def test_filter_uniform_groups_errors() -> None:
+    assert filter_uniform_groups([1.0, 2.0], 1).tolist() == [False, False]  # a single completion is uniform
+    with pytest.raises(ValueError, match="group_size=0"):
+        filter_uniform_groups([1.0, 2.0], 0)
+    with pytest.raises(ValueError, match="len\\(rewards\\)=5 is not a multiple of group_size=2"):
+        filter_uniform_groups([1.0] * 5, 2)
+
+
+def test_overlong_penalty_matches_eq_13() -> None:
+    # L_max = 100, L_cache = 20: no penalty up to 80, linear ramp to -1 at 100, -1 beyond.
+    lengths = [0, 50, 80, 81, 90, 99, 100, 101, 500]
+    expected = [0.0, 0.0, 0.0, -1 / 20, -10 / 20, -19 / 20, -1.0, -1.0, -1.0]
+    got = overlong_penalty(lengths, max_len=100, cache_len=20)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, torch.tensor(expected), atol=1e-7, rtol=0)
+    torch.testing.assert_close(overlong_penalty(torch.tensor([90]), 100, 20, penalty=10.0), torch.tensor([-5.0]))
+
+
+def test_overlong_penalty_errors() -> None:
+    with pytest.raises(ValueError, match="cache_len=0"):
+        overlong_penalty([1], 100, 0)
+    with pytest.raises(ValueError, match="cache_len=101"):
+        overlong_penalty([1], 100, 101)
+    with pytest.raises(ValueError, match="penalty=-1"):
+        overlong_penalty([1], 100, 10, penalty=-1.0)
+
+
+def test_overlong_filter_mask() -> None:
+    mask = overlong_filter_mask(["stop", "length", "stop", "length"])
+    assert mask.dtype == torch.bool and mask.tolist() == [True, False, True, False]
+    assert overlong_filter_mask([]).shape == (0,)
