@@ -1,0 +1,148 @@
+"""Model dimensions the planner needs, read from a local HF ``config.json`` or a table of public models.
+
+The table holds the values of each model's published Hugging Face ``config.json`` (``num_hidden_layers``,
+``hidden_size``, ``intermediate_size``, ``num_attention_heads``, ``num_key_value_heads``, ``head_dim`` (or
+``hidden_size / num_attention_heads`` where the file has none), ``vocab_size``, ``tie_word_embeddings``), as
+published on the Hugging Face hub under ``Qwen/<name>`` and ``meta-llama/<name>``. Qwen2 models carry a bias on
+the q/k/v projections; Qwen3 models carry none but normalise q and k per head (two ``head_dim`` vectors a layer).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Architecture:
+    """Dimensions of a dense decoder-only transformer (RMSNorm, SwiGLU, GQA, RoPE).
+
+    Attributes:
+        name: display name (the HF repository name for table entries, the folder for local configs).
+        num_layers: transformer layers ``L``.
+        hidden_size: model width ``h``.
+        ffn_hidden_size: SwiGLU inner width ``f`` (gate and up projections are each ``h x f``).
+        num_attention_heads: query heads ``a``.
+        num_query_groups: key/value heads ``g`` (GQA groups; Megatron's ``num_query_groups``).
+        head_dim: ``d`` per head (Megatron's ``kv_channels``); ``a * d`` need not equal ``h`` (Qwen3-32B).
+        vocab_size: tokenizer/embedding rows in the HF checkpoint (before Megatron's padding).
+        tied_embeddings: input embedding and output layer share one matrix.
+        qkv_bias: q, k and v projections carry a bias (Qwen2).
+        qk_norm: per-head RMSNorm on q and k (Qwen3).
+    """
+
+    name: str
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    head_dim: int
+    vocab_size: int
+    tied_embeddings: bool
+    qkv_bias: bool = False
+    qk_norm: bool = False
+
+    @property
+    def q_width(self) -> int:
+        """Width of the query projection output, ``a * d``."""
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_width(self) -> int:
+        """Width of the key (or value) projection output, ``g * d``."""
+        return self.num_query_groups * self.head_dim
+
+    def layer_params(self) -> int:
+        """Parameters of one transformer layer: attention, SwiGLU MLP, two RMSNorms (+ bias, qk-norm)."""
+        h, f = self.hidden_size, self.ffn_hidden_size
+        attention = h * (self.q_width + 2 * self.kv_width) + self.q_width * h
+        bias = self.q_width + 2 * self.kv_width if self.qkv_bias else 0
+        qk_norm = 2 * self.head_dim if self.qk_norm else 0
+        return attention + bias + qk_norm + 3 * h * f + 2 * h
+
+    def embedding_params(self, padded_vocab_size: int | None = None) -> int:
+        """Parameters of one embedding matrix (``padded_vocab_size`` rows when given, else ``vocab_size``)."""
+        return (padded_vocab_size or self.vocab_size) * self.hidden_size
+
+    def total_params(self, padded_vocab_size: int | None = None) -> int:
+        """All parameters: layers, final norm, input embedding and (when untied) the output layer."""
+        embeddings = self.embedding_params(padded_vocab_size) * (1 if self.tied_embeddings else 2)
+        return self.num_layers * self.layer_params() + self.hidden_size + embeddings
+
+
+def _entry(name, layers, hidden, ffn, heads, groups, vocab, tied, *, head_dim=None, bias=False, qk_norm=False):
+    return Architecture(
+        name=name, num_layers=layers, hidden_size=hidden, ffn_hidden_size=ffn, num_attention_heads=heads,
+        num_query_groups=groups, head_dim=head_dim or hidden // heads, vocab_size=vocab, tied_embeddings=tied,
+        qkv_bias=bias, qk_norm=qk_norm,
+    )  # fmt: skip
+
+
+# Values from each model's published config.json (see the module docstring).
+KNOWN_ARCHITECTURES: dict[str, Architecture] = {
+    a.name: a
+    for a in (
+        _entry("Qwen2.5-3B-Instruct", 36, 2048, 11008, 16, 2, 151936, True, bias=True),
+        _entry("Qwen2.5-7B-Instruct", 28, 3584, 18944, 28, 4, 152064, False, bias=True),
+        _entry("Qwen2.5-32B-Instruct", 64, 5120, 27648, 40, 8, 152064, False, bias=True),
+        _entry("Qwen3-32B", 64, 5120, 25600, 64, 8, 151936, False, head_dim=128, qk_norm=True),
+        _entry("Llama-3.1-8B-Instruct", 32, 4096, 14336, 32, 8, 128256, False),
+        _entry("Llama-3.1-70B-Instruct", 80, 8192, 28672, 64, 8, 128256, False),
+    )
+}
+
+
+def architecture_from_hf_config(config: dict, name: str) -> Architecture:
+    """Build an :class:`Architecture` from a parsed HF ``config.json`` (llama, qwen2, qwen3 model types).
+
+    Raises:
+        ValueError: a required key is missing (the message names it and the file's ``model_type``).
+    """
+    required = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "vocab_size")
+    missing = [k for k in required if k not in config]
+    if missing:
+        raise ValueError(
+            f"config.json of {name!r} (model_type={config.get('model_type')!r}) lacks {missing}; the planner "
+            "supports dense llama/qwen2/qwen3 configs"
+        )
+    heads = config["num_attention_heads"]
+    model_type = config.get("model_type", "")
+    return Architecture(
+        name=name,
+        num_layers=config["num_hidden_layers"],
+        hidden_size=config["hidden_size"],
+        ffn_hidden_size=config["intermediate_size"],
+        num_attention_heads=heads,
+        num_query_groups=config.get("num_key_value_heads") or heads,
+        head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+        vocab_size=config["vocab_size"],
+        tied_embeddings=bool(config.get("tie_word_embeddings", False)),
+        qkv_bias=model_type == "qwen2" or bool(config.get("attention_bias", False)),
+        qk_norm=model_type == "qwen3",
+    )
+
+
+def resolve_architecture(name_or_path: str) -> Architecture:
+    """Dimensions of ``name_or_path``: a local HF folder, a ``builtin:`` model, or a known hub name.
+
+    A local folder (or a ``builtin:`` name, materialised through :mod:`gtpo_megatron.assets`) is read from its
+    ``config.json``; otherwise the last path component (``Qwen/Qwen3-32B`` -> ``Qwen3-32B``) is looked up in
+    :data:`KNOWN_ARCHITECTURES`, so planning a 70B run needs neither the weights nor a network.
+
+    Raises:
+        ValueError: neither a folder with ``config.json`` nor a known name (the message lists the known names).
+    """
+    from gtpo_megatron.assets import resolve_model_path
+
+    path = Path(resolve_model_path(name_or_path))
+    if (path / "config.json").is_file():
+        return architecture_from_hf_config(json.loads((path / "config.json").read_text()), name=path.name)
+    key = name_or_path.rstrip("/").rsplit("/", 1)[-1]
+    if key in KNOWN_ARCHITECTURES:
+        return KNOWN_ARCHITECTURES[key]
+    raise ValueError(
+        f"model.name_or_path={name_or_path!r} is neither a local folder with config.json nor a known "
+        f"architecture; download its config.json to a folder, or use one of {sorted(KNOWN_ARCHITECTURES)}"
+    )

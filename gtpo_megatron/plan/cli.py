@@ -1,0 +1,271 @@
+"""``gtpo-plan``: check a recipe's layout and per-GPU memory for a cluster before launching it (no GPU needed).
+
+Usage::
+
+    gtpo-plan --config configs/llama3.1-70b_math_gtpo_64gpu.yaml --gpus 64 --gpu-mem 80 [--sync-bandwidth-gbps 400]
+              [--reserve-gib 4] [key=value overrides]
+
+Exit status: 0 when the layout divides and every phase fits (the per-GPU table is printed); 2 with the reasons,
+each naming the fields, their values and a fix, when it does not. The estimates are those of
+:mod:`gtpo_megatron.plan.memory`; ``--gpu-mem`` is in GiB and ``--reserve-gib`` of it is kept back for the CUDA
+context, NCCL buffers and allocator fragmentation.
+
+Phases. Colocated runs alternate: while vLLM generates, the trainer's weights, gradients and optimizer states stay
+resident next to the engine's ``rollout.gpu_memory_utilization`` share of the GPU; while the policy trains, the
+engine sleeps (weights offloaded, KV cache freed) and activations plus the log-prob working set take its place.
+Separate runs put the engine on its own GPUs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+
+from gtpo_megatron.config import GTPOConfig, load_config
+from gtpo_megatron.plan.architectures import Architecture, resolve_architecture
+from gtpo_megatron.plan.layout import Layout, check_layout
+from gtpo_megatron.plan.memory import (
+    StageMemory,
+    TrainingShape,
+    engine_weight_bytes,
+    estimate_stage,
+    kv_cache_bytes_per_token,
+    logits_bytes,
+    weight_sync_seconds,
+)
+
+GIB = 2**30
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EngineMemory:
+    """Bytes on one GPU of a vLLM engine: its memory budget, weights, KV capacity and the batch's KV demand."""
+
+    budget: int
+    weights: int
+    kv_per_token: int
+    kv_capacity: int
+    kv_for_batch: int
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="gtpo-plan", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", required=True, help="YAML recipe (configs/*.yaml)")
+    parser.add_argument("--gpus", type=int, required=True, help="world size: GPUs of the whole job")
+    parser.add_argument("--gpu-mem", type=float, default=80.0, help="memory of one GPU in GiB (default 80)")
+    parser.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
+    parser.add_argument("--reserve-gib", type=float, default=4.0,
+                        help="GiB per GPU kept for CUDA context, NCCL and fragmentation (default 4)")
+    parser.add_argument("--sync-bandwidth-gbps", type=float, default=400.0,
+                        help="link bandwidth of one weight sync in gigabit/s (default 400: one NDR InfiniBand port)")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. parallel.tp_size=8")
+    return parser.parse_intermixed_args(argv)
+
+
+def training_shape(cfg: GTPOConfig, layout: Layout) -> TrainingShape:
+    """The planner's :class:`TrainingShape` from a loaded ``GTPOConfig`` and a checked :class:`Layout`."""
+    return TrainingShape(
+        tp_size=layout.tp_size,
+        pp_size=layout.pp_size,
+        dp_size=layout.dp_size,
+        micro_batch_size=cfg.optim.micro_batch_size,
+        seq_length=cfg.rollout.max_prompt_len + cfg.rollout.max_tokens,
+        num_microbatches=layout.num_microbatches,
+        param_bytes=DTYPE_BYTES[cfg.model.params_dtype],
+        sequence_parallel=cfg.parallel.sequence_parallel,
+        distributed_optimizer=cfg.parallel.use_distributed_optimizer,
+        recompute=cfg.model.recompute,
+        logprob_chunk_size=cfg.algorithm.logprob_chunk_size,
+    )
+
+
+def engine_memory(
+    cfg: GTPOConfig, arch: Architecture, layout: Layout, *, gpu_mem_bytes: int, seq_length: int
+) -> EngineMemory:
+    """vLLM's share of one engine GPU for the rollout batch (KV cache in the engine's weight dtype)."""
+    dtype = cfg.model.params_dtype if cfg.rollout.dtype == "auto" else cfg.rollout.dtype
+    budget = int(cfg.rollout.gpu_memory_utilization * gpu_mem_bytes)
+    weights = engine_weight_bytes(arch, engine_tp_size=layout.engine_tp_size, param_bytes=DTYPE_BYTES[dtype])
+    per_token = kv_cache_bytes_per_token(arch, engine_tp_size=layout.engine_tp_size, kv_bytes=DTYPE_BYTES[dtype])
+    return EngineMemory(
+        budget=budget,
+        weights=weights,
+        kv_per_token=per_token,
+        kv_capacity=max(budget - weights, 0),
+        kv_for_batch=layout.sequences_per_engine * seq_length * per_token,
+    )
+
+
+def training_fixes(shape: TrainingShape) -> str:
+    """The memory savers this layout does not use yet, as overrides to try, most effective first."""
+    fixes = []
+    if shape.dp_size > 1 and not shape.distributed_optimizer:
+        fixes.append("parallel.use_distributed_optimizer=true")
+    if shape.recompute != "full":
+        fixes.append("model.recompute=full")
+    if shape.tp_size > 1 and not shape.sequence_parallel:
+        fixes.append("parallel.sequence_parallel=true")
+    if shape.logprob_chunk_size is None:
+        fixes.append("algorithm.logprob_chunk_size=1024")
+    if shape.micro_batch_size > 1:
+        fixes.append("a smaller optim.micro_batch_size")
+    return "try " + ", ".join(fixes + ["more GPUs or a larger parallel.tp_size*parallel.pp_size"])
+
+
+def offload_train_state(cfg: GTPOConfig) -> bool:
+    """``rollout.offload_train_state``: gradients and optimizer states leave the GPU while vLLM generates.
+
+    Megatron-Core provides the calls for RL (``DistributedDataParallel.offload_grad_buffers`` and
+    ``MegatronOptimizer.offload_to_cpu``). The field is proposed for ``RolloutConfig``; until it exists it is off.
+    """
+    return bool(getattr(cfg.rollout, "offload_train_state", False))
+
+
+def rollout_resident(stage: StageMemory, offload: bool) -> int:
+    """Trainer bytes that stay on a colocated GPU while vLLM generates (weights only when offloading)."""
+    return stage.weights if offload else stage.static
+
+
+def fit_problems(
+    cfg: GTPOConfig, shape: TrainingShape, stages: list[StageMemory], engine: EngineMemory, *, gpu_mem: int,
+    usable: int
+) -> list[str]:
+    """Reasons the run does not fit in ``usable`` of ``gpu_mem`` bytes per GPU (empty when it fits)."""
+    problems = []
+    worst = max(stages, key=lambda m: m.total)
+    if worst.total > usable:
+        problems.append(f"training phase needs {worst.total / GIB:.1f} GiB on pipeline stage {worst.stage} > "
+                        f"{usable / GIB:.1f} GiB usable; {training_fixes(shape)}")
+    util = cfg.rollout.gpu_memory_utilization
+    seq_length = shape.seq_length
+    one_sequence = seq_length * engine.kv_per_token
+    resident = max(rollout_resident(m, offload_train_state(cfg)) for m in stages)
+    if cfg.rollout.placement == "colocated" and resident + engine.budget > usable:
+        if usable - resident < engine.weights + one_sequence:
+            fix = ("vLLM's weights and one sequence's KV cache do not fit next to it: set "
+                   "rollout.offload_train_state=true (grads and optimizer states leave the GPU while vLLM "
+                   "generates), use more GPUs or raise rollout.engine_tp_size")
+        else:
+            fix = f"lower rollout.gpu_memory_utilization to <= {(usable - resident) / gpu_mem:.2f}"
+        problems.append(
+            f"rollout phase: trainer state {resident / GIB:.1f} GiB + vLLM budget rollout.gpu_memory_utilization="
+            f"{util} ({engine.budget / GIB:.1f} GiB) > {usable / GIB:.1f} GiB usable; {fix}"
+        )
+    if cfg.rollout.placement == "separate" and engine.budget > usable:
+        problems.append(f"rollout.gpu_memory_utilization={util} gives vLLM {engine.budget / GIB:.1f} GiB > "
+                        f"{usable / GIB:.1f} GiB usable; use <= {usable / gpu_mem:.2f}")
+    if engine.weights + one_sequence > engine.budget:
+        problems.append(
+            f"vLLM: weights {engine.weights / GIB:.1f} GiB + KV cache of one {seq_length}-token sequence "
+            f"{one_sequence / GIB:.2f} GiB exceed rollout.gpu_memory_utilization={util} "
+            f"({engine.budget / GIB:.1f} GiB); raise rollout.gpu_memory_utilization or rollout.engine_tp_size"
+        )
+    return problems
+
+
+def _row(label: str, values: list[float | str]) -> str:
+    cells = [v if isinstance(v, str) else f"{v / GIB:10.2f}" for v in values]
+    return f"{label:<34}" + "".join(f"{c:>12}" for c in cells)
+
+
+def format_table(cfg: GTPOConfig, stages: list[StageMemory], engine: EngineMemory, *, unchunked: int) -> str:
+    """Per-GPU memory table (GiB): one column per distinct pipeline stage, plus the engine GPU when separate."""
+    separate = cfg.rollout.placement == "separate"
+    pad = [""] if separate else []
+
+    def engine_cells(value: int) -> list[float | str]:
+        return [""] * len(stages) + [value] if separate else [value] * len(stages)
+
+    lines = [
+        _row("per-GPU memory (GiB)", [f"stage {m.stage}" for m in stages] + (["engine GPU"] if separate else [])),
+        _row("weights", [m.weights for m in stages] + pad),
+        _row("gradients (fp32 main grads)", [m.grads for m in stages] + pad),
+        _row("optimizer (Adam + fp32 master)", [m.optimizer for m in stages] + pad),
+        _row("activations", [m.activations for m in stages] + pad),
+        _row(f"logits/entropy (chunk={cfg.algorithm.logprob_chunk_size})", [m.logits for m in stages] + pad),
+        _row("  same, unchunked", [unchunked if m.logits else 0 for m in stages] + pad),
+        _row("training phase total", [m.total for m in stages] + pad),
+        _row("vLLM weights (engine TP shard)", engine_cells(engine.weights)),
+        _row("vLLM KV-cache capacity", engine_cells(engine.kv_capacity)),
+    ]
+    if separate:
+        lines.append(_row("engine GPU total (vLLM budget)", engine_cells(engine.budget)))
+    else:
+        offload = offload_train_state(cfg)
+        lines.append(_row("rollout phase total", [rollout_resident(m, offload) + engine.budget for m in stages]))
+    return "\n".join(lines)
+
+
+def run(argv: list[str] | None = None) -> tuple[int, str]:
+    """Plan a run; return ``(exit_status, text)`` (0: fits, 2: does not divide or does not fit)."""
+    args = _parse_args(argv)
+    try:
+        cfg = load_config(args.config, list(args.overrides))
+        arch = resolve_architecture(cfg.model.name_or_path)
+        layout = check_layout(
+            arch, world_size=args.gpus, tp_size=cfg.parallel.tp_size, pp_size=cfg.parallel.pp_size,
+            engine_tp_size=cfg.rollout.engine_tp_size, placement=cfg.rollout.placement,
+            num_prompts=cfg.rollout.num_prompts, group_size=cfg.algorithm.group_size,
+            micro_batch_size=cfg.optim.micro_batch_size,
+            make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by, gpus_per_node=args.gpus_per_node,
+        )  # fmt: skip
+        cfg.validate(layout.train_world_size, check_registries=False)  # the torchrun world
+    except ValueError as err:
+        return 2, f"gtpo-plan: {args.config} on {args.gpus} GPUs: {err}"
+    shape = training_shape(cfg, layout)
+    gpu_mem = int(args.gpu_mem * GIB)
+    stages = [estimate_stage(arch, shape, padded_vocab_size=layout.padded_vocab_size, stage=s)
+              for s in sorted({0, layout.pp_size - 1})]  # fmt: skip
+    engine = engine_memory(cfg, arch, layout, gpu_mem_bytes=gpu_mem, seq_length=shape.seq_length)
+    unchunked = logits_bytes(layout.padded_vocab_size // layout.tp_size, param_bytes=shape.param_bytes,
+                             tokens=shape.micro_batch_size * shape.seq_length, chunk_size=None)  # fmt: skip
+    usable = gpu_mem - int(args.reserve_gib * GIB)
+    problems = fit_problems(cfg, shape, stages, engine, gpu_mem=gpu_mem, usable=usable)
+    text = "\n".join([_summary(cfg, arch, layout, shape, args), format_table(cfg, stages, engine, unchunked=unchunked),
+                      _rollout_summary(engine, layout, shape, arch, args)])  # fmt: skip
+    if problems:
+        return 2, text + "\n\ngtpo-plan: does not fit:\n  - " + "\n  - ".join(problems)
+    return 0, text + f"\n\nfits: every phase is within {usable / GIB:.1f} GiB usable of {args.gpu_mem:g} GiB per GPU"
+
+
+def _summary(
+    cfg: GTPOConfig, arch: Architecture, layout: Layout, shape: TrainingShape, args: argparse.Namespace
+) -> str:
+    return (
+        f"{arch.name}: {arch.total_params() / 1e9:.2f}B parameters, {arch.num_layers} layers, "
+        f"{arch.num_attention_heads} heads / {arch.num_query_groups} query groups, vocab {arch.vocab_size} -> "
+        f"padded {layout.padded_vocab_size}\n"
+        f"layout on {args.gpus} GPUs: train {layout.train_world_size} = tp {layout.tp_size} x pp {layout.pp_size} x "
+        f"dp {layout.dp_size} (sequence_parallel={shape.sequence_parallel}, distributed_optimizer="
+        f"{shape.distributed_optimizer}, recompute={shape.recompute}); vLLM {layout.num_engines} x engine tp "
+        f"{layout.engine_tp_size} ({cfg.rollout.placement})\n"
+        f"batch: {layout.sequences_per_step} sequences/step = {cfg.rollout.num_prompts} prompts x "
+        f"{cfg.algorithm.group_size}, {layout.sequences_per_dp_rank} per dp rank = {layout.num_microbatches} "
+        f"micro-batches of {shape.micro_batch_size} x {shape.seq_length} tokens\n"
+    )
+
+
+def _rollout_summary(
+    engine: EngineMemory, layout: Layout, shape: TrainingShape, arch: Architecture, args: argparse.Namespace
+) -> str:
+    concurrent = engine.kv_capacity // max(engine.kv_per_token * shape.seq_length, 1)
+    return (
+        f"\nvLLM KV cache: {engine.kv_per_token / 1024:.1f} KiB/token/GPU; {layout.sequences_per_engine} rollout "
+        f"sequences per engine need {engine.kv_for_batch / GIB:.2f} GiB, capacity {engine.kv_capacity / GIB:.2f} "
+        f"GiB holds {concurrent} full-length sequences at once"
+        + ("" if concurrent >= layout.sequences_per_engine else " (vLLM queues the rest: slower, not an error)")
+        + f"\nweight sync: {arch.total_params() * shape.param_bytes / 1e9:.1f} GB per sync, "
+        f"{weight_sync_seconds(arch, param_bytes=shape.param_bytes, bandwidth_gbps=args.sync_bandwidth_gbps):.2f} s "
+        f"at {args.sync_bandwidth_gbps:g} Gbit/s"
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console entry point: print the plan and exit with its status."""
+    status, text = run(argv)
+    print(text, file=sys.stdout if status == 0 else sys.stderr)
+    sys.exit(status)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,201 @@
+"""Per-GPU memory and weight-sync estimates for a GTPO run (pure arithmetic on plain inputs).
+
+All sizes are bytes on one GPU; "GiB" in the CLI is 2**30 bytes. Notation: ``L`` layers, ``h`` hidden, ``f`` SwiGLU
+width, ``q = a*d`` query width, ``k = g*d`` key (= value) width, ``b`` micro-batch size, ``s`` sequence length
+(prompt + completion), ``V`` padded vocabulary, ``t`` tp_size, ``p`` pp_size, ``D`` dp_size, ``M`` micro-batches
+per optimizer step on one data-parallel rank.
+
+Model (the numbers the tests check by hand):
+- Parameters of a stage: ``L/p`` layers with every matrix and the qkv bias sharded by ``t`` and the RMSNorm /
+  qk-norm vectors replicated; stage 0 adds the input embedding ``V*h/t``; the last stage adds the final norm and the
+  output layer ``V*h/t`` (also when embeddings are tied and ``p > 1``: Megatron keeps a copy there).
+- Weights ``param_bytes``/param; gradients 4 bytes/param (Megatron accumulates and all-reduces 16-bit models' grads
+  in an fp32 main-grad buffer); Adam states 8 bytes/param (m, v) plus 4 bytes of fp32 master weights when the
+  parameters are 16-bit, divided by ``D`` with the distributed optimizer. This is Megatron's table in
+  ``docs/source/api-guide/dist_optimizer.md`` (bf16 params, fp32 grads: 6 + 12/D bytes per parameter).
+- Activations kept for backward by one layer for one micro-batch, in the parameter dtype (2 bytes for bf16), with
+  flash attention (no ``s*s`` score matrix) and no dropout, after Korthikanti et al. 2022 ("Reducing Activation
+  Recomputation in Large Transformer Models", section 4) redone for RMSNorm + GQA + SwiGLU:
+  attention block ``2sb(h + h + q + 2k + q)`` (norm input, qkv-linear input, q/k/v for the attention kernel,
+  projection input); MLP block ``2sb(h + h + 2f + f)`` (norm input, fc1 input, gate and up outputs, fc2 input).
+  Sequence parallel divides everything by ``t``; without it the four ``h`` terms are replicated and only the rest
+  is divided. ``recompute="full"`` keeps only each layer's input (``2sbh``, ``/t`` with sequence parallel) plus one
+  layer's full set while that layer is recomputed; ``"selective"`` recomputes only the core attention, whose
+  score matrix flash attention never stores, so it keeps the same bytes as ``"none"`` here. (Megatron's local layer
+  specs, used without Transformer Engine, do store ``[b, a/t, s, s]`` scores; selective recompute drops them. The
+  planner assumes Transformer Engine, as on GPU clusters.) With the 1F1B schedule stage ``i`` holds
+  ``min(p - i, M)`` micro-batches in flight.
+- Log-prob/entropy working set (last stage only): the logits ``[b, s, V/t]`` and their gradient (parameter dtype),
+  plus the two fp32 ``[n, V/t]`` buffers ``ops.vocab_parallel_logprobs_entropy`` holds at a time (the shifted fp32
+  copy and its exp; it saves only the logits and recomputes in backward), where ``n = b*s`` unchunked or
+  ``min(chunk, b*s)`` with ``algorithm.logprob_chunk_size``.
+- vLLM KV cache: ``2 (K and V) * L * max(1, g/t_e) * d * kv_bytes`` per token per GPU for engine TP ``t_e``
+  (vLLM replicates KV heads when ``t_e > g``); engine weights ``total_params * param_bytes / t_e``.
+- One weight sync moves every parameter once in ``param_bytes`` over a link of the given bandwidth.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from gtpo_megatron.plan.architectures import Architecture
+
+GRAD_BYTES = 4
+"""Bytes per gradient element (Megatron's fp32 main-grad buffer)."""
+FP32_OP_BUFFERS = 2
+"""fp32 ``[n, V/t]`` buffers alive at once inside the log-prob/entropy op (forward and backward alike)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrainingShape:
+    """Layout and batch shape of the training side, as plain numbers.
+
+    Attributes:
+        tp_size, pp_size, dp_size: parallel sizes of the training ranks.
+        micro_batch_size: sequences ``b`` per micro-batch.
+        seq_length: tokens ``s`` per sequence (prompt + completion, padded).
+        num_microbatches: micro-batches ``M`` per optimizer step on one data-parallel rank.
+        param_bytes: bytes per parameter (2 for bf16/fp16, 4 for fp32).
+        sequence_parallel: Megatron sequence parallelism.
+        distributed_optimizer: optimizer states sharded over data-parallel ranks.
+        recompute: activation recompute granularity.
+        logprob_chunk_size: tokens per chunk of the log-prob/entropy op, None for unchunked.
+    """
+
+    tp_size: int
+    pp_size: int
+    dp_size: int
+    micro_batch_size: int
+    seq_length: int
+    num_microbatches: int
+    param_bytes: int = 2
+    sequence_parallel: bool = False
+    distributed_optimizer: bool = False
+    recompute: Literal["none", "selective", "full"] = "none"
+    logprob_chunk_size: int | None = None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StageMemory:
+    """Bytes held by one GPU of a pipeline stage at the peak of the training phase."""
+
+    stage: int
+    params: int
+    weights: int
+    grads: int
+    optimizer: int
+    activations: int
+    logits: int
+
+    @property
+    def static(self) -> int:
+        """Bytes that stay resident across phases (weights, gradients, optimizer states)."""
+        return self.weights + self.grads + self.optimizer
+
+    @property
+    def total(self) -> int:
+        """Training-phase peak: static bytes plus activations and the log-prob working set."""
+        return self.static + self.activations + self.logits
+
+
+def stage_params(arch: Architecture, *, tp_size: int, pp_size: int, padded_vocab_size: int, stage: int) -> int:
+    """Parameters held by one GPU of pipeline stage ``stage`` (see the module docstring for what is sharded)."""
+    per_layer_replicated = 2 * arch.hidden_size + (2 * arch.head_dim if arch.qk_norm else 0)
+    per_layer_sharded = arch.layer_params() - per_layer_replicated
+    params = (arch.num_layers // pp_size) * (per_layer_sharded // tp_size + per_layer_replicated)
+    embedding = padded_vocab_size * arch.hidden_size // tp_size
+    if stage == 0:
+        params += embedding
+    if stage == pp_size - 1:
+        params += arch.hidden_size + (embedding if (pp_size > 1 or not arch.tied_embeddings) else 0)
+    return params
+
+
+def optimizer_bytes(params: int, *, param_bytes: int, dp_size: int, distributed_optimizer: bool) -> int:
+    """Adam m and v in fp32, plus fp32 master weights for 16-bit parameters; sharded over DP when distributed."""
+    total = params * (8 + (4 if param_bytes < 4 else 0))
+    return -(-total // dp_size) if distributed_optimizer else total
+
+
+def layer_activation_bytes(arch: Architecture, shape: TrainingShape) -> int:
+    """Bytes one layer keeps for backward for one micro-batch without recompute (module docstring formula)."""
+    sb = shape.micro_batch_size * shape.seq_length
+    replicated = 4 * arch.hidden_size
+    sharded = 2 * arch.q_width + 2 * arch.kv_width + 3 * arch.ffn_hidden_size
+    if shape.sequence_parallel:
+        return shape.param_bytes * sb * (replicated + sharded) // shape.tp_size
+    return shape.param_bytes * sb * (replicated + sharded // shape.tp_size)
+
+
+def activation_bytes(arch: Architecture, shape: TrainingShape, *, stage: int) -> int:
+    """Activation bytes of stage ``stage`` at its peak: in-flight micro-batches times its layers' share."""
+    layers = arch.num_layers // shape.pp_size
+    in_flight = min(shape.pp_size - stage, shape.num_microbatches)
+    full_layer = layer_activation_bytes(arch, shape)
+    if shape.recompute != "full":
+        return in_flight * layers * full_layer
+    sb = shape.micro_batch_size * shape.seq_length
+    layer_input = shape.param_bytes * sb * arch.hidden_size // (shape.tp_size if shape.sequence_parallel else 1)
+    return in_flight * layers * layer_input + full_layer
+
+
+def logits_bytes(vocab_per_rank: int, *, tokens: int, param_bytes: int, chunk_size: int | None) -> int:
+    """Working set of the log-prob/entropy op on the last stage for ``tokens = b*s`` tokens.
+
+    Args:
+        vocab_per_rank: ``V/t`` columns of the local logits shard.
+        tokens: tokens in one micro-batch.
+        param_bytes: bytes of the model's logits dtype.
+        chunk_size: ``algorithm.logprob_chunk_size`` (None = the whole micro-batch at once).
+    """
+    fp32_rows = tokens if chunk_size is None else min(chunk_size, tokens)
+    return 2 * param_bytes * tokens * vocab_per_rank + FP32_OP_BUFFERS * 4 * fp32_rows * vocab_per_rank
+
+
+def estimate_stage(arch: Architecture, shape: TrainingShape, *, padded_vocab_size: int, stage: int) -> StageMemory:
+    """Training-phase memory of one GPU in pipeline stage ``stage`` (0-based)."""
+    params = stage_params(
+        arch, tp_size=shape.tp_size, pp_size=shape.pp_size, padded_vocab_size=padded_vocab_size, stage=stage
+    )
+    is_last = stage == shape.pp_size - 1
+    logits = (
+        logits_bytes(
+            padded_vocab_size // shape.tp_size,
+            tokens=shape.micro_batch_size * shape.seq_length,
+            param_bytes=shape.param_bytes,
+            chunk_size=shape.logprob_chunk_size,
+        )
+        if is_last
+        else 0
+    )
+    return StageMemory(
+        stage=stage,
+        params=params,
+        weights=params * shape.param_bytes,
+        grads=params * GRAD_BYTES,
+        optimizer=optimizer_bytes(
+            params,
+            param_bytes=shape.param_bytes,
+            dp_size=shape.dp_size,
+            distributed_optimizer=shape.distributed_optimizer,
+        ),
+        activations=activation_bytes(arch, shape, stage=stage),
+        logits=logits,
+    )
+
+
+def kv_cache_bytes_per_token(arch: Architecture, *, engine_tp_size: int, kv_bytes: int) -> int:
+    """KV-cache bytes one token occupies on one GPU of a vLLM engine with tensor parallelism ``engine_tp_size``."""
+    kv_heads = max(1, arch.num_query_groups // engine_tp_size)
+    return 2 * arch.num_layers * kv_heads * arch.head_dim * kv_bytes
+
+
+def engine_weight_bytes(arch: Architecture, *, engine_tp_size: int, param_bytes: int) -> int:
+    """Bytes of the rollout engine's weights on one of its GPUs (unpadded vocabulary, sharded by engine TP)."""
+    return -(-arch.total_params() * param_bytes // engine_tp_size)
+
+
+def weight_sync_seconds(arch: Architecture, *, param_bytes: int, bandwidth_gbps: float) -> float:
+    """Seconds to move every parameter once in ``param_bytes`` over a ``bandwidth_gbps`` gigabit/s link."""
+    return arch.total_params() * param_bytes * 8 / (bandwidth_gbps * 1e9)
