@@ -1,0 +1,92 @@
+"""``gtpo-eval``: pass@k / maj@k of a model on math benchmarks with vLLM (issue 5).
+
+Example (the acceptance contract)::
+
+    gtpo-eval --model builtin:smollm2-135m-instruct --benchmarks gsm8k --data-dir ../shared/data \\
+        --limit 5 --n 4 --k 1,4 --output OUT
+
+writes ``OUT/results.json`` (``results[benchmark]["pass@1"]``, ``["pass@4"]``, ``["maj@4"]``, fractions in [0, 1]),
+``OUT/results.md`` and ``OUT/records/<benchmark>.jsonl`` (see ``evaluation/evaluate.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from gtpo_megatron.evaluation.evaluate import BENCHMARKS, EvalConfig, run_evaluation
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers, e.g. 1,8,16") from None
+
+
+def _name_list(text: str) -> tuple[str, ...]:
+    return tuple(x.strip() for x in text.split(",") if x.strip())
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``gtpo-eval`` argument parser."""
+    p = argparse.ArgumentParser(prog="gtpo-eval", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True,
+                   help="HF model folder, hub name or builtin:NAME (a Megatron checkpoint folder is detected and "
+                        "refused until export is wired)")
+    p.add_argument("--benchmarks", type=_name_list, default=BENCHMARKS,
+                   help=f"comma-separated: {','.join(BENCHMARKS)} (or Hugging Face dataset names)")
+    p.add_argument("--data-dir", default=None,
+                   help="folder holding gsm8k/, math500/, aime24/, aime25/, amc2023/ (default: $GTPO_DATA_DIR, "
+                        "else ../shared/data next to the repository)")
+    p.add_argument("--limit", type=int, default=None, help="first N problems of each benchmark")
+    p.add_argument("--n", type=int, default=64, help="completions sampled per problem")
+    p.add_argument("--k", type=_int_list, default=(1, 8, 16, 32, 64), help="comma-separated k values (<= n)")
+    p.add_argument("--temperature", type=float, default=0.9)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--max-tokens", type=int, default=1500, help="maximum completion length in tokens")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed; the same seed gives the same numbers")
+    p.add_argument("--output", required=True, help="output folder (created)")
+    p.add_argument("--reward", default="math_verify", help="registered reward whose `correct` verdict is scored")
+    p.add_argument("--reward-workers", type=int, default=2)
+    p.add_argument("--reward-timeout", type=float, default=5.0, help="seconds per answer before it scores 0")
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="vLLM context length (default: longest prompt + max tokens)")
+    p.add_argument("--in-process", action="store_true",
+                   help="run vLLM's engine core in this process (faster start; single-process use only)")
+    p.add_argument("--label", default=None, help="row label in results.md (default: the model name)")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> EvalConfig:
+    """Map parsed flags onto ``EvalConfig`` (which validates them)."""
+    return EvalConfig(
+        model=args.model, output_dir=args.output, benchmarks=args.benchmarks, data_dir=args.data_dir,
+        limit=args.limit, n=args.n, ks=args.k, temperature=args.temperature, top_p=args.top_p,
+        max_tokens=args.max_tokens, seed=args.seed, reward=args.reward, reward_workers=args.reward_workers,
+        reward_timeout_s=args.reward_timeout, dtype=args.dtype, max_model_len=args.max_model_len,
+        in_process=args.in_process, label=args.label,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``gtpo-eval``; prints the Markdown report. Returns the exit status."""
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        config = config_from_args(args)
+    except ValueError as err:
+        parser.error(str(err))
+    payload = run_evaluation(config)
+    sys.stdout.write((Path(config.output_dir) / "results.md").read_text())
+    sys.stdout.write(f"wrote {config.output_dir}/results.json in {payload['seconds']:.1f} s\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

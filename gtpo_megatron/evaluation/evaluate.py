@@ -1,0 +1,216 @@
+"""Run benchmarks with vLLM and score them with the training reward code (issue 5; GTPO_SPEC sections 6-7).
+
+For each benchmark: load the problems (``data.datasets.load_problems``, test split), build the same chat prompts
+as training (``data.prompts.build_prompt_ids``), sample n completions per problem with ``VLLMEngine`` (per-request
+seeds derived from ``--seed``, so the same seed, model and flags give the same numbers), score every completion
+with the registered reward in a ``RewardPool`` (its ``correct`` verdict drives pass@k and maj@k; its
+``extracted`` answer, normalised by ``rewards.math_answer.normalize_answer``, is the maj@k vote) and aggregate
+with ``evaluation.metrics``.
+
+Outputs in ``output_dir``:
+- ``results.json``: ``{"model", "config", "results": {benchmark: {"pass@k", "maj@k", "accuracy", "format_rate",
+  "truncation_rate", "mean_length", "num_problems", "num_samples"}}, "seconds"}``; rates are fractions in [0, 1].
+- ``results.md``: a table laid out like the paper's Table 1 (one row per model, p@k and maj@k columns per
+  benchmark, in percent) and a table of sample-level rates.
+- ``records/<benchmark>.jsonl``: one line per problem (id, reference, per-sample text, extracted and normalised
+  answer, correctness, format, length, finish reason, and the problem's pass@k/maj@k) for auditing.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from gtpo_megatron.assets import resolve_model_path
+from gtpo_megatron.data.datasets import load_problems
+from gtpo_megatron.data.prompts import build_prompt_ids
+from gtpo_megatron.evaluation.metrics import SampleRecord, aggregate, problem_metrics
+from gtpo_megatron.rewards.math_answer import normalize_answer
+from gtpo_megatron.rewards.pool import RewardPool
+from gtpo_megatron.rollout.engine import RolloutEngine, SamplingConfig
+
+if TYPE_CHECKING:
+    from gtpo_megatron.data.datasets import Problem
+
+BENCHMARKS = ("gsm8k", "math500", "aime24", "aime25", "amc23")
+DISPLAY_NAMES = {"gsm8k": "GSM8K", "math500": "MATH-500", "aime24": "AIME24", "aime25": "AIME25", "amc23": "AMC23"}
+_MEGATRON_MARKERS = ("latest_checkpointed_iteration.txt", "common.pt", ".metadata", "metadata.json")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EvalConfig:
+    """Everything one evaluation run needs (the CLI flags of ``gtpo-eval``; see ``evaluation/cli.py``)."""
+
+    model: str
+    output_dir: str
+    benchmarks: tuple[str, ...] = BENCHMARKS
+    data_dir: str | None = None
+    limit: int | None = None
+    n: int = 64
+    ks: tuple[int, ...] = (1, 8, 16, 32, 64)
+    temperature: float = 0.9
+    top_p: float = 1.0
+    max_tokens: int = 1500
+    seed: int = 0
+    reward: str = "math_verify"
+    reward_workers: int = 2
+    reward_timeout_s: float = 5.0
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    in_process: bool = False
+    label: str | None = None
+    sampling: SamplingConfig = field(init=False)
+
+    def __post_init__(self) -> None:
+        if self.n < 1:
+            raise ValueError(f"n={self.n} must be >= 1 completions per problem")
+        bad = [k for k in self.ks if not 1 <= k <= self.n]
+        if not self.ks or bad:
+            raise ValueError(f"k values {list(self.ks)} must be non-empty and each in [1, n={self.n}]; raise --n")
+        if not self.benchmarks:
+            raise ValueError("benchmarks is empty; pass e.g. --benchmarks gsm8k,amc23")
+        sampling = SamplingConfig(
+            temperature=self.temperature, top_p=self.top_p, max_tokens=self.max_tokens, seed=self.seed
+        )
+        object.__setattr__(self, "sampling", sampling)
+
+
+def resolve_hf_model(model: str) -> str:
+    """HF folder (or hub name) for ``model``; built-in names are materialised.
+
+    Raises:
+        NotImplementedError: ``model`` is a Megatron checkpoint folder (conversion is not wired yet).
+        ValueError: ``model`` is a folder that is neither a Hugging Face model nor a Megatron checkpoint.
+    """
+    path = Path(resolve_model_path(model))
+    if not path.is_dir():
+        return str(path)
+    if (path / "config.json").exists():
+        return str(path)
+    if any((path / m).exists() for m in _MEGATRON_MARKERS) or any(path.glob("iter_*")):
+        raise NotImplementedError(
+            f"--model {model} is a Megatron checkpoint; converting it with MegatronPolicy.export_hf is not wired "
+            "into gtpo-eval yet. Export a Hugging Face folder from the checkpoint and pass that folder instead."
+        )
+    raise ValueError(f"--model {model} is a folder without config.json; pass a Hugging Face model folder")
+
+
+def _to_samples(out, results) -> list[SampleRecord]:
+    return [
+        SampleRecord(
+            normalized=normalize_answer(r.extracted),
+            correct=r.correct,
+            format_ok=r.format_ok,
+            num_tokens=len(c.token_ids),
+            truncated=c.finish_reason == "length",
+        )
+        for c, r in zip(out.completions, results, strict=True)
+    ]
+
+
+def _problem_record(problem: Problem, out, results, samples, ks) -> dict[str, Any]:
+    completions = [
+        {"text": c.text, "extracted": r.extracted, "normalized": s.normalized, "correct": r.correct,
+         "format_ok": r.format_ok, "score": r.score, "num_tokens": s.num_tokens, "finish_reason": c.finish_reason}
+        for c, r, s in zip(out.completions, results, samples, strict=True)
+    ]
+    return {"id": problem.id, "reference": problem.answer, "num_correct": sum(s.correct for s in samples),
+            **problem_metrics(samples, ks), "completions": completions}
+
+
+def evaluate_benchmark(
+    engine: RolloutEngine, pool: RewardPool, problems: list[Problem], prompts: list[list[int]], config: EvalConfig
+) -> tuple[dict[str, float], list[dict[str, Any]]]:
+    """Sample, score and aggregate one benchmark; returns ``(summary, per-problem records)``."""
+    outputs = engine.generate(prompts, config.n, config.sampling)
+    texts = [c.text for out in outputs for c in out.completions]
+    references = [p.answer for p in problems for _ in range(config.n)]
+    results, _ = pool.score(texts, references)
+    samples_per_problem, records = [], []
+    for i, (problem, out) in enumerate(zip(problems, outputs, strict=True)):
+        chunk = results[i * config.n : (i + 1) * config.n]
+        samples = _to_samples(out, chunk)
+        samples_per_problem.append(samples)
+        records.append(_problem_record(problem, out, chunk, samples, config.ks))
+    return aggregate(samples_per_problem, config.ks), records
+
+
+def markdown_report(label: str, results: dict[str, dict[str, float]], ks: tuple[int, ...]) -> str:
+    """Table 1 layout (percent): one row per model, p@k columns per benchmark and maj@max(k); then sample rates."""
+    k_max = max(ks)
+    cols = [(b, f"pass@{k}", f"p@{k}") for b in results for k in ks] + [(b, f"maj@{k_max}", f"maj@{k_max}")
+                                                                       for b in results]
+    cols.sort(key=lambda c: list(results).index(c[0]))
+    head = "| model | " + " | ".join(f"{DISPLAY_NAMES.get(b, b)} {name}" for b, _, name in cols) + " |"
+    row = f"| {label} | " + " | ".join(f"{100 * results[b][key]:.1f}" for b, key, _ in cols) + " |"
+    lines = [head, "|" + "---|" * (len(cols) + 1), row, "",
+             "| benchmark | problems | n | accuracy | format rate | truncated | mean length |",
+             "|---|---|---|---|---|---|---|"]
+    for b, r in results.items():
+        lines.append(f"| {DISPLAY_NAMES.get(b, b)} | {r['num_problems']:.0f} | {r['num_samples']:.0f} | "
+                     f"{100 * r['accuracy']:.1f} | {100 * r['format_rate']:.1f} | {100 * r['truncation_rate']:.1f} "
+                     f"| {r['mean_length']:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def _load_benchmarks(config: EvalConfig, tokenizer) -> dict[str, tuple[list[Problem], list[list[int]]]]:
+    loaded = {}
+    for name in config.benchmarks:
+        problems = load_problems(name, split="test", limit=config.limit, data_dir=config.data_dir)
+        loaded[name] = (problems, [build_prompt_ids(tokenizer, p.question) for p in problems])
+    return loaded
+
+
+def _build_engine(config: EvalConfig, model_path: str, max_prompt_len: int) -> RolloutEngine:
+    from gtpo_megatron.rollout.vllm_engine import VLLMEngine
+
+    max_model_len = config.max_model_len or max_prompt_len + config.max_tokens
+    return VLLMEngine(model_path, dtype=config.dtype, max_model_len=max_model_len, seed=config.seed,
+                      in_process=config.in_process)
+
+
+def run_evaluation(config: EvalConfig, *, engine: RolloutEngine | None = None) -> dict[str, Any]:
+    """Evaluate ``config.model`` on ``config.benchmarks`` and write the outputs (module docstring).
+
+    Args:
+        config: the run settings.
+        engine: an engine already serving ``config.model`` (tests share one); built and closed here if None.
+
+    Returns:
+        The ``results.json`` content.
+
+    Raises:
+        ValueError / FileNotFoundError: bad model folder or benchmark file (from the loaders, naming file and line).
+        NotImplementedError: ``config.model`` is a Megatron checkpoint.
+    """
+    from transformers import AutoTokenizer
+
+    start = time.perf_counter()
+    model_path = resolve_hf_model(config.model)
+    benchmarks = _load_benchmarks(config, AutoTokenizer.from_pretrained(model_path))
+    own_engine = engine is None
+    if own_engine:
+        longest_prompt = max((len(p) for _, prompts in benchmarks.values() for p in prompts), default=1)
+        engine = _build_engine(config, model_path, longest_prompt)
+    out_dir = Path(config.output_dir)
+    (out_dir / "records").mkdir(parents=True, exist_ok=True)
+    results: dict[str, dict[str, float]] = {}
+    try:
+        with RewardPool(config.reward, num_workers=config.reward_workers, timeout_s=config.reward_timeout_s) as pool:
+            for name, (problems, prompts) in benchmarks.items():
+                results[name], records = evaluate_benchmark(engine, pool, problems, prompts, config)
+                with open(out_dir / "records" / f"{name}.jsonl", "w") as f:
+                    f.writelines(json.dumps(r) + "\n" for r in records)
+    finally:
+        if own_engine:
+            engine.close()
+    settings = {k: v for k, v in asdict(config).items() if k != "sampling"}
+    payload = {"model": config.model, "config": settings, "results": results,
+               "seconds": time.perf_counter() - start}
+    (out_dir / "results.json").write_text(json.dumps(payload, indent=2) + "\n")
+    label = config.label or Path(config.model).name
+    (out_dir / "results.md").write_text(markdown_report(label, results, config.ks))
+    return payload

@@ -1,0 +1,136 @@
+"""The evaluator's plumbing with a scripted engine (no vLLM): CLI parsing, scoring, files, report; gtpo-compare."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gtpo_megatron.evaluation.cli import build_parser, config_from_args
+from gtpo_megatron.evaluation.compare import compare_runs, load_metrics
+from gtpo_megatron.evaluation.evaluate import markdown_report, resolve_hf_model, run_evaluation
+from gtpo_megatron.rollout.types import Completion, PromptCompletions
+
+SCRIPT = [  # completions per problem, in prompt order
+    ["<reasoning>a</reasoning>\n<answer>5</answer>", "<answer>4</answer>", "the answer is 4", "no idea"],
+    ["<answer>1,000</answer>", "<answer>100</answer>", "<answer>100.0</answer>", "<answer>1000</answer>"],
+]
+
+
+class ScriptedEngine:
+    """Returns SCRIPT[i] for prompt i; records the calls."""
+
+    def __init__(self) -> None:
+        self.calls = []
+
+    def generate(self, prompt_ids, n, sampling):
+        self.calls.append((len(prompt_ids), n, sampling))
+        return [
+            PromptCompletions(list(p), [Completion(list(range(len(t))), [0.0] * len(t), t, "stop") for t in texts])
+            for p, texts in zip(prompt_ids, SCRIPT)
+        ]
+
+
+@pytest.fixture
+def data_dir(tmp_path):
+    folder = tmp_path / "data" / "gsm8k"
+    folder.mkdir(parents=True)
+    rows = [{"question": "What is 2+3?", "answer": "2+3=5\n#### 5"},
+            {"question": "What is 10*10?", "answer": "#### 100"}]
+    (folder / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(tmp_path / "data")
+
+
+def test_contract_flags_parse():
+    args = build_parser().parse_args(
+        "--model M --benchmarks gsm8k --data-dir D --limit 5 --n 4 --k 1,4 --output OUT".split()
+    )
+    config = config_from_args(args)
+    assert (config.model, config.benchmarks, config.data_dir, config.limit) == ("M", ("gsm8k",), "D", 5)
+    assert (config.n, config.ks, config.output_dir) == (4, (1, 4), "OUT")
+    assert config.sampling.seed == 0 and config.sampling.temperature == 0.9
+
+
+def test_k_larger_than_n_is_a_usage_error(capsys):
+    from gtpo_megatron.evaluation.cli import main
+
+    with pytest.raises(SystemExit):
+        main("--model M --n 4 --k 1,8 --output OUT".split())
+    assert "k values [1, 8]" in capsys.readouterr().err
+
+
+def test_model_folder_detection(tmp_path):
+    megatron = tmp_path / "ckpt"
+    megatron.mkdir()
+    (megatron / "latest_checkpointed_iteration.txt").write_text("20")
+    with pytest.raises(NotImplementedError, match="Megatron checkpoint.*export_hf"):
+        resolve_hf_model(str(megatron))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="without config.json"):
+        resolve_hf_model(str(tmp_path / "empty"))
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text("{}")
+    assert resolve_hf_model(str(tmp_path / "hf")) == str(tmp_path / "hf")
+
+
+def test_run_evaluation_scores_and_writes(tmp_path, data_dir):
+    args = build_parser().parse_args(
+        ["--model", "builtin:tiny-llama", "--benchmarks", "gsm8k", "--data-dir", data_dir, "--n", "4",
+         "--k", "1,4", "--output", str(tmp_path / "out"), "--reward-workers", "1", "--label", "tiny"]
+    )
+    engine = ScriptedEngine()
+    payload = run_evaluation(config_from_args(args), engine=engine)
+    assert engine.calls[0][:2] == (2, 4)
+    r = payload["results"]["gsm8k"]
+    # problem 1: answers 5 (right), 4, 4, none -> c=1; vote 4 wins. problem 2: 1000, 100, 100, 1000 -> c=2;
+    # 2-2 tie goes to 1000 (first), which is wrong.
+    assert r["pass@1"] == pytest.approx((1 / 4 + 2 / 4) / 2)
+    assert r["pass@4"] == 1.0
+    assert r["maj@1"] == 0.5 and r["maj@4"] == 0.0
+    assert r["format_rate"] == 1 / 8 and r["num_problems"] == 2
+    saved = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert saved["results"] == payload["results"]
+    records = [json.loads(x) for x in (tmp_path / "out" / "records" / "gsm8k.jsonl").read_text().splitlines()]
+    assert [rec["num_correct"] for rec in records] == [1, 2]
+    assert [c["normalized"] for c in records[1]["completions"]] == ["1000", "100", "100", "1000"]
+    assert records[0]["completions"][0]["format_ok"] and records[0]["reference"] == "5"
+    report = (tmp_path / "out" / "results.md").read_text()
+    assert report.splitlines()[0] == "| model | GSM8K p@1 | GSM8K p@4 | GSM8K maj@4 |"
+    assert report.splitlines()[2] == "| tiny | 37.5 | 100.0 | 0.0 |"
+
+
+def test_markdown_report_matches_table1_layout():
+    res = {b: {"pass@64": 0.3, "maj@64": 0.425, "accuracy": 0.1, "format_rate": 1.0, "truncation_rate": 0.0,
+               "mean_length": 100.0, "num_problems": 30.0, "num_samples": 64.0} for b in ("aime24", "amc23")}
+    head = markdown_report("Qwen GTPO", res, (64,)).splitlines()[:3]
+    assert head[0] == "| model | AIME24 p@64 | AIME24 maj@64 | AMC23 p@64 | AMC23 maj@64 |"
+    assert head[2] == "| Qwen GTPO | 30.0 | 42.5 | 30.0 | 42.5 |"
+
+
+def _write_run(folder, rows):
+    folder.mkdir(parents=True)
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_compare_runs(tmp_path):
+    _write_run(tmp_path / "gtpo", [
+        {"step": 1, "reward/mean": 0.0, "accuracy": 0.1, "entropy/mean": 1.0, "gtpo/filtered_frac": 0.5,
+         "gtpo/conflict_frac": 0.2},
+        {"step": 2, "reward/mean": 1.0, "accuracy": 0.3, "entropy/mean": 0.5, "gtpo/filtered_frac": 0.0,
+         "gtpo/conflict_frac": 0.4},
+    ])
+    _write_run(tmp_path / "grpo", [{"step": 1, "reward/mean": 2.0, "accuracy": 0.2, "entropy/mean": 2.0}])
+    png, md = compare_runs([str(tmp_path / "gtpo"), str(tmp_path / "grpo")], tmp_path / "cmp")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    lines = md.read_text().splitlines()
+    assert lines[2] == "| gtpo | 2 | 1 | 0.5 | 0.3 | 0.2 | 0.5 | 0.75 | 0 | 0.25 | 0.4 | 0.3 |"
+    assert lines[3] == "| grpo | 1 | 2 | 2 | 0.2 | 0.2 | 2 | 2 | - | - | - | - |"
+
+
+def test_compare_errors_name_the_file_and_line(tmp_path):
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "metrics.jsonl").write_text('{"step": 1}\n{"step": \n')
+    with pytest.raises(ValueError, match=r"metrics.jsonl:2 is not valid JSON"):
+        load_metrics(tmp_path / "bad")
+    with pytest.raises(FileNotFoundError, match="metrics.jsonl does not exist"):
+        load_metrics(tmp_path)
