@@ -1,0 +1,88 @@
+"""Build the real components of a run from its config: policy, rollout engine, reward pool, data, sink.
+
+Each component receives its config section. Global rank 0 also owns the vLLM engine (multiprocess: the in-process
+engine hangs inside a multi-rank job, ``../shared/FEASIBILITY.md`` section 2), the reward pool and the prompt
+loader; the other ranks get the step's completions by broadcast.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+from gtpo_megatron.assets import resolve_model_path
+from gtpo_megatron.config import GTPOConfig, config_to_dict
+from gtpo_megatron.logging import MetricSink, get_logger
+from gtpo_megatron.trainer import Trainer, list_checkpoints
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+logger = get_logger(__name__)
+
+
+def build_policy(cfg: GTPOConfig, model_path: str, groups):
+    """``MegatronPolicy`` from the model, optim and algorithm sections (cosine decay to min_lr, or constant)."""
+    from gtpo_megatron.megatron_adapter.policy import MegatronPolicy
+
+    optim = cfg.optim
+    recompute = None if cfg.model.recompute == "none" else cfg.model.recompute
+    return MegatronPolicy.from_pretrained(
+        model_path, groups=groups, params_dtype=_DTYPES[cfg.model.params_dtype], seed=cfg.trainer.seed,
+        micro_batch_size=optim.micro_batch_size, logprob_chunk_size=cfg.algorithm.logprob_chunk_size,
+        recompute_granularity=recompute, recompute_method="uniform" if recompute == "full" else None,
+        recompute_num_layers=1 if recompute == "full" else None,
+        make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by,
+        lr=optim.lr, min_lr=optim.min_lr, warmup_steps=optim.warmup_steps,
+        total_steps=max(cfg.trainer.max_steps * cfg.algorithm.num_updates_per_batch, optim.warmup_steps + 1),
+        decay_style="constant" if optim.min_lr == optim.lr else "cosine", weight_decay=optim.weight_decay,
+        adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2, clip_grad=optim.clip_grad,
+        use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
+    )
+
+
+def build_collector(cfg: GTPOConfig, model_path: str, tokenizer):
+    """Rank 0's ``RolloutCollector``: vLLM engine, reward pool and a loader over the prompts that fit."""
+    from gtpo_megatron.data.datasets import load_problems
+    from gtpo_megatron.data.loader import PromptLoader
+    from gtpo_megatron.data.prompts import build_prompt_ids
+    from gtpo_megatron.rewards.pool import RewardPool
+    from gtpo_megatron.rollout.vllm_engine import VLLMEngine
+    from gtpo_megatron.rollout_phase import RolloutCollector
+
+    data, rollout = cfg.data, cfg.rollout
+    extra = {"seed": data.shuffle_seed, "difficulty": data.synthetic_difficulty} if data.source == "synthetic" else {}
+    problems = load_problems(data.source, path=data.path, split=data.split, limit=data.limit, **extra)
+    fitting = [p for p in problems if len(build_prompt_ids(tokenizer, p.question)) <= rollout.max_prompt_len]
+    if len(fitting) < len(problems):
+        logger.warning("skipped %d of %d problems longer than rollout.max_prompt_len=%d tokens",
+                       len(problems) - len(fitting), len(problems), rollout.max_prompt_len)
+    loader = PromptLoader(fitting, batch_size=rollout.num_prompts, seed=data.shuffle_seed, shuffle=True)
+    engine = VLLMEngine(
+        model_path, dtype=cfg.model.params_dtype if rollout.dtype == "auto" else rollout.dtype,
+        max_model_len=rollout.max_prompt_len + rollout.max_tokens,
+        gpu_memory_utilization=rollout.gpu_memory_utilization,
+        cpu_kvcache_space_gib=max(1, math.ceil(rollout.cpu_kv_cache_gib)),
+        tensor_parallel_size=rollout.engine_tp_size, seed=rollout.seed,
+        enable_sleep_mode=rollout.placement == "colocated" and torch.cuda.is_available(),
+        max_num_seqs=max(16, rollout.num_prompts * cfg.algorithm.group_size),
+    )
+    pool = RewardPool(cfg.reward.name, num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s)
+    return RolloutCollector(engine=engine, reward_pool=pool, tokenizer=tokenizer, loader=loader,
+                            rollout_cfg=rollout, algorithm_cfg=cfg.algorithm)
+
+
+def build_trainer(cfg: GTPOConfig, groups) -> Trainer:
+    """All components of a run on this rank; ``groups`` from ``parallel.groups.init_distributed``."""
+    from transformers import AutoTokenizer
+
+    model_path = resolve_model_path(cfg.model.name_or_path)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    policy = build_policy(cfg, model_path, groups)
+    collector = build_collector(cfg, model_path, tokenizer) if groups.rank == 0 else None
+    checkpoints = list_checkpoints(Path(cfg.output_dir) / "checkpoints") if cfg.resume else []
+    start_step = int(checkpoints[-1].name.split("_")[-1]) if checkpoints else 0
+    sink = MetricSink(cfg.output_dir, cfg=cfg.logging, run_config=config_to_dict(cfg),
+                      max_steps=cfg.trainer.max_steps, start_step=start_step, enabled=groups.rank == 0)
+    return Trainer(cfg, groups=groups, policy=policy, collector=collector, pad_token_id=pad_token_id, sink=sink)

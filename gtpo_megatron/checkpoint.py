@@ -1,0 +1,180 @@
+"""Save/load a ``MegatronPolicy`` (model, optimizer, LR schedule, RNG) plus trainer state with
+``megatron.core.dist_checkpointing``.
+
+Layout of a run's checkpoint folder::
+
+    <root>/step_000010/         one dist checkpoint (Megatron's format: sharded tensors + common.pt)
+    <root>/latest               text file holding the name of the newest complete checkpoint folder
+
+Atomicity: every rank writes into ``<root>/.<name>.tmp``; after a barrier global rank 0 renames it to
+``<root>/<name>`` and then replaces ``latest`` (write-to-temp + ``os.replace``). A killed save therefore leaves at
+most a stale ``.tmp`` folder (removed by the next save of the same name) and never a dangling ``latest``.
+
+Resharding: model and optimizer tensors are saved as Megatron ``ShardedTensor`` s in the model's global layout
+(the distributed optimizer in its ``fully_reshardable`` format), so a checkpoint written with one TP/PP/DP layout
+loads into another. The per-rank RNG states are only restored when the layout is identical (otherwise they are
+meaningless and a warning says so). The LR schedule and ``trainer_state`` are common (rank-0) objects.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+LATEST_FILE = "latest"
+_OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+
+
+def _layout(groups) -> dict[str, int]:
+    return {"tp_size": groups.tp_size, "pp_size": groups.pp_size, "dp_size": groups.dp_size}
+
+
+def _rng_state() -> dict:
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    return {
+        "python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+        "tracker": get_cuda_rng_tracker().get_states(),
+    }
+
+
+def _set_rng_state(state: dict) -> None:
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def _check_loadable(optimizer) -> None:
+    """Refuse a load that megatron-core 0.16.1 cannot perform, with the remedy.
+
+    Without Apex or Transformer Engine (always the case on CPU) the distributed optimizer wraps ``torch.optim.Adam``,
+    whose per-parameter ``step`` state breaks ``DistributedOptimizer.load_state_dict`` for the reshardable formats
+    (``KeyError: 'step'`` in ``_set_main_param_and_optimizer_states``). Saving works; loading does not.
+
+    Raises:
+        RuntimeError: distributed optimizer without Apex/TE.
+    """
+    from megatron.core.optimizer.distrib_optimizer import HAVE_APEX_OR_TE, DistributedOptimizer
+
+    inners = getattr(optimizer, "chained_optimizers", [optimizer])
+    if not HAVE_APEX_OR_TE and any(isinstance(inner, DistributedOptimizer) for inner in inners):
+        raise RuntimeError(
+            "loading a checkpoint into Megatron's distributed optimizer needs Apex or Transformer Engine "
+            "(megatron-core 0.16.1 fails on torch Adam's 'step' state); build the policy with "
+            "use_distributed_optimizer=False (the CPU default), which loads any checkpoint of this project"
+        )
+
+
+def _sharded_state_dict(policy, *, is_loading: bool, rng: dict | None) -> dict:
+    from megatron.core.dist_checkpointing import ShardedObject
+
+    groups = policy.groups
+    model_sd = policy.model.sharded_state_dict()
+    state = {
+        "model": model_sd,
+        "optimizer": policy.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=_OPTIM_METADATA),
+    }
+    if rng is not None:
+        state["rng"] = ShardedObject(
+            "rng_state", rng, (groups.pp_size, groups.tp_size, groups.dp_size),
+            (groups.pp_rank, groups.tp_rank, groups.dp_rank), replica_id=0,
+        )
+    return state
+
+
+def resolve_checkpoint_dir(path: str | Path) -> Path:
+    """``path`` itself if it is a checkpoint folder, else the folder named by ``path/latest``.
+
+    Raises:
+        ValueError: ``path`` is neither a checkpoint folder nor a root with a ``latest`` file.
+    """
+    path = Path(path)
+    if (path / "common.pt").exists() or (path / "metadata.json").exists():
+        return path
+    if (path / LATEST_FILE).exists():
+        return path / (path / LATEST_FILE).read_text().strip()
+    raise ValueError(f"checkpoint path={str(path)!r} holds no checkpoint and no {LATEST_FILE!r} file")
+
+
+def save_checkpoint(path: str | Path, policy, trainer_state: dict) -> Path:
+    """Save ``policy`` and ``trainer_state`` to the checkpoint folder ``path``; all ranks call.
+
+    ``trainer_state`` must hold plain Python values and tensors only: it is read back with ``torch.load``'s
+    default ``weights_only=True`` (as global rank 0's copy; every rank should pass the same value).
+
+    ``path``'s parent is the checkpoint root whose ``latest`` file is updated. Returns the final folder.
+
+    Collectives: barriers on the world group, plus dist_checkpointing's own (world group).
+    """
+    from megatron.core import dist_checkpointing
+
+    from gtpo_megatron.megatron_adapter.cpu_compat import cuda_to_cpu_mode
+
+    final = Path(path)
+    tmp = final.parent / f".{final.name}.tmp"
+    world = dist.group.WORLD
+    if policy.groups.rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    dist.barrier(group=world)
+    with cuda_to_cpu_mode():
+        state = _sharded_state_dict(policy, is_loading=False, rng=_rng_state())
+        state.update(scheduler=policy.scheduler.state_dict(), trainer_state=trainer_state,
+                     layout=_layout(policy.groups))
+        dist_checkpointing.save(state, str(tmp))
+    dist.barrier(group=world)
+    if policy.groups.rank == 0:
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        pointer = final.parent / f".{LATEST_FILE}.tmp"
+        pointer.write_text(final.name)
+        os.replace(pointer, final.parent / LATEST_FILE)
+    dist.barrier(group=world)
+    return final
+
+
+def load_checkpoint(path: str | Path, policy) -> dict:
+    """Load a checkpoint (folder or root with ``latest``) into ``policy``; returns the saved trainer state.
+
+    Works across TP/PP/DP layouts (module docstring). All ranks call.
+
+    Raises:
+        ValueError: see ``resolve_checkpoint_dir``.
+        RuntimeError: see ``_check_loadable`` (distributed optimizer without Apex/TE).
+    """
+    from megatron.core import dist_checkpointing
+
+    from gtpo_megatron.megatron_adapter.cpu_compat import cuda_to_cpu_mode
+
+    folder = resolve_checkpoint_dir(path)
+    common = dist_checkpointing.load_common_state_dict(str(folder))
+    same_layout = common["layout"] == _layout(policy.groups)
+    if not same_layout:
+        logger.warning("checkpoint layout %s differs from %s: RNG states are not restored",
+                       common["layout"], _layout(policy.groups))
+    _check_loadable(policy.optimizer)
+    with cuda_to_cpu_mode():
+        template = _sharded_state_dict(policy, is_loading=True, rng=_rng_state() if same_layout else None)
+        loaded = dist_checkpointing.load(template, str(folder))
+        policy.model.load_state_dict(loaded["model"])
+        policy.optimizer.load_state_dict(loaded["optimizer"])
+    policy.scheduler.load_state_dict(common["scheduler"])
+    if same_layout:
+        _set_rng_state(loaded["rng"])
+    return common["trainer_state"]

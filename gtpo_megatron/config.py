@@ -1,0 +1,416 @@
+"""Typed, frozen run configuration: one root ``GTPOConfig`` made of sections (STYLE.md section 7).
+
+Each section is a frozen ``kw_only`` slotted dataclass that checks its own fields in ``__post_init__``;
+``GTPOConfig.validate(world_size)`` does the cross-section arithmetic once the world size is known. Components receive
+their section, never the root. ``load_config(path, overrides)`` reads a complete YAML recipe plus dotted overrides
+(``algorithm.group_size=4``), applies the algorithm preset and coerces values to the annotated types;
+``save_config`` writes the resolved config back (``load_config`` of that file gives an equal config).
+
+The loader lives in ``gtpo_megatron.config_loader`` and is re-exported here.
+
+Shorthands: ``algorithm=NAME`` is ``algorithm.name=NAME``, ``data=NAME`` is ``data.source=NAME`` and
+``model=NAME`` is ``model.name_or_path=NAME``.
+
+Algorithm presets (GTPO_SPEC section 5): the fields in ``PRESET_FIELDS`` take the values of ``PRESETS[name]`` unless
+the user set them. Precedence, lowest first: preset < YAML < command-line overrides. When an override switches
+``algorithm.name`` away from the YAML's, the YAML's preset fields described the other algorithm and are dropped (a
+warning lists them); the YAML's other algorithm fields (group_size, ...) are kept.
+
+Every error is a ``ValueError`` that names the field, shows the value, states the rule and proposes a fix.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Literal
+
+LN2 = math.log(2.0)
+
+
+def _require(ok: bool, name: str, value: object, rule: str, fix: str) -> None:
+    """Raise ``ValueError("name=value: rule; fix")`` unless ``ok``."""
+    if not ok:
+        raise ValueError(f"{name}={value!r}: {rule}; {fix}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelConfig:
+    name_or_path: str
+    """Local HF folder, hub name (online users) or ``builtin:smollm2-135m-instruct|tiny-llama|tiny-qwen2``."""
+    params_dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    """Dtype of the Megatron parameters (the optimizer keeps fp32 master weights for 16-bit types)."""
+    make_vocab_size_divisible_by: int = 128
+    """Megatron pads the vocabulary to a multiple of this times tp_size (padded_vocab_size)."""
+    recompute: Literal["none", "selective", "full"] = "none"
+    """Activation recompute granularity passed to Megatron."""
+    megatron_overrides: dict[str, object] = field(default_factory=dict)
+    """Extra ``TransformerConfig`` fields (checked against Megatron's dataclass in ``GTPOConfig.validate``)."""
+
+    def __post_init__(self) -> None:
+        _require(bool(self.name_or_path), "model.name_or_path", self.name_or_path, "must not be empty",
+                 "give a local HF folder or builtin:smollm2-135m-instruct")
+        _require(self.make_vocab_size_divisible_by >= 1, "model.make_vocab_size_divisible_by",
+                 self.make_vocab_size_divisible_by, "must be >= 1", "use 128 (Megatron's default)")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ParallelConfig:
+    tp_size: int = 1
+    """Tensor-parallel size (shards heads, MLP and vocabulary)."""
+    pp_size: int = 1
+    """Pipeline-parallel size (shards layers)."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism (needs tp_size > 1)."""
+    use_distributed_optimizer: bool = False
+    """Shard optimizer states over data-parallel ranks (Megatron distributed optimizer)."""
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    """torch.distributed backend; ``auto`` is nccl with CUDA and gloo otherwise."""
+
+    def __post_init__(self) -> None:
+        for name in ("tp_size", "pp_size"):
+            _require(getattr(self, name) >= 1, f"parallel.{name}", getattr(self, name), "must be >= 1", "use 1")
+        _require(not self.sequence_parallel or self.tp_size > 1, "parallel.sequence_parallel",
+                 self.sequence_parallel, "needs parallel.tp_size > 1", "set parallel.sequence_parallel=false")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RolloutConfig:
+    placement: Literal["colocated", "separate"] = "colocated"
+    """``colocated``: the engine shares the training devices and sleeps while the policy trains; ``separate``: the
+    engine runs on devices of its own (outside the torchrun world) and never sleeps."""
+    num_prompts: int = 1
+    """Prompts P per step (the paper uses 1); B = P * group_size sequences."""
+    temperature: float = 0.9
+    """Sampling temperature (GTPO_SPEC section 6: 0.9)."""
+    top_p: float = 1.0
+    """Nucleus sampling mass in (0, 1]."""
+    max_tokens: int = 1500
+    """Maximum completion length L_max in tokens (section 6: 1500)."""
+    max_prompt_len: int = 512
+    """Prompts longer than this many tokens are skipped by the data loader."""
+    stop: tuple[str, ...] = ()
+    """Extra stop strings (EOS always stops)."""
+    seed: int = 0
+    """Sampling seed; step s uses seed + s so that resumed runs sample the same way."""
+    engine_tp_size: int = 1
+    """vLLM tensor-parallel size."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """vLLM weight dtype; ``auto`` follows model.params_dtype."""
+    gpu_memory_utilization: float = 0.5
+    """Fraction of GPU memory vLLM may take (colocated runs share it with training)."""
+    cpu_kv_cache_gib: float = 1.0
+    """KV-cache size on CPU (VLLM_CPU_KVCACHE_SPACE, GiB)."""
+    weight_sync_bucket_mb: int = 512
+    """Bound on the tensors in flight during one weight-sync bucket (MiB)."""
+
+    def __post_init__(self) -> None:
+        _require(self.num_prompts >= 1, "rollout.num_prompts", self.num_prompts, "must be >= 1", "use 1 or more")
+        _require(self.temperature > 0, "rollout.temperature", self.temperature, "must be > 0",
+                 "use 0.9 (paper) or 1.0")
+        _require(0 < self.top_p <= 1, "rollout.top_p", self.top_p, "must be in (0, 1]", "use 1.0")
+        _require(self.max_tokens >= 1, "rollout.max_tokens", self.max_tokens, "must be >= 1", "use e.g. 1500")
+        _require(self.max_prompt_len >= 1, "rollout.max_prompt_len", self.max_prompt_len, "must be >= 1",
+                 "use e.g. 512")
+        _require(self.engine_tp_size >= 1, "rollout.engine_tp_size", self.engine_tp_size, "must be >= 1", "use 1")
+        _require(0 < self.gpu_memory_utilization <= 1, "rollout.gpu_memory_utilization",
+                 self.gpu_memory_utilization, "must be in (0, 1]", "use 0.5 when colocated")
+        _require(self.cpu_kv_cache_gib > 0, "rollout.cpu_kv_cache_gib", self.cpu_kv_cache_gib, "must be > 0",
+                 "use 1")
+        _require(self.weight_sync_bucket_mb >= 1, "rollout.weight_sync_bucket_mb", self.weight_sync_bucket_mb,
+                 "must be >= 1", "use 512")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AlgorithmConfig:
+    name: Literal["gtpo", "grpo", "dapo", "dr_grpo"] = "gtpo"
+    """Policy loss and preset (GTPO_SPEC sections 1-5); unset fields take the preset of this name."""
+    group_size: int = 8
+    """Completions G per prompt (paper: 8 or 12)."""
+    advantage_estimator: str = "group_mean"
+    """Registered estimator: ``group_mean`` (GTPO, section 2) or ``group_mean_std`` (GRPO)."""
+    conflict_mode: Literal["prefix_suffix", "any_position", "off"] = "prefix_suffix"
+    """Conflict-token rule of section 3; ``off`` gives lambda = 1 on every response token."""
+    conflict_amplification: float = 2.0
+    """lambda on positive conflict tokens (w, section 3)."""
+    conflict_overlap: Literal["once", "multiply"] = "once"
+    """A token in both prefix and suffix runs gets w once, or w*w (authors' code parity switch)."""
+    normalize_by_conflicts: bool = False
+    """Divide completion i by max(1, n_i) as the authors' code does (section 3 parity switch)."""
+    entropy_filter: Literal["off", "paper", "fixed"] = "paper"
+    """Entropy filter delta_i (section 4): ``paper`` (ln 2 rule with the initial entropy), ``fixed``, ``off``."""
+    entropy_threshold: float = LN2
+    """tau in nats for ``fixed`` (authors: 0.7 for Llama-3.1-8B); ``paper`` always uses ln 2."""
+    entropy_only_negative: bool = False
+    """Filter only completions with A_i < 0 (paper ablation GTPO-OnlyNeg)."""
+    entropy_penalty: float = 0.1
+    """gamma in A_i - gamma * <H>_i (section 4; paper ablates 0.1 .. 1e-6); 0 disables."""
+    entropy_temperature: float = 1.0
+    """Temperature of the entropy <H>_i (section 4: 1 by default, or the sampling temperature)."""
+    skip_uniform_groups: bool = False
+    """Drop groups whose rewards are all equal instead of giving them the small -gamma*<H> update."""
+    exclude_filtered_from_conflicts: bool = False
+    """Compute conflicts only among completions the entropy filter keeps (section 4 switch)."""
+    aggregation: Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum"] = "seq-mean-token-mean"
+    """Token aggregation of the loss; the normaliser is global over the optimizer step (section 1)."""
+    clip_eps_low: float = 0.2
+    """Lower PPO clip epsilon (ratio >= 1 - eps_low)."""
+    clip_eps_high: float = 0.2
+    """Upper PPO clip epsilon (DAPO clip-higher: 0.28)."""
+    kl_coef: float = 0.0
+    """beta of the optional KL to a frozen reference (GRPO only; paper runs use 0 or 1e-6)."""
+    kl_estimator: Literal["k1", "k3"] = "k3"
+    """KL estimator when kl_coef > 0."""
+    num_updates_per_batch: int = 1
+    """Optimizer steps per rollout batch (paper: 1, so the ratio is 1 with gradient)."""
+    dynamic_sampling: bool = False
+    """DAPO: drop groups with equal rewards and sample more prompts until the batch is full (section 5)."""
+    dynamic_sampling_max_rounds: int = 4
+    """Rollout rounds per step before dynamic sampling trains on what it has."""
+    overlong_buffer_len: int = 0
+    """DAPO overlong shaping L_cache: linear penalty over the last L_cache tokens before max_tokens; 0 = off."""
+    overlong_penalty: float = 1.0
+    """Reward subtracted at max_tokens by the overlong shaping (reached linearly over the buffer)."""
+    overlong_filter: bool = False
+    """DAPO overlong filtering: truncated completions (finish_reason=length) get zero token weight."""
+    logprob_chunk_size: int | None = None
+    """Tokens per chunk in the vocab-parallel log-prob/entropy op (None = unchunked)."""
+
+    def __post_init__(self) -> None:
+        _require(self.group_size >= 2, "algorithm.group_size", self.group_size,
+                 "must be >= 2 (group-relative advantages are 0 for a group of one)", "use 8 (paper) or 4")
+        _require(self.conflict_amplification >= 1, "algorithm.conflict_amplification", self.conflict_amplification,
+                 "must be >= 1", "use 2.0 (GTPO_SPEC section 3)")
+        _require(self.entropy_threshold > 0, "algorithm.entropy_threshold", self.entropy_threshold, "must be > 0",
+                 "use ln 2 = 0.693 or 0.7")
+        _require(self.entropy_penalty >= 0, "algorithm.entropy_penalty", self.entropy_penalty, "must be >= 0",
+                 "use 0.1 (GTPO_SPEC section 4) or 0")
+        _require(self.entropy_temperature > 0, "algorithm.entropy_temperature", self.entropy_temperature,
+                 "must be > 0", "use 1.0")
+        _require(0 <= self.clip_eps_low <= self.clip_eps_high, "algorithm.clip_eps_low/clip_eps_high",
+                 (self.clip_eps_low, self.clip_eps_high), "need 0 <= clip_eps_low <= clip_eps_high",
+                 "use 0.2/0.2 (GRPO) or 0.2/0.28 (DAPO)")
+        _require(self.kl_coef == 0, "algorithm.kl_coef", self.kl_coef,
+                 "the KL term needs a frozen reference policy, which the trainer does not build",
+                 "use 0 (the paper's GRPO runs use 0 or 1e-6; GTPO and DAPO have no KL term)")
+        required = {"dapo": "token-mean", "dr_grpo": "seq-mean-token-sum"}.get(self.name)
+        _require(required is None or self.aggregation == required, "algorithm.aggregation", self.aggregation,
+                 f"the {self.name} loss is defined with aggregation {required!r} (GTPO_SPEC section 5)",
+                 f"set algorithm.aggregation={required} or drop the override")
+        for name in ("num_updates_per_batch", "dynamic_sampling_max_rounds"):
+            _require(getattr(self, name) >= 1, f"algorithm.{name}", getattr(self, name), "must be >= 1", "use 1")
+        _require(self.overlong_buffer_len >= 0, "algorithm.overlong_buffer_len", self.overlong_buffer_len,
+                 "must be >= 0", "use 0 (off)")
+        _require(self.logprob_chunk_size is None or self.logprob_chunk_size >= 1, "algorithm.logprob_chunk_size",
+                 self.logprob_chunk_size, "must be >= 1 or null", "use null or 4096")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class OptimConfig:
+    lr: float = 1e-6
+    """Peak AdamW learning rate (section 6: 1e-6)."""
+    min_lr: float = 0.0
+    """Learning rate at the end of the cosine decay over trainer.max_steps (== lr for a constant schedule)."""
+    warmup_steps: int = 0
+    """Linear warm-up steps."""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay."""
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    clip_grad: float = 0.1
+    """Global gradient-norm clip (section 6: 0.1); 0 disables."""
+    micro_batch_size: int = 1
+    """Sequences per micro-batch on each data-parallel rank."""
+
+    def __post_init__(self) -> None:
+        _require(self.lr > 0, "optim.lr", self.lr, "must be > 0", "use 1e-6 (paper)")
+        _require(0 <= self.min_lr <= self.lr, "optim.min_lr", self.min_lr, "must be in [0, optim.lr]",
+                 "use 0 or optim.lr")
+        _require(self.warmup_steps >= 0, "optim.warmup_steps", self.warmup_steps, "must be >= 0", "use 0")
+        for name in ("adam_beta1", "adam_beta2"):
+            _require(0 <= getattr(self, name) < 1, f"optim.{name}", getattr(self, name), "must be in [0, 1)",
+                     "use 0.9 / 0.999")
+        _require(self.clip_grad >= 0, "optim.clip_grad", self.clip_grad, "must be >= 0", "use 0.1 (paper)")
+        _require(self.micro_batch_size >= 1, "optim.micro_batch_size", self.micro_batch_size, "must be >= 1",
+                 "use 1")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DataConfig:
+    source: str = "synthetic"
+    """``gsm8k|math500|aime24|aime25|amc23|math|synthetic`` or a Hugging Face dataset name."""
+    path: str | None = None
+    """jsonl file; None uses the source's default file (``../shared/data``) or the HF dataset."""
+    split: str = "train"
+    """Split for HF datasets and the default files."""
+    limit: int | None = None
+    """Use only the first ``limit`` problems (None = all)."""
+    shuffle_seed: int = 0
+    """Seed of the epoch order (a resumed run continues the same order) and of the synthetic generator."""
+    synthetic_difficulty: Literal["easy", "medium", "hard"] = "easy"
+    """Level of the built-in arithmetic word problems (``gtpo_megatron.data.synthetic.SYNTHETIC_LEVELS``)."""
+
+    def __post_init__(self) -> None:
+        _require(bool(self.source), "data.source", self.source, "must not be empty", "use synthetic or gsm8k")
+        _require(self.limit is None or self.limit >= 1, "data.limit", self.limit, "must be >= 1 or null",
+                 "use null for all problems")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RewardConfig:
+    name: str = "paper"
+    """Registered reward function (the paper's format+correctness scheme, section 6, or a binary math reward)."""
+    num_workers: int = 2
+    """Worker processes that score answers."""
+    timeout_s: float = 5.0
+    """Seconds per answer; a timeout or a crash scores 0 and is counted."""
+
+    def __post_init__(self) -> None:
+        _require(self.num_workers >= 1, "reward.num_workers", self.num_workers, "must be >= 1", "use 2")
+        _require(self.timeout_s > 0, "reward.timeout_s", self.timeout_s, "must be > 0", "use 5")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrainerConfig:
+    max_steps: int = 20
+    """Training steps (one rollout batch each)."""
+    seed: int = 0
+    """Seed of model init RNGs and of everything not seeded elsewhere."""
+    log_every: int = 1
+    """Print a log line every this many steps (metrics.jsonl gets every step)."""
+
+    def __post_init__(self) -> None:
+        _require(self.max_steps >= 1, "trainer.max_steps", self.max_steps, "must be >= 1", "use e.g. 20")
+        _require(self.log_every >= 1, "trainer.log_every", self.log_every, "must be >= 1", "use 1")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CheckpointConfig:
+    every_n_steps: int = 10
+    """Save every N steps (and after the last step); 0 saves only at the end and on SIGTERM."""
+    keep_last: int = 2
+    """Checkpoints kept under output_dir/checkpoints (older ones are deleted)."""
+    save_on_sigterm: bool = True
+    """On SIGTERM finish the current step, save and exit cleanly."""
+
+    def __post_init__(self) -> None:
+        _require(self.every_n_steps >= 0, "checkpoint.every_n_steps", self.every_n_steps, "must be >= 0", "use 10")
+        _require(self.keep_last >= 1, "checkpoint.keep_last", self.keep_last, "must be >= 1", "use 2")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LoggingConfig:
+    wandb_mode: Literal["offline", "online", "disabled"] = "offline"
+    """wandb mode; the environment variable WANDB_MODE wins when set. Offline needs no network."""
+    wandb_project: str = "gtpo-megatron"
+    progress: bool = True
+    """Show a progress bar on rank 0."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class GTPOConfig:
+    model: ModelConfig
+    output_dir: str
+    """Run folder: config.yaml, metrics.jsonl, curves.png, checkpoints/."""
+    resume: bool = False
+    """Continue from the last checkpoint in output_dir/checkpoints (same data order)."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def dp_size(self, world_size: int) -> int:
+        """Data-parallel size of a ``world_size``-rank job (call ``validate`` first)."""
+        return world_size // (self.parallel.tp_size * self.parallel.pp_size)
+
+    def validate(self, world_size: int, *, check_registries: bool = True) -> None:
+        """Cross-section checks once the world size is known.
+
+        Checks tp*pp divides the world size, P*G divisible by dp and the per-rank share by the micro-batch size,
+        attention heads / KV heads / layers divisible by tp / pp when the model's config.json is local,
+        ``megatron_overrides`` keys against Megatron's ``TransformerConfig`` and, with ``check_registries``, the
+        advantage estimator and reward names against their registries (imports torch, megatron and the rewards).
+
+        Raises:
+            ValueError: naming the fields, the values, the rule and a fix.
+        """
+        tp, pp = self.parallel.tp_size, self.parallel.pp_size
+        _require(world_size >= 1 and world_size % (tp * pp) == 0, "parallel.tp_size*parallel.pp_size",
+                 f"{tp}*{pp} with world size {world_size}", "tp_size*pp_size must divide the world size",
+                 f"launch a multiple of {tp * pp} ranks or change tp_size/pp_size")
+        dp = world_size // (tp * pp)
+        batch = self.rollout.num_prompts * self.algorithm.group_size
+        per_rank = batch // dp
+        prompt_multiple = dp // math.gcd(dp, self.algorithm.group_size)
+        _require(batch % dp == 0, "rollout.num_prompts*algorithm.group_size", f"{batch} with dp_size={dp}",
+                 "the batch must split evenly over data-parallel ranks",
+                 f"use rollout.num_prompts={_round_up(self.rollout.num_prompts, prompt_multiple)}")
+        _require(per_rank % self.optim.micro_batch_size == 0, "optim.micro_batch_size",
+                 f"{self.optim.micro_batch_size} with {per_rank} sequences per data-parallel rank",
+                 "must divide the per-rank batch", "use 1 or a divisor of the per-rank batch")
+        self._validate_model_shape(tp, pp)
+        if check_registries:
+            self._validate_registries()
+
+    def _validate_model_shape(self, tp: int, pp: int) -> None:
+        hf = read_hf_config(self.model.name_or_path)
+        if hf is None:
+            return
+        for key, size, axis in (("num_attention_heads", tp, "tp_size"),
+                                ("num_key_value_heads", tp, "tp_size"),
+                                ("num_hidden_layers", pp, "pp_size")):
+            value = hf.get(key)
+            _require(value is None or value % size == 0, f"parallel.{axis}", size,
+                     f"must divide the model's {key}={value}", f"choose a divisor of {value}")
+        max_pos = hf.get("max_position_embeddings")
+        total = self.rollout.max_prompt_len + self.rollout.max_tokens
+        _require(max_pos is None or total <= max_pos, "rollout.max_prompt_len+rollout.max_tokens", total,
+                 f"must not exceed the model's max_position_embeddings={max_pos}", "shorten prompts or completions")
+
+    def _validate_registries(self) -> None:
+        from megatron.core.transformer import TransformerConfig
+
+        known = {f.name for f in fields(TransformerConfig)}
+        for key in self.model.megatron_overrides:
+            _require(key in known, "model.megatron_overrides", key, "is not a field of megatron TransformerConfig",
+                     f"use one of its fields, e.g. {sorted(known)[:5]}")
+        from gtpo_megatron.ops import advantages
+        from gtpo_megatron.rewards import registry
+
+        advantages.get_advantage_estimator(self.algorithm.advantage_estimator)
+        registry.get_reward(self.reward.name)
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def read_hf_config(name_or_path: str) -> dict | None:
+    """The model's ``config.json`` as a dict when it is on local disk (built-ins: once materialised), else None."""
+    from gtpo_megatron import assets
+
+    if name_or_path.startswith(assets.BUILTIN_PREFIX):
+        folder = assets.cache_dir() / name_or_path[len(assets.BUILTIN_PREFIX):]
+    else:
+        folder = Path(name_or_path)
+    path = folder / "config.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+
+
+
+from gtpo_megatron.config_loader import PRESETS, config_to_dict, load_config, save_config  # noqa: E402
+
+__all__ = [
+    "AlgorithmConfig", "CheckpointConfig", "DataConfig", "GTPOConfig", "LoggingConfig", "ModelConfig", "OptimConfig",
+    "ParallelConfig", "PRESETS", "RewardConfig", "RolloutConfig", "TrainerConfig", "config_to_dict", "load_config",
+    "read_hf_config", "save_config",
+]

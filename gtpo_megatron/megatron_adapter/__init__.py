@@ -1,0 +1,20 @@
+"""The only package that knows Megatron-Core's calling conventions (GTPO_SPEC section 1 training step).
+
+Modules: ``cpu_compat`` (CPU shim, inert on GPU), ``model`` (GPTModel from an HF config), ``hf_conversion``
+(HF <-> Megatron shard layout and sharded loading), ``forward_step`` (schedule hook and loss closure),
+``optimizer`` (DDP, Megatron Adam, LR schedule, non-finite guard), ``step_metrics`` (metric reduction),
+``hf_export`` (HF folder writer), ``policy`` (``MegatronPolicy``, the facade the trainer uses).
+Importing this package does not import megatron.
+"""
+
+from __future__ import annotations
+
+__all__ = ["MegatronPolicy"]
+
+
+def __getattr__(name: str):
+    if name == "MegatronPolicy":
+        from gtpo_megatron.megatron_adapter.policy import MegatronPolicy
+
+        return MegatronPolicy
+    raise AttributeError(name)

@@ -1,0 +1,124 @@
+"""Run megatron-core 0.16 on a machine without CUDA (gloo, CPU tensors); inert when CUDA is available.
+
+Megatron-core assumes a GPU in a handful of places that no configuration flag reaches
+(``../shared/FEASIBILITY.md`` section 2):
+
+* RoPE moves its frequencies to ``torch.cuda.current_device()``; many ``torch.empty(device=...)`` calls do too.
+* the RNG tracker (``model_parallel_cuda_manual_seed``, ``get_cuda_rng_tracker().fork()``) reads and writes the
+  CUDA generator state;
+* the pipeline schedules allocate ``torch.zeros(..., device="cuda")`` for the token counter, the FP32 optimizer
+  allocates ``torch.tensor([1.0], device="cuda")``, and gradient clipping / the distributed optimizer check
+  ``param.grad.type() == "torch.cuda.FloatTensor"``.
+
+Two measures cover all of them, and both are applied only when ``torch.cuda.is_available()`` is False:
+
+1. ``install_cpu_compat()`` replaces a few ``torch.cuda`` functions (device query, synchronisation, RNG state,
+   streams) and Megatron's private CUDA-RNG helpers with CPU equivalents. It is idempotent and logs once.
+2. ``cuda_to_cpu_mode()`` is a context manager (a ``TorchFunctionMode``) that rewrites ``device="cuda"`` keyword
+   arguments and ``.to("cuda")`` to the CPU, makes ``Tensor.cuda()`` a no-op and lets ``Tensor.type()`` report
+   ``torch.cuda.*Tensor``. The policy enters it around Megatron's schedule and ``optimizer.step()`` only; on a
+   GPU machine it is ``contextlib.nullcontext()``.
+
+With CUDA present neither function changes anything, so GPU behaviour is exactly upstream Megatron's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+logger = logging.getLogger(__name__)
+
+_CPU = torch.device("cpu")
+_installed = False
+
+
+def cpu_compat_needed() -> bool:
+    """True when CUDA is unavailable, i.e. when the shim must be used."""
+    return not torch.cuda.is_available()
+
+
+class _NullStream:
+    """Stand-in for a CUDA stream: every synchronisation is immediate on the CPU."""
+
+    def wait_event(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    def wait_stream(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+    def record_event(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+
+def install_cpu_compat() -> bool:
+    """Patch the ``torch.cuda`` / Megatron RNG entry points Megatron calls unconditionally (CPU only).
+
+    Call after ``import torch`` and before building a Megatron model. Idempotent.
+
+    Returns:
+        True if the patches are (now) active, False on a CUDA machine (nothing is changed there).
+    """
+    global _installed
+    if not cpu_compat_needed():
+        return False
+    if _installed:
+        return True
+    from megatron.core.tensor_parallel import random as megatron_random
+
+    torch.cuda.current_stream = lambda *a, **k: _NullStream()
+    torch.cuda.default_stream = lambda *a, **k: _NullStream()
+    torch.cuda.current_device = lambda: _CPU
+    torch.cuda.synchronize = lambda *a, **k: None
+    torch.cuda.empty_cache = lambda *a, **k: None
+    torch.cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
+    torch.cuda.set_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+    torch.cuda.manual_seed = lambda seed: torch.manual_seed(seed)
+    megatron_random._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
+    megatron_random._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+    _installed = True
+    logger.warning("CUDA is not available: megatron-core runs on CPU through gtpo_megatron's cpu_compat shim")
+    return True
+
+
+def _is_cuda_device(device: object) -> bool:
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    return False
+
+
+class _CudaToCpuMode(TorchFunctionMode):
+    """Redirect CUDA allocations and moves to the CPU; report CPU tensors as CUDA tensors to type checks."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if _is_cuda_device(kwargs.get("device")):
+            kwargs["device"] = _CPU
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
+            args = (args[0], _CPU, *args[2:])
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
+        return func(*args, **kwargs)
+
+
+def cuda_to_cpu_mode() -> contextlib.AbstractContextManager:
+    """Context manager around Megatron calls with hard-coded ``"cuda"`` literals; a no-op when CUDA exists."""
+    if not cpu_compat_needed():
+        return contextlib.nullcontext()
+    install_cpu_compat()
+    return _CudaToCpuMode()

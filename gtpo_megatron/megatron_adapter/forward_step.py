@@ -1,0 +1,146 @@
+"""``forward_step`` and loss closure for ``megatron.core.pipeline_parallel.get_forward_backward_func()``.
+
+Micro-batch layout (a ``MicroBatch``; every stage receives the same one, the first stage reads ``input_ids``, the
+last stage everything else): ``input_ids`` ``[b, S]``; per-token tensors ``[b, S]`` where column ``s`` describes
+the prediction of ``input_ids[:, s]`` from ``input_ids[:, :s]`` (``TrainBatch`` convention), so column 0 is always
+0 / False; ``advantages`` ``[b]``. Sequences are right padded; padded columns are causally invisible to real
+tokens and masked out of the loss, so padding never changes a result. Per-token weights (GTPO lambda times the
+entropy filter's delta, GTPO_SPEC sections 3-4) travel with their rows.
+
+Log-probs come from the vocab-parallel logits ``[b, S, V/tp]`` (``parallel_output=True``) through
+``ops.vocab_parallel_logprobs_entropy`` on the TP group: the vocabulary is never gathered, padded vocabulary
+columns (``>= vocab_size``) are excluded.
+
+Normalisation arithmetic (one contract for the whole optimizer step)
+--------------------------------------------------------------------
+Let ``N`` be the step's global normaliser: ``ops.compute_normalizer`` summed over all ``M`` micro-batches of a
+rank and all-reduced (SUM) over the ``D`` data-parallel ranks, computed *before* the schedule runs. The ops loss
+of micro-batch ``m`` on DP rank ``d`` is ``l_dm = S_dm / N`` where ``S_dm`` is its un-normalised sum, so the
+objective of the step is ``J = sum_d sum_m l_dm``. Megatron then does, with ``calculate_per_token_loss=False`` and
+our 2-tuple loss return:
+
+1. the schedule (``forward_step_calc_loss``) divides the returned loss by ``M`` before ``backward``;
+2. ``finalize_model_grads`` -> DDP ``finish_grad_sync`` averages the gradient buffers over the DP group (pre-scale
+   by ``1/D`` then SUM, or an AVG collective: the same ``1/D`` either way; the distributed optimizer's
+   reduce-scatter uses the same factor).
+
+So the loss closure returns ``l_dm * M * D``: the gradient that reaches the optimizer is
+``(1/D) sum_d (1/M) sum_m grad(M * D * l_dm) = grad J`` exactly, independent of how rows are split into
+micro-batches or DP ranks. Context parallelism is not used (``cp_size = 1``, so Megatron's ``* cp_size`` is 1).
+Reported ``loss`` metrics are the unscaled ``l_dm``, summed over micro-batches and DP ranks, i.e. ``J``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+
+from gtpo_megatron.ops import get_policy_loss, vocab_parallel_logprobs_entropy
+
+
+@dataclass
+class MicroBatch:
+    """One micro-batch, already on the model's device. Shapes: ``[b, S]`` unless noted; see module docstring."""
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    attention_mask: torch.Tensor | None
+    response_mask: torch.Tensor
+    token_weights: torch.Tensor | None = None
+    advantages: torch.Tensor | None = None  # [b]
+    old_logprobs: torch.Tensor | None = None
+    ref_logprobs: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class LossSettings:
+    """Everything the loss closure needs besides the micro-batch (shared by all micro-batches of a step).
+
+    ``normalizer`` is the global ``N`` (fp32 scalar tensor); ``loss_scale`` is ``M * D`` (module docstring).
+    ``loss_name=None`` selects the forward-only mode that returns per-token values instead of a loss.
+    """
+
+    tp_group: object
+    vocab_size: int
+    temperature: float
+    chunk_size: int | None
+    loss_name: str | None = None
+    aggregation: str = "seq-mean-token-mean"
+    normalizer: torch.Tensor | None = None
+    loss_scale: float = 1.0
+    clip_eps_low: float = 0.2
+    clip_eps_high: float = 0.2
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+
+
+def token_logprobs_entropy(logits: torch.Tensor, batch: MicroBatch,
+                           settings: LossSettings) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token log-probs and entropy in the ``TrainBatch`` column convention.
+
+    Args:
+        logits: ``[b, S, V/tp]`` vocab-parallel logits of this TP rank (position ``s`` predicts token ``s+1``).
+
+    Returns:
+        ``(logprobs, entropy)``, both ``[b, S]`` fp32 nats; column 0 and every column off ``response_mask`` are 0.
+        ``logprobs`` carries gradient w.r.t. ``logits``; ``entropy`` is detached.
+
+    Collectives: two all-reduces on ``settings.tp_group`` (inside the ops function).
+    """
+    # Run the op on all S positions (no copy of the contiguous logits); position S-1 gets a dummy target 0 and is
+    # dropped by the shift below, so it never reaches the result or the gradient.
+    targets = torch.nn.functional.pad(batch.input_ids[:, 1:], (0, 1))
+    logprobs, entropy = vocab_parallel_logprobs_entropy(
+        logits, targets, tp_group=settings.tp_group, vocab_size=settings.vocab_size,
+        temperature=settings.temperature, chunk_size=settings.chunk_size, with_entropy=True,
+    )
+    logprobs = torch.nn.functional.pad(logprobs[:, :-1], (1, 0))
+    entropy = torch.nn.functional.pad(entropy[:, :-1], (1, 0))
+    return torch.where(batch.response_mask, logprobs, 0.0), torch.where(batch.response_mask, entropy, 0.0)
+
+
+def policy_loss_closure(logits: torch.Tensor, batch: MicroBatch, settings: LossSettings):
+    """The loss closure ``forward_step`` binds (Megatron's legacy 2-tuple contract, see the module docstring).
+
+    Args:
+        logits: ``[b, S, V/tp]`` last-stage output.
+
+    Returns:
+        Training (``settings.loss_name`` set): ``(l * loss_scale, metrics)`` with ``l`` the ops loss of this
+        micro-batch (``S_dm / N``); ``metrics`` are detached fp32 scalars: the ops sums/counts plus ``loss`` (``l``)
+        and, when ``old_logprobs`` is given, ``logprob_diff_max`` (max |log pi_theta - log pi_old| on response
+        tokens; reduce with MAX). Forward-only (``loss_name=None``): ``(0, {"logprobs", "entropy"})`` with the
+        ``[b, S]`` tensors of ``token_logprobs_entropy``.
+    """
+    logprobs, entropy = token_logprobs_entropy(logits, batch, settings)
+    if settings.loss_name is None:
+        zero = logprobs.new_zeros(())
+        return zero, {"logprobs": logprobs.detach(), "entropy": entropy}
+    token_weights = batch.token_weights
+    if token_weights is None:
+        token_weights = batch.response_mask.float()
+    loss, metrics = get_policy_loss(settings.loss_name)(
+        policy_logprobs=logprobs, old_logprobs=batch.old_logprobs, advantages=batch.advantages,
+        token_weights=token_weights, response_mask=batch.response_mask, normalizer=settings.normalizer,
+        aggregation=settings.aggregation, clip_eps_low=settings.clip_eps_low, clip_eps_high=settings.clip_eps_high,
+        ref_logprobs=batch.ref_logprobs, kl_coef=settings.kl_coef, kl_estimator=settings.kl_estimator,
+        entropy=entropy,
+    )
+    metrics = dict(metrics, loss=loss.detach().float())
+    if batch.old_logprobs is not None:
+        diff = torch.where(batch.response_mask, (logprobs.detach() - batch.old_logprobs).abs(), 0.0)
+        metrics["logprob_diff_max"] = diff.max() if diff.numel() else diff.new_zeros(())
+    return loss * settings.loss_scale, metrics
+
+
+def forward_step(data_iterator, model, *, settings: LossSettings):
+    """Megatron ``forward_step_func``: run this stage on the next ``MicroBatch``; return output and loss closure.
+
+    On non-first stages ``input_ids`` is ignored by ``GPTModel`` (the activation comes from the previous stage);
+    on non-last stages the closure is never called. Bind ``settings`` with ``functools.partial``.
+    """
+    batch: MicroBatch = next(data_iterator)
+    output = model(batch.input_ids, batch.position_ids, batch.attention_mask)
+    return output, partial(policy_loss_closure, batch=batch, settings=settings)

@@ -1,0 +1,210 @@
+"""Build a Megatron-Core ``GPTModel`` (one pipeline stage, TP-sharded) from a Hugging Face decoder config.
+
+Supported architectures: Llama (incl. Llama-3.x rope scaling), Mistral-style dense Llama variants, Qwen2 (qkv
+bias), Qwen3 dense (q/k RMSNorm, explicit ``head_dim``). Every one maps onto Megatron's GPT block with RMSNorm,
+SwiGLU (``gated_linear_unit=True`` + SiLU), grouped-query attention (``num_query_groups``), RoPE and optional tied
+embeddings. Dropout is 0 (RL fine-tuning; the HF configs above have none either).
+
+Layer specs: Transformer Engine specs when ``transformer_engine`` imports, Megatron's local specs otherwise; the
+choice is logged once. The local spec gets an explicit causal mask from ``forward_step`` (see
+``causal_attention_mask``); TE applies the causal mask itself.
+
+Vocabulary padding: the embedding and output layer have ``padded_vocab_size`` rows, the tokenizer vocabulary
+rounded up to a multiple of ``make_vocab_size_divisible_by * tp_size`` so that each TP rank holds an equal,
+aligned shard. Padded rows are zero; the ops layer excludes their logits from every softmax.
+
+Head padding (opt-in, ``pad_attention_heads``): when the KV groups do not divide ``tp_size`` the model gets extra
+all-zero KV groups, which is exact for forward and training; see ``head_padding``.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+
+import torch
+import torch.nn.functional as F
+
+from gtpo_megatron.megatron_adapter.head_padding import padded_num_query_groups
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def compute_padded_vocab_size(vocab_size: int, *, divisible_by: int, tp_size: int) -> int:
+    """Round ``vocab_size`` up to a multiple of ``divisible_by * tp_size`` (Megatron's rule)."""
+    multiple = divisible_by * tp_size
+    return int(math.ceil(vocab_size / multiple) * multiple)
+
+
+@functools.lru_cache(maxsize=1)
+def transformer_engine_available() -> bool:
+    """True when ``transformer_engine`` imports cleanly (a broken TE install counts as absent)."""
+    try:
+        import transformer_engine  # noqa: F401
+    except Exception:  # a meta package without CUDA raises RuntimeError, see FEASIBILITY item 3
+        return False
+    return True
+
+
+def select_layer_spec(*, qk_layernorm: bool):
+    """Return ``(layer_spec, "transformer_engine" | "local")`` and log which one is used."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if transformer_engine_available():
+        spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
+        backend = "transformer_engine"
+    else:
+        spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization="RMSNorm")
+        backend = "local"
+    logger.info("Megatron GPT layer spec: %s", backend)
+    return spec, backend
+
+
+def rope_settings(hf_config) -> dict:
+    """GPTModel RoPE keyword arguments (base, Llama-3 scaling) from an HF config.
+
+    Raises:
+        ValueError: for a rope type Megatron's GPTModel cannot express (e.g. ``yarn``, ``dynamic``), or Llama-3
+            scaling parameters other than Megatron's fixed ones.
+    """
+    params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    legacy_scaling = getattr(hf_config, "rope_scaling", None) or {}
+    params = {**legacy_scaling, **params}
+    base = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    settings = {"rotary_base": base, "rope_scaling": False}
+    if rope_type == "default":
+        return settings
+    if rope_type != "llama3":
+        raise ValueError(
+            f"rope_parameters.rope_type={rope_type!r} is not supported by Megatron's GPTModel here; "
+            "use a model with default or llama3 RoPE"
+        )
+    fixed = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    for key, expected in fixed.items():
+        if float(params.get(key, expected)) != expected:
+            raise ValueError(f"rope_parameters.{key}={params[key]} differs from Megatron's fixed {expected}")
+    settings.update(rope_scaling=True, rope_scaling_factor=float(params.get("factor", 8.0)))
+    return settings
+
+
+def transformer_config_from_hf(hf_config, *, tp_size: int, pp_size: int, params_dtype: torch.dtype,
+                               recompute_granularity: str | None = None, recompute_method: str | None = None,
+                               recompute_num_layers: int | None = None, pad_attention_heads: bool = False):
+    """Translate an HF decoder config into a Megatron ``TransformerConfig`` for a TP x PP layout.
+
+    ``params_dtype`` is the parameter dtype (fp32 or bf16; bf16 also sets ``bf16=True`` so Megatron's optimizer
+    keeps fp32 main weights). Recompute options pass through unchanged (``"full"``/``"selective"``).
+    ``pad_attention_heads``: when the KV groups do not divide ``tp_size``, give Megatron ``G_pad`` groups (the
+    next multiple of ``tp_size``) with the HF heads per group; ``kv_channels`` stays the HF head_dim
+    (``head_padding``; the weights are padded by ``hf_conversion``).
+
+    Raises:
+        ValueError: unsupported ``model_type``, heads or KV groups not divisible by ``tp_size`` (without
+            ``pad_attention_heads``), layers not divisible by ``pp_size``, or an activation other than SiLU.
+    """
+    from megatron.core.transformer import TransformerConfig
+
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"model_type={model_type!r} is not supported; expected one of {SUPPORTED_MODEL_TYPES}")
+    if getattr(hf_config, "hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act={hf_config.hidden_act!r}: only SiLU-gated MLPs (SwiGLU) are supported")
+    num_heads = hf_config.num_attention_heads
+    num_groups = getattr(hf_config, "num_key_value_heads", None) or num_heads
+    padded_groups = padded_num_query_groups(num_heads=num_heads, num_query_groups=num_groups, tp_size=tp_size,
+                                            pad_attention_heads=pad_attention_heads)
+    if hf_config.num_hidden_layers % pp_size:
+        raise ValueError(
+            f"num_hidden_layers={hf_config.num_hidden_layers} is not divisible by pp_size={pp_size}"
+        )
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
+    on_cpu = not torch.cuda.is_available()
+    return TransformerConfig(
+        num_layers=hf_config.num_hidden_layers,
+        hidden_size=hf_config.hidden_size,
+        ffn_hidden_size=hf_config.intermediate_size,
+        num_attention_heads=padded_groups * (num_heads // num_groups),
+        num_query_groups=padded_groups,
+        kv_channels=head_dim,  # explicit: with head padding heads * head_dim != hidden_size
+        normalization="RMSNorm",
+        layernorm_epsilon=hf_config.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=bool(model_type == "qwen2" or getattr(hf_config, "attention_bias", False)),
+        qk_layernorm=model_type == "qwen3",
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=tp_size,
+        pipeline_model_parallel_size=pp_size,
+        params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16,
+        use_cpu_initialization=on_cpu,
+        # Weights are overwritten from the HF checkpoint, but Megatron only tags TP-sharded weights
+        # (``tensor_model_parallel``, read by grad-norm/clipping) inside its init path: keep it on.
+        perform_initialization=True,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        attention_softmax_in_fp32=True,
+        calculate_per_token_loss=False,  # see forward_step's module docstring for the normalisation contract
+        recompute_granularity=recompute_granularity,
+        recompute_method=recompute_method,
+        recompute_num_layers=recompute_num_layers,
+    )
+
+
+def build_gpt_model(hf_config, config, *, padded_vocab_size: int, pre_process: bool, post_process: bool):
+    """Instantiate this rank's ``GPTModel`` stage (TP-sharded, random/zero weights; load them afterwards).
+
+    Args:
+        hf_config: the HF ``PretrainedConfig`` ``config`` was made from (RoPE, tying, max positions).
+        config: ``TransformerConfig`` from ``transformer_config_from_hf``.
+        padded_vocab_size: ``V``, see ``compute_padded_vocab_size``.
+        pre_process / post_process: this rank holds the first / last pipeline stage.
+
+    Returns:
+        ``GPTModel`` with ``parallel_output=True`` (logits stay ``[B, S, V/tp]``) and attribute
+        ``layer_spec_backend`` set to ``"transformer_engine"`` or ``"local"``.
+
+    Collectives: with tied embeddings and PP > 1, one all-reduce on Megatron's embedding group (done inside
+    ``GPTModel``); run it under ``cpu_compat.cuda_to_cpu_mode()`` on CPU.
+    """
+    from megatron.core.models.gpt import GPTModel
+
+    spec, backend = select_layer_spec(qk_layernorm=config.qk_layernorm)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=padded_vocab_size,
+        max_sequence_length=getattr(hf_config, "max_position_embeddings", 4096),
+        pre_process=pre_process,
+        post_process=post_process,
+        parallel_output=True,
+        share_embeddings_and_output_weights=bool(getattr(hf_config, "tie_word_embeddings", False)),
+        position_embedding_type="rope",
+        **rope_settings(hf_config),
+    )
+    model.layer_spec_backend = backend
+    return model
+
+
+def causal_attention_mask(seq_len: int, backend: str) -> torch.Tensor | None:
+    """Attention mask for one micro-batch: ``[1, 1, S, S]`` bool, True = masked (future) position.
+
+    The local spec needs it explicitly (Megatron's default mask allocates on ``"cuda"``); with Transformer Engine
+    the causal mask is implied by the layer spec and ``None`` is returned. Right padding needs no extra mask: a
+    padded column only attends to earlier columns and is never attended to by a real token.
+    """
+    if backend == "transformer_engine":
+        return None
+    return torch.triu(torch.ones(seq_len, seq_len, dtype=torch.bool), diagonal=1)[None, None]

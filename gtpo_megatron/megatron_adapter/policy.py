@@ -1,0 +1,284 @@
+"""``MegatronPolicy``: the facade the trainer calls (build, log-prob pass, optimizer step, weights, checkpoints).
+
+One instance per process. It owns this rank's ``GPTModel`` stage (TP-sharded, wrapped in Megatron DDP), Megatron's
+optimizer and LR schedule. Batches are ``rollout.types.TrainBatch`` (this DP rank's rows, on CPU); they are cut
+into micro-batches of ``micro_batch_size`` rows (the last one padded with fully masked rows, which contribute
+nothing) and run through ``get_forward_backward_func()`` with ``forward_step.forward_step``.
+"""
+
+from __future__ import annotations
+
+import logging
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+from gtpo_megatron.assets import resolve_model_path
+from gtpo_megatron.megatron_adapter import hf_conversion, model as model_lib
+from gtpo_megatron.megatron_adapter.cpu_compat import cuda_to_cpu_mode, install_cpu_compat
+from gtpo_megatron.megatron_adapter.forward_step import LossSettings, MicroBatch, forward_step
+from gtpo_megatron.megatron_adapter.optimizer import OptimSettings, build_optimizer, optimizer_step, wrap_ddp
+from gtpo_megatron.megatron_adapter.step_metrics import reduce_step_metrics
+from gtpo_megatron.ops import compute_normalizer
+from gtpo_megatron.rollout.types import TrainBatch
+
+logger = logging.getLogger(__name__)
+
+
+def _log_head_padding(geometry: hf_conversion.ModelGeometry, pad_attention_heads: bool) -> None:
+    if geometry.num_pad_groups:
+        logger.info("head padding: %d -> %d KV groups, %d -> %d attention heads (tp_size=%d); padded heads are "
+                    "zero and stay zero", geometry.num_query_groups, geometry.padded_num_query_groups,
+                    geometry.num_heads, geometry.padded_num_heads, geometry.tp_size)
+    elif pad_attention_heads:
+        logger.warning("pad_attention_heads=True has no effect: num_key_value_heads=%d is divisible by tp_size=%d",
+                       geometry.num_query_groups, geometry.tp_size)
+
+
+class MegatronPolicy:
+    """A Megatron-Core policy loaded from an HF checkpoint; see ``from_pretrained``."""
+
+    def __init__(self, *, ddp_model, optimizer, scheduler, groups, hf_config, geometry, hf_path: str,
+                 micro_batch_size: int, logprob_chunk_size: int | None):
+        self.ddp_model = ddp_model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.groups = groups
+        self.hf_config = hf_config
+        self.geometry = geometry
+        self.hf_path = hf_path
+        self.micro_batch_size = micro_batch_size
+        self.logprob_chunk_size = logprob_chunk_size
+        self.device = next(self.model.parameters()).device
+
+    @property
+    def model(self):
+        """This rank's unwrapped ``GPTModel`` stage."""
+        return self.ddp_model.module
+
+    @classmethod
+    def from_pretrained(cls, hf_path: str, *, groups, params_dtype: torch.dtype = torch.float32, seed: int = 1234,
+                        micro_batch_size: int = 1, logprob_chunk_size: int | None = None,
+                        recompute_granularity: str | None = None, recompute_method: str | None = None,
+                        recompute_num_layers: int | None = None, make_vocab_size_divisible_by: int = 128,
+                        pad_attention_heads: bool = False, **optim_kwargs) -> MegatronPolicy:
+        """Build this rank's stage and load its shard of the HF checkpoint at ``hf_path``.
+
+        Args:
+            hf_path: local HF folder (safetensors) or a ``builtin:`` name (``assets.resolve_model_path``).
+            groups: ``parallel.groups.ParallelGroups`` from ``init_distributed`` (TP/PP sizes come from it).
+            params_dtype: ``torch.float32`` or ``torch.bfloat16`` (fp32 main weights in the optimizer).
+            seed: seeds torch and Megatron's model-parallel RNG tracker.
+            micro_batch_size: rows per micro-batch (>= 1).
+            logprob_chunk_size: tokens per chunk in the vocab-parallel log-prob op (None = one chunk).
+            recompute_*: Megatron activation recompute passthrough (``"full"``/``"selective"``, ...).
+            make_vocab_size_divisible_by: vocabulary padding multiple (times ``tp_size``).
+            pad_attention_heads: when the KV groups (or heads) do not divide ``tp_size``, pad the Megatron model
+                with all-zero KV groups up to the next multiple of ``tp_size`` (exact for forward and training;
+                HF export and weight streaming drop them; checkpoints keep them). See ``head_padding``.
+            **optim_kwargs: fields of ``optimizer.OptimSettings`` (lr, min_lr, warmup_steps, total_steps,
+                decay_style, weight_decay, adam_beta1, adam_beta2, adam_eps, clip_grad,
+                use_distributed_optimizer).
+
+        Raises:
+            ValueError: bad ``micro_batch_size``/``params_dtype``, unknown optimizer settings, heads or KV
+                groups not divisible by ``tp_size`` without ``pad_attention_heads``, or an HF config / checkpoint
+                this converter cannot handle.
+        """
+        from megatron.core.distributed import finalize_model_grads
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+        from transformers import AutoConfig
+
+        if micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size={micro_batch_size} must be >= 1")
+        if params_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"params_dtype={params_dtype} must be torch.float32 or torch.bfloat16")
+        optim = OptimSettings(**optim_kwargs)
+        hf_path = resolve_model_path(hf_path)
+        install_cpu_compat()
+        hf_config = AutoConfig.from_pretrained(hf_path)
+        config = model_lib.transformer_config_from_hf(
+            hf_config, tp_size=groups.tp_size, pp_size=groups.pp_size, params_dtype=params_dtype,
+            recompute_granularity=recompute_granularity, recompute_method=recompute_method,
+            recompute_num_layers=recompute_num_layers, pad_attention_heads=pad_attention_heads,
+        )
+        padded_vocab_size = model_lib.compute_padded_vocab_size(
+            hf_config.vocab_size, divisible_by=make_vocab_size_divisible_by, tp_size=groups.tp_size)
+        geometry = hf_conversion.ModelGeometry.from_hf(hf_config, padded_vocab_size=padded_vocab_size,
+                                                       tp_size=groups.tp_size, pad_attention_heads=pad_attention_heads)
+        _log_head_padding(geometry, pad_attention_heads)
+        torch.manual_seed(seed)
+        with cuda_to_cpu_mode():
+            model_parallel_cuda_manual_seed(seed)
+            model = model_lib.build_gpt_model(hf_config, config, padded_vocab_size=padded_vocab_size,
+                                              pre_process=groups.is_first_pp_stage,
+                                              post_process=groups.is_last_pp_stage)
+        hf_conversion.load_hf_weights(model, hf_path, geometry, tp_rank=groups.tp_rank)
+        ddp_model = wrap_ddp(model, config, settings=optim)
+        config.finalize_model_grads_func = finalize_model_grads
+        config.no_sync_func = ddp_model.no_sync
+        optimizer, scheduler = build_optimizer(ddp_model, settings=optim, params_dtype=params_dtype)
+        return cls(ddp_model=ddp_model, optimizer=optimizer, scheduler=scheduler, groups=groups,
+                   hf_config=hf_config, geometry=geometry, hf_path=hf_path, micro_batch_size=micro_batch_size,
+                   logprob_chunk_size=logprob_chunk_size)
+
+    # ----------------------------------------------------------------------------------------- micro-batches
+    def _micro_batches(self, batch: TrainBatch) -> list[MicroBatch]:
+        """Cut ``batch`` into equal micro-batches (padding rows: all masks False, advantages 0)."""
+        rows, seq_len = batch.input_ids.shape
+        pad = (-rows) % self.micro_batch_size
+
+        def prepare(t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None:
+                return None
+            t = torch.cat([t, t.new_zeros((pad, *t.shape[1:]))]) if pad else t
+            return t.to(self.device)
+
+        tensors = {k: prepare(getattr(batch, k)) for k in ("input_ids", "response_mask", "token_weights",
+                                                             "advantages", "old_logprobs", "ref_logprobs")}
+        positions = torch.arange(seq_len, device=self.device).expand(self.micro_batch_size, -1)
+        mask = model_lib.causal_attention_mask(seq_len, self.model.layer_spec_backend)
+        mask = None if mask is None else mask.to(self.device)
+        out = []
+        for start in range(0, rows + pad, self.micro_batch_size):
+            part = {k: None if v is None else v[start:start + self.micro_batch_size] for k, v in tensors.items()}
+            out.append(MicroBatch(position_ids=positions, attention_mask=mask, **part))
+        return out
+
+    def _run_schedule(self, micro_batches: list[MicroBatch], settings: LossSettings, *, forward_only: bool):
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        with cuda_to_cpu_mode():
+            return get_forward_backward_func()(
+                forward_step_func=partial(forward_step, settings=settings), data_iterator=iter(micro_batches),
+                model=[self.ddp_model], num_microbatches=len(micro_batches),
+                seq_length=micro_batches[0].input_ids.shape[1], micro_batch_size=self.micro_batch_size,
+                forward_only=forward_only,
+            )
+
+    def _settings(self, temperature: float, **loss_fields) -> LossSettings:
+        return LossSettings(tp_group=self.groups.tp if self.groups.tp_size > 1 else None,
+                            vocab_size=self.geometry.vocab_size, temperature=temperature,
+                            chunk_size=self.logprob_chunk_size, **loss_fields)
+
+    # ---------------------------------------------------------------------------------------------- passes
+    @torch.no_grad()
+    def compute_logprobs(self, batch: TrainBatch, *, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+        """No-grad pass over all micro-batches: per-token log pi and entropy of ``batch``.
+
+        Returns:
+            ``(logprobs, entropy)``: ``[B, S]`` fp32 on CPU, nats, 0 off ``response_mask`` (and in column 0),
+            identical on every rank of this rank's TP x PP group.
+
+        Collectives: the schedule's TP/PP traffic, then one broadcast of a ``[2, B, S]`` tensor on the PP group
+        from the last stage.
+        """
+        self.ddp_model.eval()
+        micro_batches = self._micro_batches(batch)
+        store = self._run_schedule(micro_batches, self._settings(temperature), forward_only=True)
+        rows, seq_len = batch.input_ids.shape
+        if self.groups.is_last_pp_stage:
+            both = torch.stack([torch.cat([d["logprobs"] for d in store]), torch.cat([d["entropy"] for d in store])])
+            both = both[:, :rows].float().contiguous()
+        else:
+            both = torch.empty(2, rows, seq_len, dtype=torch.float32, device=self.device)
+        if self.groups.pp_size > 1:
+            dist.broadcast(both, src=self.groups.pp_last_global_rank, group=self.groups.pp)
+        self.ddp_model.train()
+        return both[0].cpu(), both[1].cpu()
+
+    def train_step(self, batch: TrainBatch, *, loss_name: str, aggregation: str, clip_eps_low: float,
+                   clip_eps_high: float, kl_coef: float = 0.0, kl_estimator: str = "k3", temperature: float = 1.0,
+                   max_response_length: int | None = None) -> dict[str, float]:
+        """One optimizer step over all micro-batches of ``batch`` (this DP rank's rows).
+
+        ``forward_backward`` (arguments and batch fields documented there) followed by ``optimizer_step``.
+
+        Returns:
+            Metrics identical on every rank: those of ``forward_backward`` plus ``grad_norm``, ``lr``, ``skipped``.
+        """
+        metrics = self.forward_backward(
+            batch, loss_name=loss_name, aggregation=aggregation, clip_eps_low=clip_eps_low,
+            clip_eps_high=clip_eps_high, kl_coef=kl_coef, kl_estimator=kl_estimator, temperature=temperature,
+            max_response_length=max_response_length,
+        )
+        if metrics.get("normalizer", 0.0) <= 0:
+            self.zero_grad()
+            return dict(metrics, skipped=1.0)
+        metrics.update(optimizer_step(self.optimizer, self.scheduler, self.ddp_model))
+        return metrics
+
+    def forward_backward(self, batch: TrainBatch, *, loss_name: str, aggregation: str, clip_eps_low: float,
+                         clip_eps_high: float, kl_coef: float = 0.0, kl_estimator: str = "k3",
+                         temperature: float = 1.0, max_response_length: int | None = None) -> dict[str, float]:
+        """Accumulate the step's gradient into the DDP buffers (``param.main_grad``) without updating weights.
+
+        The global normaliser ``N`` (``ops.compute_normalizer`` for ``aggregation``, summed over this rank's rows
+        and all-reduced over the DP group) is fixed before the schedule; see ``forward_step``'s docstring for how
+        Megatron's per-micro-batch and DP averaging are cancelled. After the call every ``main_grad`` holds the
+        gradient of the step objective, reduced over DP (and over the tied embedding copies).
+        ``batch.advantages`` is required; ``token_weights=None`` means weight 1 on every response token;
+        ``old_logprobs=None`` means one update per batch (ratio 1 with gradient); ``ref_logprobs`` feeds the
+        optional KL term; ``max_response_length`` selects Dr. GRPO's constant normaliser.
+
+        Returns:
+            Metrics identical on every rank: ``loss`` (the step objective, summed over micro-batches and DP),
+            ``normalizer``, the loss's sums/counts (``num_tokens``, ``clipped_tokens``, ...), the means
+            ``clip_frac``, ``ratio_mean``, ``entropy_mean``, ``kl_mean``, and ``logprob_diff_max`` when
+            ``old_logprobs`` is given. ``{"normalizer": 0.0}`` only when no DP rank has a response token.
+
+        Raises:
+            ValueError: ``batch.advantages`` is None, or the loss rejects its arguments.
+        """
+        if batch.advantages is None:
+            raise ValueError("batch.advantages is None; fill TrainBatch.advantages before train_step")
+        normalizer = compute_normalizer(batch.response_mask, aggregation,
+                                        max_response_length=max_response_length).to(self.device)
+        dist.all_reduce(normalizer, group=self.groups.dp)
+        if float(normalizer) <= 0:
+            logger.warning("train_step: no response tokens on any DP rank; step skipped")
+            return {"normalizer": 0.0}
+        micro_batches = self._micro_batches(batch)
+        settings = self._settings(
+            temperature, loss_name=loss_name, aggregation=aggregation, normalizer=normalizer,
+            loss_scale=float(len(micro_batches) * self.groups.dp_size), clip_eps_low=clip_eps_low,
+            clip_eps_high=clip_eps_high, kl_coef=kl_coef, kl_estimator=kl_estimator,
+        )
+        store = self._run_schedule(micro_batches, settings, forward_only=False)
+        metrics = reduce_step_metrics(store, self.groups, device=self.device)
+        metrics["normalizer"] = float(normalizer)
+        return metrics
+
+    def zero_grad(self) -> None:
+        """Clear the DDP gradient buffers and the optimizer's gradients."""
+        self.optimizer.zero_grad()
+        self.ddp_model.zero_grad_buffer()
+
+    # ----------------------------------------------------------------------------------- weights / checkpoints
+    def iter_hf_weights(self):
+        """``weight_sync.gather.iter_hf_weights`` on this policy (every TP x PP rank must drain it)."""
+        from gtpo_megatron.weight_sync.gather import iter_hf_weights
+
+        return iter_hf_weights(self.model, self.geometry, self.groups)
+
+    def export_hf(self, out_dir: str) -> None:
+        """Write an HF folder (safetensors, config, tokenizer) that ``transformers`` and vLLM load; global rank 0
+        writes, every rank must call. Ends with a barrier on the model-parallel group."""
+        from gtpo_megatron.megatron_adapter.hf_export import write_hf_folder
+
+        write_hf_folder(self.iter_hf_weights(), out_dir, hf_config=self.hf_config, tokenizer_source=self.hf_path,
+                        write=self.groups.rank == 0)
+        dist.barrier(group=self.groups.mp)
+
+    def save_checkpoint(self, path: str, trainer_state: dict) -> None:
+        """``checkpoint.save_checkpoint`` of model, optimizer, LR schedule, RNG and ``trainer_state``."""
+        from gtpo_megatron.checkpoint import save_checkpoint
+
+        save_checkpoint(path, self, trainer_state)
+
+    def load_checkpoint(self, path: str) -> dict:
+        """``checkpoint.load_checkpoint`` into this policy (any TP/PP layout); returns the trainer state."""
+        from gtpo_megatron.checkpoint import load_checkpoint
+
+        return load_checkpoint(path, self)

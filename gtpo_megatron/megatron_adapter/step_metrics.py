@@ -1,0 +1,63 @@
+"""Reduce the per-micro-batch metric dicts of one optimizer step to plain floats, identical on every rank.
+
+Input: Megatron's ``forward_data_store`` (one dict of detached fp32 scalars per micro-batch, only on the last
+pipeline stage; see ``forward_step.policy_loss_closure``). Keys ending in ``_max`` are reduced with MAX, all other
+keys are sums or counts and are reduced with SUM: first over micro-batches, then over the DP group, then broadcast
+from the last pipeline stage to the other stages. Means are derived afterwards from the global sums.
+
+Collectives: one ``broadcast_object_list`` on the PP group (key names; skipped when ``pp_size == 1``), up to two
+all-reduces on the DP group (SUM and MAX), one broadcast on the PP group.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+_MEANS = {"clip_frac": "clipped_tokens", "ratio_mean": "ratio_sum", "entropy_mean": "entropy_sum",
+          "kl_mean": "kl_sum"}
+
+
+def _local_totals(store: list[dict[str, torch.Tensor]], keys: list[str]) -> torch.Tensor:
+    values = []
+    for key in keys:
+        column = torch.stack([d[key].float().reshape(()) for d in store])
+        values.append(column.max() if key.endswith("_max") else column.sum())
+    return torch.stack(values)
+
+
+def reduce_step_metrics(store: list[dict[str, torch.Tensor]], groups, *, device: torch.device) -> dict[str, float]:
+    """Global step metrics (see module docstring); every rank returns the same dict.
+
+    Args:
+        store: the schedule's return value on this rank (empty on non-last pipeline stages).
+        groups: ``ParallelGroups`` (uses ``dp``, ``pp``, ``pp_last_global_rank``, ``is_last_pp_stage``).
+        device: device for the collective buffers.
+
+    Returns:
+        ``{key: float}`` for every metric key, plus the means ``clip_frac``, ``ratio_mean``, ``entropy_mean``,
+        ``kl_mean`` (over response tokens) when their sums are present.
+    """
+    keys = sorted(store[0]) if groups.is_last_pp_stage else None
+    if groups.pp_size > 1:
+        box = [keys]
+        dist.broadcast_object_list(box, src=groups.pp_last_global_rank, group=groups.pp)
+        keys = box[0]
+    if groups.is_last_pp_stage:
+        totals = _local_totals(store, keys).to(device)
+        is_max = torch.tensor([k.endswith("_max") for k in keys], device=device)
+        summed, maxed = totals.where(~is_max, 0.0), totals.where(is_max, float("-inf"))
+        dist.all_reduce(summed, group=groups.dp)
+        if bool(is_max.any()):
+            dist.all_reduce(maxed, op=dist.ReduceOp.MAX, group=groups.dp)
+        totals = torch.where(is_max, maxed, summed)
+    else:
+        totals = torch.empty(len(keys), dtype=torch.float32, device=device)
+    if groups.pp_size > 1:
+        dist.broadcast(totals, src=groups.pp_last_global_rank, group=groups.pp)
+    metrics = dict(zip(keys, totals.tolist()))
+    num_tokens = metrics.get("num_tokens", 0.0)
+    for mean_key, sum_key in _MEANS.items():
+        if sum_key in metrics and num_tokens > 0:
+            metrics[mean_key] = metrics[sum_key] / num_tokens
+    return metrics

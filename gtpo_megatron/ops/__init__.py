@@ -1,0 +1,58 @@
+"""Pure GTPO math on tensors (GTPO_SPEC sections 1-4): torch only, explicit process groups, no side effects."""
+
+from __future__ import annotations
+
+from gtpo_megatron.ops.advantages import (
+    ADVANTAGE_ESTIMATOR_REGISTRY,
+    compute_group_advantages,
+    get_advantage_estimator,
+    nonuniform_group_mask,
+    register_advantage_estimator,
+)
+from gtpo_megatron.ops.conflicts import CONFLICT_MODES, OVERLAP_MODES, build_conflict_weights, conflict_normalizers
+from gtpo_megatron.ops.entropy_filter import (
+    ENTROPY_FILTER_MODES,
+    LN2,
+    apply_entropy_penalty,
+    entropy_keep_mask,
+    sequence_mean_entropy,
+)
+from gtpo_megatron.ops.logprobs import vocab_parallel_logprobs_entropy
+from gtpo_megatron.ops.loss_metrics import policy_loss_metrics
+from gtpo_megatron.ops.losses import (
+    AGGREGATIONS,
+    KL_ESTIMATORS,
+    POLICY_LOSS_REGISTRY,
+    PolicyLossFn,
+    clipped_surrogate_loss,
+    compute_normalizer,
+    get_policy_loss,
+    register_policy_loss,
+)
+
+__all__ = [
+    "ADVANTAGE_ESTIMATOR_REGISTRY",
+    "AGGREGATIONS",
+    "CONFLICT_MODES",
+    "ENTROPY_FILTER_MODES",
+    "KL_ESTIMATORS",
+    "LN2",
+    "OVERLAP_MODES",
+    "POLICY_LOSS_REGISTRY",
+    "PolicyLossFn",
+    "apply_entropy_penalty",
+    "build_conflict_weights",
+    "clipped_surrogate_loss",
+    "compute_group_advantages",
+    "compute_normalizer",
+    "conflict_normalizers",
+    "entropy_keep_mask",
+    "get_advantage_estimator",
+    "get_policy_loss",
+    "nonuniform_group_mask",
+    "policy_loss_metrics",
+    "register_advantage_estimator",
+    "register_policy_loss",
+    "sequence_mean_entropy",
+    "vocab_parallel_logprobs_entropy",
+]

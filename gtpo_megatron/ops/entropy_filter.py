@@ -1,0 +1,115 @@
+"""The entropy filter delta_i and the entropy penalty (GTPO_SPEC section 4).
+
+Dimension legend: P prompts, G group size, B = P*G sequences, T response tokens (or the full ``[B, S]`` layout).
+
+The initial mean entropy ``<H>_ini`` of the ``paper`` mode is a global statistic: compute it once, on the first
+step's completions under the initial policy, with ``gtpo_megatron.parallel.global_mean`` over the data-parallel
+group, and pass it in (statistics are split from decisions). Entropies are in nats. Pure torch, no host syncs,
+inputs never modified.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+ENTROPY_FILTER_MODES = ("paper", "fixed", "off")
+LN2 = math.log(2.0)
+
+
+def sequence_mean_entropy(entropy: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """``<H>_i``: mean token entropy over each completion's response tokens.
+
+    Args:
+        entropy: ``[B, T]`` token entropy in nats (any float dtype; values off the mask are ignored, even NaN).
+        response_mask: ``[B, T]`` bool, True on response tokens.
+
+    Returns:
+        ``[B]`` fp32 mean entropy in nats; 0 for a completion with no response tokens. Detached.
+
+    Raises:
+        ValueError: shape mismatch or non-bool mask.
+    """
+    if tuple(entropy.shape) != tuple(response_mask.shape) or entropy.dim() != 2:
+        raise ValueError(f"entropy {tuple(entropy.shape)} and response_mask {tuple(response_mask.shape)} "
+                         "must both be [B, T]")
+    if response_mask.dtype != torch.bool:
+        raise ValueError(f"response_mask must be bool (True = response token); got {response_mask.dtype}")
+    total_B = torch.where(response_mask, entropy.detach().float(), 0.0).sum(dim=-1)
+    return total_B / response_mask.sum(dim=-1).clamp(min=1)
+
+
+def entropy_keep_mask(
+    seq_entropy: torch.Tensor,
+    *,
+    mode: str,
+    threshold: float = LN2,
+    initial_entropy: torch.Tensor | float | None = None,
+    advantages: torch.Tensor | None = None,
+    only_negative: bool = False,
+) -> torch.Tensor:
+    """delta_i as a bool mask: True = keep the completion in the loss.
+
+    Modes (GTPO_SPEC section 4): ``paper``: if ``initial_entropy > threshold`` (ln 2) keep everything, otherwise
+    drop completions with ``<H>_i > threshold``; ``fixed``: drop ``<H>_i > threshold``; ``off``: keep all.
+    Ties (``<H>_i == threshold``) are kept. ``only_negative`` restricts dropping to completions with A_i < 0.
+
+    Args:
+        seq_entropy: ``[B]`` per-completion mean entropy in nats (:func:`sequence_mean_entropy`).
+        mode: one of :data:`ENTROPY_FILTER_MODES`.
+        threshold: tau in nats (> 0); ln 2 by default.
+        initial_entropy: scalar ``<H>_ini`` (tensor or float), required by ``paper``.
+        advantages: ``[B]`` original advantages, required by ``only_negative``.
+        only_negative: filter only completions with negative advantage (paper ablation GTPO-OnlyNeg).
+
+    Returns:
+        ``[B]`` bool keep mask.
+
+    Raises:
+        ValueError: unknown mode, ``threshold <= 0``, ``paper`` without ``initial_entropy``, ``only_negative``
+            without ``advantages``, shape mismatches.
+    """
+    if mode not in ENTROPY_FILTER_MODES:
+        raise ValueError(f"unknown entropy filter mode {mode!r}; choose one of {list(ENTROPY_FILTER_MODES)}")
+    if seq_entropy.dim() != 1:
+        raise ValueError(f"seq_entropy must be [B]; got shape {tuple(seq_entropy.shape)}")
+    if not threshold > 0:
+        raise ValueError(f"threshold={threshold} must be > 0 nats (ln 2 = {LN2:.4f} in the paper)")
+    keep_B = seq_entropy <= threshold
+    if mode == "off":
+        keep_B = torch.ones_like(keep_B)
+    elif mode == "paper":
+        if initial_entropy is None:
+            raise ValueError("entropy filter mode 'paper' needs initial_entropy (<H>_ini of the first step); "
+                             "compute it with gtpo_megatron.parallel.global_mean and pass it")
+        initial = torch.as_tensor(initial_entropy, dtype=torch.float32, device=seq_entropy.device)
+        keep_B = keep_B | (initial > threshold)
+    if only_negative:
+        if advantages is None or tuple(advantages.shape) != tuple(seq_entropy.shape):
+            raise ValueError("only_negative=True needs advantages [B] matching seq_entropy "
+                             f"{tuple(seq_entropy.shape)}; got {None if advantages is None else advantages.shape}")
+        keep_B = keep_B | (advantages >= 0)
+    return keep_B
+
+
+def apply_entropy_penalty(advantages: torch.Tensor, seq_entropy: torch.Tensor, gamma: float) -> torch.Tensor:
+    """``A_i - gamma * <H>_i`` (GTPO_SPEC section 4; gamma = 0.1 by default in the config).
+
+    Args:
+        advantages: ``[B]`` advantages.
+        seq_entropy: ``[B]`` mean entropy in nats (detached).
+        gamma: penalty coefficient (>= 0).
+
+    Returns:
+        ``[B]`` fp32 penalised advantages (a new tensor).
+
+    Raises:
+        ValueError: shape mismatch or ``gamma < 0``.
+    """
+    if tuple(advantages.shape) != tuple(seq_entropy.shape) or advantages.dim() != 1:
+        raise ValueError(f"advantages {tuple(advantages.shape)} and seq_entropy {tuple(seq_entropy.shape)} "
+                         "must both be [B]")
+    if gamma < 0:
+        raise ValueError(f"gamma={gamma} must be >= 0 (the paper ablates 0.1 .. 1e-6)")
+    return advantages.float() - gamma * seq_entropy.detach().float()

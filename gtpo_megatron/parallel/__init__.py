@@ -1,0 +1,11 @@
+"""Distributed glue: global statistics over explicit groups (``collectives``) and the group handle (``groups``).
+
+Only ``collectives`` is re-exported here: ``groups`` imports megatron and must be imported explicitly
+(``from gtpo_megatron.parallel.groups import ParallelGroups``).
+"""
+
+from __future__ import annotations
+
+from gtpo_megatron.parallel.collectives import all_reduce_sum, global_mean, global_normalizer, reduce_metric_sums
+
+__all__ = ["all_reduce_sum", "global_mean", "global_normalizer", "reduce_metric_sums"]

@@ -1,0 +1,135 @@
+"""Distributed start-up and the frozen ``ParallelGroups`` handle (the only user of Megatron's ``parallel_state``).
+
+Everything above this module receives process groups explicitly (STYLE section 4): the tensor-parallel group that
+shards a tensor, the pipeline group that carries activations, the data-parallel group that averages gradients.
+This module creates them once through ``megatron.core.parallel_state.initialize_model_parallel`` and freezes them
+in a ``ParallelGroups`` value. Megatron's own schedules, DDP wrapper and optimizer keep reading ``parallel_state``
+internally; that is Megatron's contract, not ours.
+
+Rank layout is Megatron's default order ``tp-cp-ep-dp-pp``: TP ranks are adjacent global ranks, PP stages are the
+slowest-varying axis. Context and expert parallelism are fixed to 1.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class ParallelGroups:
+    """Process groups and cached ranks of one process after model-parallel initialisation.
+
+    Attributes:
+        tp / pp / dp: tensor-, pipeline- and data-parallel groups this rank belongs to.
+        mp: model-parallel group (TP x PP of one data-parallel replica); weight gathers stay inside it.
+        tp_size, pp_size, dp_size, world_size: group sizes.
+        tp_rank, pp_rank, dp_rank, rank: this process's rank in each group / globally.
+        pp_first_global_rank / pp_last_global_rank: global ranks of stage 0 and stage ``pp_size - 1`` of this
+            rank's pipeline (the source for broadcasts of last-stage results).
+        backend: ``"nccl"`` or ``"gloo"``.
+    """
+
+    tp: dist.ProcessGroup
+    pp: dist.ProcessGroup
+    dp: dist.ProcessGroup
+    mp: dist.ProcessGroup
+    tp_size: int
+    pp_size: int
+    dp_size: int
+    world_size: int
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+    rank: int
+    pp_first_global_rank: int
+    pp_last_global_rank: int
+    backend: str
+
+    @property
+    def is_first_pp_stage(self) -> bool:
+        """True on pipeline stage 0 (the stage that owns the input embedding)."""
+        return self.pp_rank == 0
+
+    @property
+    def is_last_pp_stage(self) -> bool:
+        """True on the last pipeline stage (the stage that owns the output layer and computes the loss)."""
+        return self.pp_rank == self.pp_size - 1
+
+    def pp_stage_global_rank(self, stage: int) -> int:
+        """Global rank of pipeline stage ``stage`` in this rank's pipeline (same TP and DP coordinates)."""
+        return dist.get_global_rank(self.pp, stage)
+
+
+def init_distributed(*, tp_size: int = 1, pp_size: int = 1, backend: str | None = None,
+                     timeout_minutes: int = 30) -> ParallelGroups:
+    """Initialise ``torch.distributed`` (if needed) and Megatron model parallelism; return the groups.
+
+    Reads ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` (torchrun) when the default process group does
+    not exist yet. ``backend=None`` picks NCCL when CUDA is available and gloo otherwise. On CUDA the device is
+    set from ``LOCAL_RANK``.
+
+    Raises:
+        ValueError: if ``tp_size * pp_size`` does not divide the world size.
+    """
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if not dist.is_initialized():
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=timeout_minutes))
+    world_size = dist.get_world_size()
+    if tp_size < 1 or pp_size < 1 or world_size % (tp_size * pp_size) != 0:
+        raise ValueError(
+            f"parallel.tp_size={tp_size} x parallel.pp_size={pp_size} must divide the world size {world_size}; "
+            f"choose sizes whose product divides {world_size}"
+        )
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp_size,
+        pipeline_model_parallel_size=pp_size,
+        distributed_timeout_minutes=timeout_minutes,
+    )
+    return current_groups(backend=dist.get_backend())
+
+
+def current_groups(*, backend: str) -> ParallelGroups:
+    """Freeze the groups of an already initialised ``parallel_state`` into a ``ParallelGroups``."""
+    from megatron.core import parallel_state as ps
+
+    pp = ps.get_pipeline_model_parallel_group()
+    pp_ranks = dist.get_process_group_ranks(pp)
+    return ParallelGroups(
+        tp=ps.get_tensor_model_parallel_group(),
+        pp=pp,
+        dp=ps.get_data_parallel_group(),
+        mp=ps.get_model_parallel_group(),
+        tp_size=ps.get_tensor_model_parallel_world_size(),
+        pp_size=ps.get_pipeline_model_parallel_world_size(),
+        dp_size=ps.get_data_parallel_world_size(),
+        world_size=dist.get_world_size(),
+        tp_rank=ps.get_tensor_model_parallel_rank(),
+        pp_rank=ps.get_pipeline_model_parallel_rank(),
+        dp_rank=ps.get_data_parallel_rank(),
+        rank=dist.get_rank(),
+        pp_first_global_rank=pp_ranks[0],
+        pp_last_global_rank=pp_ranks[-1],
+        backend=backend,
+    )
+
+
+def destroy_distributed() -> None:
+    """Tear down Megatron's model-parallel state and the default process group (idempotent)."""
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,163 @@
+"""Config loading: coercion, unknown keys, presets, shorthands, round trip and cross-section validation."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import yaml
+
+from gtpo_megatron.config import PRESETS, GTPOConfig, load_config, save_config
+
+REPO = Path(__file__).resolve().parents[2]
+DEMO = REPO / "configs" / "cpu_demo.yaml"
+BASE = ["model=builtin:tiny-qwen2", "output_dir=/tmp/run"]
+
+
+def test_defaults_from_overrides_only():
+    cfg = load_config(None, BASE)
+    assert cfg.model.name_or_path == "builtin:tiny-qwen2"
+    assert cfg.algorithm.name == "gtpo" and cfg.algorithm.entropy_filter == "paper"
+    assert cfg.algorithm.entropy_threshold == pytest.approx(math.log(2))
+
+
+def test_values_are_coerced_to_annotated_types():
+    cfg = load_config(None, [*BASE, "optim.lr=1e-6", "trainer.max_steps=7.0", "parallel.sequence_parallel=false",
+                             "data.limit=null", "rollout.stop=a", "algorithm.logprob_chunk_size=128",
+                             "reward.timeout_s=3"])
+    assert cfg.optim.lr == 1e-6 and isinstance(cfg.optim.lr, float)
+    assert cfg.trainer.max_steps == 7 and isinstance(cfg.trainer.max_steps, int)
+    assert cfg.parallel.sequence_parallel is False and cfg.data.limit is None
+    assert cfg.rollout.stop == ("a",)
+    assert cfg.algorithm.logprob_chunk_size == 128 and isinstance(cfg.reward.timeout_s, float)
+
+
+@pytest.mark.parametrize("override, fragment", [
+    ("trainer.max_step=3", "did you mean 'trainer.max_steps'"),
+    ("rollout.lr=3", "did you mean 'optim.lr'"),
+    ("algorithm.name=gtp0", "did you mean 'gtpo'"),
+    ("trainer.max_steps=2.5", "trainer.max_steps=2.5: must be an integer"),
+    ("optim.lr=fast", "optim.lr='fast': must be a number"),
+    ("parallel.sequence_parallel=maybe", "must be a boolean"),
+    ("algorithm.group_size=1", "algorithm.group_size=1: must be >= 2"),
+    ("algorithm.clip_eps_high=0.1", "clip_eps_low <= clip_eps_high"),
+    ("trainer=3", "trainer=3: must be a mapping"),
+    ("no_equals_sign", "expected key=value"),
+])
+def test_errors_name_field_value_and_fix(override, fragment):
+    with pytest.raises(ValueError) as err:
+        load_config(None, [*BASE, override])
+    assert fragment in str(err.value)
+
+
+def test_missing_required_field_is_named():
+    with pytest.raises(ValueError, match=r"missing required config field\(s\) \['output_dir'\]"):
+        load_config(None, ["model=builtin:tiny-qwen2"])
+
+
+def test_unknown_yaml_key_in_file(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"output_dir": "x", "model": {"name_or_path": "m"},
+                                    "algorithm": {"group_sise": 4}}))
+    with pytest.raises(ValueError, match="did you mean 'algorithm.group_size'"):
+        load_config(path)
+
+
+@pytest.mark.parametrize("name", ["grpo", "dapo", "dr_grpo"])
+def test_algorithm_shorthand_applies_preset_over_yaml(name):
+    with pytest.warns(UserWarning, match="replaced by the"):
+        cfg = load_config(DEMO, [f"algorithm={name}"])
+    expected = dict(PRESETS[name])
+    if expected["overlong_buffer_len"] == "max_tokens/5":
+        expected["overlong_buffer_len"] = cfg.rollout.max_tokens // 5
+    assert {k: getattr(cfg.algorithm, k) for k in expected} == expected
+    # Fields outside the preset (group size) keep the YAML value.
+    assert cfg.algorithm.group_size == yaml.safe_load(DEMO.read_text())["algorithm"]["group_size"]
+
+
+def test_explicit_override_wins_over_preset():
+    with pytest.warns(UserWarning, match="replaced by the dapo preset"):
+        cfg = load_config(DEMO, ["algorithm=dapo", "algorithm.clip_eps_high=0.3", "algorithm.overlong_buffer_len=7"])
+    assert cfg.algorithm.clip_eps_high == 0.3 and cfg.algorithm.overlong_buffer_len == 7
+    assert cfg.algorithm.aggregation == "token-mean"
+
+
+def test_yaml_fields_win_over_preset_of_same_name(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"output_dir": "x", "model": "m",
+                                    "algorithm": {"name": "grpo", "conflict_mode": "prefix_suffix"}}))
+    cfg = load_config(path)
+    assert cfg.algorithm.conflict_mode == "prefix_suffix"  # set in the YAML
+    assert cfg.algorithm.advantage_estimator == "group_mean_std"  # from the grpo preset
+    assert cfg.model.name_or_path == "m"  # model: NAME shorthand inside YAML
+
+
+def test_data_shorthand_and_path():
+    cfg = load_config(DEMO, ["data=gsm8k", "data.path=/work/shared/data/gsm8k/train.jsonl"])
+    assert cfg.data.source == "gsm8k" and cfg.data.path.endswith("train.jsonl")
+
+
+def test_megatron_overrides_dotted_key():
+    cfg = load_config(None, [*BASE, "model.megatron_overrides.attention_dropout=0.0"])
+    assert cfg.model.megatron_overrides == {"attention_dropout": 0.0}
+
+
+def test_save_then_load_round_trips(tmp_path):
+    with pytest.warns(UserWarning):
+        cfg = load_config(DEMO, ["algorithm=dapo", "rollout.stop=[x, y]", "optim.lr=3e-5"])
+    save_config(cfg, tmp_path / "config.yaml")
+    assert load_config(tmp_path / "config.yaml") == cfg
+
+
+def test_sections_are_frozen():
+    cfg = load_config(None, BASE)
+    with pytest.raises(AttributeError):
+        cfg.optim.lr = 1.0  # type: ignore[misc]
+
+
+def _cfg(*overrides: str) -> GTPOConfig:
+    return load_config(None, [*BASE, *overrides])
+
+
+@pytest.mark.parametrize("overrides, world, fragment", [
+    (["parallel.tp_size=2", "parallel.pp_size=2"], 6, "tp_size*pp_size must divide the world size"),
+    (["rollout.num_prompts=3", "algorithm.group_size=2"], 4, "use rollout.num_prompts=4"),
+    (["algorithm.group_size=4", "optim.micro_batch_size=3"], 2, "must divide the per-rank batch"),
+])
+def test_validate_world_arithmetic(overrides, world, fragment):
+    with pytest.raises(ValueError) as err:
+        _cfg(*overrides).validate(world, check_registries=False)
+    assert fragment in str(err.value)
+
+
+def test_validate_heads_against_local_model():
+    # tiny-qwen2 has 4 query heads and 2 KV heads (gtpo_megatron/assets.py): TP=4 cannot split 2 KV heads.
+    from gtpo_megatron.assets import resolve_model_path
+
+    resolve_model_path("builtin:tiny-qwen2")
+    _cfg("parallel.tp_size=2", "rollout.max_tokens=64").validate(2, check_registries=False)
+    with pytest.raises(ValueError, match="must divide the model's num_key_value_heads=2"):
+        _cfg("parallel.tp_size=4").validate(4, check_registries=False)
+    with pytest.raises(ValueError, match="max_position_embeddings=2048"):
+        _cfg("rollout.max_tokens=2000").validate(1, check_registries=False)
+
+
+def test_validate_rejects_unknown_megatron_override():
+    pytest.importorskip("megatron.core")
+    with pytest.raises(ValueError, match="not a field of megatron TransformerConfig"):
+        _cfg("model.megatron_overrides.not_a_field=1").validate(1)
+
+
+def test_dapo_overlong_buffer_is_a_fifth_of_max_tokens():
+    assert load_config(None, [*BASE, "algorithm=dapo"]).algorithm.overlong_buffer_len == 300  # 1500 // 5
+    assert load_config(None, [*BASE, "algorithm=dapo", "rollout.max_tokens=50"]).algorithm.overlong_buffer_len == 10
+
+
+@pytest.mark.parametrize("override, fragment", [
+    ("algorithm.kl_coef=1e-6", "needs a frozen reference policy"),
+    ("algorithm.aggregation=seq-mean-token-mean", "the dapo loss is defined with aggregation 'token-mean'"),
+])
+def test_algorithm_combinations_rejected_at_load_time(override, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        load_config(None, [*BASE, "algorithm=dapo", override])

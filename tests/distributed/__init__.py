@@ -1,0 +1,1 @@
+"""Spawned gloo multi-process tests (``@pytest.mark.distributed``)."""

@@ -1,0 +1,111 @@
+"""gloo TP=2 / TP=4 parity of the vocab-parallel op, and DP invariance of the loss with a global normaliser.
+
+Every rank builds the full inputs from the same seed, slices its own vocabulary shard (or batch rows), and compares
+its outputs and ITS gradient shard with the float64 single-process reference. One spawn per world size runs all
+cases (each spawn costs seconds).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from gtpo_megatron.ops import compute_normalizer, get_policy_loss, vocab_parallel_logprobs_entropy
+from gtpo_megatron.parallel import global_mean, global_normalizer, reduce_metric_sums
+from tests.helpers.dist_harness import run_distributed
+from tests.helpers.references import ref_logprobs_entropy
+
+pytestmark = pytest.mark.distributed
+LOCAL_WIDTH = 6
+
+
+def _literal_split(rank: int, group) -> None:
+    # 10-token vocabulary split 5/5; p = w / 30; targets 4 (last column of shard 0) and 5 (first of shard 1),
+    # both w = 5: logprob = ln(5/30) = -1.791759469; entropy = 2.182897521 nats (see tests/ops).
+    full = torch.log(torch.tensor([[1.0, 2.0, 3.0, 4.0, 5.0, 5.0, 4.0, 3.0, 2.0, 1.0]] * 2))
+    shard = full[:, rank * 5:(rank + 1) * 5].clone()
+    logprobs, entropy = vocab_parallel_logprobs_entropy(shard, torch.tensor([4, 5]), tp_group=group)
+    torch.testing.assert_close(logprobs, torch.full((2,), -1.791759469), atol=1e-6, rtol=0)
+    torch.testing.assert_close(entropy, torch.full((2,), 2.182897521), atol=1e-6, rtol=0)
+
+
+def _random_case(rank, world, group, vocab_size, temperature, chunk_size) -> None:
+    gen = torch.Generator().manual_seed(17)
+    padded = LOCAL_WIDTH * world
+    full = 3 * torch.randn(3, 5, padded, generator=gen)
+    targets = torch.randint(0, vocab_size, (3, 5), generator=gen)
+    boundaries = [min(b, vocab_size - 1) for r in range(1, world) for b in (r * LOCAL_WIDTH - 1, r * LOCAL_WIDTH)]
+    targets.view(-1)[:len(boundaries)] = torch.tensor(boundaries)  # labels on both sides of shard boundaries
+    g_lp, g_h = torch.randn(3, 5, generator=gen), torch.randn(3, 5, generator=gen)
+    cols = slice(rank * LOCAL_WIDTH, (rank + 1) * LOCAL_WIDTH)
+    shard = full[..., cols].clone().requires_grad_()
+    logprobs, entropy = vocab_parallel_logprobs_entropy(
+        shard, targets, tp_group=group, vocab_size=vocab_size, temperature=temperature, chunk_size=chunk_size,
+        entropy_requires_grad=True, padded_vocab_size=padded,
+    )
+    (logprobs * g_lp + entropy * g_h).sum().backward()
+    assert torch.equal(shard.detach(), full[..., cols])  # input unmodified
+    ref_full = full.double().requires_grad_()
+    ref_lp, ref_h = ref_logprobs_entropy(ref_full, targets, vocab_size=vocab_size, temperature=temperature)
+    (ref_lp * g_lp.double() + ref_h * g_h.double()).sum().backward()
+    # float32 vs float64 reference; values are O(10) nats, so allow 1e-6 relative on top of 1e-6 absolute.
+    torch.testing.assert_close(logprobs.double(), ref_lp.detach(), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(entropy.double(), ref_h.detach(), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(shard.grad.double(), ref_full.grad[..., cols], atol=1e-6, rtol=1e-6)
+    return logprobs.detach(), entropy.detach(), shard.grad
+
+
+def _dp_invariance(rank, world, group) -> None:
+    gen = torch.Generator().manual_seed(5)
+    rows = 4 * world
+    mask = torch.arange(7)[None, :] < torch.randint(0, 8, (rows,), generator=gen)[:, None]
+    policy = -3 * torch.rand(rows, 7, generator=gen)
+    old = policy + 0.3 * torch.randn(rows, 7, generator=gen)
+    adv = torch.randn(rows, generator=gen)
+    weights = torch.tensor([0.0, 1.0, 2.0])[torch.randint(0, 3, (rows, 7), generator=gen)]
+    mine = slice(rank * 4, rank * 4 + 4)
+    for aggregation in ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum"):
+        outputs = []
+        for part, normalizer in ((slice(None), compute_normalizer(mask, aggregation)),
+                                 (mine, global_normalizer([mask[mine][:2], mask[mine][2:]], aggregation, group=group))):
+            leaf = policy[part].clone().requires_grad_()
+            loss, metrics = get_policy_loss("gtpo")(
+                policy_logprobs=leaf, old_logprobs=old[part], advantages=adv[part], token_weights=weights[part],
+                response_mask=mask[part], normalizer=normalizer, aggregation=aggregation, clip_eps_low=0.2,
+                clip_eps_high=0.2)
+            loss.backward()
+            outputs.append((loss.detach(), metrics, leaf.grad))
+        (full_loss, full_metrics, full_grad), (loss, metrics, grad) = outputs
+        summed = reduce_metric_sums({"loss": loss, **metrics}, group=group)
+        torch.testing.assert_close(summed.pop("loss"), full_loss, atol=1e-6, rtol=1e-6)
+        for key, value in summed.items():
+            torch.testing.assert_close(value, full_metrics[key], atol=1e-5, rtol=0)
+        torch.testing.assert_close(grad, full_grad[mine], atol=1e-7, rtol=0)
+    seq_entropy = torch.arange(rows, dtype=torch.float32)
+    keep = torch.arange(rows) % 3 != 0
+    expected = seq_entropy[keep].mean()
+    torch.testing.assert_close(global_mean(seq_entropy[mine], group=group, mask=keep[mine]), expected)
+
+
+def _all_cases(rank: int, world: int) -> None:
+    torch.manual_seed(0)
+    group = dist.group.WORLD
+    if world == 2:
+        _literal_split(rank, group)
+    padded = LOCAL_WIDTH * world
+    for vocab_size in (padded, padded - 1, padded - LOCAL_WIDTH - 1):  # the last case leaves one shard all padding
+        for temperature in (1.0, 0.7):
+            unchunked = _random_case(rank, world, group, vocab_size, temperature, None)
+            chunked = _random_case(rank, world, group, vocab_size, temperature, 4)
+            for a, b in zip(unchunked, chunked):
+                torch.testing.assert_close(a, b, atol=1e-7, rtol=0)
+    _dp_invariance(rank, world, group)
+    assert math.isfinite(float(global_normalizer([torch.ones(2, 2, dtype=torch.bool)], "token-mean", group=group)))
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_vocab_parallel_and_data_parallel_parity(world_size):
+    run_distributed(_all_cases, world_size)

@@ -1,0 +1,65 @@
+"""Run a function in N spawned CPU processes joined by a gloo process group.
+
+``run_distributed(fn, world_size, *args)`` spawns ``world_size`` processes with ``torch.multiprocessing.spawn``,
+initialises ``torch.distributed`` with the gloo backend on a free localhost port and calls
+``fn(rank, world_size, *args)`` in each. ``fn`` must be a module-level (picklable) function. Any exception in a
+worker is re-raised in the caller as ``RuntimeError`` carrying the worker's rank and full traceback.
+Each spawn costs a few seconds (imports): run several checks inside one ``fn``.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class _WorkerError(Exception):
+    """Carries a worker's formatted traceback across the process boundary."""
+
+
+def _entry(rank: int, fn, world_size: int, port: int, threads: int, args: tuple) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+    torch.set_num_threads(threads)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+        timeout=timedelta(seconds=120),
+    )
+    try:
+        fn(rank, world_size, *args)
+    except BaseException as exc:  # re-raised with the traceback text, which pickling would otherwise drop
+        raise _WorkerError(f"rank {rank} failed:\n{traceback.format_exc()}") from exc
+    finally:
+        dist.destroy_process_group()
+
+
+def run_distributed(fn, world_size: int, *args, threads_per_rank: int = 1) -> None:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; raise RuntimeError if any rank fails.
+
+    Args:
+        fn: module-level function (picklable); its return value is ignored, so it asserts inside.
+        world_size: number of processes.
+        *args: picklable extra arguments.
+        threads_per_rank: torch intra-op threads per process (1 keeps a 2-core machine responsive).
+
+    Raises:
+        RuntimeError: with the failing rank's traceback.
+    """
+    try:
+        mp.spawn(_entry, args=(fn, world_size, free_port(), threads_per_rank, args), nprocs=world_size, join=True)
+    except mp.ProcessRaisedException as exc:
+        raise RuntimeError(f"distributed test failed:\n{exc}") from None
+    except mp.ProcessExitedException as exc:
+        raise RuntimeError(f"a distributed worker died without a Python exception: {exc}") from None

@@ -1,0 +1,110 @@
+"""Small stand-ins for the policy, engine, reward pool and tokenizer (the loop's own logic is what is tested)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from gtpo_megatron.rewards.registry import RewardResult
+from gtpo_megatron.rollout.types import Completion, PromptCompletions
+
+EOS = 2
+
+
+class FakeTokenizer:
+    """No chat template: ``build_prompt_ids`` uses the plain template; ids are the first characters' codes."""
+
+    chat_template = None
+
+    def __call__(self, text, add_special_tokens=True):
+        return {"input_ids": [3 + ord(ch) % 50 for ch in text[-6:]]}
+
+
+class FakeEngine:
+    """Completion j of a prompt is ``[10 + j % 3, EOS]``; its text is ``"9"`` when j is even, else ``"0"``.
+
+    ``uniform_rounds``: the first that many ``generate`` calls return the same text for every completion.
+    """
+
+    def __init__(self, uniform_rounds: int = 0):
+        self.calls: list[tuple[list[list[int]], int, object]] = []
+        self.uniform_rounds = uniform_rounds
+        self.pushed: list[list[str]] = []
+        self.events: list[str] = []
+
+    def generate(self, prompt_ids, n, sampling):
+        self.calls.append(([list(p) for p in prompt_ids], n, sampling))
+        uniform = len(self.calls) <= self.uniform_rounds
+        return [PromptCompletions(prompt_ids=list(p), completions=[
+            Completion(token_ids=[10 + j % 3, EOS], rollout_logprobs=[-1.0, -0.5],
+                       text="9" if (j % 2 == 0 or uniform) else "0", finish_reason="stop")
+            for j in range(n)]) for p in prompt_ids]
+
+    def begin_weight_update(self):
+        self.pushed.append([])
+
+    def load_weight_bucket(self, bucket):
+        self.pushed[-1] += [name for name, _ in bucket]
+
+    def finish_weight_update(self):
+        self.events.append("synced")
+
+    def sleep(self):
+        self.events.append("sleep")
+
+    def wake_up(self):
+        self.events.append("wake_up")
+
+    def close(self):
+        self.events.append("close")
+
+
+class FakeRewardPool:
+    """Score 1.0 when the text equals the last character of the reference... i.e. correct iff text == "9"."""
+
+    def score(self, completions, references):
+        results = [RewardResult(score=float(c == "9"), correct=c == "9", format_ok=False, extracted=c)
+                   for c in completions]
+        return results, {"num_timeouts": 0, "num_errors": 0, "seconds": 0.0}
+
+    def close(self):
+        pass
+
+
+class FakePolicy:
+    """Log-probs -1.0 on response tokens; entropy 0.25 * (row % 4); records train batches; JSON checkpoints."""
+
+    def __init__(self):
+        self.train_batches = []
+        self.saved: list[str] = []
+
+    def compute_logprobs(self, batch, *, temperature=1.0):
+        mask = batch.response_mask
+        rows = torch.arange(mask.shape[0], dtype=torch.float32).unsqueeze(-1)
+        entropy = torch.where(mask, 0.25 * (rows % 4), 0.0)
+        return torch.where(mask, -1.0, 0.0), entropy
+
+    def train_step(self, batch, **kwargs):
+        self.train_batches.append((batch, kwargs))
+        return {"loss": 0.5, "grad_norm": 1.0, "lr": 1e-5, "clip_frac": 0.0}
+
+    def iter_hf_weights(self):
+        yield "model.embed_tokens.weight", torch.zeros(2, 2)
+        yield "lm_head.weight", torch.zeros(2, 2)
+
+    def save_checkpoint(self, path, trainer_state):
+        Path(path).mkdir(parents=True)
+        (Path(path) / "state.json").write_text(json.dumps(trainer_state))
+        self.saved.append(path)
+
+    def load_checkpoint(self, path):
+        return json.loads((Path(path) / "state.json").read_text())
+
+
+def single_rank_groups():
+    """``ParallelGroups``-like handle of a one-process world (dp group None: no data parallelism)."""
+    return SimpleNamespace(rank=0, world_size=1, tp_size=1, pp_size=1, dp_size=1, dp_rank=0, tp_rank=0, pp_rank=0,
+                           dp=None, tp=None, pp=None, mp=None)

@@ -1,0 +1,81 @@
+"""MetricSink (jsonl, resume truncation, wandb modes) and the curves plot."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from gtpo_megatron.config import LoggingConfig
+from gtpo_megatron.logging import MetricSink, format_step_line, plot_curves
+
+
+def _sink(tmp_path, mode="disabled", start_step=0, enabled=True):
+    cfg = LoggingConfig(wandb_mode=mode, progress=False)
+    return MetricSink(tmp_path, cfg=cfg, run_config={"a": 1}, max_steps=5, start_step=start_step, enabled=enabled)
+
+
+def _records(tmp_path):
+    return [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_jsonl_one_object_per_step_and_nan_as_null(tmp_path):
+    sink = _sink(tmp_path)
+    sink.log(1, {"reward/mean": 0.5, "entropy/mean": math.nan})
+    sink.log(2, {"reward/mean": 1.0, "entropy/mean": 0.3})
+    sink.close()
+    assert _records(tmp_path) == [{"step": 1, "reward/mean": 0.5, "entropy/mean": None},
+                                  {"step": 2, "reward/mean": 1.0, "entropy/mean": 0.3}]
+
+
+def test_disabled_rank_writes_nothing(tmp_path):
+    sink = _sink(tmp_path, enabled=False)
+    sink.log(1, {"reward/mean": 0.5})
+    sink.close()
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_resume_drops_records_after_the_checkpoint(tmp_path):
+    sink = _sink(tmp_path)
+    for step in (1, 2, 3):
+        sink.log(step, {"x": float(step)})
+    sink.close()
+    resumed = _sink(tmp_path, start_step=2)
+    resumed.log(3, {"x": 30.0})
+    resumed.close()
+    assert [(r["step"], r["x"]) for r in _records(tmp_path)] == [(1, 1.0), (2, 2.0), (3, 30.0)]
+
+
+def test_wandb_offline_writes_local_run_and_env_wins(tmp_path, monkeypatch):
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    sink = _sink(tmp_path / "offline", mode="offline")
+    sink.log(1, {"reward/mean": 0.25})
+    sink.close()
+    assert list((tmp_path / "offline" / "wandb").glob("offline-run-*"))
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    sink = _sink(tmp_path / "env", mode="offline")
+    sink.log(1, {"reward/mean": 0.25})
+    sink.close()
+    assert not (tmp_path / "env" / "wandb").exists()
+
+
+def test_plot_curves_writes_png(tmp_path):
+    sink = _sink(tmp_path)
+    for step in range(1, 4):
+        sink.log(step, {"reward/mean": step / 3, "accuracy": step / 4, "entropy/mean": 1.0 / step})
+    sink.close()
+    plot_curves(tmp_path / "metrics.jsonl", tmp_path / "curves.png")
+    data = (tmp_path / "curves.png").read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def test_plot_curves_rejects_empty_file(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text("")
+    with pytest.raises(ValueError, match="no metrics records"):
+        plot_curves(tmp_path / "metrics.jsonl", tmp_path / "curves.png")
+
+
+def test_step_line_lists_known_keys_in_order():
+    line = format_step_line(3, {"accuracy": 0.5, "reward/mean": 1.25, "other": 9.0})
+    assert line == "step 3: reward/mean=1.25 accuracy=0.5"

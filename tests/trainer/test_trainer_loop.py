@@ -1,0 +1,127 @@
+"""The loop's orchestration with fakes in a one-process gloo world: phases, metrics, checkpoints, resume, SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from gtpo_megatron.config import LoggingConfig, load_config
+from gtpo_megatron.data.datasets import load_problems
+from gtpo_megatron.data.loader import PromptLoader
+from gtpo_megatron.logging import MetricSink
+from gtpo_megatron.rollout_phase import RolloutCollector
+from gtpo_megatron.trainer import Trainer, list_checkpoints
+
+from tests.trainer.fakes import FakeEngine, FakePolicy, FakeRewardPool, FakeTokenizer, single_rank_groups
+
+CONTRACT_KEYS = {"reward/mean", "accuracy", "entropy/mean", "gtpo/filtered_frac", "gtpo/conflict_frac",
+                 "time/step_s", "reward/std", "format_rate", "response/length_mean", "gtpo/conflict_frac_pos",
+                 "gtpo/conflict_frac_neg", "train/clip_frac", "train/grad_norm", "train/lr", "time/rollout_s",
+                 "time/train_s", "time/sync_s", "perf/tokens_per_s", "mismatch/abs_logprob_diff",
+                 "mismatch/prob_ratio_err"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_rank_world():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _trainer(tmp_path, *overrides, engine=None, policy=None):
+    cfg = load_config(None, ["model=builtin:tiny-qwen2", f"output_dir={tmp_path}", "rollout.num_prompts=2",
+                             "algorithm.group_size=4", "trainer.max_steps=4", "checkpoint.every_n_steps=2",
+                             "checkpoint.keep_last=1", "logging.wandb_mode=disabled", "logging.progress=false",
+                             *overrides])
+    loader = PromptLoader(load_problems("synthetic", limit=50), batch_size=2, seed=0)
+    collector = RolloutCollector(engine=engine or FakeEngine(), reward_pool=FakeRewardPool(),
+                                 tokenizer=FakeTokenizer(), loader=loader, rollout_cfg=cfg.rollout,
+                                 algorithm_cfg=cfg.algorithm)
+    start = max([int(p.name[5:]) for p in list_checkpoints(tmp_path / "checkpoints")] + [0]) if cfg.resume else 0
+    sink = MetricSink(tmp_path, cfg=LoggingConfig(wandb_mode="disabled", progress=False), run_config={},
+                      max_steps=cfg.trainer.max_steps, start_step=start)
+    return Trainer(cfg, groups=single_rank_groups(), policy=policy or FakePolicy(), collector=collector,
+                   pad_token_id=0, sink=sink)
+
+
+def test_step_phases_feed_the_policy_and_engine(tmp_path):
+    trainer = _trainer(tmp_path)
+    metrics = trainer.step(1)
+    assert CONTRACT_KEYS <= set(metrics)
+    batch, kwargs = trainer.policy.train_batches[0]
+    # Completion texts alternate "9" (reward 1) / "0" (0): group_mean advantages +-0.5 minus 0.1 * <H>_i with
+    # <H>_i = 0.25 * (row % 4) from the fake policy (GTPO_SPEC sections 2 and 4).
+    entropy = 0.25 * (torch.arange(8) % 4).float()
+    expected = torch.tensor([0.5, -0.5, 0.5, -0.5] * 2) - 0.1 * entropy
+    torch.testing.assert_close(batch.advantages, expected)
+    assert trainer.initial_entropy == pytest.approx(float(entropy.mean()))  # 0.375 <= ln 2: the filter is active
+    assert batch.old_logprobs is None and kwargs["loss_name"] == "gtpo" and kwargs["temperature"] == 0.9
+    assert metrics["accuracy"] == 0.5 and metrics["reward/mean"] == 0.5
+    assert metrics["gtpo/filtered_frac"] == pytest.approx(2 / 8)  # rows with <H> = 0.75 > ln 2
+    assert metrics["mismatch/abs_logprob_diff"] == pytest.approx(0.25)  # |-1 - (-1)| and |-1 - (-0.5)|
+    assert trainer.collector.engine.events == ["sleep", "wake_up", "synced"]
+    assert trainer.collector.engine.pushed == [["model.embed_tokens.weight", "lm_head.weight"]]
+    sampling = trainer.collector.engine.calls[0][2]
+    assert (sampling.seed, sampling.max_tokens, sampling.temperature) == (1000, 1500, 0.9)
+
+
+def test_run_writes_metrics_curves_and_prunes_checkpoints(tmp_path):
+    trainer = _trainer(tmp_path)
+    trainer.run()
+    trainer.close()
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == [1, 2, 3, 4]
+    assert (tmp_path / "curves.png").stat().st_size > 0
+    assert [p.name for p in list_checkpoints(tmp_path / "checkpoints")] == ["step_000004"]  # keep_last=1
+    assert len(trainer.policy.saved) == 2  # steps 2 and 4
+
+
+def test_resume_continues_with_the_same_prompts(tmp_path):
+    full = _trainer(tmp_path / "full")
+    full.run()
+    stopped = _trainer(tmp_path / "cut", "trainer.max_steps=2")
+    stopped.run()
+    resumed = _trainer(tmp_path / "cut", "resume=true")
+    resumed.run()
+    prompts = lambda engine: [call[0] for call in engine.calls]  # noqa: E731
+    assert prompts(resumed.collector.engine) == prompts(full.collector.engine)[2:]
+    seeds = [call[2].seed for call in resumed.collector.engine.calls]
+    assert seeds == [3000, 4000]
+    assert resumed.collector.engine.events[:2] == ["wake_up", "synced"]  # weights pushed right after loading
+    lines = [json.loads(line) for line in (tmp_path / "cut" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == [1, 2, 3, 4]
+
+
+def test_sigterm_saves_after_the_current_step_and_stops(tmp_path):
+    trainer = _trainer(tmp_path, "checkpoint.every_n_steps=0")
+    original = trainer.step
+
+    def step_then_signal(step):
+        metrics = original(step)
+        if step == 1:
+            os.kill(os.getpid(), __import__("signal").SIGTERM)
+        return metrics
+
+    trainer.step = step_then_signal
+    trainer.run()
+    assert [p.name for p in list_checkpoints(tmp_path / "checkpoints")] == ["step_000001"]
+
+
+def test_dynamic_sampling_resamples_until_groups_vary(tmp_path):
+    trainer = _trainer(tmp_path, "algorithm=dapo", engine=FakeEngine(uniform_rounds=1))
+    metrics = trainer.step(1)
+    assert metrics["rollout/num_rounds"] == 2.0
+    seeds = [call[2].seed for call in trainer.collector.engine.calls]
+    assert seeds == [1000, 1001]
+    batch, kwargs = trainer.policy.train_batches[0]
+    assert batch.advantages.abs().min() > 0  # both chosen groups come from the varied second round
+    assert kwargs["aggregation"] == "token-mean" and kwargs["clip_eps_high"] == 0.28
