@@ -32,5 +32,5 @@ def pytest_collection_modifyitems(config, items):
         return
     skip_gpu = pytest.mark.skip(reason="needs CUDA (run tests/gpu/run_gpu_checks.sh on a GPU machine)")
     for item in items:
-        if "gpu" in item.keywords:
+        if item.get_closest_marker("gpu") is not None:  # not `in keywords`: that also matches tests/gpu/
             item.add_marker(skip_gpu)

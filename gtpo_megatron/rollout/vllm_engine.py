@@ -214,6 +214,10 @@ class VLLMEngine:
                 enforce_eager=enforce_eager,
                 enable_sleep_mode=self._sleep_enabled,
                 max_num_seqs=max_num_seqs,
+                # vLLM's CPU sampler cannot resume a seeded request whose prompt was split across scheduler
+                # steps ("CPU Generator does not use offset"), so on CPU no prompt is ever chunked.
+                **({"enable_chunked_prefill": False, "max_num_batched_tokens": max(max_model_len, 8192)}
+                   if current_platform.is_cpu() else {}),
                 logprobs_mode="processed_logprobs",
                 use_tqdm_on_load=False,
                 worker_extension_cls=f"{__name__}.WeightReloadExtension",
