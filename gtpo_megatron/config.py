@@ -46,6 +46,10 @@ class ModelConfig:
     """Megatron pads the vocabulary to a multiple of this times tp_size (padded_vocab_size)."""
     recompute: Literal["none", "selective", "full"] = "none"
     """Activation recompute granularity passed to Megatron."""
+    pad_attention_heads: bool = False
+    """Pad the KV groups (zero weights, exact: they stay zero in training) up to a multiple of ``parallel.tp_size``
+    when they do not divide it, e.g. SmolLM2-135M's 3 groups x 3 heads at TP=2 (see
+    ``megatron_adapter/head_padding.py``). Export and weight sync strip the padding."""
     megatron_overrides: dict[str, object] = field(default_factory=dict)
     """Extra ``TransformerConfig`` fields (checked against Megatron's dataclass in ``GTPOConfig.validate``)."""
 
@@ -363,12 +367,14 @@ class GTPOConfig:
         hf = read_hf_config(self.model.name_or_path)
         if hf is None:
             return
-        for key, size, axis in (("num_attention_heads", tp, "tp_size"),
-                                ("num_key_value_heads", tp, "tp_size"),
-                                ("num_hidden_layers", pp, "pp_size")):
+        checks = [("num_hidden_layers", pp, "pp_size")]
+        if not self.model.pad_attention_heads:
+            checks += [("num_attention_heads", tp, "tp_size"), ("num_key_value_heads", tp, "tp_size")]
+        for key, size, axis in checks:
             value = hf.get(key)
+            fix = f"choose a divisor of {value}" + ("" if axis == "pp_size" else " or set model.pad_attention_heads=true")
             _require(value is None or value % size == 0, f"parallel.{axis}", size,
-                     f"must divide the model's {key}={value}", f"choose a divisor of {value}")
+                     f"must divide the model's {key}={value}", fix)
         max_pos = hf.get("max_position_embeddings")
         total = self.rollout.max_prompt_len + self.rollout.max_tokens
         _require(max_pos is None or total <= max_pos, "rollout.max_prompt_len+rollout.max_tokens", total,

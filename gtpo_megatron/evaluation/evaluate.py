@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 
 BENCHMARKS = ("gsm8k", "math500", "aime24", "aime25", "amc23")
 DISPLAY_NAMES = {"gsm8k": "GSM8K", "math500": "MATH-500", "aime24": "AIME24", "aime25": "AIME25", "amc23": "AMC23"}
-_MEGATRON_MARKERS = ("latest_checkpointed_iteration.txt", "common.pt", ".metadata", "metadata.json")
+_MEGATRON_MARKERS = ("latest_checkpointed_iteration.txt", ".metadata")  # Megatron-LM layouts we do not convert
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -79,23 +79,32 @@ class EvalConfig:
 
 
 def resolve_hf_model(model: str) -> str:
-    """HF folder (or hub name) for ``model``; built-in names are materialised.
+    """HF folder (or hub name) for ``model``; built-in names are materialised, Megatron checkpoints exported.
+
+    A Megatron checkpoint of a training run (its step folder, its ``checkpoints/`` folder or the run dir) is
+    converted once into ``<step dir>/hf/`` by ``checkpoint_export.export_checkpoint_to_hf`` and that folder is
+    returned (reused on later calls).
 
     Raises:
-        NotImplementedError: ``model`` is a Megatron checkpoint folder (conversion is not wired yet).
-        ValueError: ``model`` is a folder that is neither a Hugging Face model nor a Megatron checkpoint.
+        ValueError: ``model`` is a folder that is neither a Hugging Face model nor a run's Megatron checkpoint.
+        FileNotFoundError: a Megatron checkpoint without its run's ``config.yaml`` two levels up.
     """
+    from gtpo_megatron.evaluation.checkpoint_export import export_checkpoint_to_hf, is_megatron_checkpoint
+
     path = Path(resolve_model_path(model))
     if not path.is_dir():
         return str(path)
     if (path / "config.json").exists():
         return str(path)
+    if is_megatron_checkpoint(path):
+        return str(export_checkpoint_to_hf(path))
     if any((path / m).exists() for m in _MEGATRON_MARKERS) or any(path.glob("iter_*")):
-        raise NotImplementedError(
-            f"--model {model} is a Megatron checkpoint; converting it with MegatronPolicy.export_hf is not wired "
-            "into gtpo-eval yet. Export a Hugging Face folder from the checkpoint and pass that folder instead."
-        )
-    raise ValueError(f"--model {model} is a folder without config.json; pass a Hugging Face model folder")
+        raise ValueError(
+            f"--model {model} looks like a Megatron checkpoint of another trainer (Megatron-LM iter_* layout); "
+            "only checkpoints written by gtpo-train (RUN_DIR/checkpoints/step_NNNNNN) are converted. Pass a "
+            "Hugging Face folder instead")
+    raise ValueError(f"--model {model} is a folder without config.json; pass a Hugging Face model folder, a "
+                     "gtpo-train run dir or one of its checkpoints/step_NNNNNN folders")
 
 
 def _to_samples(out, results) -> list[SampleRecord]:
@@ -184,7 +193,7 @@ def run_evaluation(config: EvalConfig, *, engine: RolloutEngine | None = None) -
 
     Raises:
         ValueError / FileNotFoundError: bad model folder or benchmark file (from the loaders, naming file and line).
-        NotImplementedError: ``config.model`` is a Megatron checkpoint.
+        FileNotFoundError: a Megatron checkpoint without its run's ``config.yaml`` (see ``resolve_hf_model``).
     """
     from transformers import AutoTokenizer
 

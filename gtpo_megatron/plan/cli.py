@@ -208,6 +208,7 @@ def run(argv: list[str] | None = None) -> tuple[int, str]:
             num_prompts=cfg.rollout.num_prompts, group_size=cfg.algorithm.group_size,
             micro_batch_size=cfg.optim.micro_batch_size,
             make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by, gpus_per_node=args.gpus_per_node,
+            pad_attention_heads=cfg.model.pad_attention_heads,
         )  # fmt: skip
         cfg.validate(layout.train_world_size, check_registries=False)  # the torchrun world
     except ValueError as err:

@@ -60,15 +60,19 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _model_problems(arch: Architecture, tp: int, pp: int, engine_tp: int) -> list[str]:
-    """Reasons the model cannot be sharded this way (empty when it can)."""
+def _model_problems(arch: Architecture, tp: int, pp: int, engine_tp: int, pad_heads: bool) -> list[str]:
+    """Reasons the model cannot be sharded this way (empty when it can).
+
+    With ``pad_heads`` (``model.pad_attention_heads``) Megatron pads the KV groups to a multiple of ``tp`` with
+    zero heads, so only the pipeline and engine rules apply to the training layout.
+    """
     problems = []
     heads, groups = arch.num_attention_heads, arch.num_query_groups
     tp_ok = [d for d in _divisors(heads) if groups % d == 0]
-    if heads % tp or groups % tp:
+    if (heads % tp or groups % tp) and not pad_heads:
         problems.append(
             f"parallel.tp_size={tp} must divide num_attention_heads={heads} and num_query_groups={groups} of "
-            f"{arch.name}; use one of {tp_ok}"
+            f"{arch.name}; use one of {tp_ok} or set model.pad_attention_heads=true"
         )
     if arch.num_layers % pp:
         problems.append(
@@ -97,6 +101,7 @@ def check_layout(
     micro_batch_size: int,
     make_vocab_size_divisible_by: int,
     gpus_per_node: int = 8,
+    pad_attention_heads: bool = False,
 ) -> Layout:
     """Check every divisibility rule (module docstring) and return the derived :class:`Layout`.
 
@@ -110,12 +115,13 @@ def check_layout(
         micro_batch_size: ``optim.micro_batch_size``.
         make_vocab_size_divisible_by: ``model.make_vocab_size_divisible_by``.
         gpus_per_node: GPUs of one node (the engine stays within one node).
+        pad_attention_heads: ``model.pad_attention_heads`` (zero KV groups pad the heads to a multiple of tp).
 
     Raises:
         ValueError: one line per broken rule, each naming the fields, their values and a fix.
     """
     train_world = world_size - (engine_tp_size if placement == "separate" else 0)
-    problems = _model_problems(arch, tp_size, pp_size, engine_tp_size)
+    problems = _model_problems(arch, tp_size, pp_size, engine_tp_size, pad_attention_heads)
     model_parallel = tp_size * pp_size
     if train_world < 1 or train_world % model_parallel:
         need = f"{model_parallel}*k" + (f" + {engine_tp_size}" if placement == "separate" else "")

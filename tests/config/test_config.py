@@ -139,6 +139,7 @@ def test_validate_heads_against_local_model():
     _cfg("parallel.tp_size=2", "rollout.max_tokens=64").validate(2, check_registries=False)
     with pytest.raises(ValueError, match="must divide the model's num_key_value_heads=2"):
         _cfg("parallel.tp_size=4").validate(4, check_registries=False)
+    _cfg("parallel.tp_size=4", "model.pad_attention_heads=true").validate(4, check_registries=False)
     with pytest.raises(ValueError, match="max_position_embeddings=2048"):
         _cfg("rollout.max_tokens=2000").validate(1, check_registries=False)
 

@@ -144,7 +144,6 @@ def _tiny_worker(rank: int, world_size: int, out_root: str) -> None:
     if rank == 0:
         _check_export(f"{out_root}/export", path, ref_weights)
     print(f"[head padding] tiny llama: max |grad diff| per step = {worst}, grad norms {norms} vs {ref_norms}")
-    dist.barrier()
 
 
 def _check_export(out_dir: str, original_dir: str, ref_weights: dict[str, torch.Tensor]) -> None:

@@ -63,8 +63,13 @@ def test_model_folder_detection(tmp_path):
     megatron = tmp_path / "ckpt"
     megatron.mkdir()
     (megatron / "latest_checkpointed_iteration.txt").write_text("20")
-    with pytest.raises(NotImplementedError, match="Megatron checkpoint.*export_hf"):
+    with pytest.raises(ValueError, match="Megatron checkpoint of another trainer"):
         resolve_hf_model(str(megatron))
+    orphan = tmp_path / "orphan" / "step_000001"  # a gtpo-train step folder moved out of its run dir
+    orphan.mkdir(parents=True)
+    (orphan / "metadata.json").write_text("{}")
+    with pytest.raises(FileNotFoundError, match="config.yaml"):
+        resolve_hf_model(str(orphan))
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="without config.json"):
         resolve_hf_model(str(tmp_path / "empty"))

@@ -94,9 +94,12 @@ def test_bad_config_key_exits_2() -> None:
 
 
 def test_local_builtin_model_is_read_from_its_config() -> None:
-    # SmolLM2-135M: 9 heads / 3 KV heads, so tp 2 cannot divide them
-    status, text = run(["--config", str(CONFIGS / "cpu_demo.yaml"), "--gpus", "2", "parallel.tp_size=2"])
-    assert status == 2 and "num_attention_heads=9" in text
+    # SmolLM2-135M: 9 heads / 3 KV heads, so tp 2 cannot divide them unless the heads are padded
+    demo = str(CONFIGS / "cpu_demo.yaml")
+    status, text = run(["--config", demo, "--gpus", "2", "parallel.tp_size=2", "model.pad_attention_heads=false"])
+    assert status == 2 and "num_attention_heads=9" in text and "model.pad_attention_heads=true" in text
+    status, _ = run(["--config", demo, "--gpus", "2", "parallel.tp_size=2", "model.pad_attention_heads=true"])
+    assert status == 0
 
 
 def test_console_script_exit_status() -> None:

@@ -1,0 +1,152 @@
+"""Megatron checkpoint of a training run -> Hugging Face folder that ``transformers`` and vLLM load (issue 5).
+
+A run written by ``gtpo-train`` looks like (``trainer.Trainer.save``, ``checkpoint.save_checkpoint``)::
+
+    RUN_DIR/config.yaml                          the resolved run config (its ``model`` section names the base)
+    RUN_DIR/checkpoints/step_000020/             one dist checkpoint (common.pt, metadata.json, *.distcp)
+    RUN_DIR/checkpoints/latest                   text file: name of the newest complete step folder
+
+``export_checkpoint_to_hf`` accepts the step folder, the ``checkpoints/`` folder (uses ``latest``) or the run dir.
+It rebuilds the policy from the run's config in this single process (a 1-rank gloo group, TP = PP = 1; the
+checkpoint may have been written with any TP/PP/DP layout: dist checkpoints reshard on load, and the policy is built
+with the plain, non-distributed optimizer, which ``checkpoint.load_checkpoint`` can load on CPU without Apex/TE),
+loads the checkpoint and writes ``policy.export_hf`` into ``<step dir>/hf/`` (written under a temporary sibling and
+renamed, so an interrupted export leaves no half folder; an existing ``hf/`` is reused).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from pathlib import Path
+
+from gtpo_megatron.checkpoint import LATEST_FILE, resolve_checkpoint_dir
+from gtpo_megatron.logging import get_logger
+
+CONFIG_FILE = "config.yaml"
+CHECKPOINTS_DIR = "checkpoints"
+HF_SUBDIR = "hf"
+logger = get_logger(__name__)
+
+
+def is_megatron_checkpoint(path: str | Path) -> bool:
+    """True when ``path`` is a step folder, a ``checkpoints/`` root with ``latest``, or a run dir holding one."""
+    path = Path(path)
+    if not path.is_dir():
+        return False
+    return ((path / "common.pt").exists() or (path / "metadata.json").exists() or (path / LATEST_FILE).exists()
+            or ((path / CONFIG_FILE).exists() and (path / CHECKPOINTS_DIR / LATEST_FILE).exists()))
+
+
+def resolve_step_dir(path: str | Path) -> Path:
+    """The checkpoint step folder that ``path`` (step folder, ``checkpoints/`` root or run dir) designates.
+
+    Raises:
+        ValueError: ``path`` is none of the three (names the path and what was looked for).
+    """
+    path = Path(path)
+    if (path / CONFIG_FILE).exists() and (path / CHECKPOINTS_DIR).is_dir():
+        path = path / CHECKPOINTS_DIR
+    return resolve_checkpoint_dir(path)
+
+
+def run_config_path(step_dir: Path) -> Path:
+    """``RUN_DIR/config.yaml`` of a step folder ``RUN_DIR/checkpoints/step_NNNNNN``.
+
+    Raises:
+        FileNotFoundError: no ``config.yaml`` two levels up (the checkpoint was moved out of its run dir).
+    """
+    config = step_dir.resolve().parent.parent / CONFIG_FILE
+    if not config.is_file():
+        raise FileNotFoundError(
+            f"{config} not found: the checkpoint {step_dir} must sit at RUN_DIR/checkpoints/<step>/ next to the "
+            f"run's {CONFIG_FILE} (it names the base model); copy the run's {CONFIG_FILE} there")
+    return config
+
+
+def export_checkpoint_to_hf(path: str | Path, out_dir: str | Path | None = None, *, overwrite: bool = False) -> Path:
+    """Convert a run's Megatron checkpoint into an HF folder; returns the folder.
+
+    Args:
+        path: step folder, ``checkpoints/`` folder (its ``latest``) or run dir.
+        out_dir: destination; default ``<step dir>/hf``.
+        overwrite: re-export even if ``out_dir/config.json`` exists (else the existing folder is reused).
+
+    Collectives: the policy's own on a 1-rank world (initialised here, torn down afterwards unless the caller
+    had already initialised a 1-rank world).
+
+    Raises:
+        ValueError: ``path`` holds no checkpoint; an existing process group has more than one rank.
+        FileNotFoundError: the run's ``config.yaml`` is missing.
+    """
+    step_dir = resolve_step_dir(path)
+    out = Path(out_dir) if out_dir is not None else step_dir / HF_SUBDIR
+    if (out / "config.json").exists() and not overwrite:
+        logger.info("reusing the exported HF folder %s", out)
+        return out
+    from gtpo_megatron.config import load_config
+
+    cfg = load_config(run_config_path(step_dir))
+    logger.info("exporting %s (base model %s) to %s", step_dir, cfg.model.name_or_path, out)
+    with _single_rank_world() as groups:
+        policy = _build_export_policy(cfg, groups)
+        policy.load_checkpoint(str(step_dir))
+        policy.export_hf(str(out))
+    return out
+
+
+def _build_export_policy(cfg, groups):
+    """``build.build_policy`` with the run's model settings at TP = PP = 1 and the non-distributed optimizer.
+
+    ``checkpoint.load_checkpoint`` restores the optimizer too; Megatron's distributed optimizer cannot load on CPU
+    without Apex/TE (``checkpoint._check_loadable``), the plain one loads a checkpoint of any layout.
+    """
+    from gtpo_megatron.assets import resolve_model_path
+    from gtpo_megatron.build import build_policy
+
+    cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, tp_size=1, pp_size=1,
+                                                                sequence_parallel=False,
+                                                                use_distributed_optimizer=False))
+    return build_policy(cfg, resolve_model_path(cfg.model.name_or_path), groups)
+
+
+@contextlib.contextmanager
+def _single_rank_world():
+    """Init a 1-rank gloo world + Megatron TP = PP = 1 (free local port unless MASTER_ADDR/PORT are set); yields
+    the ``ParallelGroups`` and tears the world down afterwards if it created it.
+
+    Raises:
+        ValueError: a process group with more than one rank already exists.
+    """
+    import torch.distributed as dist
+
+    from gtpo_megatron.parallel.groups import destroy_distributed, init_distributed
+
+    owned = not dist.is_initialized()
+    if not owned and dist.get_world_size() != 1:
+        raise ValueError(f"export_checkpoint_to_hf runs in one process; the current process group has "
+                         f"{dist.get_world_size()} ranks. Call it before init_process_group or in a 1-rank job")
+    saved_env = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
+    if owned:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ["RANK"], os.environ["WORLD_SIZE"] = "0", "1"
+    try:
+        yield init_distributed(tp_size=1, pp_size=1, backend="gloo")
+    finally:
+        if owned:
+            destroy_distributed()
+            for key, value in saved_env.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

@@ -1,0 +1,87 @@
+"""Megatron checkpoint of a run -> HF folder (``evaluation.checkpoint_export``; issue 5, ``gtpo-eval --model CKPT``).
+
+Like the trainer does: two gloo ranks (TP=2, a layout different from the exporter's TP=1) build the policy of
+``builtin:tiny-llama`` from a run config, take one optimizer step (so the weights differ from the base model),
+save ``RUN_DIR/checkpoints/step_000001`` (+ ``latest``) and record ``policy.iter_hf_weights()``. A fresh
+process then resolves the *run dir* through ``resolve_hf_model`` (the path ``gtpo-eval`` takes): the exported
+safetensors must equal the recorded weights bit for bit, transformers must load the folder, and a second
+resolution must reuse the folder.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.adapter.megatron_helpers import TINY_LLAMA, make_batch
+from tests.helpers.dist_harness import run_distributed
+
+pytestmark = pytest.mark.distributed
+
+
+def _train_and_save(rank: int, world_size: int, run_dir: str) -> None:
+    from gtpo_megatron.build import build_policy
+    from gtpo_megatron.config import load_config, save_config
+    from gtpo_megatron.parallel.groups import init_distributed
+
+    cfg = load_config(None, [f"model={TINY_LLAMA}", f"output_dir={run_dir}", "model.params_dtype=float32",
+                             "parallel.tp_size=2", "optim.lr=1e-2", "optim.min_lr=1e-2", "optim.clip_grad=0"])
+    if rank == 0:
+        save_config(cfg, Path(run_dir) / "config.yaml")
+    policy = build_policy(cfg, cfg.model.name_or_path, init_distributed(tp_size=2))
+    metrics = policy.train_step(make_batch(rows=4, seed=3), loss_name="gtpo", aggregation="seq-mean-token-mean",
+                                clip_eps_low=0.2, clip_eps_high=0.2)
+    assert metrics["skipped"] == 0.0, metrics
+    policy.save_checkpoint(f"{run_dir}/checkpoints/step_000001", {"step": 1})
+    weights = {name: tensor.clone() for name, tensor in policy.iter_hf_weights()}
+    if rank == 0:
+        torch.save(weights, Path(run_dir) / "expected_hf_weights.pt")
+
+
+def _resolve_in_fresh_process(model: str) -> str:
+    code = ("import sys; from gtpo_megatron.evaluation.evaluate import resolve_hf_model; "
+            "print(resolve_hf_model(sys.argv[1]))")
+    out = subprocess.run([sys.executable, "-c", code, model], capture_output=True, text=True, timeout=240,
+                         cwd=Path(__file__).resolve().parents[2])
+    assert out.returncode == 0, out.stderr[-4000:]
+    return out.stdout.strip().splitlines()[-1]
+
+
+def test_export_run_checkpoint_to_hf(tmp_path):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from gtpo_megatron.assets import resolve_model_path
+    from gtpo_megatron.evaluation.evaluate import resolve_hf_model
+
+    run_dir = tmp_path / "run"
+    run_distributed(_train_and_save, 2, str(run_dir))
+    step_dir = run_dir / "checkpoints" / "step_000001"
+    assert (run_dir / "checkpoints" / "latest").read_text() == "step_000001"
+
+    hf_dir = Path(_resolve_in_fresh_process(str(run_dir)))
+    assert hf_dir == step_dir / "hf"
+    expected = torch.load(run_dir / "expected_hf_weights.pt")
+    exported = {}
+    for file in sorted(hf_dir.glob("*.safetensors")):
+        exported.update(load_file(str(file)))
+    assert sorted(exported) == sorted(expected)
+    for name, tensor in expected.items():
+        assert torch.equal(exported[name], tensor), name
+    base = load_file(str(Path(resolve_model_path(TINY_LLAMA)) / "model.safetensors"))
+    assert not torch.equal(base["model.layers.0.mlp.down_proj.weight"],
+                           exported["model.layers.0.mlp.down_proj.weight"]), "the step did not change the weights"
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir)
+    logits = model(torch.tensor([[1, 5, 9]])).logits
+    assert logits.shape == (1, 3, 49152) and torch.isfinite(logits).all()
+
+    stamp = (hf_dir / "config.json").stat().st_mtime_ns
+    assert resolve_hf_model(str(step_dir)) == str(hf_dir)  # step folder: the cached export is reused
+    assert resolve_hf_model(str(run_dir / "checkpoints")) == str(hf_dir)
+    assert (hf_dir / "config.json").stat().st_mtime_ns == stamp
