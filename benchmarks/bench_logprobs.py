@@ -21,6 +21,10 @@ period). The "work" column subtracts the logits gradient (the same size in every
 the computation's own working set. Time is the best of ``--repeats`` further forward+backward runs (wall clock;
 on a shared machine, compare runs taken at the same load).
 
+Chunk size: 256 tokens by default (two fp32 buffers of 256 x V/tp = 2 x 156 MB at TP=1). With two torch threads
+on this 2-core machine, chunks of 16 paid an OpenMP barrier per small op and ran slower than the naive path when
+the machine was shared; with one thread per process chunks of 8-32 were as fast as 256.
+
 Roofline: three passes over the logits (forward max, forward softmax statistics, backward recompute+gradient) at
 this machine's measured read bandwidth (best of 3 ``sum()`` reductions over a 1 GiB fp32 buffer). The fraction is
 ``roofline time / measured time`` and "achieved" is ``3 * logits bytes / measured time``.

@@ -109,6 +109,12 @@ class RolloutConfig:
     """KV-cache size on CPU (VLLM_CPU_KVCACHE_SPACE, GiB)."""
     weight_sync_bucket_mb: int = 512
     """Bound on the tensors in flight during one weight-sync bucket (MiB)."""
+    offload_train_state: bool = False
+    """Colocated runs on GPU: free the gradient buffers and move the optimizer states (fp32 main weights and Adam
+    moments) to host memory while vLLM generates, then bring them back (megatron-core's
+    ``DistributedDataParallel.offload_grad_buffers`` and ``MegatronOptimizer.offload_to_cpu``, made for RL). Costs
+    two host<->device copies of the optimizer state per step; ``gtpo-plan`` counts only the weights as resident
+    during rollout when set. Requires ``placement: colocated``; has no effect (a warning says so) on CPU."""
 
     def __post_init__(self) -> None:
         _require(self.num_prompts >= 1, "rollout.num_prompts", self.num_prompts, "must be >= 1", "use 1 or more")
@@ -125,6 +131,10 @@ class RolloutConfig:
                  "use 1")
         _require(self.weight_sync_bucket_mb >= 1, "rollout.weight_sync_bucket_mb", self.weight_sync_bucket_mb,
                  "must be >= 1", "use 512")
+        _require(not self.offload_train_state or self.placement == "colocated",
+                 "rollout.offload_train_state/rollout.placement", (self.offload_train_state, self.placement),
+                 "offloading the training state only frees memory for an engine on the same devices (colocated)",
+                 "set rollout.offload_train_state=false, or rollout.placement=colocated")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

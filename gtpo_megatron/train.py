@@ -37,6 +37,16 @@ def _single_process_defaults() -> None:
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 
 
+def _refuse_to_overwrite(cfg) -> None:
+    """A fresh run (``resume=false``) never writes over an earlier run's checkpoints and metrics."""
+    earlier = sorted((Path(cfg.output_dir) / "checkpoints").glob("step_*"))
+    if not cfg.resume and earlier:
+        raise ValueError(
+            f"output_dir={cfg.output_dir!r} holds checkpoints of an earlier run (last: {earlier[-1].name}); "
+            "pass resume=true to continue it or output_dir=<new folder> to start a new run"
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one training job; returns the exit code (0 on success, 2 on a config error, printed without a traceback)."""
     args = parse_args(argv)
@@ -45,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         cfg.validate(int(os.environ["WORLD_SIZE"]))
+        _refuse_to_overwrite(cfg)
     except ValueError as err:
         print(f"gtpo-train: config error: {err}", file=sys.stderr)
         return 2

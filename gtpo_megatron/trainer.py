@@ -80,6 +80,10 @@ class Trainer:
         self.initial_entropy: float | None = None
         self.loader_state: dict | None = None
         self._stop_requested = False
+        self._offload_enabled = cfg.rollout.offload_train_state and _cuda_available()
+        if cfg.rollout.offload_train_state and not self._offload_enabled:
+            logger.warning("rollout.offload_train_state=true has no effect without CUDA: the training state "
+                           "already lives in host memory")
 
     # ------------------------------------------------------------------------------------------------ the step
     def step(self, step: int) -> dict[str, float]:
@@ -112,13 +116,21 @@ class Trainer:
         return metrics
 
     def _rollout(self, step: int) -> StepRollout:
-        """Rank 0 samples and scores (engine sleeps afterwards when colocated); every rank gets the result."""
+        """Rank 0 samples and scores (engine sleeps afterwards when colocated); every rank gets the result.
+
+        With ``rollout.offload_train_state`` (CUDA) every rank's gradient buffers and optimizer states leave the
+        GPU for the duration (the previous ``train_step`` consumed the gradients) and are back before it returns.
+        """
         box: list[StepRollout | None] = [None]
+        if self._offload_enabled:
+            self.policy.offload_train_state()
         if self.collector is not None:
             box[0] = self.collector.collect(step)
             if self.cfg.rollout.placement == "colocated":
                 self.collector.engine.sleep()
         dist.broadcast_object_list(box, src=0)
+        if self._offload_enabled:
+            self.policy.restore_train_state()
         return box[0]
 
     def _old_logprob_pass(self, local: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -253,6 +265,11 @@ class Trainer:
             self.collector.engine.close()
             self.collector.reward_pool.close()
         self.sink.close()
+
+
+def _cuda_available() -> bool:
+    """Whether this process trains on CUDA (a function so that CPU tests can pretend)."""
+    return torch.cuda.is_available()
 
 
 def list_checkpoints(folder: Path) -> list[Path]:

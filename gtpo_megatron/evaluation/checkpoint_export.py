@@ -150,3 +150,20 @@ def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m gtpo_megatron.evaluation.checkpoint_export CKPT [OUT]``: export and print the HF folder."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=export_checkpoint_to_hf.__doc__.split("\n")[0])
+    parser.add_argument("checkpoint", help="step folder, checkpoints/ folder (uses latest) or run dir")
+    parser.add_argument("out", nargs="?", default=None, help="destination folder (default: <step dir>/hf)")
+    parser.add_argument("--overwrite", action="store_true", help="re-export even if the destination exists")
+    args = parser.parse_args(argv)
+    print(export_checkpoint_to_hf(args.checkpoint, args.out, overwrite=args.overwrite))  # noqa: T201 (CLI output)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

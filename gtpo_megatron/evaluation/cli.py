@@ -35,8 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``gtpo-eval`` argument parser."""
     p = argparse.ArgumentParser(prog="gtpo-eval", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True,
-                   help="HF model folder, hub name or builtin:NAME (a Megatron checkpoint folder is detected and "
-                        "refused until export is wired)")
+                   help="HF model folder, hub name, builtin:NAME, or a gtpo-train run dir / its checkpoints/ folder "
+                        "/ a checkpoints/step_NNNNNN folder (exported once to <step dir>/hf and reused)")
     p.add_argument("--benchmarks", type=_name_list, default=BENCHMARKS,
                    help=f"comma-separated: {','.join(BENCHMARKS)} (or Hugging Face dataset names)")
     p.add_argument("--data-dir", default=None,

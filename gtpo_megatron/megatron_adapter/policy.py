@@ -255,6 +255,32 @@ class MegatronPolicy:
         self.optimizer.zero_grad()
         self.ddp_model.zero_grad_buffer()
 
+    def offload_train_state(self) -> None:
+        """Free the DDP gradient buffers and move the optimizer's tensors to host memory (CUDA only).
+
+        Megatron-Core's RL hooks: ``DistributedDataParallel.offload_grad_buffers`` shrinks every grad buffer's
+        storage to 0 (``param.main_grad`` views stay valid objects; their values are lost), and
+        ``MegatronOptimizer.offload_to_cpu`` moves the tensors of ``optimizer.param_groups`` (fp32 main params;
+        with the plain fp32 optimizer these are the model parameters themselves) and the Adam states to CPU.
+        Call only when the gradients are consumed: after ``train_step`` (``optimizer_step`` zeroes them) and
+        before the next ``forward_backward``. No-op when the model is not on CUDA. Issues no collectives.
+        """
+        if self.device.type != "cuda":
+            return
+        self.ddp_model.offload_grad_buffers()
+        self.optimizer.offload_to_cpu()
+
+    def restore_train_state(self) -> None:
+        """Undo ``offload_train_state``: grad buffers are reallocated *zeroed*, optimizer tensors move back.
+
+        Call before any pass that touches the model (``compute_logprobs``, ``train_step``). No-op when the model
+        is not on CUDA. Issues no collectives.
+        """
+        if self.device.type != "cuda":
+            return
+        self.ddp_model.restore_grad_buffers()
+        self.optimizer.restore_from_cpu()
+
     # ----------------------------------------------------------------------------------- weights / checkpoints
     def iter_hf_weights(self):
         """``weight_sync.gather.iter_hf_weights`` on this policy (every TP x PP rank must drain it)."""

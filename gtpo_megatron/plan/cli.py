@@ -116,9 +116,9 @@ def offload_train_state(cfg: GTPOConfig) -> bool:
     """``rollout.offload_train_state``: gradients and optimizer states leave the GPU while vLLM generates.
 
     Megatron-Core provides the calls for RL (``DistributedDataParallel.offload_grad_buffers`` and
-    ``MegatronOptimizer.offload_to_cpu``). The field is proposed for ``RolloutConfig``; until it exists it is off.
+    ``MegatronOptimizer.offload_to_cpu``), which ``Trainer`` calls around the rollout phase when it is set.
     """
-    return bool(getattr(cfg.rollout, "offload_train_state", False))
+    return cfg.rollout.offload_train_state
 
 
 def rollout_resident(stage: StageMemory, offload: bool) -> int:

@@ -162,3 +162,13 @@ def test_dapo_overlong_buffer_is_a_fifth_of_max_tokens():
 def test_algorithm_combinations_rejected_at_load_time(override, fragment):
     with pytest.raises(ValueError, match=fragment):
         load_config(None, [*BASE, "algorithm=dapo", override])
+
+
+def test_offload_train_state_needs_colocated_placement():
+    assert load_config(None, BASE).rollout.offload_train_state is False
+    assert load_config(None, [*BASE, "rollout.offload_train_state=true"]).rollout.offload_train_state is True
+    with pytest.raises(ValueError) as err:
+        load_config(None, [*BASE, "rollout.placement=separate", "rollout.offload_train_state=true"])
+    message = str(err.value)
+    assert "rollout.offload_train_state/rollout.placement=(True, 'separate')" in message
+    assert "set rollout.offload_train_state=false, or rollout.placement=colocated" in message

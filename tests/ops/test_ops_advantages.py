@@ -29,7 +29,7 @@ def test_literal_group_mean_and_group_mean_std():
 @pytest.mark.parametrize("estimator", ["group_mean", "group_mean_std"])
 def test_degenerate_groups_give_exact_zero(estimator):
     assert torch.equal(compute_group_advantages(torch.full((7,), 0.35), 7, estimator=estimator), torch.zeros(7))
-    assert torch.equal(compute_group_advantages(torch.tensor([0.1 + 0.2] * 3 + [0.3] * 0), 3, estimator=estimator),
+    assert torch.equal(compute_group_advantages(torch.tensor([0.1 + 0.2] * 3), 3, estimator=estimator),
                        torch.zeros(3))
     assert torch.equal(compute_group_advantages(torch.tensor([3.0, -1.0, 7.0]), 1, estimator=estimator),
                        torch.zeros(3))

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from gtpo_megatron.config import RolloutConfig
 from gtpo_megatron.plan.cli import run
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -48,13 +47,11 @@ def test_recipe_fits_at_its_gpu_count(path: Path) -> None:
 def test_8gpu_recipe_needs_train_state_offload() -> None:
     path = CONFIGS / "qwen2.5-32b_gsm8k_gtpo_8gpu.yaml"
     args = ["--config", str(path), "--gpus", "8", "--gpu-mem", "80"]
-    if "offload_train_state" in RolloutConfig.__dataclass_fields__:
-        status, text = run([*args, "rollout.offload_train_state=true"])
-        assert status == 0, text
-    else:
-        status, text = run(args)
-        assert status == 2
-        assert "rollout.offload_train_state=true" in text
+    status, text = run([*args, "rollout.offload_train_state=false"])
+    assert status == 2
+    assert "rollout.offload_train_state=true" in text
+    status, text = run(args)  # the recipe sets it
+    assert status == 0, text
     # dp 1: 18 bytes per parameter stay on the GPU for training, 68.7 GiB of the 32.76B model over 8 GPUs
     assert _row(text, "training phase total")[0] > 68.7
 

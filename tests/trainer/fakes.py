@@ -80,6 +80,13 @@ class FakePolicy:
     def __init__(self):
         self.train_batches = []
         self.saved: list[str] = []
+        self.events: list[str] = []
+
+    def offload_train_state(self):
+        self.events.append("offload_train_state")
+
+    def restore_train_state(self):
+        self.events.append("restore_train_state")
 
     def compute_logprobs(self, batch, *, temperature=1.0):
         mask = batch.response_mask

@@ -125,3 +125,44 @@ def test_dynamic_sampling_resamples_until_groups_vary(tmp_path):
     batch, kwargs = trainer.policy.train_batches[0]
     assert batch.advantages.abs().min() > 0  # both chosen groups come from the varied second round
     assert kwargs["aggregation"] == "token-mean" and kwargs["clip_eps_high"] == 0.28
+
+
+class _RecordingEngine(FakeEngine):
+    def generate(self, prompt_ids, n, sampling):
+        self.events.append("generate")
+        return super().generate(prompt_ids, n, sampling)
+
+
+class _RecordingPolicy(FakePolicy):
+    def compute_logprobs(self, batch, *, temperature=1.0):
+        self.events.append("compute_logprobs")
+        return super().compute_logprobs(batch, temperature=temperature)
+
+    def train_step(self, batch, **kwargs):
+        self.events.append("train_step")
+        return super().train_step(batch, **kwargs)
+
+
+def test_train_state_is_offloaded_around_the_rollout(tmp_path, monkeypatch):
+    monkeypatch.setattr("gtpo_megatron.trainer._cuda_available", lambda: True)
+    engine, policy = _RecordingEngine(), _RecordingPolicy()
+    policy.events = engine.events  # one timeline for both
+    trainer = _trainer(tmp_path, "rollout.offload_train_state=true", engine=engine, policy=policy)
+    trainer.step(1)
+    trainer.step(2)
+    one_step = ["offload_train_state", "generate", "sleep", "restore_train_state", "compute_logprobs",
+                "compute_logprobs", "train_step", "wake_up", "synced"]  # entropy at temperature 1 != 0.9: 2 passes
+    assert engine.events == one_step * 2
+
+
+def test_train_state_offload_is_off_by_default_and_warns_without_cuda(tmp_path, monkeypatch, caplog):
+    policy = _RecordingPolicy()
+    _trainer(tmp_path, policy=policy).step(1)
+    assert "offload_train_state" not in policy.events and "restore_train_state" not in policy.events
+    monkeypatch.setattr("gtpo_megatron.trainer._cuda_available", lambda: False)
+    policy = _RecordingPolicy()
+    with caplog.at_level("WARNING"):
+        trainer = _trainer(tmp_path / "cpu", "rollout.offload_train_state=true", policy=policy)
+    assert "rollout.offload_train_state=true has no effect without CUDA" in caplog.text
+    trainer.step(1)
+    assert "offload_train_state" not in policy.events
