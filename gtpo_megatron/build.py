@@ -21,8 +21,11 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 logger = get_logger(__name__)
 
 
-def build_policy(cfg: GTPOConfig, model_path: str, groups):
-    """``MegatronPolicy`` from the model, optim and algorithm sections (cosine decay to min_lr, or constant)."""
+def build_policy(cfg: GTPOConfig, model_path: str, groups, *, padding_tp_size: int | None = None):
+    """``MegatronPolicy`` from the model, optim and algorithm sections (cosine decay to min_lr, or constant).
+
+    ``padding_tp_size``: build with the vocabulary/head padding of a run at that TP size (to load its checkpoint
+    at another layout; see ``MegatronPolicy.from_pretrained``)."""
     from gtpo_megatron.megatron_adapter.policy import MegatronPolicy
 
     optim = cfg.optim
@@ -33,7 +36,8 @@ def build_policy(cfg: GTPOConfig, model_path: str, groups):
         recompute_granularity=recompute, recompute_method="uniform" if recompute == "full" else None,
         recompute_num_layers=1 if recompute == "full" else None,
         make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by,
-        pad_attention_heads=cfg.model.pad_attention_heads, lr=optim.lr, min_lr=optim.min_lr, warmup_steps=optim.warmup_steps,
+        pad_attention_heads=cfg.model.pad_attention_heads, padding_tp_size=padding_tp_size,
+        lr=optim.lr, min_lr=optim.min_lr, warmup_steps=optim.warmup_steps,
         total_steps=max(cfg.trainer.max_steps * cfg.algorithm.num_updates_per_batch, optim.warmup_steps + 1),
         decay_style="constant" if optim.min_lr == optim.lr else "cosine", weight_decay=optim.weight_decay,
         adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2, clip_grad=optim.clip_grad,

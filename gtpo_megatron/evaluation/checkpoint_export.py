@@ -100,15 +100,17 @@ def _build_export_policy(cfg, groups):
     """``build.build_policy`` with the run's model settings at TP = PP = 1 and the non-distributed optimizer.
 
     ``checkpoint.load_checkpoint`` restores the optimizer too; Megatron's distributed optimizer cannot load on CPU
-    without Apex/TE (``checkpoint._check_loadable``), the plain one loads a checkpoint of any layout.
+    without Apex/TE (``checkpoint._check_loadable``), the plain one loads a checkpoint of any layout. The padding
+    (vocabulary, and attention heads with ``model.pad_attention_heads``) is that of the run's TP size.
     """
     from gtpo_megatron.assets import resolve_model_path
     from gtpo_megatron.build import build_policy
 
+    run_tp_size = cfg.parallel.tp_size
     cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, tp_size=1, pp_size=1,
                                                                 sequence_parallel=False,
                                                                 use_distributed_optimizer=False))
-    return build_policy(cfg, resolve_model_path(cfg.model.name_or_path), groups)
+    return build_policy(cfg, resolve_model_path(cfg.model.name_or_path), groups, padding_tp_size=run_tp_size)
 
 
 @contextlib.contextmanager

@@ -38,6 +38,8 @@ more attention projection weights, 8.8M on top of 135M parameters), spent on the
 
 from __future__ import annotations
 
+import math
+
 
 def valid_tp_sizes(num_query_groups: int) -> list[int]:
     """TP sizes that split ``num_query_groups`` KV groups (and therefore their heads) evenly without padding."""
@@ -45,7 +47,7 @@ def valid_tp_sizes(num_query_groups: int) -> list[int]:
 
 
 def padded_num_query_groups(*, num_heads: int, num_query_groups: int, tp_size: int,
-                            pad_attention_heads: bool) -> int:
+                            pad_attention_heads: bool, padding_tp_size: int | None = None) -> int:
     """Number of KV groups ``G_pad`` of the Megatron model for an HF model with ``Q`` heads and ``G`` groups.
 
     Args:
@@ -53,6 +55,8 @@ def padded_num_query_groups(*, num_heads: int, num_query_groups: int, tp_size: i
         num_query_groups: HF ``num_key_value_heads`` ``G`` (``Q`` for multi-head attention).
         tp_size: tensor-parallel size.
         pad_attention_heads: allow padding ``G`` up to the next multiple of ``tp_size`` (see module docstring).
+        padding_tp_size: with ``pad_attention_heads``, pad to a multiple of ``lcm(tp_size, padding_tp_size)``
+            instead, i.e. the layout a run at ``padding_tp_size`` saved (to load its checkpoint at another TP).
 
     Returns:
         ``G`` when ``Q`` and ``G`` are divisible by ``tp_size``, otherwise (padding allowed) the smallest multiple
@@ -64,9 +68,10 @@ def padded_num_query_groups(*, num_heads: int, num_query_groups: int, tp_size: i
     if num_query_groups < 1 or num_heads % num_query_groups:
         raise ValueError(f"num_attention_heads={num_heads} is not a multiple of num_key_value_heads="
                          f"{num_query_groups}; grouped-query attention needs equal groups")
-    if num_query_groups % tp_size == 0:  # then num_heads, a multiple of num_query_groups, divides too
+    multiple = math.lcm(tp_size, padding_tp_size or tp_size) if pad_attention_heads else tp_size
+    if num_query_groups % multiple == 0:  # then num_heads, a multiple of num_query_groups, divides too
         return num_query_groups
-    padded = -(-num_query_groups // tp_size) * tp_size
+    padded = -(-num_query_groups // multiple) * multiple
     if pad_attention_heads:
         return padded
     raise ValueError(

@@ -83,14 +83,15 @@ class ModelGeometry:
         return self.padded_num_query_groups * self.heads_per_group
 
     @classmethod
-    def from_hf(cls, hf_config, *, padded_vocab_size: int, tp_size: int,
-                pad_attention_heads: bool = False) -> ModelGeometry:
+    def from_hf(cls, hf_config, *, padded_vocab_size: int, tp_size: int, pad_attention_heads: bool = False,
+                padding_tp_size: int | None = None) -> ModelGeometry:
         """Geometry of ``hf_config`` at ``tp_size``; see ``head_padding.padded_num_query_groups`` (and its
         ValueError) for ``pad_attention_heads``."""
         heads = hf_config.num_attention_heads
         groups = getattr(hf_config, "num_key_value_heads", None) or heads
         padded_groups = padded_num_query_groups(num_heads=heads, num_query_groups=groups, tp_size=tp_size,
-                                                pad_attention_heads=pad_attention_heads)
+                                                pad_attention_heads=pad_attention_heads,
+                                                padding_tp_size=padding_tp_size)
         return cls(
             num_heads=heads,
             num_query_groups=groups,

@@ -93,14 +93,16 @@ def rope_settings(hf_config) -> dict:
 
 def transformer_config_from_hf(hf_config, *, tp_size: int, pp_size: int, params_dtype: torch.dtype,
                                recompute_granularity: str | None = None, recompute_method: str | None = None,
-                               recompute_num_layers: int | None = None, pad_attention_heads: bool = False):
+                               recompute_num_layers: int | None = None, pad_attention_heads: bool = False,
+                               padding_tp_size: int | None = None):
     """Translate an HF decoder config into a Megatron ``TransformerConfig`` for a TP x PP layout.
 
     ``params_dtype`` is the parameter dtype (fp32 or bf16; bf16 also sets ``bf16=True`` so Megatron's optimizer
     keeps fp32 main weights). Recompute options pass through unchanged (``"full"``/``"selective"``).
     ``pad_attention_heads``: when the KV groups do not divide ``tp_size``, give Megatron ``G_pad`` groups (the
     next multiple of ``tp_size``) with the HF heads per group; ``kv_channels`` stays the HF head_dim
-    (``head_padding``; the weights are padded by ``hf_conversion``).
+    (``head_padding``; the weights are padded by ``hf_conversion``). ``padding_tp_size``: pad as a run at that
+    TP size did (``head_padding.padded_num_query_groups``).
 
     Raises:
         ValueError: unsupported ``model_type``, heads or KV groups not divisible by ``tp_size`` (without
@@ -116,7 +118,7 @@ def transformer_config_from_hf(hf_config, *, tp_size: int, pp_size: int, params_
     num_heads = hf_config.num_attention_heads
     num_groups = getattr(hf_config, "num_key_value_heads", None) or num_heads
     padded_groups = padded_num_query_groups(num_heads=num_heads, num_query_groups=num_groups, tp_size=tp_size,
-                                            pad_attention_heads=pad_attention_heads)
+                                            pad_attention_heads=pad_attention_heads, padding_tp_size=padding_tp_size)
     if hf_config.num_hidden_layers % pp_size:
         raise ValueError(
             f"num_hidden_layers={hf_config.num_hidden_layers} is not divisible by pp_size={pp_size}"

@@ -9,6 +9,7 @@ nothing) and run through ``get_forward_backward_func()`` with ``forward_step.for
 from __future__ import annotations
 
 import logging
+import math
 from functools import partial
 
 import torch
@@ -62,7 +63,8 @@ class MegatronPolicy:
                         micro_batch_size: int = 1, logprob_chunk_size: int | None = None,
                         recompute_granularity: str | None = None, recompute_method: str | None = None,
                         recompute_num_layers: int | None = None, make_vocab_size_divisible_by: int = 128,
-                        pad_attention_heads: bool = False, **optim_kwargs) -> MegatronPolicy:
+                        pad_attention_heads: bool = False, padding_tp_size: int | None = None,
+                        **optim_kwargs) -> MegatronPolicy:
         """Build this rank's stage and load its shard of the HF checkpoint at ``hf_path``.
 
         Args:
@@ -77,6 +79,9 @@ class MegatronPolicy:
             pad_attention_heads: when the KV groups (or heads) do not divide ``tp_size``, pad the Megatron model
                 with all-zero KV groups up to the next multiple of ``tp_size`` (exact for forward and training;
                 HF export and weight streaming drop them; checkpoints keep them). See ``head_padding``.
+            padding_tp_size: pad the vocabulary (and, with ``pad_attention_heads``, the KV groups) as a run at
+                this TP size did, so that its checkpoint loads at ``groups.tp_size`` (e.g. a TP=2 run exported
+                in one process). Default: ``groups.tp_size``.
             **optim_kwargs: fields of ``optimizer.OptimSettings`` (lr, min_lr, warmup_steps, total_steps,
                 decay_style, weight_decay, adam_beta1, adam_beta2, adam_eps, clip_grad,
                 use_distributed_optimizer).
@@ -102,11 +107,14 @@ class MegatronPolicy:
             hf_config, tp_size=groups.tp_size, pp_size=groups.pp_size, params_dtype=params_dtype,
             recompute_granularity=recompute_granularity, recompute_method=recompute_method,
             recompute_num_layers=recompute_num_layers, pad_attention_heads=pad_attention_heads,
+            padding_tp_size=padding_tp_size,
         )
         padded_vocab_size = model_lib.compute_padded_vocab_size(
-            hf_config.vocab_size, divisible_by=make_vocab_size_divisible_by, tp_size=groups.tp_size)
+            hf_config.vocab_size, divisible_by=make_vocab_size_divisible_by,
+            tp_size=math.lcm(groups.tp_size, padding_tp_size or groups.tp_size))
         geometry = hf_conversion.ModelGeometry.from_hf(hf_config, padded_vocab_size=padded_vocab_size,
-                                                       tp_size=groups.tp_size, pad_attention_heads=pad_attention_heads)
+                                                       tp_size=groups.tp_size, pad_attention_heads=pad_attention_heads,
+                                                       padding_tp_size=padding_tp_size)
         _log_head_padding(geometry, pad_attention_heads)
         torch.manual_seed(seed)
         with cuda_to_cpu_mode():

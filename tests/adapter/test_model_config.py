@@ -70,6 +70,19 @@ def test_head_padding_config_and_error():
     assert (mha.padded_num_query_groups, mha.padded_num_heads) == (8, 8)
 
 
+def test_head_padding_of_another_tp_layout():
+    """A padded TP=2 run (SmolLM2: 3 -> 4 KV groups) exported or resumed at TP=1 or TP=4 keeps 4 groups; without
+    pad_attention_heads the argument changes nothing."""
+    from gtpo_megatron.megatron_adapter.head_padding import padded_num_query_groups
+
+    def groups(tp, padding_tp, pad=True, num_groups=3):
+        return padded_num_query_groups(num_heads=3 * num_groups, num_query_groups=num_groups, tp_size=tp,
+                                       pad_attention_heads=pad, padding_tp_size=padding_tp)
+
+    assert [groups(1, 2), groups(2, 2), groups(4, 2), groups(1, None), groups(3, 2)] == [4, 4, 4, 3, 6]
+    assert groups(1, 2, pad=False) == 3 and groups(2, 2, num_groups=4) == 4
+
+
 def test_rope_settings():
     assert rope_settings(Qwen2Config(**SMALL, rope_theta=1e6)) == {"rotary_base": 1e6, "rope_scaling": False}
     llama3 = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 32.0, "low_freq_factor": 1.0,

@@ -17,7 +17,7 @@
 # Exit status: pytest's (0 when every check passed or was skipped for a missing optional package).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-PYTHON="${PYTHON:-python}"
+PYTHON="${PYTHON:-$(command -v python || command -v python3)}"
 OUT_DIR="${OUT_DIR:-${OUT:-/tmp}/gtpo_gpu_checks}"
 DRY_RUN=0
 if [ "${1:-}" = "--dry-run" ]; then DRY_RUN=1; shift; fi

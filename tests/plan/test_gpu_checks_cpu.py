@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -74,7 +75,8 @@ def test_ops_checks_pass_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_run_gpu_checks_dry_run_prints_the_table(tmp_path: Path) -> None:
     result = subprocess.run(["bash", "tests/gpu/run_gpu_checks.sh", "--dry-run", "-k", "policy_loss"], cwd=REPO,
-                            env={**os.environ, "OUT_DIR": str(tmp_path)}, capture_output=True,
+                            env={**os.environ, "OUT_DIR": str(tmp_path), "PYTHON": sys.executable},
+                            capture_output=True,
                             text=True, timeout=300)  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
     summary = (tmp_path / "summary.txt").read_text()
