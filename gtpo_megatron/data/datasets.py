@@ -27,6 +27,8 @@ name with a question field (question/problem/prompt) and an answer field (answer
 
 from __future__ import annotations
 
+import difflib
+import importlib.util
 import json
 import os
 import warnings
@@ -143,6 +145,46 @@ def _load_hf(name: str, *, split: str, limit: int | None) -> list[Problem]:
         _record_to_problem(rows[i], source=source, default_id=f"{source}-{i}", where=f"{name}[{split}][{i}]")
         for i in range(count)
     ]
+
+
+def check_source(source: str, *, path: str | None = None, split: str | None = None, data_dir: str | None = None,
+                 prefix: str = "") -> None:
+    """Fails fast, without reading any data, when ``load_problems`` with these arguments cannot find its data.
+
+    Checks that ``path`` exists, that a local benchmark has ``split`` and its file, and that any other source is a
+    Hugging Face name that the installed packages can load. ``prefix`` is put before the field names in messages
+    (``"data."`` for the training config).
+
+    Raises:
+        ValueError: naming the field, its value and a fix.
+    """
+    if path is not None:
+        if not Path(path).is_file():
+            raise ValueError(f"{prefix}path={str(path)!r}: no such file; give an existing jsonl file or "
+                             f"{prefix}path=null to use the {prefix}source's default data")
+        return
+    if source == "synthetic":
+        return
+    if source in _LOCAL_FILES:
+        folder, splits = _LOCAL_FILES[source]
+        split = split or splits[0]
+        if split not in splits:
+            raise ValueError(f"{prefix}split={split!r}: {source!r} has only the split(s) {list(splits)}; "
+                             f"use {prefix}split={splits[0]}")
+        file = (Path(data_dir) if data_dir else default_data_dir()) / folder / f"{split}.jsonl"
+        if not file.is_file():
+            raise ValueError(f"{prefix}source={source!r}: {file} does not exist; point GTPO_DATA_DIR (gtpo-eval: "
+                             "--data-dir) at the folder that holds gsm8k/, math500/, aime24/, aime25/, amc2023/, or "
+                             f"give {prefix}path=FILE.jsonl")
+        return
+    if importlib.util.find_spec("datasets") is None:
+        known = ["synthetic", *_LOCAL_FILES]
+        near = difflib.get_close_matches(source, known, n=1) if source not in _HF_ALIASES else []
+        fix = f"did you mean {near[0]!r}? Otherwise" if near else f"use one of {known} or"
+        what = f"the Hugging Face dataset {_HF_ALIASES[source]!r}" if source in _HF_ALIASES else "not a local source"
+        raise ValueError(f"{prefix}source={source!r}: {what}, and loading it from Hugging Face needs the `datasets` "
+                         f"package, which is not installed (pip install datasets); {fix} give a local jsonl with "
+                         f"{prefix}path=FILE.jsonl")
 
 
 def load_problems(

@@ -17,6 +17,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from gtpo_megatron.data.datasets import check_source, load_problems
 from gtpo_megatron.evaluation.evaluate import BENCHMARKS, EvalConfig, run_evaluation
 
 
@@ -80,7 +81,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         config = config_from_args(args)
-    except ValueError as err:
+        for name in config.benchmarks:  # a typo or a broken file fails here, before the model and vLLM load
+            check_source(name, split="test", data_dir=config.data_dir)
+            load_problems(name, split="test", limit=config.limit, data_dir=config.data_dir)
+    except (ValueError, FileNotFoundError) as err:
         parser.error(str(err))
     payload = run_evaluation(config)
     sys.stdout.write((Path(config.output_dir) / "results.md").read_text())

@@ -124,7 +124,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("runs", nargs="+", help="run directories (each with metrics.jsonl)")
     parser.add_argument("--output", default=".", help="folder for compare.png and compare.md")
     args = parser.parse_args(argv)
-    png, md = compare_runs(args.runs, args.output)
+    try:
+        png, md = compare_runs(args.runs, args.output)
+    except (FileNotFoundError, ValueError) as err:
+        parser.error(str(err))
     sys.stdout.write(md.read_text() + f"wrote {png} and {md}\n")
     return 0
 

@@ -62,6 +62,22 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_intermixed_args(argv)
 
 
+def _check_args(args: argparse.Namespace) -> None:
+    """The numeric flags are positive and ``--reserve-gib`` leaves some memory; ValueError naming flag and fix."""
+    checks = [
+        (args.gpus >= 1, "--gpus", args.gpus, "must be >= 1", "give the job's total GPU count, e.g. --gpus 8"),
+        (args.gpu_mem > 0, "--gpu-mem", args.gpu_mem, "must be > 0 GiB", "e.g. --gpu-mem 80 (A100/H100) or 141 (H200)"),
+        (args.gpus_per_node >= 1, "--gpus-per-node", args.gpus_per_node, "must be >= 1", "e.g. --gpus-per-node 8"),
+        (0 <= args.reserve_gib < args.gpu_mem, "--reserve-gib", args.reserve_gib,
+         f"must be in [0, --gpu-mem={args.gpu_mem:g})", "keep the default 4"),
+        (args.sync_bandwidth_gbps > 0, "--sync-bandwidth-gbps", args.sync_bandwidth_gbps, "must be > 0",
+         "keep the default 400 (one NDR InfiniBand port)"),
+    ]
+    for ok, flag, value, rule, fix in checks:
+        if not ok:
+            raise ValueError(f"{flag}={value:g}: {rule}; {fix}")
+
+
 def training_shape(cfg: GTPOConfig, layout: Layout) -> TrainingShape:
     """The planner's :class:`TrainingShape` from a loaded ``GTPOConfig`` and a checked :class:`Layout`."""
     return TrainingShape(
@@ -200,6 +216,7 @@ def run(argv: list[str] | None = None) -> tuple[int, str]:
     """Plan a run; return ``(exit_status, text)`` (0: fits, 2: does not divide or does not fit)."""
     args = _parse_args(argv)
     try:
+        _check_args(args)
         cfg = load_config(args.config, list(args.overrides))
         arch = resolve_architecture(cfg.model.name_or_path)
         layout = check_layout(

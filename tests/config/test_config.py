@@ -56,6 +56,21 @@ def test_missing_required_field_is_named():
         load_config(None, ["model=builtin:tiny-qwen2"])
 
 
+def test_yaml_syntax_error_and_folder_are_config_errors(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("model:\n  name_or_path: x\n  bad: [1, 2\noutput_dir: y\n")
+    with pytest.raises(ValueError, match=r"invalid YAML at line 4, column 11 \(expected ',' or '\]'"):
+        load_config(path)
+    with pytest.raises(ValueError, match="is a folder; give a YAML file"):
+        load_config(tmp_path)
+
+
+def test_unknown_algorithm_name_does_not_warn_about_a_preset(recwarn):
+    with pytest.raises(ValueError, match=r"algorithm.name='foo': must be one of"):
+        load_config(DEMO, ["algorithm=foo"])
+    assert not [w for w in recwarn if "preset" in str(w.message)]
+
+
 def test_unknown_yaml_key_in_file(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump({"output_dir": "x", "model": {"name_or_path": "m"},

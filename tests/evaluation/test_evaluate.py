@@ -59,6 +59,26 @@ def test_k_larger_than_n_is_a_usage_error(capsys):
     assert "k values [1, 8]" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("benchmark, content, fragment", [
+    ("gsm9k", None, "did you mean 'gsm8k'"),
+    ("gsm8k", None, "test.jsonl does not exist"),
+    ("gsm8k", '{"question": "1+1?", "answer": "#### 2"}\n{"question": "broken\n', "test.jsonl:2: malformed JSON"),
+])
+def test_benchmark_errors_are_usage_errors_before_the_model_loads(benchmark, content, fragment, tmp_path, capsys,
+                                                                  monkeypatch):
+    from gtpo_megatron.evaluation import cli
+
+    if content is not None:
+        (tmp_path / "gsm8k").mkdir()
+        (tmp_path / "gsm8k" / "test.jsonl").write_text(content)
+    monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: None if name == "datasets" else object())
+    monkeypatch.setattr(cli, "run_evaluation", lambda config: pytest.fail("must not load the model"))
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(f"--model M --benchmarks {benchmark} --data-dir {tmp_path} --n 2 --k 1 --output OUT".split())
+    assert exit_info.value.code == 2
+    assert fragment in capsys.readouterr().err
+
+
 def test_model_folder_detection(tmp_path):
     megatron = tmp_path / "ckpt"
     megatron.mkdir()
@@ -139,3 +159,12 @@ def test_compare_errors_name_the_file_and_line(tmp_path):
         load_metrics(tmp_path / "bad")
     with pytest.raises(FileNotFoundError, match="metrics.jsonl does not exist"):
         load_metrics(tmp_path)
+
+
+def test_compare_cli_on_a_folder_without_metrics_is_a_usage_error(tmp_path, capsys):
+    from gtpo_megatron.evaluation.compare import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(tmp_path), "--output", str(tmp_path / "out")])
+    assert exit_info.value.code == 2
+    assert "metrics.jsonl does not exist; pass run directories written by gtpo-train" in capsys.readouterr().err

@@ -133,3 +133,22 @@ def test_train_state_offload_leaves_only_weights_during_rollout() -> None:
         "try parallel.use_distributed_optimizer=true, model.recompute=full, parallel.sequence_parallel=true, "
         "algorithm.logprob_chunk_size=1024, a smaller optim.micro_batch_size, more GPUs or a larger "
         "parallel.tp_size*parallel.pp_size")  # fmt: skip
+
+
+@pytest.mark.parametrize("flags, fragment", [
+    (["--gpus", "0"], "--gpus=0: must be >= 1"),
+    (["--gpus", "32", "--gpu-mem", "-1"], "--gpu-mem=-1: must be > 0 GiB"),
+    (["--gpus", "32", "--gpus-per-node", "0"], "--gpus-per-node=0: must be >= 1"),
+    (["--gpus", "32", "--reserve-gib", "100"], "--reserve-gib=100: must be in [0, --gpu-mem=80)"),
+    (["--gpus", "32", "--sync-bandwidth-gbps", "0"], "--sync-bandwidth-gbps=0: must be > 0"),
+])
+def test_bad_flags_exit_2_naming_the_flag(flags, fragment) -> None:
+    status, text = run(["--config", str(CONFIGS / "qwen2.5-32b_gsm8k_gtpo_32gpu.yaml"), *flags])
+    assert status == 2 and fragment in text, text
+
+
+def test_yaml_syntax_error_exits_2(tmp_path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  name_or_path: x\n  bad: [1, 2\noutput_dir: y\n")
+    status, text = run(["--config", str(bad), "--gpus", "8"])
+    assert status == 2 and "invalid YAML at line 4" in text

@@ -25,3 +25,27 @@ def test_config_errors_exit_2(override, fragment, monkeypatch, capsys):
         monkeypatch.setenv(key, value)
     assert main(["--config", DEMO, override]) == 2
     assert fragment in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("override, fragment", [
+    ("data.path=/no/such/file.jsonl", "data.path='/no/such/file.jsonl': no such file"),
+    ("data=math500", "data.split='train': 'math500' has only the split(s) ['test']; use data.split=test"),
+    ("model=builtin:nope", "model.name_or_path='builtin:nope' is not a built-in model"),
+    ("model=/no/such/model", "model.name_or_path='/no/such/model': no such folder"),
+])
+def test_missing_model_or_data_fails_before_model_loading(override, fragment, monkeypatch, capsys):
+    for key, value in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(key, value)
+    assert main(["--config", DEMO, override, "output_dir=/tmp/gtpo-unused"]) == 2
+    assert fragment in capsys.readouterr().err
+
+
+def test_unknown_data_source_fails_before_model_loading(monkeypatch, capsys):
+    for key, value in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "GTPO_DATA_DIR": "/no/such/dir"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: None if name == "datasets" else object())
+    assert main(["--config", DEMO, "data=gsm8", "output_dir=/tmp/gtpo-unused"]) == 2
+    err = capsys.readouterr().err
+    assert "data.source='gsm8'" in err and "did you mean 'gsm8k'" in err
+    assert main(["--config", DEMO, "data=gsm8k", "output_dir=/tmp/gtpo-unused"]) == 2
+    assert "/no/such/dir/gsm8k/train.jsonl does not exist" in capsys.readouterr().err
