@@ -58,6 +58,22 @@ class DictReader:
         return tensor[start:stop].clone() if dim == 0 else tensor[:, start:stop].clone()
 
 
+def save_random_hf_model(out_dir: str, config, *, tokenizer_from: str | None = None) -> None:
+    """A seeded random HF model of ``config`` with perturbed 1-D weights (norms, biases: not all ones/zeros, so
+    a mis-mapped norm shows), saved to ``out_dir``; ``tokenizer_from`` also copies a tokenizer there."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() == 1:
+                param.add_(0.2 * torch.randn_like(param))
+    model.save_pretrained(out_dir)
+    if tokenizer_from is not None:
+        AutoTokenizer.from_pretrained(tokenizer_from).save_pretrained(out_dir)
+
+
 def load_hf_model(path: str):
     from transformers import AutoModelForCausalLM
 

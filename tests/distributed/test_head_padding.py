@@ -26,6 +26,7 @@ from tests.adapter.megatron_helpers import (
     load_hf_model,
     make_batch,
     megatron_named_params,
+    save_random_hf_model,
 )
 from tests.helpers.dist_harness import run_distributed
 
@@ -49,20 +50,13 @@ def _build(path: str, tp: int, **kwargs):
 def _save_three_group_llama(out_dir: str) -> None:
     """Random 2-layer Llama, 3 KV groups x 2 heads, head_dim 32 (attention width 192 != hidden 96), tied
     embeddings, perturbed norms; the tokenizer of ``builtin:tiny-llama`` so the folder is complete."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+    from transformers import LlamaConfig
 
     from gtpo_megatron.assets import resolve_model_path
 
     config = LlamaConfig(vocab_size=49152, hidden_size=96, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=6, num_key_value_heads=3, head_dim=32, tie_word_embeddings=True)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() == 1:
-                param.add_(0.2 * torch.randn_like(param))
-    model.save_pretrained(out_dir)
-    AutoTokenizer.from_pretrained(resolve_model_path(TINY_LLAMA)).save_pretrained(out_dir)
+    save_random_hf_model(out_dir, config, tokenizer_from=resolve_model_path(TINY_LLAMA))
 
 
 def _padded_part(name: str, tensor: torch.Tensor, geometry, tp_rank: int) -> torch.Tensor | None:

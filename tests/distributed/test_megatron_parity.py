@@ -24,6 +24,7 @@ from tests.adapter.megatron_helpers import (
     check_hf_weights,
     check_logits,
     load_hf_model,
+    save_random_hf_model,
 )
 from tests.helpers.dist_harness import run_distributed
 
@@ -60,17 +61,11 @@ def _build(path: str, tp: int, pp: int, **kwargs):
 
 def _save_tiny_qwen3(out_dir: str) -> None:
     """Random 2-layer Qwen3 (q/k norms, head_dim 32 != hidden/heads, tied embeddings, perturbed norm weights)."""
-    from transformers import AutoModelForCausalLM, Qwen3Config
+    from transformers import Qwen3Config
 
     config = Qwen3Config(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() == 1:
-                param.add_(0.2 * torch.randn_like(param))
-    model.save_pretrained(out_dir)
+    save_random_hf_model(out_dir, config)
 
 
 def _worker(rank: int, world_size: int, out_root: str) -> None:
