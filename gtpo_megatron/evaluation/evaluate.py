@@ -72,6 +72,11 @@ class EvalConfig:
             raise ValueError(f"k values {list(self.ks)} must be non-empty and each in [1, n={self.n}]; raise --n")
         if not self.benchmarks:
             raise ValueError("benchmarks is empty; pass e.g. --benchmarks gsm8k,amc23")
+        if self.limit is not None and self.limit < 1:
+            raise ValueError(f"limit={self.limit} must be >= 1 problems per benchmark; omit --limit for all")
+        if self.model.startswith(("/", ".", "~")) and not Path(self.model).expanduser().exists():
+            raise ValueError(f"--model {self.model}: no such folder; pass a Hugging Face model folder, a gtpo-train "
+                             "run dir or checkpoint, a hub name (org/model) or a builtin: name")
         sampling = SamplingConfig(
             temperature=self.temperature, top_p=self.top_p, max_tokens=self.max_tokens, seed=self.seed
         )

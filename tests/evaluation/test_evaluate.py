@@ -59,6 +59,18 @@ def test_k_larger_than_n_is_a_usage_error(capsys):
     assert "k values [1, 8]" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flags, fragment", [
+    ("--model M --n 4 --k 1 --limit 0", "limit=0 must be >= 1"),
+    ("--model /no/such/model --n 4 --k 1", "--model /no/such/model: no such folder"),
+])
+def test_bad_limit_and_missing_model_folder_are_usage_errors(flags, fragment, capsys):
+    from gtpo_megatron.evaluation.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(f"{flags} --output OUT".split())
+    assert exit_info.value.code == 2 and fragment in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("benchmark, content, fragment", [
     ("gsm9k", None, "did you mean 'gsm8k'"),
     ("gsm8k", None, "test.jsonl does not exist"),
