@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from gtpo_megatron.assets import resolve_model_path
+from gtpo_megatron.builtin_models import resolve_model_path
 from gtpo_megatron.config import GTPOConfig, config_to_dict
 from gtpo_megatron.logging import MetricSink, get_logger
 from gtpo_megatron.trainer import Trainer, list_checkpoints
@@ -52,7 +52,7 @@ def build_collector(cfg: GTPOConfig, model_path: str, tokenizer):
     from gtpo_megatron.data.prompts import build_prompt_ids
     from gtpo_megatron.rewards.pool import RewardPool
     from gtpo_megatron.rollout.vllm_engine import VLLMEngine
-    from gtpo_megatron.rollout_phase import RolloutCollector
+    from gtpo_megatron.rollout.collector import RolloutCollector
 
     data, rollout = cfg.data, cfg.rollout
     extra = {"seed": data.shuffle_seed, "difficulty": data.synthetic_difficulty} if data.source == "synthetic" else {}

@@ -39,7 +39,7 @@ def _single_process_defaults() -> None:
 
 def _check_inputs(cfg) -> None:
     """The model and the data exist (a typo fails here, not after minutes of model loading on every rank)."""
-    from gtpo_megatron.assets import check_model
+    from gtpo_megatron.builtin_models import check_model
     from gtpo_megatron.data.datasets import check_source
 
     check_model(cfg.model.name_or_path)

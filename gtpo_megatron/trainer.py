@@ -27,17 +27,11 @@ from gtpo_megatron.config import GTPOConfig
 from gtpo_megatron.logging import MetricSink, format_step_line, get_logger, plot_curves
 from gtpo_megatron.ops import sequence_mean_entropy
 from gtpo_megatron.parallel import all_reduce_sum, reduce_metric_sums
-from gtpo_megatron.rollout_phase import RolloutCollector, StepRollout
+from gtpo_megatron.algorithm import compute_step_weights, weight_metrics
+from gtpo_megatron.rollout.batch import collate_completions, mismatch_sums, rollout_metrics, shard_rows
+from gtpo_megatron.rollout.collector import RolloutCollector, StepRollout
+from gtpo_megatron.rollout.push import push_weights
 from gtpo_megatron.rollout.types import TrainBatch
-from gtpo_megatron.step_data import (
-    collate_completions,
-    compute_step_weights,
-    mismatch_sums,
-    rollout_metrics,
-    shard_rows,
-    weight_metrics,
-)
-from gtpo_megatron.weight_sync.push import push_weights
 
 CHECKPOINT_PREFIX = "step_"
 logger = get_logger(__name__)

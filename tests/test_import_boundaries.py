@@ -12,8 +12,8 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 LIGHT_MODULES = [
     "gtpo_megatron", "gtpo_megatron.ops", "gtpo_megatron.parallel", "gtpo_megatron.rollout.types",
-    "gtpo_megatron.assets", "gtpo_megatron.config", "gtpo_megatron.trainer", "gtpo_megatron.train",
-    "gtpo_megatron.build", "gtpo_megatron.step_data", "gtpo_megatron.logging", "gtpo_megatron.rollout_phase",
+    "gtpo_megatron.builtin_models", "gtpo_megatron.config", "gtpo_megatron.trainer", "gtpo_megatron.train",
+    "gtpo_megatron.build", "gtpo_megatron.algorithm", "gtpo_megatron.rollout.batch", "gtpo_megatron.logging", "gtpo_megatron.rollout.collector",
     "gtpo_megatron.rewards", "gtpo_megatron.data", "gtpo_megatron.plan.cli", "gtpo_megatron.evaluation.metrics",
 ]
 

@@ -21,7 +21,7 @@ import dataclasses
 import os
 from pathlib import Path
 
-from gtpo_megatron.checkpoint import LATEST_FILE, resolve_checkpoint_dir
+from gtpo_megatron.megatron_adapter.checkpoint import LATEST_FILE, resolve_checkpoint_dir
 from gtpo_megatron.logging import get_logger
 
 CONFIG_FILE = "config.yaml"
@@ -103,7 +103,7 @@ def _build_export_policy(cfg, groups):
     without Apex/TE (``checkpoint._check_loadable``), the plain one loads a checkpoint of any layout. The padding
     (vocabulary, and attention heads with ``model.pad_attention_heads``) is that of the run's TP size.
     """
-    from gtpo_megatron.assets import resolve_model_path
+    from gtpo_megatron.builtin_models import resolve_model_path
     from gtpo_megatron.build import build_policy
 
     run_tp_size = cfg.parallel.tp_size

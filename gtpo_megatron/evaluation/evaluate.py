@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from gtpo_megatron.assets import resolve_model_path
+from gtpo_megatron.builtin_models import resolve_model_path
 from gtpo_megatron.data.datasets import load_problems
 from gtpo_megatron.data.prompts import build_prompt_ids
 from gtpo_megatron.evaluation.metrics import SampleRecord, aggregate, problem_metrics

@@ -26,7 +26,7 @@ Why this is exact, for the forward pass and for training (Adam or AdamW, with gr
    = 0``; decoupled weight decay subtracts ``lr * wd * 0 = 0``; clipping scales 0 to 0; bf16 casts of an fp32 0
    are 0. By induction over steps the padded weights stay exactly 0 forever and points 1-2 hold at every step.
 
-Export and weight streaming (``hf_conversion.hf_from_shards``, hence ``weight_sync.gather.iter_hf_weights`` and
+Export and weight streaming (``hf_conversion.hf_from_shards``, hence ``hf_stream.iter_hf_weights`` and
 ``MegatronPolicy.export_hf``) drop the padded groups, so vLLM and ``transformers`` see the original HF names,
 shapes and config. Checkpoints (``checkpoint.py``) save the *padded* Megatron layout: resume with the same
 ``pad_attention_heads`` and a ``tp_size`` that gives the same ``G_pad`` (e.g. SmolLM2: TP=2 or TP=4 -> 4 groups;

@@ -15,7 +15,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from gtpo_megatron.assets import resolve_model_path
+from gtpo_megatron.builtin_models import resolve_model_path
 from gtpo_megatron.megatron_adapter import hf_conversion, model as model_lib
 from gtpo_megatron.megatron_adapter.cpu_compat import cuda_to_cpu_mode, install_cpu_compat
 from gtpo_megatron.megatron_adapter.forward_step import LossSettings, MicroBatch, forward_step
@@ -68,7 +68,7 @@ class MegatronPolicy:
         """Build this rank's stage and load its shard of the HF checkpoint at ``hf_path``.
 
         Args:
-            hf_path: local HF folder (safetensors) or a ``builtin:`` name (``assets.resolve_model_path``).
+            hf_path: local HF folder (safetensors) or a ``builtin:`` name (``builtin_models.resolve_model_path``).
             groups: ``parallel.groups.ParallelGroups`` from ``init_distributed`` (TP/PP sizes come from it).
             params_dtype: ``torch.float32`` or ``torch.bfloat16`` (fp32 main weights in the optimizer).
             seed: seeds torch and Megatron's model-parallel RNG tracker.
@@ -291,8 +291,8 @@ class MegatronPolicy:
 
     # ----------------------------------------------------------------------------------- weights / checkpoints
     def iter_hf_weights(self):
-        """``weight_sync.gather.iter_hf_weights`` on this policy (every TP x PP rank must drain it)."""
-        from gtpo_megatron.weight_sync.gather import iter_hf_weights
+        """``hf_stream.iter_hf_weights`` on this policy (every TP x PP rank must drain it)."""
+        from gtpo_megatron.megatron_adapter.hf_stream import iter_hf_weights
 
         return iter_hf_weights(self.model, self.geometry, self.groups)
 
@@ -307,12 +307,12 @@ class MegatronPolicy:
 
     def save_checkpoint(self, path: str, trainer_state: dict) -> None:
         """``checkpoint.save_checkpoint`` of model, optimizer, LR schedule, RNG and ``trainer_state``."""
-        from gtpo_megatron.checkpoint import save_checkpoint
+        from gtpo_megatron.megatron_adapter.checkpoint import save_checkpoint
 
         save_checkpoint(path, self, trainer_state)
 
     def load_checkpoint(self, path: str) -> dict:
         """``checkpoint.load_checkpoint`` into this policy (any TP/PP layout); returns the trainer state."""
-        from gtpo_megatron.checkpoint import load_checkpoint
+        from gtpo_megatron.megatron_adapter.checkpoint import load_checkpoint
 
         return load_checkpoint(path, self)

@@ -77,7 +77,7 @@ def save_random_hf_model(out_dir: str, config, *, tokenizer_from: str | None = N
 def load_hf_model(path: str):
     from transformers import AutoModelForCausalLM
 
-    from gtpo_megatron.assets import resolve_model_path
+    from gtpo_megatron.builtin_models import resolve_model_path
 
     return AutoModelForCausalLM.from_pretrained(resolve_model_path(path), dtype=torch.float32).eval()
 
@@ -164,7 +164,7 @@ def check_hf_weights(policy, path: str, label: str) -> None:
     ``torch.equal`` to the original."""
     from safetensors import safe_open
 
-    from gtpo_megatron.assets import resolve_model_path
+    from gtpo_megatron.builtin_models import resolve_model_path
 
     with safe_open(f"{resolve_model_path(path)}/model.safetensors", "pt") as original:
         expected_names = set(original.keys())

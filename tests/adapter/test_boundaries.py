@@ -31,8 +31,8 @@ def test_only_groups_module_touches_parallel_state():
 
 def test_package_entry_points_do_not_import_megatron():
     code = (
-        "import sys; import gtpo_megatron.megatron_adapter, gtpo_megatron.weight_sync, "
-        "gtpo_megatron.parallel.groups, gtpo_megatron.checkpoint; "
+        "import sys; import gtpo_megatron.megatron_adapter, gtpo_megatron.megatron_adapter.hf_stream, "
+        "gtpo_megatron.parallel.groups, gtpo_megatron.megatron_adapter.checkpoint; "
         "print(sorted(m for m in sys.modules if m.split('.')[0] == 'megatron'))"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

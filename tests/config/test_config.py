@@ -147,8 +147,8 @@ def test_validate_world_arithmetic(overrides, world, fragment):
 
 
 def test_validate_heads_against_local_model():
-    # tiny-qwen2 has 4 query heads and 2 KV heads (gtpo_megatron/assets.py): TP=4 cannot split 2 KV heads.
-    from gtpo_megatron.assets import resolve_model_path
+    # tiny-qwen2 has 4 query heads and 2 KV heads (gtpo_megatron/builtin_models.py): TP=4 cannot split 2 KV heads.
+    from gtpo_megatron.builtin_models import resolve_model_path
 
     resolve_model_path("builtin:tiny-qwen2")
     _cfg("parallel.tp_size=2", "rollout.max_tokens=64").validate(2, check_registries=False)

@@ -52,7 +52,7 @@ def _save_three_group_llama(out_dir: str) -> None:
     embeddings, perturbed norms; the tokenizer of ``builtin:tiny-llama`` so the folder is complete."""
     from transformers import LlamaConfig
 
-    from gtpo_megatron.assets import resolve_model_path
+    from gtpo_megatron.builtin_models import resolve_model_path
 
     config = LlamaConfig(vocab_size=49152, hidden_size=96, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=6, num_key_value_heads=3, head_dim=32, tie_word_embeddings=True)

@@ -36,7 +36,7 @@ PAD_MULTIPLE = 1000  # vocab 49152 -> padded 50000 at TP=1 and TP=2: exercises p
 def _check_export(policy, path: str, out_dir: str, label: str) -> None:
     from safetensors.torch import load_file
 
-    from gtpo_megatron.assets import resolve_model_path
+    from gtpo_megatron.builtin_models import resolve_model_path
 
     policy.export_hf(out_dir)
     if policy.groups.rank == 0:

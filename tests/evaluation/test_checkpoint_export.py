@@ -56,7 +56,7 @@ def test_export_run_checkpoint_to_hf(tmp_path):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from gtpo_megatron.assets import resolve_model_path
+    from gtpo_megatron.builtin_models import resolve_model_path
     from gtpo_megatron.evaluation.evaluate import resolve_hf_model
 
     run_dir = tmp_path / "run"

@@ -37,7 +37,7 @@ MEAN_MISMATCH_LIMIT = 0.05  # nats per token: bf16 vLLM kernels vs bf16 Megatron
 
 @pytest.fixture(scope="module")
 def model_path() -> str:
-    from gtpo_megatron.assets import resolve_model_path
+    from gtpo_megatron.builtin_models import resolve_model_path
 
     return resolve_model_path(MODEL)
 
@@ -84,7 +84,7 @@ def policy(model_path: str):
 @pytest.fixture(scope="module")
 def rollout_batch(engine, prompt_ids) -> TrainBatch:
     from gtpo_megatron.rollout.engine import SamplingConfig
-    from gtpo_megatron.step_data import collate_completions
+    from gtpo_megatron.rollout.batch import collate_completions
 
     groups = engine.generate(prompt_ids, 4, SamplingConfig(temperature=1.0, top_p=1.0, max_tokens=64, seed=0))
     return collate_completions(groups, pad_token_id=0)
@@ -98,7 +98,7 @@ def _with_advantages(batch: TrainBatch) -> TrainBatch:
 
 
 def test_vllm_logprobs_match_trainer(engine, policy, rollout_batch: TrainBatch) -> None:
-    from gtpo_megatron.step_data import mismatch_sums
+    from gtpo_megatron.rollout.batch import mismatch_sums
 
     trainer_logprobs, _ = policy.compute_logprobs(rollout_batch, temperature=1.0)
     sums = mismatch_sums(trainer_logprobs, rollout_batch.extras["rollout_logprobs"], rollout_batch.response_mask)
@@ -149,7 +149,7 @@ def test_megatron_train_step(policy, rollout_batch: TrainBatch) -> None:
 
 
 def test_weight_sync_makes_vllm_match_trainer(engine, policy, rollout_batch: TrainBatch, prompt_ids) -> None:
-    from gtpo_megatron.weight_sync.push import push_weights
+    from gtpo_megatron.rollout.push import push_weights
 
     batch = _with_advantages(rollout_batch)
     batch.old_logprobs = None

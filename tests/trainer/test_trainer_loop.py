@@ -14,7 +14,7 @@ from gtpo_megatron.config import LoggingConfig, load_config
 from gtpo_megatron.data.datasets import load_problems
 from gtpo_megatron.data.loader import PromptLoader
 from gtpo_megatron.logging import MetricSink
-from gtpo_megatron.rollout_phase import RolloutCollector
+from gtpo_megatron.rollout.collector import RolloutCollector
 from gtpo_megatron.trainer import Trainer, list_checkpoints
 
 from tests.trainer.fakes import FakeEngine, FakePolicy, FakeRewardPool, FakeTokenizer, single_rank_groups

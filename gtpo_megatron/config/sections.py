@@ -1,20 +1,8 @@
-"""Typed, frozen run configuration: one root ``GTPOConfig`` made of sections (STYLE.md section 7).
+"""The config sections: frozen dataclasses that check their own fields, and the root ``GTPOConfig``.
 
 Each section is a frozen ``kw_only`` slotted dataclass that checks its own fields in ``__post_init__``;
 ``GTPOConfig.validate(world_size)`` does the cross-section arithmetic once the world size is known. Components receive
-their section, never the root. ``load_config(path, overrides)`` reads a complete YAML recipe plus dotted overrides
-(``algorithm.group_size=4``), applies the algorithm preset and coerces values to the annotated types;
-``save_config`` writes the resolved config back (``load_config`` of that file gives an equal config).
-
-The loader lives in ``gtpo_megatron.config_loader`` and is re-exported here.
-
-Shorthands: ``algorithm=NAME`` is ``algorithm.name=NAME``, ``data=NAME`` is ``data.source=NAME`` and
-``model=NAME`` is ``model.name_or_path=NAME``.
-
-Algorithm presets (GTPO_SPEC section 5): the fields in ``PRESET_FIELDS`` take the values of ``PRESETS[name]`` unless
-the user set them. Precedence, lowest first: preset < YAML < command-line overrides. When an override switches
-``algorithm.name`` away from the YAML's, the YAML's preset fields described the other algorithm and are dropped (a
-warning lists them); the YAML's other algorithm fields (group_size, ...) are kept.
+their section, never the root. Reading YAML is ``config/loader.py``'s job (this module does not import it).
 
 Every error is a ``ValueError`` that names the field, shows the value, states the rule and proposes a fix.
 """
@@ -410,23 +398,11 @@ def _round_up(value: int, multiple: int) -> int:
 
 def read_hf_config(name_or_path: str) -> dict | None:
     """The model's ``config.json`` as a dict when it is on local disk (built-ins: once materialised), else None."""
-    from gtpo_megatron import assets
+    from gtpo_megatron import builtin_models
 
-    if name_or_path.startswith(assets.BUILTIN_PREFIX):
-        folder = assets.cache_dir() / name_or_path[len(assets.BUILTIN_PREFIX):]
+    if name_or_path.startswith(builtin_models.BUILTIN_PREFIX):
+        folder = builtin_models.cache_dir() / name_or_path[len(builtin_models.BUILTIN_PREFIX):]
     else:
         folder = Path(name_or_path)
     path = folder / "config.json"
     return json.loads(path.read_text()) if path.is_file() else None
-
-
-
-
-
-from gtpo_megatron.config_loader import PRESETS, config_to_dict, load_config, save_config  # noqa: E402
-
-__all__ = [
-    "AlgorithmConfig", "CheckpointConfig", "DataConfig", "GTPOConfig", "LoggingConfig", "ModelConfig", "OptimConfig",
-    "ParallelConfig", "PRESETS", "RewardConfig", "RolloutConfig", "TrainerConfig", "config_to_dict", "load_config",
-    "read_hf_config", "save_config",
-]

@@ -1,4 +1,4 @@
-"""Local model assets: resolve a model name to a Hugging Face folder without touching a hub.
+"""Built-in models, materialised locally: resolve a model name to a Hugging Face folder without touching a hub.
 
 Built-in names (materialised once into a cache folder, atomically):
 - ``builtin:smollm2-135m-instruct``: SmolLM2-135M-Instruct, dequantised to fp32 from the Q4_1 GGUF that the
