@@ -1,4 +1,4 @@
-"""One step's GTPO weights: advantages, the entropy filter and conflict weights of the full batch.
+"""One step's GTPO weights (advantages, the entropy filter, conflict weights) and the step objective's spec.
 
 GTPO_SPEC sections 2-4 composed from ``ops`` (the math) on the whole step batch: lambda and delta are computed on
 complete groups before the batch is split over data-parallel ranks (section 8). Pure functions of tensors and the
@@ -14,14 +14,15 @@ from dataclasses import dataclass
 
 import torch
 
-from gtpo_megatron.config import AlgorithmConfig
+from gtpo_megatron.config import AlgorithmConfig, RolloutConfig
+from gtpo_megatron.data.sampling import filter_uniform_groups
 from gtpo_megatron.ops import (
+    LossSpec,
     apply_entropy_penalty,
     build_conflict_weights,
     compute_group_advantages,
     conflict_normalizers,
     entropy_keep_mask,
-    nonuniform_group_mask,
 )
 from gtpo_megatron.rollout.types import TrainBatch
 
@@ -62,7 +63,7 @@ def compute_step_weights(batch: TrainBatch, rewards: torch.Tensor, seq_entropy: 
                                initial_entropy=initial_entropy, advantages=raw_B,
                                only_negative=cfg.entropy_only_negative)
     if cfg.skip_uniform_groups:
-        keep_B = keep_B & nonuniform_group_mask(rewards, group_size)
+        keep_B = keep_B & filter_uniform_groups(rewards, group_size).repeat_interleave(group_size)
     conflict_adv_B = raw_B * keep_B if cfg.exclude_filtered_from_conflicts else raw_B
     ids, mask = batch.input_ids, batch.response_mask
     if cfg.conflict_mode == "off":
@@ -95,3 +96,15 @@ def weight_metrics(weights: StepWeights, response_mask: torch.Tensor) -> dict[st
     return {"gtpo/filtered_frac": float((~weights.keep_mask).float().mean()),
             "gtpo/conflict_frac": frac_pos + frac_neg, "gtpo/conflict_frac_pos": frac_pos,
             "gtpo/conflict_frac_neg": frac_neg, "advantage/abs_mean": float(weights.advantages.abs().mean())}
+
+
+def build_loss_spec(algorithm: AlgorithmConfig, rollout: RolloutConfig) -> LossSpec:
+    """The step objective of ``algorithm`` (GTPO_SPEC sections 1 and 5) as the policy receives it.
+
+    The log-probs are taken at the sampling temperature (``rollout.temperature``), so pi_theta is the distribution
+    the completions were drawn from; Dr. GRPO's constant normaliser uses L = ``rollout.max_tokens``.
+    """
+    return LossSpec(loss_name=algorithm.name, aggregation=algorithm.aggregation, clip_eps_low=algorithm.clip_eps_low,
+                    clip_eps_high=algorithm.clip_eps_high, kl_coef=algorithm.kl_coef,
+                    kl_estimator=algorithm.kl_estimator, temperature=rollout.temperature,
+                    max_response_length=rollout.max_tokens if algorithm.name == "dr_grpo" else None)

@@ -24,10 +24,17 @@ if TYPE_CHECKING:
     from gtpo_megatron.config import AlgorithmConfig
 
 
+UNIFORM_REWARD_ATOL = 1e-6
+"""Rewards within this distance of each other count as equal (one tolerance for every uniform-group decision)."""
+
+
 def filter_uniform_groups(
-    rewards: Sequence[float] | torch.Tensor, group_size: int, *, atol: float = 1e-6
+    rewards: Sequence[float] | torch.Tensor, group_size: int, *, atol: float = UNIFORM_REWARD_ATOL
 ) -> torch.Tensor:
-    """Which prompt groups to keep under dynamic sampling.
+    """Which prompt groups have varied rewards: the one uniform-group rule (GTPO_SPEC sections 4 and 5).
+
+    Used by dynamic sampling (``rollout.collector``) and by ``algorithm.skip_uniform_groups`` (its per-completion
+    view ``mask.repeat_interleave(group_size)``).
 
     Args:
         rewards: ``[B]`` rewards, B = P * group_size, grouped by prompt. Not modified.

@@ -1,13 +1,13 @@
 """Save/load a ``MegatronPolicy`` (model, optimizer, LR schedule, RNG) plus trainer state with
 ``megatron.core.dist_checkpointing``.
 
-Layout of a run's checkpoint folder::
+Layout of a run's checkpoint folder (names owned by ``run_dir``)::
 
     <root>/step_000010/         one dist checkpoint (Megatron's format: sharded tensors + common.pt)
     <root>/latest               text file holding the name of the newest complete checkpoint folder
 
-Atomicity: every rank writes into ``<root>/.<name>.tmp``; after a barrier global rank 0 renames it to
-``<root>/<name>`` and then replaces ``latest`` (write-to-temp + ``os.replace``). A killed save therefore leaves at
+Atomicity: every rank writes into ``run_dir.temporary_dir(<root>/<name>)``; after a barrier global rank 0 renames
+it to ``<root>/<name>`` and then replaces ``latest`` (``run_dir.write_latest``: write-to-temp + ``os.replace``). A killed save therefore leaves at
 most a stale ``.tmp`` folder (removed by the next save of the same name) and never a dangling ``latest``.
 
 Resharding: model and optimizer tensors are saved as Megatron ``ShardedTensor`` s in the model's global layout
@@ -23,18 +23,23 @@ import os
 import random
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from gtpo_megatron.run_dir import resolve_checkpoint_dir, temporary_dir, write_latest
+
+if TYPE_CHECKING:
+    from gtpo_megatron.parallel.groups import ParallelGroups
+
 logger = logging.getLogger(__name__)
 
-LATEST_FILE = "latest"
 _OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
-def _layout(groups) -> dict[str, int]:
+def _layout(groups: ParallelGroups) -> dict[str, int]:
     return {"tp_size": groups.tp_size, "pp_size": groups.pp_size, "dp_size": groups.dp_size}
 
 
@@ -97,20 +102,6 @@ def _sharded_state_dict(policy, *, is_loading: bool, rng: dict | None) -> dict:
     return state
 
 
-def resolve_checkpoint_dir(path: str | Path) -> Path:
-    """``path`` itself if it is a checkpoint folder, else the folder named by ``path/latest``.
-
-    Raises:
-        ValueError: ``path`` is neither a checkpoint folder nor a root with a ``latest`` file.
-    """
-    path = Path(path)
-    if (path / "common.pt").exists() or (path / "metadata.json").exists():
-        return path
-    if (path / LATEST_FILE).exists():
-        return path / (path / LATEST_FILE).read_text().strip()
-    raise ValueError(f"checkpoint path={str(path)!r} holds no checkpoint and no {LATEST_FILE!r} file")
-
-
 def save_checkpoint(path: str | Path, policy, trainer_state: dict) -> Path:
     """Save ``policy`` and ``trainer_state`` to the checkpoint folder ``path``; all ranks call.
 
@@ -126,7 +117,7 @@ def save_checkpoint(path: str | Path, policy, trainer_state: dict) -> Path:
     from gtpo_megatron.megatron_adapter.cpu_compat import cuda_to_cpu_mode
 
     final = Path(path)
-    tmp = final.parent / f".{final.name}.tmp"
+    tmp = temporary_dir(final)
     world = dist.group.WORLD
     if policy.groups.rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -142,9 +133,7 @@ def save_checkpoint(path: str | Path, policy, trainer_state: dict) -> Path:
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
-        pointer = final.parent / f".{LATEST_FILE}.tmp"
-        pointer.write_text(final.name)
-        os.replace(pointer, final.parent / LATEST_FILE)
+        write_latest(final)
     dist.barrier(group=world)
     return final
 
@@ -155,7 +144,7 @@ def load_checkpoint(path: str | Path, policy) -> dict:
     Works across TP/PP/DP layouts (module docstring). All ranks call.
 
     Raises:
-        ValueError: see ``resolve_checkpoint_dir``.
+        ValueError: see ``run_dir.resolve_checkpoint_dir``.
         RuntimeError: see ``_check_loadable`` (distributed optimizer without Apex/TE).
     """
     from megatron.core import dist_checkpointing

@@ -109,15 +109,3 @@ def compute_group_advantages(
     centred_PG = rewards_PG - rewards_PG[:, :1]
     return fn(rewards=centred_PG, eps=eps).reshape(-1).to(torch.float32)
 
-
-def nonuniform_group_mask(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
-    """``[B]`` bool, True for completions whose group has at least two different rewards.
-
-    Used for the ``skip_uniform_groups`` switch (GTPO_SPEC section 4) and DAPO's dynamic sampling (section 5).
-
-    Raises:
-        ValueError: as :func:`compute_group_advantages` for the layout.
-    """
-    rewards_PG = _grouped(rewards, group_size)
-    varied_P = (rewards_PG != rewards_PG[:, :1]).any(dim=-1)
-    return varied_P.repeat_interleave(group_size)

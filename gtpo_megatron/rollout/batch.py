@@ -1,9 +1,9 @@
-"""One step's rollouts as tensors: collation into a ``TrainBatch``, data-parallel sharding and batch metrics.
+"""One step's rollouts as tensors: collation into a ``TrainBatch`` and the batch, rollout and mismatch metrics.
 
 Pure functions of tensors (no collectives, no I/O), composed by ``trainer.py``. Every rank builds the same full
 batch (the rollouts are broadcast), the GTPO weights are computed on whole groups (``algorithm.py``; GTPO_SPEC
 section 8: lambda is computed before the batch is split over data-parallel ranks) and each rank then keeps its own
-rows with ``shard_rows``.
+rows, ``batch.select(parallel.row_shard(...))``.
 
 Dimension legend: P prompts, G group size, B = P*G rows laid out group by group, S padded prompt+response length.
 Per-token tensors use the ``TrainBatch`` layout: column ``s`` describes the prediction of ``input_ids[:, s]``.
@@ -25,8 +25,8 @@ def collate_completions(groups: list[PromptCompletions], *, pad_token_id: int) -
         pad_token_id: id written in padding columns (may equal EOS: masks come from lengths, never from ids).
 
     Returns:
-        ``TrainBatch`` with ``input_ids``/``attention_mask``/``response_mask`` ``[B, S]``, ``group_ids`` ``[B]``
-        and extras ``rollout_logprobs`` ``[B, S]`` fp32 (engine log-probs on response columns, 0 elsewhere) and
+        ``TrainBatch`` with ``input_ids``/``attention_mask``/``response_mask`` ``[B, S]`` and extras
+        ``rollout_logprobs`` ``[B, S]`` fp32 (engine log-probs on response columns, 0 elsewhere) and
         ``truncated`` ``[B]`` bool (finish_reason ``"length"``).
 
     Raises:
@@ -35,14 +35,14 @@ def collate_completions(groups: list[PromptCompletions], *, pad_token_id: int) -
     sizes = {len(g.completions) for g in groups}
     if len(sizes) != 1:
         raise ValueError(f"every prompt needs the same number of completions; got sizes {sorted(sizes)}")
-    rows = [(g.prompt_ids, c, p) for p, g in enumerate(groups) for c in g.completions]
-    seq_len = max(len(prompt) + len(c.token_ids) for prompt, c, _ in rows)
+    rows = [(g.prompt_ids, c) for g in groups for c in g.completions]
+    seq_len = max(len(prompt) + len(c.token_ids) for prompt, c in rows)
     num_rows = len(rows)
     input_ids = torch.full((num_rows, seq_len), pad_token_id, dtype=torch.long)
     attention_mask = torch.zeros((num_rows, seq_len), dtype=torch.bool)
     response_mask = torch.zeros((num_rows, seq_len), dtype=torch.bool)
     rollout_logprobs = torch.zeros((num_rows, seq_len), dtype=torch.float32)
-    for row, (prompt, completion, _) in enumerate(rows):
+    for row, (prompt, completion) in enumerate(rows):
         start, end = len(prompt), len(prompt) + len(completion.token_ids)
         input_ids[row, :end] = torch.tensor(list(prompt) + list(completion.token_ids), dtype=torch.long)
         attention_mask[row, :end] = True
@@ -51,23 +51,9 @@ def collate_completions(groups: list[PromptCompletions], *, pad_token_id: int) -
             rollout_logprobs[row, start:end] = torch.tensor(completion.rollout_logprobs, dtype=torch.float32)
     return TrainBatch(
         input_ids=input_ids, attention_mask=attention_mask, response_mask=response_mask,
-        group_ids=torch.tensor([p for _, _, p in rows], dtype=torch.long),
         extras={"rollout_logprobs": rollout_logprobs,
-                "truncated": ~overlong_filter_mask([c.finish_reason for _, c, _ in rows])},
+                "truncated": ~overlong_filter_mask([c.finish_reason for _, c in rows])},
     )
-
-
-def shard_rows(batch: TrainBatch, *, dp_rank: int, dp_size: int) -> TrainBatch:
-    """Rows ``[dp_rank * B/dp, (dp_rank + 1) * B/dp)`` of every tensor (per-token weights travel with rows).
-
-    Raises:
-        ValueError: if ``dp_size`` does not divide B.
-    """
-    rows = batch.num_sequences
-    if rows % dp_size:
-        raise ValueError(f"batch of {rows} rows does not split over dp_size={dp_size}; see GTPOConfig.validate")
-    share = rows // dp_size
-    return batch.select(slice(dp_rank * share, (dp_rank + 1) * share))
 
 
 def mismatch_sums(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,

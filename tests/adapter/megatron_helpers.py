@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from gtpo_megatron.config import ModelConfig
 from gtpo_megatron.rollout.types import TrainBatch
 from tests.helpers.references import ref_logprobs_entropy
 
@@ -17,6 +18,11 @@ TINY_QWEN2 = "builtin:tiny-qwen2"
 TINY_LLAMA = "builtin:tiny-llama"
 SMOLLM2 = "builtin:smollm2-135m-instruct"
 LOGITS_ATOL = 1e-4  # fp32 transformer stacks (up to 30 layers) with different matmul splits and orders
+
+
+def model_section(path: str, **fields) -> ModelConfig:
+    """The model section of a test policy: fp32 parameters unless ``fields`` say otherwise."""
+    return ModelConfig(**{"name_or_path": path, "params_dtype": "float32", **fields})
 
 
 def make_batch(*, rows: int = 4, seq_len: int = 12, vocab_size: int = 49152, seed: int = 0,
@@ -35,7 +41,6 @@ def make_batch(*, rows: int = 4, seq_len: int = 12, vocab_size: int = 49152, see
     return TrainBatch(
         input_ids=input_ids, attention_mask=attention_mask, response_mask=response_mask,
         advantages=torch.randn(rows, generator=gen), token_weights=weights * response_mask,
-        group_ids=torch.arange(rows) // 2,
     )
 
 

@@ -12,6 +12,7 @@ from gtpo_megatron.data import (
     overlong_penalty,
     shape_rewards,
 )
+from gtpo_megatron.data.sampling import UNIFORM_REWARD_ATOL
 from tests.helpers.batches import algorithm_section
 
 
@@ -22,6 +23,14 @@ def test_filter_uniform_groups_literal() -> None:
     assert keep.tolist() == [False, True, True, False]  # last group differs by 1e-9 < atol: uniform
     assert filter_uniform_groups(torch.tensor(rewards), 3, atol=0.0).tolist() == [False, True, True, True]
     assert filter_uniform_groups([1.0, 2.0], 2).repeat_interleave(2).tolist() == [True, True]
+
+
+def test_per_completion_view_of_the_uniform_rule() -> None:
+    # the view the algorithm's skip_uniform_groups switch uses; 0.35 twice is uniform, so is 2 vs 2 + 1e-9 (< atol)
+    rewards = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.35, 0.35, 2.0, 2.0 + 1e-9])
+    keep = filter_uniform_groups(rewards, 2).repeat_interleave(2)
+    assert keep.tolist() == [False, False, True, True, False, False, False, False]
+    assert UNIFORM_REWARD_ATOL == 1e-6
 
 
 def test_filter_uniform_groups_errors() -> None:

@@ -17,23 +17,26 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.adapter.megatron_helpers import TINY_QWEN2, make_batch
+from gtpo_megatron.ops import LossSpec
+from tests.adapter.megatron_helpers import TINY_QWEN2, model_section, make_batch
 from tests.helpers.dist_harness import run_distributed
 
 pytestmark = pytest.mark.distributed
 
-STEP_KW = dict(loss_name="gtpo", aggregation="seq-mean-token-mean", clip_eps_low=0.9, clip_eps_high=10.0)
+LOSS = LossSpec(loss_name="gtpo", aggregation="seq-mean-token-mean", clip_eps_low=0.9, clip_eps_high=10.0)
 RESHARD_ATOL = 1e-5  # same math, different TP/PP split: fp32 summation-order noise only
 
 
 def _policy(tp: int, pp: int, distributed_optimizer: bool):
+    from gtpo_megatron.megatron_adapter.optimizer import OptimSettings
     from gtpo_megatron.megatron_adapter.policy import MegatronPolicy
     from gtpo_megatron.parallel.groups import init_distributed
 
     groups = init_distributed(tp_size=tp, pp_size=pp)
-    return MegatronPolicy.from_pretrained(TINY_QWEN2, groups=groups, micro_batch_size=2, lr=1e-3,
-                                          warmup_steps=1, total_steps=10, decay_style="cosine", seed=7,
-                                          use_distributed_optimizer=distributed_optimizer)
+    optim = OptimSettings(lr=1e-3, warmup_steps=1, total_steps=10, decay_style="cosine",
+                          use_distributed_optimizer=distributed_optimizer)
+    return MegatronPolicy.from_pretrained(model_section(TINY_QWEN2), groups=groups, optim=optim, micro_batch_size=2,
+                                          seed=7)
 
 
 def _batch():
@@ -47,14 +50,14 @@ def _continue(policy) -> dict:
     batch = _batch()
     logprobs, _ = policy.compute_logprobs(batch)
     draw = torch.rand(4)
-    steps = [policy.train_step(batch, **STEP_KW) for _ in range(2)]
+    steps = [policy.train_step(batch, LOSS) for _ in range(2)]
     return {"logprobs": logprobs, "draw": draw,
             "steps": [(m["loss"], m["grad_norm"], m["lr"]) for m in steps]}
 
 
 def _first_run(rank: int, world_size: int, root: str) -> None:
     policy = _policy(2, 1, False)
-    assert policy.train_step(_batch(), **STEP_KW)["skipped"] == 0.0
+    assert policy.train_step(_batch(), LOSS)["skipped"] == 0.0
     policy.save_checkpoint(f"{root}/step_000001", {"step": 1, "loader": {"epoch": 0, "position": 4}})
     if rank == 0:
         torch.save(_continue(policy), f"{root}/expected.pt")

@@ -23,6 +23,7 @@ from tests.adapter.megatron_helpers import (
     TINY_QWEN2,
     check_hf_weights,
     check_logits,
+    model_section,
     load_hf_model,
     save_random_hf_model,
 )
@@ -51,12 +52,12 @@ def _check_export(policy, path: str, out_dir: str, label: str) -> None:
     dist.barrier()
 
 
-def _build(path: str, tp: int, pp: int, **kwargs):
+def _build(path: str, tp: int, pp: int, **model_fields):
     from gtpo_megatron.megatron_adapter.policy import MegatronPolicy
     from gtpo_megatron.parallel.groups import init_distributed
 
     groups = init_distributed(tp_size=tp, pp_size=pp)
-    return MegatronPolicy.from_pretrained(path, groups=groups, **kwargs)
+    return MegatronPolicy.from_pretrained(model_section(path, **model_fields), groups=groups)
 
 
 def _save_tiny_qwen3(out_dir: str) -> None:

@@ -19,6 +19,8 @@ import socket
 import pytest
 import torch
 
+from gtpo_megatron.config import ModelConfig
+from gtpo_megatron.ops import LossSpec
 from gtpo_megatron.rollout.types import TrainBatch
 from tests.gpu.report import record
 from tests.helpers.references import ref_policy_loss
@@ -33,6 +35,7 @@ QUESTIONS = [
     "Compute 3 * (4 + 5) - 6.",
 ]
 MEAN_MISMATCH_LIMIT = 0.05  # nats per token: bf16 vLLM kernels vs bf16 Megatron kernels on the same weights
+LOSS = LossSpec(loss_name="gtpo", aggregation="seq-mean-token-mean", clip_eps_low=0.2, clip_eps_high=0.2)
 
 
 @pytest.fixture(scope="module")
@@ -65,6 +68,7 @@ def engine(model_path: str):
 @pytest.fixture(scope="module")
 def policy(model_path: str):
     pytest.importorskip("megatron.core", reason="megatron-core is not installed")
+    from gtpo_megatron.megatron_adapter.optimizer import OptimSettings
     from gtpo_megatron.megatron_adapter.policy import MegatronPolicy
     from gtpo_megatron.parallel.groups import destroy_distributed, init_distributed
 
@@ -76,8 +80,9 @@ def policy(model_path: str):
         os.environ.setdefault(key, value)
     groups = init_distributed(tp_size=1, pp_size=1, backend="nccl")
     # lr 1e-3: one Adam step must move bf16 weights visibly (a 1e-6 step is below bf16 resolution)
-    yield MegatronPolicy.from_pretrained(model_path, groups=groups, params_dtype=torch.bfloat16, micro_batch_size=4,
-                                         logprob_chunk_size=512, lr=1e-3, clip_grad=1.0)  # fmt: skip
+    model = ModelConfig(name_or_path=model_path, params_dtype="bfloat16")
+    yield MegatronPolicy.from_pretrained(model, groups=groups, optim=OptimSettings(lr=1e-3, clip_grad=1.0),
+                                         micro_batch_size=4, logprob_chunk_size=512)  # fmt: skip
     destroy_distributed()
 
 
@@ -123,8 +128,7 @@ def test_megatron_train_step(policy, rollout_batch: TrainBatch) -> None:
     logprobs, _ = policy.compute_logprobs(batch)
     batch.old_logprobs = torch.where(batch.response_mask, logprobs + 0.1 * torch.randn_like(logprobs), 0.0)
     before = next(policy.model.parameters()).detach().clone()
-    metrics = policy.train_step(batch, loss_name="gtpo", aggregation="seq-mean-token-mean", clip_eps_low=0.2,
-                                clip_eps_high=0.2)  # fmt: skip
+    metrics = policy.train_step(batch, LOSS)
     lengths = batch.response_mask.sum(-1).tolist()
     starts = batch.response_mask.int().argmax(-1).tolist()
 
@@ -153,8 +157,7 @@ def test_weight_sync_makes_vllm_match_trainer(engine, policy, rollout_batch: Tra
 
     batch = _with_advantages(rollout_batch)
     batch.old_logprobs = None
-    policy.train_step(batch, loss_name="gtpo", aggregation="seq-mean-token-mean", clip_eps_low=0.2,
-                      clip_eps_high=0.2)  # fmt: skip
+    policy.train_step(batch, LOSS)
     trainer_logprobs, _ = policy.compute_logprobs(batch)
     prompts, completions, trainer = [], [], []
     for row in range(batch.num_sequences):

@@ -1,4 +1,4 @@
-"""Collation of PromptCompletions into a TrainBatch, data-parallel sharding and the batch metrics."""
+"""Collation of PromptCompletions into a TrainBatch and the batch metrics."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from gtpo_megatron.rollout.batch import collate_completions, mismatch_sums, rollout_metrics, shard_rows
+from gtpo_megatron.rollout.batch import collate_completions, mismatch_sums, rollout_metrics
 from tests.helpers.batches import EOS, conflict_batch, make_group
 
 
@@ -17,7 +17,6 @@ def test_collate_right_pads_and_builds_masks_from_lengths():
     assert batch.input_ids.tolist() == [[7, 8, 5, EOS], [7, 8, 6, EOS], [9, 4, 4, EOS], [9, EOS, EOS, EOS]]
     assert batch.attention_mask.int().tolist() == [[1, 1, 1, 1], [1, 1, 1, 0], [1, 1, 1, 1], [1, 0, 0, 0]]
     assert batch.response_mask.int().tolist() == [[0, 0, 1, 1], [0, 0, 1, 0], [0, 1, 1, 1], [0, 0, 0, 0]]
-    assert batch.group_ids.tolist() == [0, 0, 1, 1]
     assert batch.extras["truncated"].tolist() == [False, True, False, False]
     assert batch.extras["rollout_logprobs"][0].tolist() == [0.0, 0.0, -0.5, -0.5]
 
@@ -27,12 +26,7 @@ def test_collate_rejects_ragged_groups():
         collate_completions([make_group([1], [[3]]), make_group([1], [[3], [4]])], pad_token_id=0)
 
 
-def test_shard_rows_and_mismatch_sums():
-    batch = conflict_batch()
-    shard = shard_rows(batch, dp_rank=1, dp_size=2)
-    assert torch.equal(shard.input_ids, batch.input_ids[2:])
-    with pytest.raises(ValueError, match="does not split"):
-        shard_rows(batch, dp_rank=0, dp_size=3)
+def test_mismatch_sums():
     mask = torch.tensor([[True, True, False]])
     sums = mismatch_sums(torch.tensor([[-1.0, -2.0, 9.0]]), torch.tensor([[-1.5, -2.0, 0.0]]), mask)
     assert sums["abs_logprob_diff"].item() == pytest.approx(0.5)

@@ -65,10 +65,14 @@ def test_grpo_preset_gives_std_advantages_and_plain_weights():
 
 
 def test_uniform_group_skip_and_overlong_filter():
-    batch = collate_completions([make_group([1], [[5, EOS], [6, EOS]]), make_group([1], [[5, EOS], [6]], ["stop", "length"])],
-                                pad_token_id=EOS)
+    batch = collate_completions([make_group([1], [[5, EOS], [6, EOS]]),
+                                 make_group([1], [[5, EOS], [6]], ["stop", "length"])], pad_token_id=EOS)
     rewards = torch.tensor([1.0, 1.0, 1.0, 0.0])
     cfg = algorithm_section(group_size=2, skip_uniform_groups=True, overlong_filter=True)
     weights = compute_step_weights(batch, rewards, torch.zeros(4), cfg, initial_entropy=1.0)
     assert weights.keep_mask.tolist() == [False, False, True, True]
     assert weights.token_weights.sum(dim=-1).tolist() == [0.0, 0.0, 2.0, 0.0]  # row 3 truncated
+    # one uniform-group rule (data.sampling.filter_uniform_groups, atol 1e-6) for this switch and dynamic sampling
+    nearly_equal = torch.tensor([1.0, 1.0 + 1e-9, 1.0, 0.0])
+    weights = compute_step_weights(batch, nearly_equal, torch.zeros(4), cfg, initial_entropy=1.0)
+    assert weights.keep_mask.tolist() == [False, False, True, True]
