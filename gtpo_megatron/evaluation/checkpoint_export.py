@@ -65,8 +65,8 @@ def _build_export_policy(cfg, groups):
     without Apex/TE (``checkpoint._check_loadable``), the plain one loads a checkpoint of any layout. The padding
     (vocabulary, and attention heads with ``model.pad_attention_heads``) is that of the run's TP size.
     """
-    from gtpo_megatron.builtin_models import resolve_model_path
     from gtpo_megatron.build import build_policy
+    from gtpo_megatron.builtin_models import resolve_model_path
 
     run_tp_size = cfg.parallel.tp_size
     cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, tp_size=1, pp_size=1,

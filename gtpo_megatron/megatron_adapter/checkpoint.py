@@ -1,14 +1,15 @@
-"""Save/load a ``MegatronPolicy`` (model, optimizer, LR schedule, RNG) plus trainer state with
-``megatron.core.dist_checkpointing``.
+"""Save/load a ``MegatronPolicy`` (model, optimizer, LR schedule, RNG) and trainer state: Megatron dist checkpoints.
 
-Layout of a run's checkpoint folder (names owned by ``run_dir``)::
+``megatron.core.dist_checkpointing`` writes and reads the sharded state. Layout of a run's checkpoint folder (names
+owned by ``run_dir``)::
 
     <root>/step_000010/         one dist checkpoint (Megatron's format: sharded tensors + common.pt)
     <root>/latest               text file holding the name of the newest complete checkpoint folder
 
 Atomicity: every rank writes into ``run_dir.temporary_dir(<root>/<name>)``; after a barrier global rank 0 renames
-it to ``<root>/<name>`` and then replaces ``latest`` (``run_dir.write_latest``: write-to-temp + ``os.replace``). A killed save therefore leaves at
-most a stale ``.tmp`` folder (removed by the next save of the same name) and never a dangling ``latest``.
+it to ``<root>/<name>`` and then replaces ``latest`` (``run_dir.write_latest``: write-to-temp + ``os.replace``). A
+killed save therefore leaves at most a stale ``.tmp`` folder (removed by the next save of the same name) and never
+a dangling ``latest``.
 
 Resharding: model and optimizer tensors are saved as Megatron ``ShardedTensor`` s in the model's global layout
 (the distributed optimizer in its ``fully_reshardable`` format), so a checkpoint written with one TP/PP/DP layout

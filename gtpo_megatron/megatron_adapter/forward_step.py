@@ -78,6 +78,8 @@ def token_logprobs_entropy(logits: torch.Tensor, batch: MicroBatch,
 
     Args:
         logits: ``[b, S, V/tp]`` vocab-parallel logits of this TP rank (position ``s`` predicts token ``s+1``).
+        batch: the micro-batch (``input_ids`` and ``response_mask`` are read).
+        settings: the step's ``LossSettings`` (TP group, vocabulary size, temperature, chunk size).
 
     Returns:
         ``(logprobs, entropy)``, both ``[b, S]`` fp32 nats; column 0 and every column off ``response_mask`` are 0.
@@ -102,6 +104,8 @@ def policy_loss_closure(logits: torch.Tensor, batch: MicroBatch, settings: LossS
 
     Args:
         logits: ``[b, S, V/tp]`` last-stage output.
+        batch: the micro-batch the logits belong to.
+        settings: the step's ``LossSettings`` (``loss=None``: forward-only).
 
     Returns:
         Training (``settings.loss`` set): ``(l * loss_scale, metrics)`` with ``l`` the ops loss of this

@@ -1,5 +1,6 @@
-"""Exact attention-head padding: run a model whose KV groups do not divide ``tp_size`` (SmolLM2-135M: 9 heads,
-3 KV groups) under Megatron tensor parallelism.
+"""Exact attention-head padding: run a model whose KV groups do not divide ``tp_size`` under Megatron TP.
+
+For example SmolLM2-135M (9 heads, 3 KV groups) at ``tp_size=2``.
 
 Megatron needs ``num_attention_heads % tp_size == 0`` and ``num_query_groups % tp_size == 0``. With
 ``pad_attention_heads=True`` the Megatron model gets ``G_pad`` KV groups, ``G`` rounded up to a multiple of

@@ -309,8 +309,10 @@ class MegatronPolicy:
         return iter_hf_weights(self.model, self.geometry, self.groups)
 
     def export_hf(self, out_dir: str) -> None:
-        """Write an HF folder (safetensors, config, tokenizer) that ``transformers`` and vLLM load; global rank 0
-        writes, every rank must call. Ends with a barrier on the model-parallel group."""
+        """Write an HF folder (safetensors, config, tokenizer) that ``transformers`` and vLLM load.
+
+        Global rank 0 writes, every rank must call. Ends with a barrier on the model-parallel group.
+        """
         from gtpo_megatron.megatron_adapter.hf_export import write_hf_folder
 
         write_hf_folder(self.iter_hf_weights(), out_dir, hf_config=self.hf_config, tokenizer_source=self.hf_path,

@@ -10,7 +10,8 @@ in float64 on rewards re-centred on each group's first reward, so that a group o
 
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
@@ -26,7 +27,9 @@ class AdvantageEstimator(Protocol):
         ``[P, G]`` float64 advantages.
     """
 
-    def __call__(self, *, rewards: torch.Tensor, eps: float) -> torch.Tensor: ...
+    def __call__(self, *, rewards: torch.Tensor, eps: float) -> torch.Tensor:
+        """Advantages of group-centred rewards (see the class docstring)."""
+        ...
 
 
 ADVANTAGE_ESTIMATOR_REGISTRY: dict[str, AdvantageEstimator] = {}

@@ -28,8 +28,9 @@ Pure torch: no collectives, no ``.item()``, inputs are never modified.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Protocol
 
 import torch
 
@@ -79,7 +80,9 @@ class PolicyLossFn(Protocol):
         kl_estimator: str = "k3",
         entropy: torch.Tensor | None = None,
         entropy_keep_mask: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]: ...
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The loss and its metric sums (see the class docstring)."""
+        ...
 
 
 POLICY_LOSS_REGISTRY: dict[str, PolicyLossFn] = {}

@@ -6,9 +6,10 @@ The rules are Megatron-Core's and vLLM's: TP must divide the attention heads and
 the attention heads and either divide the KV heads or be a multiple of them, and the rollout batch
 ``num_prompts * group_size`` must split evenly over data-parallel ranks and then into micro-batches. Each rule is a
 function returning its problems (empty when it holds); ``check_layout`` (``gtpo-plan``) and
-``GTPOConfig.validate`` (``gtpo-train``, once the world size is known) both call them. The trainer runs one vLLM engine, owned by global rank 0 (``trainer.py``), with
-``engine_tp_size`` GPUs of one node: ``colocated`` puts it on the first training GPUs, ``separate`` on GPUs of its
-own outside the torchrun world, so that ``--gpus`` counts the training GPUs plus the engine's.
+``GTPOConfig.validate`` (``gtpo-train``, once the world size is known) both call them. The trainer runs one vLLM
+engine, owned by global rank 0 (``trainer.py``), with ``engine_tp_size`` GPUs of one node: ``colocated`` puts it
+on the first training GPUs, ``separate`` on GPUs of its own outside the torchrun world, so that ``--gpus`` counts
+the training GPUs plus the engine's.
 """
 
 from __future__ import annotations
@@ -110,8 +111,11 @@ def world_problems(train_world_size: int, *, tp_size: int, pp_size: int, describ
 
 
 def batch_problems(*, num_prompts: int, group_size: int, dp_size: int, micro_batch_size: int) -> list[str]:
-    """Reasons the step's ``num_prompts * group_size`` sequences do not split over ``dp_size`` ranks and then into
-    micro-batches of ``micro_batch_size`` (empty when they do)."""
+    """Reasons the step's sequences do not split over the data-parallel ranks and micro-batches (empty: they do).
+
+    The step has ``num_prompts * group_size`` sequences; each of the ``dp_size`` ranks cuts its share into
+    micro-batches of ``micro_batch_size``.
+    """
     batch = num_prompts * group_size
     if batch % dp_size:
         return [
@@ -156,10 +160,12 @@ def check_layout(
     Args:
         arch: model dimensions.
         world_size: GPUs of the whole job (``--gpus``), the engine's included when ``placement="separate"``.
-        tp_size, pp_size: ``parallel.tp_size`` and ``parallel.pp_size``.
+        tp_size: ``parallel.tp_size``.
+        pp_size: ``parallel.pp_size``.
         engine_tp_size: ``rollout.engine_tp_size``.
         placement: ``rollout.placement``.
-        num_prompts, group_size: ``rollout.num_prompts`` and ``algorithm.group_size``.
+        num_prompts: ``rollout.num_prompts``.
+        group_size: ``algorithm.group_size``.
         micro_batch_size: ``optim.micro_batch_size``.
         make_vocab_size_divisible_by: ``model.make_vocab_size_divisible_by``.
         gpus_per_node: GPUs of one node (the engine stays within one node).

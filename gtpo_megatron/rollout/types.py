@@ -65,6 +65,7 @@ class TrainBatch:
 
     @property
     def num_sequences(self) -> int:
+        """B, the number of rows."""
         return int(self.input_ids.shape[0])
 
     def select(self, rows: slice | torch.Tensor) -> TrainBatch:

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from gtpo_megatron.ops import LossSpec
-from tests.adapter.megatron_helpers import TINY_QWEN2, model_section, make_batch
+from tests.adapter.megatron_helpers import TINY_QWEN2, make_batch, model_section
 from tests.helpers.dist_harness import run_distributed
 
 pytestmark = pytest.mark.distributed

@@ -132,7 +132,7 @@ def _tiny_worker(rank: int, world_size: int, out_root: str) -> None:
     ref_grads = []
     ref_norms = _two_steps(reference, batch, lambda step: ref_grads.append(_hf_grads(reference)))
     ref_weights = dict(reference.iter_hf_weights())
-    del reference
+    reference = None  # free the TP=1 model before the padded one is built
     policy = _build(path, 2, pad_attention_heads=True, optim=OPTIM)
     assert (policy.geometry.padded_num_query_groups, policy.geometry.num_pad_groups) == (4, 1)
     worst = []

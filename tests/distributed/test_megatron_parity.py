@@ -23,8 +23,8 @@ from tests.adapter.megatron_helpers import (
     TINY_QWEN2,
     check_hf_weights,
     check_logits,
-    model_section,
     load_hf_model,
+    model_section,
     save_random_hf_model,
 )
 from tests.helpers.dist_harness import run_distributed

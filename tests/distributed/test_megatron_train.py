@@ -23,10 +23,10 @@ from tests.adapter.megatron_helpers import (
     TINY_LLAMA,
     TINY_QWEN2,
     DictReader,
-    model_section,
     load_hf_model,
     make_batch,
     megatron_named_params,
+    model_section,
     reference_grads,
     reference_token_logprobs,
 )

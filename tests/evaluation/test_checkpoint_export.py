@@ -10,7 +10,6 @@ resolution must reuse the folder.
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path

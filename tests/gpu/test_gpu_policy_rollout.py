@@ -88,8 +88,8 @@ def policy(model_path: str):
 
 @pytest.fixture(scope="module")
 def rollout_batch(engine, prompt_ids) -> TrainBatch:
-    from gtpo_megatron.rollout.engine import SamplingConfig
     from gtpo_megatron.rollout.batch import collate_completions
+    from gtpo_megatron.rollout.engine import SamplingConfig
 
     groups = engine.generate(prompt_ids, 4, SamplingConfig(temperature=1.0, top_p=1.0, max_tokens=64, seed=0))
     return collate_completions(groups, pad_token_id=0)

@@ -17,8 +17,8 @@ from transformers import AutoModelForCausalLM
 
 from gtpo_megatron.builtin_models import resolve_model_path
 from gtpo_megatron.rollout.engine import SamplingConfig
-from gtpo_megatron.rollout.vllm_engine import VLLMEngine
 from gtpo_megatron.rollout.push import push_weights
+from gtpo_megatron.rollout.vllm_engine import VLLMEngine
 
 pytestmark = pytest.mark.integration
 

@@ -57,7 +57,8 @@ def test_paper_filter_drops_high_entropy_and_still_defines_conflicts():
 def test_grpo_preset_gives_std_advantages_and_plain_weights():
     batch = conflict_batch()
     rewards = torch.tensor([1.0, 1.0, 0.0, 0.0])
-    weights = compute_step_weights(batch, rewards, torch.full((4,), 5.0), algorithm_section("grpo"), initial_entropy=None)
+    weights = compute_step_weights(batch, rewards, torch.full((4,), 5.0), algorithm_section("grpo"),
+                                   initial_entropy=None)
     std = torch.tensor([1.0, 1.0, 0.0, 0.0], dtype=torch.float64).std()
     torch.testing.assert_close(weights.advantages, (torch.tensor([0.5, 0.5, -0.5, -0.5]) / std).float(),
                                atol=1e-5, rtol=0)  # eps=1e-6 in the denominator

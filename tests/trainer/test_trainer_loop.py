@@ -17,7 +17,6 @@ from gtpo_megatron.logging import MetricSink
 from gtpo_megatron.rollout.collector import RolloutCollector
 from gtpo_megatron.run_dir import list_checkpoints
 from gtpo_megatron.trainer import Trainer
-
 from tests.trainer.fakes import FakeEngine, FakePolicy, FakeRewardPool, FakeTokenizer, single_rank_groups
 
 CONTRACT_KEYS = {"reward/mean", "accuracy", "entropy/mean", "gtpo/filtered_frac", "gtpo/conflict_frac",
