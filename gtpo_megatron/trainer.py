@@ -10,7 +10,7 @@ whole step's completions, builds the same full batch and keeps its data-parallel
 Collectives per step, all through ``parallel.collectives``: one object broadcast (world), one all-gather of the
 sequence entropies (dp), one global mean for <H>_ini on the first step of the ``paper`` filter (dp), one all-reduce
 of the mismatch sums (dp), the policy's own, the weight gather (model-parallel group of dp replica 0) and one MAX
-all-reduce of the stop flag (world).
+all-reduce of the stop flag (world); a save adds two barriers (world).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from gtpo_megatron.ops import sequence_mean_entropy
 from gtpo_megatron.parallel import (
     all_gather_rows,
     any_rank,
+    barrier,
     broadcast_object,
     global_mean,
     reduce_metric_sums,
@@ -236,11 +237,11 @@ class Trainer:
         """Checkpoint model, optimizer and trainer state under ``checkpoints/step_NNNNNN``; prune old ones."""
         state = {"step": step, "initial_entropy": self.initial_entropy, "loader": self.loader_state}
         self.policy.save_checkpoint(str(run_dir.checkpoint_dir(self.cfg.output_dir, step)), state)
-        dist.barrier()
+        barrier(group=self._world)
         if self.groups.rank == 0:
             for old in run_dir.list_checkpoints(self.checkpoint_dir)[:-self.cfg.checkpoint.keep_last]:
                 shutil.rmtree(old, ignore_errors=True)
-        dist.barrier()
+        barrier(group=self._world)
 
     def _maybe_resume(self) -> int:
         """Load the newest checkpoint when ``resume=true``; returns the number of completed steps."""

@@ -1,4 +1,4 @@
-"""Distributed glue: global statistics over explicit groups (``collectives``) and the group handle (``groups``).
+"""Distributed glue: collectives over explicit groups (``collectives``) and the group handle (``groups``).
 
 Only ``collectives`` is re-exported here: ``groups`` imports megatron and must be imported explicitly
 (``from gtpo_megatron.parallel.groups import ParallelGroups``).
@@ -10,6 +10,7 @@ from gtpo_megatron.parallel.collectives import (
     all_gather_rows,
     all_reduce_sum,
     any_rank,
+    barrier,
     broadcast_object,
     global_mean,
     global_normalizer,
@@ -21,6 +22,7 @@ __all__ = [
     "all_gather_rows",
     "all_reduce_sum",
     "any_rank",
+    "barrier",
     "broadcast_object",
     "global_mean",
     "global_normalizer",

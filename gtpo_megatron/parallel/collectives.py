@@ -1,9 +1,10 @@
-"""The collectives the trainer and the policy issue themselves, over explicit process groups.
+"""The trainer's collectives and the step's global statistics, over explicit process groups.
 
-Global statistics (STYLE section 3: statistics split from decisions), the data-parallel row layout of a step and
-the trainer's small control messages. Each function takes the group it works on as the keyword ``group``.
-``group=None`` has exactly one meaning: "this process is the whole group" (single process, or a statistic that is
-local by design); it never falls back to the default world group. Tensors travel on the group's device (CUDA for
+Global statistics (STYLE section 3: statistics split from decisions; the policy's loss normaliser, <H>_ini), the
+data-parallel row layout of a step and the trainer's control messages (rollout broadcast, stop flag, barriers).
+Each function takes the group it works on as the keyword ``group``. ``group=None`` has exactly one meaning: "this
+process is the whole group" (single process, or a statistic that is local by design); it never falls back to the
+default world group. Tensors travel on the group's device (CUDA for
 NCCL, CPU otherwise) and come back on the input's device. Every function returns new values and leaves its inputs
 unmodified; the collectives are not differentiable and are listed per function.
 """
@@ -75,6 +76,15 @@ def broadcast_object(obj: Any, *, src: int, group: dist.ProcessGroup | None) -> 
     box = [obj]
     dist.broadcast_object_list(box, src=src, group=group)
     return box[0]
+
+
+def barrier(*, group: dist.ProcessGroup | None) -> None:
+    """Wait until every rank of ``group`` got here.
+
+    Collectives: one barrier on ``group`` (none when ``group`` is None).
+    """
+    if group is not None:
+        dist.barrier(group=group)
 
 
 def any_rank(flag: bool, *, group: dist.ProcessGroup | None) -> bool:

@@ -10,6 +10,7 @@ from gtpo_megatron.parallel import (
     all_gather_rows,
     all_reduce_sum,
     any_rank,
+    barrier,
     broadcast_object,
     global_mean,
     global_normalizer,
@@ -54,6 +55,7 @@ def test_single_process_control_messages():
     assert gathered.dtype == torch.float32 and torch.equal(gathered, local)
     assert broadcast_object({"a": 1}, src=0, group=None) == {"a": 1}
     assert any_rank(True, group=None) is True and any_rank(False, group=None) is False
+    barrier(group=None)  # one process: nothing to wait for
 
 
 def test_global_mean_on_one_replica_is_the_plain_mean():
