@@ -66,11 +66,12 @@ def _set_rng_state(state: dict) -> None:
 
 
 def _check_loadable(optimizer) -> None:
-    """Refuse a load that megatron-core 0.16.1 cannot perform, with the remedy.
+    """Refuse a load that megatron-core (0.16.1 and 0.19.2 alike) cannot perform, with the remedy.
 
     Without Apex or Transformer Engine (always the case on CPU) the distributed optimizer wraps ``torch.optim.Adam``,
-    whose per-parameter ``step`` state breaks ``DistributedOptimizer.load_state_dict`` for the reshardable formats
-    (``KeyError: 'step'`` in ``_set_main_param_and_optimizer_states``). Saving works; loading does not.
+    whose lazily created per-parameter ``step`` state breaks loading the reshardable formats (``state_dict``'s
+    ``assert len(steps) == 1`` on a fresh optimizer; ``KeyError: 'step'`` in ``_set_main_param_and_optimizer_states``).
+    Saving works; loading does not.
 
     Raises:
         RuntimeError: distributed optimizer without Apex/TE.
@@ -81,7 +82,7 @@ def _check_loadable(optimizer) -> None:
     if not HAVE_APEX_OR_TE and any(isinstance(inner, DistributedOptimizer) for inner in inners):
         raise RuntimeError(
             "loading a checkpoint into Megatron's distributed optimizer needs Apex or Transformer Engine "
-            "(megatron-core 0.16.1 fails on torch Adam's 'step' state); build the policy with "
+            "(megatron-core fails on torch Adam's 'step' state); build the policy with "
             "use_distributed_optimizer=False (the CPU default), which loads any checkpoint of this project"
         )
 

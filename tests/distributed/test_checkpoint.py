@@ -4,7 +4,7 @@ Two separate 2-rank runs share one checkpoint root:
 1. TP=2: one optimizer step, save (``step_000001``), then record the log-probs, a random draw and two more steps;
 2. fresh processes, TP=2: load via ``latest``; the trainer state, log-probs, the random draw and the next two
    steps' loss / grad norm / lr must be *identical* (exact equality: same layout, same arithmetic); loading into
-   Megatron's distributed optimizer fails with a clear RuntimeError on CPU (megatron-core 0.16.1 limitation);
+   Megatron's distributed optimizer fails with a clear RuntimeError on CPU (a megatron-core 0.16.1-0.19.2 limitation);
    then the same processes switch to PP=2 (a different layout) and load again: log-probs and the next two steps
    agree within fp32 noise (1e-5), which needs the model and the Adam state resharded correctly (the second step
    depends on both moments).
@@ -68,7 +68,7 @@ def _first_run(rank: int, world_size: int, root: str) -> None:
 def _resume_same_layout(rank: int, world_size: int, root: str) -> None:
     from megatron.core.optimizer.distrib_optimizer import HAVE_APEX_OR_TE
 
-    if not HAVE_APEX_OR_TE:  # megatron-core 0.16.1 cannot load into its distributed optimizer here: clear error
+    if not HAVE_APEX_OR_TE:  # megatron-core 0.16-0.19 cannot load into its distributed optimizer here: clear error
         with pytest.raises(RuntimeError, match="use_distributed_optimizer=False"):
             _policy(2, 1, True).load_checkpoint(root)
     policy = _policy(2, 1, False)
