@@ -15,6 +15,9 @@ aligned shard. Padded rows are zero; the ops layer excludes their logits from ev
 
 Head padding (opt-in, ``pad_attention_heads``): when the KV groups do not divide ``tp_size`` the model gets extra
 all-zero KV groups, which is exact for forward and training; see ``head_padding``.
+
+Output precision (``fp32_output_layer``): with 16-bit parameters the logits can be computed in fp32 instead of
+being rounded to bf16 before the log-softmax; see ``output_layer``.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from gtpo_megatron.megatron_adapter.hf_features import (
     rope_settings,
     sliding_window_settings,
 )
+from gtpo_megatron.megatron_adapter.output_layer import use_fp32_output_layer
 
 logger = logging.getLogger(__name__)
 
@@ -170,7 +174,8 @@ def transformer_config_from_hf(hf_config, *, tp_size: int, pp_size: int, params_
     )
 
 
-def build_gpt_model(hf_config, config, *, padded_vocab_size: int, pre_process: bool, post_process: bool):
+def build_gpt_model(hf_config, config, *, padded_vocab_size: int, pre_process: bool, post_process: bool,
+                    fp32_output_layer: bool = False):
     """Instantiate this rank's ``GPTModel`` stage (TP-sharded, random/zero weights; load them afterwards).
 
     Args:
@@ -178,13 +183,19 @@ def build_gpt_model(hf_config, config, *, padded_vocab_size: int, pre_process: b
         config: ``TransformerConfig`` from ``transformer_config_from_hf``.
         padded_vocab_size: ``V``, see ``compute_padded_vocab_size``.
         pre_process / post_process: this rank holds the first / last pipeline stage.
+        fp32_output_layer: with 16-bit parameters, compute the logits in fp32 (``output_layer``: precision and
+            memory cost); no effect with fp32 parameters or without ``post_process``.
 
     Returns:
-        ``GPTModel`` with ``parallel_output=True`` (logits stay ``[B, S, V/tp]``) and attribute
-        ``layer_spec_backend`` set to ``"transformer_engine"`` or ``"local"``.
+        ``GPTModel`` with ``parallel_output=True`` (logits stay ``[B, S, V/tp]``, fp32 with ``fp32_output_layer``,
+        else in the parameter dtype) and attribute ``layer_spec_backend`` set to ``"transformer_engine"`` or
+        ``"local"``.
 
     Collectives: with tied embeddings and PP > 1, one all-reduce on Megatron's embedding group (done inside
     ``GPTModel``); run it under ``cpu_compat.cuda_to_cpu_mode()`` on CPU.
+
+    Raises:
+        ValueError: ``fp32_output_layer`` with ``config.gradient_accumulation_fusion`` (see ``output_layer``).
     """
     from megatron.core.models.gpt import GPTModel
 
@@ -202,6 +213,8 @@ def build_gpt_model(hf_config, config, *, padded_vocab_size: int, pre_process: b
         **rope_settings(hf_config),
     )
     model.layer_spec_backend = backend
+    if fp32_output_layer and post_process and config.params_dtype != torch.float32:
+        use_fp32_output_layer(model.output_layer)
     return model
 
 

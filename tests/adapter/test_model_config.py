@@ -135,3 +135,13 @@ def test_cpu_shim_is_inert_with_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert cpu_compat.install_cpu_compat() is False
     assert isinstance(cpu_compat.cuda_to_cpu_mode(), type(__import__("contextlib").nullcontext()))
+
+
+def test_fp32_output_layer_refuses_gradient_accumulation_fusion():
+    from types import SimpleNamespace
+
+    from gtpo_megatron.megatron_adapter.output_layer import use_fp32_output_layer
+
+    layer = SimpleNamespace(config=SimpleNamespace(gradient_accumulation_fusion=True))
+    with pytest.raises(ValueError, match="fp32_output_layer=True cannot be combined with gradient_accumulation"):
+        use_fp32_output_layer(layer)
