@@ -67,7 +67,8 @@ def _with_bias(linear_cls: type) -> type:
     def __init__(self, *args, bias, **kwargs):
         linear_cls.__init__(self, *args, bias=True, **kwargs)
 
-    return type(f"Biased{linear_cls.__name__}", (linear_cls,), {"__init__": __init__, "__doc__": _with_bias.__doc__})
+    doc = f"{linear_cls.__name__} that always has a bias (HF per-module biases)."
+    return type(f"Biased{linear_cls.__name__}", (linear_cls,), {"__init__": __init__, "__doc__": doc})
 
 
 def _add_biases(spec, biases: LinearBiases):

@@ -137,7 +137,8 @@ def _refuse_bad_rows(max_N: torch.Tensor, target_ids: torch.Tensor, settings: _O
 
 
 def _global_statistics(local, target_ids, local_ids, in_shard, tp_group, settings: _OpSettings):
-    """Global ``max_N`` and the all-reduced ``[k, N]`` sums (see ``_LogprobsEntropy.forward``)."""
+    """Global max ``M`` ``[N]`` and the all-reduced fp32 ``[k, N]`` statistics, rows: ``Z_T``, the target's
+    ``(z_target - M) / T``, ``sum exp(s_H) s_H``, and ``Z_H`` (only with a separate entropy temperature)."""
     num_tokens, device = target_ids.numel(), local.device
     num_sums = 3 if settings.separate_entropy else 2
     if settings.valid_width > 0 and num_tokens > 0:

@@ -43,14 +43,16 @@ def _random_logits(world: int, vocab_size: int):
 
 
 def _check_against_reference(rank, group, full, targets, g_lp, g_h, *, vocab_size, temperature, chunk_size,
-                             entropy_temperature=None):
+                             entropy_temperature=None, entropy_requires_grad=True):
     """This rank's op outputs and gradient shard vs the float64 full-vocabulary reference; returns them."""
     cols = slice(rank * LOCAL_WIDTH, (rank + 1) * LOCAL_WIDTH)
     shard = full[..., cols].clone().requires_grad_()
     logprobs, entropy = vocab_parallel_logprobs_entropy(
         shard, targets, tp_group=group, vocab_size=vocab_size, temperature=temperature, chunk_size=chunk_size,
-        entropy_temperature=entropy_temperature, entropy_requires_grad=True, padded_vocab_size=full.shape[-1],
+        entropy_temperature=entropy_temperature, entropy_requires_grad=entropy_requires_grad,
+        padded_vocab_size=full.shape[-1],
     )
+    g_h = g_h if entropy_requires_grad else torch.zeros_like(g_h)
     (logprobs * g_lp + entropy * g_h).sum().backward()
     torch.testing.assert_close(shard.detach(), full[..., cols], rtol=0, atol=0, equal_nan=True)  # unmodified
     ref_full = full.double().requires_grad_()
@@ -75,7 +77,8 @@ def _random_case(rank, world, group, vocab_size, temperature, chunk_size, entrop
 def _masked_case(rank, world, group) -> None:
     """-inf logits (issue 12 item 7): row (0, 0) has rank 1's whole shard -inf, row (0, 1) every shard but the
     last, scattered -inf elsewhere; garbage (+inf, NaN) in the padded columns. Values and gradient shards vs
-    float64; the masked columns get exactly 0 gradient."""
+    float64 (with and without the entropy gradient, chunked or not, temperatures 1, 0.5, 0.9 and a separate entropy
+    temperature); the masked and padded columns get exactly 0 gradient."""
     vocab_size = LOCAL_WIDTH * world - 2
     full, targets, g_lp, g_h = _random_logits(world, vocab_size)
     full[torch.rand(full.shape, generator=torch.Generator().manual_seed(4)) < 0.2] = float("-inf")
@@ -84,10 +87,13 @@ def _masked_case(rank, world, group) -> None:
     full[..., vocab_size], full[..., vocab_size + 1] = float("inf"), float("nan")
     targets = full[..., :vocab_size].argmax(dim=-1)  # finite target logits
     cols = slice(rank * LOCAL_WIDTH, (rank + 1) * LOCAL_WIDTH)
-    for temperature, chunk_size, entropy_temperature in ((1.0, None, None), (0.5, 2, None), (0.9, 4, 1.4)):
+    cases = ((1.0, None, None, True), (0.5, 2, None, True), (0.9, 4, 1.4, True), (1.0, 3, None, False),
+             (0.9, None, 1.0, False))  # (temperature, chunk_size, entropy_temperature, entropy_requires_grad)
+    for temperature, chunk_size, entropy_temperature, entropy_requires_grad in cases:
         _, _, grad = _check_against_reference(rank, group, full, targets, g_lp, g_h, vocab_size=vocab_size,
                                               temperature=temperature, chunk_size=chunk_size,
-                                              entropy_temperature=entropy_temperature)
+                                              entropy_temperature=entropy_temperature,
+                                              entropy_requires_grad=entropy_requires_grad)
         assert bool((grad[torch.isinf(full[..., cols]) | torch.isnan(full[..., cols])] == 0).all())
 
 
