@@ -109,9 +109,9 @@ def main() -> None:
         print(json.dumps(_worker(args)))
         return
     gib = 2**30
+    weight_gib = args.vocab * args.hidden * 2 / gib
     print(f"n={args.tokens} tokens, V={args.vocab}, h={args.hidden}, chunk={args.chunk_size}, TP=1; "
-          f"logits {args.tokens * args.vocab * 2 / gib:.2f} GiB in bf16, weight {args.vocab * args.hidden * 2 / gib:.2f}"
-          " GiB in bf16")
+          f"logits {args.tokens * args.vocab * 2 / gib:.2f} GiB in bf16, weight {weight_gib:.2f} GiB in bf16")
     print(f"{'variant':<14}{'logits':>9}{'peak extra GiB':>16}{'planner GiB':>13}{'x bf16':>8}")
     base = None
     for variant in VARIANTS:

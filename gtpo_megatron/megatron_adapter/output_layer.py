@@ -8,8 +8,9 @@ states; with ``use_fp32_output_layer`` they are within about 1e-6 (``benchmarks/
 Those log-probs feed the policy ratio, the train/rollout mismatch and the entropy the GTPO filter reads.
 
 How: the layer's matmul runs on fp32 casts of its 16-bit input and weight, through Megatron's own linear function
-(``ColumnParallelLinear._forward_impl``), so its tensor-parallel communication (the input-gradient all-reduce, or
-the sequence-parallel gather / reduce-scatter) is unchanged, only in fp32. Choices:
+(``ColumnParallelLinear._forward_impl``, overridden in an fp32 subclass the layer is switched to), so its
+tensor-parallel communication (the input-gradient all-reduce, or the sequence-parallel gather / reduce-scatter) is
+unchanged, only in fp32. Choices:
 
 * Upcast on the fly, no fp32 copy of the weight: a copy would cost ``V/tp * h * 4`` bytes for good, go stale at
   every optimizer step (the distributed optimizer's fp32 main weights are sharded over data-parallel ranks, so
@@ -31,13 +32,15 @@ gradient in place). Not compatible with ``gradient_accumulation_fusion`` (it wri
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 
-def _fp32_linear(linear_impl, input: torch.Tensor, weight: torch.Tensor, *args, **kwargs) -> torch.Tensor:  # noqa: A002
+def _fp32_linear(linear_impl, input: torch.Tensor, weight: torch.Tensor, *args, **kwargs):  # noqa: A002
     """``linear_impl`` (Megatron's linear autograd function) on fp32 casts of ``input`` and ``weight`` (Megatron
     passes both by keyword); the tensors it saves for backward are stored as the 16-bit originals and re-cast on
-    use."""
+    use. Returns its fp32 output."""
     casts = {}  # id of an fp32 cast -> its 16-bit original; only this call's casts are replaced
 
     def cast(tensor: torch.Tensor) -> torch.Tensor:
@@ -58,13 +61,27 @@ def _fp32_linear(linear_impl, input: torch.Tensor, weight: torch.Tensor, *args, 
         return linear_impl(input32, weight32, *args, **kwargs)
 
 
+@functools.cache
+def _fp32_output_class(layer_cls: type) -> type:
+    """``layer_cls`` whose ``_forward_impl`` (Megatron's matmul + TP communication) runs through ``_fp32_linear``."""
+
+    def _forward_impl(self, input, weight, *args, **kwargs):  # noqa: A002 (Megatron passes input= by keyword)
+        return _fp32_linear(super(fp32_cls, self)._forward_impl, input, weight, *args, **kwargs)
+
+    doc = f"{layer_cls.__name__} computing its output in fp32 (megatron_adapter.output_layer)."
+    fp32_cls = type(f"Fp32{layer_cls.__name__}", (layer_cls,),
+                    {"_forward_impl": _forward_impl, "__doc__": doc, "computes_in_fp32": True})
+    return fp32_cls
+
+
 def use_fp32_output_layer(output_layer) -> None:
     """Make a GPTModel's ``output_layer`` compute its logits in fp32 (see the module docstring), in place.
 
     Args:
         output_layer: Megatron ``ColumnParallelLinear`` (``GPTModel.output_layer``), any parameter dtype; a no-op
             for fp32 parameters. Its own weight or the tied embedding weight GPTModel passes at call time are
-            both handled.
+            both handled. Its class becomes an fp32 subclass (parameters, names and state dict unchanged); calling
+            it twice changes nothing.
 
     Returns:
         None. Afterwards the layer returns fp32 logits ``[s, b, V/tp]`` (``GPTModel`` hands them on as
@@ -78,9 +95,5 @@ def use_fp32_output_layer(output_layer) -> None:
     if output_layer.config.gradient_accumulation_fusion:
         raise ValueError("fp32_output_layer=True cannot be combined with gradient_accumulation_fusion=True (the "
                          "fused kernel accumulates into weight.main_grad, which the fp32 cast lacks); turn one off")
-    linear_impl = output_layer._forward_impl
-
-    def forward_impl(*args, **kwargs):
-        return _fp32_linear(linear_impl, *args, **kwargs)
-
-    output_layer._forward_impl = forward_impl
+    if not getattr(output_layer, "computes_in_fp32", False):
+        output_layer.__class__ = _fp32_output_class(type(output_layer))

@@ -42,6 +42,7 @@ def _check_layer(groups) -> None:
                                      gather_output=False, tp_group=groups.tp)
     layer.weight.data.copy_(weight[rows])
     use_fp32_output_layer(layer)
+    use_fp32_output_layer(layer)  # idempotent
     x = x_full.clone().requires_grad_()
     logits, _ = layer(x)
     assert logits.dtype == torch.float32
