@@ -14,7 +14,8 @@ temperature T, entropy temperature T_H, global max ``M = max_k z_k`` and ``Z_T =
 ``logprob = (z_target - M) / T - log Z_T``; ``entropy = log Z_H - sum_j exp(s_j) s_j / Z_H`` with
 ``s_j = (z_j - M) / T_H``. Each rank first accumulates ``sum exp`` and ``sum exp * s`` relative to its own
 per-token max ``m`` (one read of its shard, chunk by chunk, into two reused fp32 buffers), then re-bases them to
-``M`` with ``delta = (m - M) / T``: ``sum exp(s) = e^delta * S_m`` and ``sum exp(s) s = e^delta * (D_m + delta * S_m)``.
+``M`` with ``delta = (m - M) / T_H``: ``sum exp(s) = e^delta * S_m`` and ``sum exp(s) s = e^delta * (D_m + delta *
+S_m)`` (and ``Z_T`` likewise with ``(m - M) / T``).
 Backward w.r.t. ``z_k`` (recomputed chunk by chunk from the saved logits and the saved ``M``, ``log Z``, ``H``):
 ``g_lp * (1[k = target] - p_k) / T - g_H * q_k * (log q_k + H) / T_H`` with ``p`` the softmax at T, ``q`` at T_H.
 
