@@ -50,7 +50,7 @@ import torch
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def _anon_rss_bytes() -> int:
+def anon_rss_bytes() -> int:
     """Resident anonymous memory (``RssAnon``): heap and tensors only, not re-faulted library pages."""
     with open("/proc/self/status") as f:
         for line in f:
@@ -59,25 +59,26 @@ def _anon_rss_bytes() -> int:
     raise RuntimeError("RssAnon not found in /proc/self/status")
 
 
-class _PeakSampler(threading.Thread):
+class PeakSampler(threading.Thread):
     """Samples ``RssAnon`` every 0.5 ms (tensor ops release the GIL) and keeps the maximum."""
 
     def __init__(self) -> None:
         super().__init__(daemon=True)
-        self.peak = _anon_rss_bytes()
+        self.peak = anon_rss_bytes()
         self._stop_event = threading.Event()
 
     def run(self) -> None:
         while not self._stop_event.wait(0.0005):
-            self.peak = max(self.peak, _anon_rss_bytes())
+            self.peak = max(self.peak, anon_rss_bytes())
 
     def stop(self) -> int:
         self._stop_event.set()
         self.join()
-        return max(self.peak, _anon_rss_bytes())
+        return max(self.peak, anon_rss_bytes())
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -125,8 +126,8 @@ def _measure(fn, tokens, width, vocab_offset, vocab, dtype, chunk, repeats, grou
         logits[a:a + 64] = torch.randn(min(64, tokens - a), vocab, generator=gen, dtype=dtype)[
             :, vocab_offset:vocab_offset + width]
     logits.requires_grad_()
-    baseline = _anon_rss_bytes()
-    sampler = _PeakSampler()
+    baseline = anon_rss_bytes()
+    sampler = PeakSampler()
     sampler.start()
     fn(logits, targets, grad_out, chunk, group)
     peak_extra = sampler.stop() - baseline
@@ -160,7 +161,7 @@ def _worker(args) -> dict:
         import torch.multiprocessing as mp
 
         out = tempfile.mktemp(prefix="bench_tp2_")
-        mp.spawn(_tp2_rank, args=(args, _free_port(), out), nprocs=2, join=True)
+        mp.spawn(_tp2_rank, args=(args, free_port(), out), nprocs=2, join=True)
         ranks = [json.load(open(f"{out}.{r}")) for r in range(2)]
         return {"time_s": max(r["time_s"] for r in ranks), "logits_bytes": ranks[0]["logits_bytes"],
                 "peak_extra_bytes": max(r["peak_extra_bytes"] for r in ranks)}

@@ -1,6 +1,7 @@
 """The only package that knows Megatron-Core's calling conventions (GTPO_SPEC section 1 training step).
 
-Modules: ``cpu_compat`` (CPU shim, inert on GPU), ``model`` (GPTModel from an HF config), ``hf_conversion``
+Modules: ``cpu_compat`` (CPU shim, inert on GPU), ``model`` (GPTModel from an HF config), ``hf_features``
+(what each HF config field does to the math: mapped or refused), ``hf_conversion``
 (HF <-> Megatron shard layout and sharded loading), ``forward_step`` (schedule hook and loss closure),
 ``optimizer`` (DDP, Megatron Adam, LR schedule, non-finite guard), ``step_metrics`` (metric reduction),
 ``hf_stream`` (streams ``(hf_name, full_tensor)`` out of the TP/PP shards: the source of weight export and weight

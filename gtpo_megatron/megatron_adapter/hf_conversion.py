@@ -1,4 +1,4 @@
-"""Hugging Face <-> Megatron-Core weight layout for Llama / Qwen2 / Qwen3 decoders (pure tensor code, no I/O
+"""Hugging Face <-> Megatron-Core weight layout for Llama / Mistral / Qwen2 / Qwen3 decoders (pure tensor code, no I/O
 except ``HFCheckpointReader``).
 
 Megatron parameter names below are *global*: ``decoder.layers.{i}`` uses the global layer index ``i``
@@ -12,9 +12,11 @@ Megatron parameter names below are *global*: ``decoder.layers.{i}`` uses the glo
   (Q query heads, G KV groups, D head_dim). ``G_pad = G`` unless the model is head-padded
   (``head_padding``): then groups ``G .. G_pad-1`` are all-zero rows.
 * ``self_attention.linear_proj.weight``: row-parallel over heads, ``[H, Q_pad * D / tp]`` with
-  ``Q_pad = G_pad * Q/G``; columns of padded heads are zero.
-* ``mlp.linear_fc1.weight``: ``[2 * F/tp, H]``: this rank's gate rows, then this rank's up rows.
-* ``mlp.linear_fc2.weight``: row-parallel, ``[H, F/tp]``.
+  ``Q_pad = G_pad * Q/G``; columns of padded heads are zero. Its bias (HF ``o_proj.bias``, ``attention_bias``
+  models) is ``[H]``, replicated: added once, after the TP reduction.
+* ``mlp.linear_fc1.{weight,bias}``: ``[2 * F/tp, H]`` / ``[2 * F/tp]``: this rank's gate rows, then its up rows.
+* ``mlp.linear_fc2.weight``: row-parallel, ``[H, F/tp]``; its bias (HF ``down_proj.bias``, ``mlp_bias``) is
+  ``[H]``, replicated.
 * norms (and Qwen3's q/k norms): replicated. Transformer Engine specs fuse the pre-attention and pre-MLP norms
   into ``linear_qkv.layer_norm_weight`` / ``linear_fc1.layer_norm_weight``; both spellings are accepted.
 """
@@ -41,12 +43,15 @@ _LAYER_MAP = {
     "self_attention.linear_qkv.bias": (QKV, ("self_attn.q_proj.bias", "self_attn.k_proj.bias",
                                              "self_attn.v_proj.bias")),
     "self_attention.linear_proj.weight": (PROJ, ("self_attn.o_proj.weight",)),
+    "self_attention.linear_proj.bias": (REPLICATED, ("self_attn.o_proj.bias",)),
     "self_attention.q_layernorm.weight": (REPLICATED, ("self_attn.q_norm.weight",)),
     "self_attention.k_layernorm.weight": (REPLICATED, ("self_attn.k_norm.weight",)),
     "pre_mlp_layernorm.weight": (REPLICATED, ("post_attention_layernorm.weight",)),
     "mlp.linear_fc1.layer_norm_weight": (REPLICATED, ("post_attention_layernorm.weight",)),
     "mlp.linear_fc1.weight": (FC1, ("mlp.gate_proj.weight", "mlp.up_proj.weight")),
+    "mlp.linear_fc1.bias": (FC1, ("mlp.gate_proj.bias", "mlp.up_proj.bias")),
     "mlp.linear_fc2.weight": (ROW, ("mlp.down_proj.weight",)),
+    "mlp.linear_fc2.bias": (REPLICATED, ("mlp.down_proj.bias",)),
 }
 
 

@@ -1,9 +1,9 @@
 """Build a Megatron-Core ``GPTModel`` (one pipeline stage, TP-sharded) from a Hugging Face decoder config.
 
-Supported architectures: Llama (incl. Llama-3.x rope scaling), Mistral-style dense Llama variants, Qwen2 (qkv
-bias), Qwen3 dense (q/k RMSNorm, explicit ``head_dim``). Every one maps onto Megatron's GPT block with RMSNorm,
-SwiGLU (``gated_linear_unit=True`` + SiLU), grouped-query attention (``num_query_groups``), RoPE and optional tied
-embeddings. Dropout is 0 (RL fine-tuning; the HF configs above have none either).
+Supported architectures: Llama, Mistral, Qwen2, Qwen3 (dense). Every one maps onto Megatron's GPT block with
+RMSNorm, SwiGLU (``gated_linear_unit=True`` + SiLU), grouped-query attention (``num_query_groups``), RoPE, optional
+tied embeddings, linear-layer biases and sliding-window attention; ``hf_features`` says, field by field, how each
+HF config setting is reproduced or why a checkpoint is refused. Dropout is 0 (RL fine-tuning).
 
 Layer specs: Transformer Engine specs when ``transformer_engine`` imports, Megatron's local specs otherwise; the
 choice is logged once. The local spec gets an explicit causal mask from ``forward_step`` (see
@@ -15,10 +15,14 @@ aligned shard. Padded rows are zero; the ops layer excludes their logits from ev
 
 Head padding (opt-in, ``pad_attention_heads``): when the KV groups do not divide ``tp_size`` the model gets extra
 all-zero KV groups, which is exact for forward and training; see ``head_padding``.
+
+Output precision (``fp32_output_layer``): with 16-bit parameters the logits can be computed in fp32 instead of
+being rounded to bf16 before the log-softmax; see ``output_layer``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 
@@ -26,10 +30,16 @@ import torch
 import torch.nn.functional as F
 
 from gtpo_megatron.megatron_adapter.head_padding import padded_num_query_groups
+from gtpo_megatron.megatron_adapter.hf_features import (
+    LinearBiases,
+    check_hf_config,
+    linear_biases,
+    rope_settings,
+    sliding_window_settings,
+)
+from gtpo_megatron.megatron_adapter.output_layer import use_fp32_output_layer
 
 logger = logging.getLogger(__name__)
-
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 @functools.lru_cache(maxsize=1)
@@ -42,8 +52,38 @@ def transformer_engine_available() -> bool:
     return True
 
 
-def select_layer_spec(*, qk_layernorm: bool):
-    """Return ``(layer_spec, "transformer_engine" | "local")`` and log which one is used."""
+@functools.cache
+def _with_bias(linear_cls: type) -> type:
+    """``linear_cls`` built with a bias whatever Megatron's global ``add_bias_linear`` says (HF models whose o_proj
+    or MLP have biases while their other linear layers have none). Same parameters and sharding, plus ``bias``."""
+
+    def __init__(self, *args, bias, **kwargs):
+        linear_cls.__init__(self, *args, bias=True, **kwargs)
+
+    doc = f"{linear_cls.__name__} that always has a bias (HF per-module biases)."
+    return type(f"Biased{linear_cls.__name__}", (linear_cls,), {"__init__": __init__, "__doc__": doc})
+
+
+def _add_biases(spec, biases: LinearBiases):
+    """A copy of the GPT layer ``spec`` whose o_proj (``linear_proj``) and MLP linears have the HF biases."""
+    layer = spec.submodules
+    attention, mlp = layer.self_attention, layer.mlp
+    if biases.proj:
+        linear_proj = _with_bias(attention.submodules.linear_proj)
+        attention = dataclasses.replace(
+            attention, submodules=dataclasses.replace(attention.submodules, linear_proj=linear_proj))
+    if biases.mlp:
+        mlp = dataclasses.replace(mlp, submodules=dataclasses.replace(
+            mlp.submodules, linear_fc1=_with_bias(mlp.submodules.linear_fc1),
+            linear_fc2=_with_bias(mlp.submodules.linear_fc2)))
+    return dataclasses.replace(spec, submodules=dataclasses.replace(layer, self_attention=attention, mlp=mlp))
+
+
+def select_layer_spec(*, qk_layernorm: bool, biases: LinearBiases):
+    """Return ``(layer_spec, "transformer_engine" | "local")`` and log which one is used.
+
+    ``biases``: the o_proj and MLP biases get their own linear classes (the q/k/v bias is ``add_qkv_bias``).
+    """
     from megatron.core.models.gpt import gpt_layer_specs
 
     if transformer_engine_available():
@@ -53,35 +93,7 @@ def select_layer_spec(*, qk_layernorm: bool):
         spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization="RMSNorm")
         backend = "local"
     logger.info("Megatron GPT layer spec: %s", backend)
-    return spec, backend
-
-
-def rope_settings(hf_config) -> dict:
-    """GPTModel RoPE keyword arguments (base, Llama-3 scaling) from an HF config.
-
-    Raises:
-        ValueError: for a rope type Megatron's GPTModel cannot express (e.g. ``yarn``, ``dynamic``), or Llama-3
-            scaling parameters other than Megatron's fixed ones.
-    """
-    params = dict(getattr(hf_config, "rope_parameters", None) or {})
-    legacy_scaling = getattr(hf_config, "rope_scaling", None) or {}
-    params = {**legacy_scaling, **params}
-    base = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    settings = {"rotary_base": base, "rope_scaling": False}
-    if rope_type == "default":
-        return settings
-    if rope_type != "llama3":
-        raise ValueError(
-            f"rope_parameters.rope_type={rope_type!r} is not supported by Megatron's GPTModel here; "
-            "use a model with default or llama3 RoPE"
-        )
-    fixed = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-    for key, expected in fixed.items():
-        if float(params.get(key, expected)) != expected:
-            raise ValueError(f"rope_parameters.{key}={params[key]} differs from Megatron's fixed {expected}")
-    settings.update(rope_scaling=True, rope_scaling_factor=float(params.get("factor", 8.0)))
-    return settings
+    return _add_biases(spec, biases), backend
 
 
 def transformer_config_from_hf(hf_config, *, tp_size: int, pp_size: int, params_dtype: torch.dtype,
@@ -98,16 +110,13 @@ def transformer_config_from_hf(hf_config, *, tp_size: int, pp_size: int, params_
     TP size did (``head_padding.padded_num_query_groups``).
 
     Raises:
-        ValueError: unsupported ``model_type``, heads or KV groups not divisible by ``tp_size`` (without
-            ``pad_attention_heads``), layers not divisible by ``pp_size``, or an activation other than SiLU.
+        ValueError: an HF config feature that cannot be built (``hf_features``: model type, activation, RoPE
+            variant, attention layer types), heads or KV groups not divisible by ``tp_size`` (without
+            ``pad_attention_heads``), layers not divisible by ``pp_size``.
     """
     from megatron.core.transformer import TransformerConfig
 
-    model_type = getattr(hf_config, "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"model_type={model_type!r} is not supported; expected one of {SUPPORTED_MODEL_TYPES}")
-    if getattr(hf_config, "hidden_act", "silu") != "silu":
-        raise ValueError(f"hidden_act={hf_config.hidden_act!r}: only SiLU-gated MLPs (SwiGLU) are supported")
+    check_hf_config(hf_config)
     num_heads = hf_config.num_attention_heads
     num_groups = getattr(hf_config, "num_key_value_heads", None) or num_heads
     padded_groups = padded_num_query_groups(num_heads=num_heads, num_query_groups=num_groups, tp_size=tp_size,
@@ -129,9 +138,10 @@ def transformer_config_from_hf(hf_config, *, tp_size: int, pp_size: int, params_
         layernorm_epsilon=hf_config.rms_norm_eps,
         gated_linear_unit=True,
         activation_func=F.silu,
-        add_bias_linear=False,
-        add_qkv_bias=bool(model_type == "qwen2" or getattr(hf_config, "attention_bias", False)),
-        qk_layernorm=model_type == "qwen3",
+        add_bias_linear=False,  # o_proj and MLP biases: per-module linear classes (select_layer_spec)
+        add_qkv_bias=linear_biases(hf_config).qkv,
+        qk_layernorm=hf_config.model_type == "qwen3",
+        **sliding_window_settings(hf_config),
         hidden_dropout=0.0,
         attention_dropout=0.0,
         tensor_model_parallel_size=tp_size,
@@ -158,7 +168,8 @@ def transformer_config_from_hf(hf_config, *, tp_size: int, pp_size: int, params_
     )
 
 
-def build_gpt_model(hf_config, config, *, padded_vocab_size: int, pre_process: bool, post_process: bool):
+def build_gpt_model(hf_config, config, *, padded_vocab_size: int, pre_process: bool, post_process: bool,
+                    fp32_output_layer: bool = False):
     """Instantiate this rank's ``GPTModel`` stage (TP-sharded, random/zero weights; load them afterwards).
 
     Args:
@@ -166,17 +177,23 @@ def build_gpt_model(hf_config, config, *, padded_vocab_size: int, pre_process: b
         config: ``TransformerConfig`` from ``transformer_config_from_hf``.
         padded_vocab_size: ``V``, see ``plan.layout.padded_vocab_size``.
         pre_process / post_process: this rank holds the first / last pipeline stage.
+        fp32_output_layer: with 16-bit parameters, compute the logits in fp32 (``output_layer``: precision and
+            memory cost); no effect with fp32 parameters or without ``post_process``.
 
     Returns:
-        ``GPTModel`` with ``parallel_output=True`` (logits stay ``[B, S, V/tp]``) and attribute
-        ``layer_spec_backend`` set to ``"transformer_engine"`` or ``"local"``.
+        ``GPTModel`` with ``parallel_output=True`` (logits stay ``[B, S, V/tp]``, fp32 with ``fp32_output_layer``,
+        else in the parameter dtype) and attribute ``layer_spec_backend`` set to ``"transformer_engine"`` or
+        ``"local"``.
 
     Collectives: with tied embeddings and PP > 1, one all-reduce on Megatron's embedding group (done inside
     ``GPTModel``); run it under ``cpu_compat.cuda_to_cpu_mode()`` on CPU.
+
+    Raises:
+        ValueError: ``fp32_output_layer`` with ``config.gradient_accumulation_fusion`` (see ``output_layer``).
     """
     from megatron.core.models.gpt import GPTModel
 
-    spec, backend = select_layer_spec(qk_layernorm=config.qk_layernorm)
+    spec, backend = select_layer_spec(qk_layernorm=config.qk_layernorm, biases=linear_biases(hf_config))
     model = GPTModel(
         config=config,
         transformer_layer_spec=spec,
@@ -190,6 +207,8 @@ def build_gpt_model(hf_config, config, *, padded_vocab_size: int, pre_process: b
         **rope_settings(hf_config),
     )
     model.layer_spec_backend = backend
+    if fp32_output_layer and post_process and config.params_dtype != torch.float32:
+        use_fp32_output_layer(model.output_layer)
     return model
 
 

@@ -9,20 +9,51 @@ Dimension legend: P prompts, G group size, B = P*G sequences, T response tokens,
 N flattened tokens, V padded vocabulary (Megatron output width), V/tp local vocabulary shard; internally the
 logits are viewed as ``[O, I, V/tp]`` (O merged leading dims, I the second-to-last dim), never copied.
 
-Math, per token, over the real vocabulary only (columns ``>= vocab_size`` are excluded), with temperature T,
-global max ``M = max_k z_k`` and ``s_j = (z_j - M) / T``, ``Z = sum_j exp(s_j)``:
-``logprob = s_target - log Z``; ``entropy = log Z - sum_j exp(s_j) s_j / Z``.
-Each rank first accumulates ``sum exp`` and ``sum exp * s`` relative to its own per-token max ``m`` (one read of
-its shard, chunk by chunk, into two reused fp32 buffers), then re-bases them to ``M`` with
-``delta = (m - M) / T``: ``sum exp(s) = e^delta * S_m`` and ``sum exp(s) s = e^delta * (D_m + delta * S_m)``.
+Math, per token, over the real vocabulary only (columns ``>= vocab_size`` are excluded), with log-prob
+temperature T, entropy temperature T_H, global max ``M = max_k z_k`` and ``Z_T = sum_j exp((z_j - M) / T)``:
+``logprob = (z_target - M) / T - log Z_T``; ``entropy = log Z_H - sum_j exp(s_j) s_j / Z_H`` with
+``s_j = (z_j - M) / T_H``. Each rank first accumulates ``sum exp`` and ``sum exp * s`` relative to its own
+per-token max ``m`` (one read of its shard, chunk by chunk, into two reused fp32 buffers), then re-bases them to
+``M`` with ``delta = (m - M) / T_H``: ``sum exp(s) = e^delta * S_m`` and ``sum exp(s) s = e^delta * (D_m + delta *
+S_m)`` (and ``Z_T`` likewise with ``(m - M) / T``).
 Backward w.r.t. ``z_k`` (recomputed chunk by chunk from the saved logits and the saved ``M``, ``log Z``, ``H``):
-``(g_lp * (1[k = target] - p_k) - g_H * p_k * (log p_k + H)) / T``.
+``g_lp * (1[k = target] - p_k) / T - g_H * q_k * (log q_k + H) / T_H`` with ``p`` the softmax at T, ``q`` at T_H.
+
+Masked tokens: a ``-inf`` logit is a token of probability exactly 0 (it adds nothing to ``Z`` or to the entropy,
+whose ``0 * log 0`` terms are 0, and gets gradient 0). A shard whose row is all ``-inf`` (every token of this rank
+masked) contributes nothing. A row whose real vocabulary is ALL ``-inf``, or holds ``+inf`` or NaN, has no
+softmax: it is refused (``ValueError`` naming the row; see ``check_inputs``).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
+
+_LOG_P_FLOOR = -1.0e4
+"""Floor for ``log p`` in the entropy gradient: every fp32 ``exp`` below about -104 is exactly 0, so flooring
+changes no product ``p * log p`` and turns ``0 * (-inf)`` (a ``-inf`` logit) into 0."""
+
+
+@dataclass(frozen=True)
+class _OpSettings:
+    """Plain settings of one call (see :func:`vocab_parallel_logprobs_entropy` for their meaning)."""
+
+    vocab_start: int
+    valid_width: int
+    vocab_size: int
+    temperature: float
+    entropy_temperature: float
+    chunk_size: int | None
+    check_inputs: bool
+    batch_shape: tuple[int, ...]
+
+    @property
+    def separate_entropy(self) -> bool:
+        """The entropy needs its own normaliser (a temperature other than the log-probs')."""
+        return self.entropy_temperature != self.temperature
 
 
 def _tp_size_rank(tp_group) -> tuple[int, int]:
@@ -48,24 +79,94 @@ def _work_buffers(inner: int, chunk_size: int | None, width: int, device, count:
     return [torch.empty((rows, width), dtype=torch.float32, device=device) for _ in range(count)]
 
 
-def _local_statistics(local, temperature, chunk_size):
-    """One pass over the ``[O, I, V_valid]`` local shard: per-token local max ``m`` and, relative to it,
-    ``sum exp`` and ``sum exp*s`` with ``s = (z - m) / T``; each returned flat ``[N]`` fp32."""
+def _scaled_exp(shifted: torch.Tensor, temperature: float, out: torch.Tensor) -> torch.Tensor:
+    """``out = exp(shifted / temperature)``."""
+    if temperature == 1.0:
+        return torch.exp(shifted, out=out)
+    return torch.div(shifted, temperature, out=out).exp_()
+
+
+def _local_statistics(local: torch.Tensor, settings: _OpSettings) -> tuple[torch.Tensor, torch.Tensor]:
+    """One pass over the ``[O, I, V_valid]`` local shard.
+
+    Returns ``(max_N, sums_kN)``: the per-token local max ``m`` (``-inf`` for a row all ``-inf`` here, ``+inf``
+    for a row holding ``+inf`` or NaN) and, relative to it, ``sum exp(s_H)``, ``sum exp(s_H) s_H`` with
+    ``s_H = (z - m) / T_H`` and, for a separate entropy temperature, ``sum exp((z - m) / T)``; fp32.
+    """
     outer, inner, width = local.shape
-    max_N, sum_exp_N, sum_exp_s_N = (torch.empty(outer * inner, dtype=torch.float32, device=local.device)
-                                     for _ in range(3))
-    shifted_buf, exp_buf = _work_buffers(inner, chunk_size, width, local.device, 2)
-    for o, a, b, f in _chunks(outer, inner, chunk_size):
+    num_sums = 3 if settings.separate_entropy else 2
+    max_N = torch.empty(outer * inner, dtype=torch.float32, device=local.device)
+    sums_kN = torch.empty((num_sums, outer * inner), dtype=torch.float32, device=local.device)
+    shifted_buf, exp_buf = _work_buffers(inner, settings.chunk_size, width, local.device, 2)
+    for o, a, b, f in _chunks(outer, inner, settings.chunk_size):
         rows, flat = local[o, a:b], slice(f, f + b - a)
         shifted, exp = shifted_buf[: b - a], exp_buf[: b - a]
         max_N[flat] = rows.amax(dim=-1)
-        torch.sub(rows, max_N[flat].unsqueeze(-1), out=shifted)  # promotes to fp32
-        if temperature != 1.0:
-            shifted.div_(temperature)
-        torch.exp(shifted, out=exp)
-        torch.sum(exp, dim=-1, out=sum_exp_N[flat])
-        torch.sum(shifted.mul_(exp), dim=-1, out=sum_exp_s_N[flat])  # (a batched GEMV here is 5x slower on CPU)
-    return max_N, sum_exp_N, sum_exp_s_N
+        base = torch.where(max_N[flat] > float("-inf"), max_N[flat], 0.0)  # all -inf here: keep -inf, not NaN
+        torch.sub(rows, base.unsqueeze(-1), out=shifted)  # z - m, promoted to fp32
+        _scaled_exp(shifted, settings.entropy_temperature, exp)
+        torch.sum(exp, dim=-1, out=sums_kN[0, flat])
+        # -inf logits give exp * s = 0 * (-inf) = NaN, the only NaN possible here (NaN/+inf rows are refused)
+        torch.nansum(exp.mul_(shifted), dim=-1, out=sums_kN[1, flat])  # (a batched GEMV is 5x slower on CPU)
+        if num_sums == 3:
+            torch.sum(_scaled_exp(shifted, settings.temperature, exp), dim=-1, out=sums_kN[2, flat])
+    sums_kN[1] /= settings.entropy_temperature
+    return torch.where(max_N.isnan(), float("inf"), max_N), sums_kN
+
+
+def _refuse_bad_rows(max_N: torch.Tensor, target_ids: torch.Tensor, settings: _OpSettings) -> None:
+    """The op's single host sync: target ids in range and a finite global max for every row, else ValueError."""
+    bad_rows_N = ~torch.isfinite(max_N)
+    bad_ids_N = (target_ids < 0) | (target_ids >= settings.vocab_size)
+    any_bad_row, any_bad_id = torch.stack([bad_rows_N.any(), bad_ids_N.any()]).tolist()
+    if any_bad_id:
+        raise ValueError(f"target_ids contain ids outside [0, vocab_size={settings.vocab_size}) e.g. "
+                         f"{target_ids[bad_ids_N][:4].tolist()}; padded-vocabulary columns are never targets: map "
+                         "padding to a real id and mask it out")
+    if not any_bad_row:
+        return
+    flat = int(bad_rows_N.nonzero()[0])
+    row = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), settings.batch_shape))
+    where = f"logits row {row} (of target_ids shape {settings.batch_shape})"
+    if float(max_N[flat]) == float("-inf"):
+        raise ValueError(f"{where} is -inf in all {settings.vocab_size} real vocabulary columns: every token is "
+                         "masked, so the row has no softmax; leave at least one token unmasked, or drop that "
+                         "position from the batch before computing log-probs")
+    raise ValueError(f"{where} holds +inf or NaN in its real vocabulary columns (< vocab_size="
+                     f"{settings.vocab_size}): the log-softmax is undefined; check the model output for overflow "
+                     "(e.g. fp16 logits) or a NaN activation")
+
+
+def _global_statistics(local, target_ids, local_ids, in_shard, tp_group, settings: _OpSettings):
+    """Global max ``M`` ``[N]`` and the all-reduced fp32 ``[k, N]`` statistics, rows: ``Z_T``, the target's
+    ``(z_target - M) / T``, ``sum exp(s_H) s_H``, and ``Z_H`` (only with a separate entropy temperature)."""
+    num_tokens, device = target_ids.numel(), local.device
+    num_sums = 3 if settings.separate_entropy else 2
+    if settings.valid_width > 0 and num_tokens > 0:
+        local_max_N, sums_kN = _local_statistics(local, settings)
+    else:  # this rank's shard is all vocabulary padding: no probability mass
+        local_max_N = torch.full((num_tokens,), float("-inf"), dtype=torch.float32, device=device)
+        sums_kN = torch.zeros((num_sums, num_tokens), dtype=torch.float32, device=device)
+    max_N = local_max_N.clone()
+    _all_reduce(max_N, dist.ReduceOp.MAX, tp_group)
+    if settings.check_inputs:
+        _refuse_bad_rows(max_N, target_ids, settings)
+    # Re-base from the local max m to the global max M; a shard row with no mass (m = -inf, sums 0) is based at
+    # M so that delta = 0 instead of -inf (whose products with the zero sums would be NaN).
+    base_N = torch.where(local_max_N > float("-inf"), local_max_N, max_N)
+    stats_kN = torch.zeros((num_sums + 1, num_tokens), dtype=torch.float32, device=device)
+    delta_h = (base_N - max_N) / settings.entropy_temperature
+    scale_h = torch.exp(delta_h)
+    stats_kN[2] = scale_h * (sums_kN[1] + delta_h * sums_kN[0])
+    stats_kN[3 if num_sums == 3 else 0] = scale_h * sums_kN[0]
+    if num_sums == 3:
+        stats_kN[0] = torch.exp((base_N - max_N) / settings.temperature) * sums_kN[2]
+    if settings.valid_width > 0:
+        target_cols = local_ids.clamp(0, settings.valid_width - 1).view(local.shape[:2] + (1,))
+        picked = local.gather(2, target_cols).view(-1).float()
+        stats_kN[1] = torch.where(in_shard, (picked - max_N) / settings.temperature, 0.0)
+    _all_reduce(stats_kN, dist.ReduceOp.SUM, tp_group)
+    return max_N, stats_kN
 
 
 def _logprob_grad_chunk(logits, out, max_N, log_z, g_lp, temperature) -> None:
@@ -78,15 +179,29 @@ def _logprob_grad_chunk(logits, out, max_N, log_z, g_lp, temperature) -> None:
 
 
 def _full_grad_chunk(logits, out, logp, max_N, log_z, entropy, g_lp, g_h, temperature) -> None:
-    """``out = -p * (g_lp + g_H * (log p + H)) / T``, using ``logp`` as scratch."""
+    """``out = -p * (g_lp + g_H * (log p + H)) / T``, using ``logp`` as scratch (``g_lp`` may be 0.0)."""
     torch.sub(logits, max_N.unsqueeze(-1), out=logp)
     if temperature != 1.0:
         logp.div_(temperature)
     logp.sub_(log_z.unsqueeze(-1))
     torch.exp(logp, out=out)
+    logp.clamp_(min=_LOG_P_FLOOR)  # -inf logits: p = 0 and log p = -inf; 0 * finite instead of 0 * inf
     slope = (g_h / temperature).unsqueeze(-1)
     intercept = ((g_lp + g_h * entropy) / temperature).unsqueeze(-1)
     out.mul_(logp.mul_(slope).add_(intercept)).neg_()
+
+
+def _grad_chunk(rows, out, scratch, saved, g_lp, g_h, settings: _OpSettings) -> None:
+    """Gradient of one chunk except the target column's ``+g_lp / T`` (see the module docstring)."""
+    max_N, log_z, log_z_h, entropy = saved
+    if g_h is None:
+        _logprob_grad_chunk(rows, out, max_N, log_z, g_lp, settings.temperature)
+    elif not settings.separate_entropy:
+        _full_grad_chunk(rows, out, scratch, max_N, log_z, entropy, g_lp, g_h, settings.temperature)
+    else:  # entropy part at T_H, then the log-prob part at T through the (then free) scratch buffer
+        _full_grad_chunk(rows, out, scratch, max_N, log_z_h, entropy, 0.0, g_h, settings.entropy_temperature)
+        _logprob_grad_chunk(rows, scratch, max_N, log_z, g_lp, settings.temperature)
+        out.add_(scratch)
 
 
 class _LogprobsEntropy(torch.autograd.Function):
@@ -94,34 +209,17 @@ class _LogprobsEntropy(torch.autograd.Function):
     :func:`vocab_parallel_logprobs_entropy`."""
 
     @staticmethod
-    def forward(ctx, logits, target_ids, tp_group, vocab_start, valid_width, temperature, chunk_size,
-                entropy_requires_grad):
-        num_tokens, device = target_ids.numel(), logits.device
-        local = logits[..., :valid_width]
-        local_ids = target_ids - vocab_start
-        in_shard = (local_ids >= 0) & (local_ids < valid_width)
-        stats_3N = torch.zeros((3, num_tokens), dtype=torch.float32, device=device)
-        max_N = torch.full((num_tokens,), float("-inf"), dtype=torch.float32, device=device)
-        if valid_width > 0 and num_tokens > 0:
-            local_max_N, local_sum_exp_N, local_sum_exp_s_N = _local_statistics(local, temperature, chunk_size)
-            max_N = local_max_N.clone()
-            _all_reduce(max_N, dist.ReduceOp.MAX, tp_group)
-            # Re-base the local sums from the local max to the global max M: s = s_local + delta.
-            delta_N = (local_max_N - max_N) / temperature
-            scale_N = torch.exp(delta_N)
-            target_cols = local_ids.clamp(0, valid_width - 1).view(logits.shape[:2] + (1,))
-            picked = local.gather(2, target_cols).view(-1).float()
-            stats_3N[0] = local_sum_exp_N * scale_N
-            stats_3N[1] = torch.where(in_shard, (picked - max_N) / temperature, 0.0)
-            stats_3N[2] = scale_N * (local_sum_exp_s_N + delta_N * local_sum_exp_N)
-        else:
-            _all_reduce(max_N, dist.ReduceOp.MAX, tp_group)
-        _all_reduce(stats_3N, dist.ReduceOp.SUM, tp_group)
-        log_z = torch.log(stats_3N[0])
-        logprobs = stats_3N[1] - log_z
-        entropy = log_z - stats_3N[2] / stats_3N[0]
-        ctx.save_for_backward(logits, local_ids, in_shard, max_N, log_z, entropy)
-        ctx.config = (valid_width, temperature, chunk_size)
+    def forward(ctx, logits, target_ids, tp_group, settings: _OpSettings, entropy_requires_grad: bool):
+        local = logits[..., : settings.valid_width]
+        local_ids = target_ids - settings.vocab_start
+        in_shard = (local_ids >= 0) & (local_ids < settings.valid_width)
+        max_N, stats_kN = _global_statistics(local, target_ids, local_ids, in_shard, tp_group, settings)
+        z_h = stats_kN[3] if settings.separate_entropy else stats_kN[0]
+        log_z, log_z_h = torch.log(stats_kN[0]), torch.log(z_h)
+        logprobs = stats_kN[1] - log_z
+        entropy = log_z_h - stats_kN[2] / z_h
+        ctx.save_for_backward(logits, local_ids, in_shard, max_N, log_z, log_z_h, entropy)
+        ctx.settings = settings
         ctx.set_materialize_grads(False)
         if not entropy_requires_grad:
             ctx.mark_non_differentiable(entropy)
@@ -129,36 +227,35 @@ class _LogprobsEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy):
-        logits, local_ids, in_shard, max_N, log_z, entropy = ctx.saved_tensors
-        valid_width, temperature, chunk_size = ctx.config
+        logits, local_ids, in_shard, *saved = ctx.saved_tensors
+        settings: _OpSettings = ctx.settings
+        width, temperature = settings.valid_width, settings.temperature
         outer, inner, _ = logits.shape
         grad_logits = torch.empty_like(logits)
-        grad_logits[..., valid_width:] = 0  # padded-vocabulary columns
-        if valid_width == 0 or local_ids.numel() == 0 or (grad_logprobs is None and grad_entropy is None):
-            grad_logits[..., :valid_width] = 0
-            return (grad_logits,) + (None,) * 7
-        g_lp = torch.zeros_like(log_z) if grad_logprobs is None else grad_logprobs.float()
-        target_cols = local_ids.clamp(0, valid_width - 1).unsqueeze(-1)
+        grad_logits[..., width:] = 0  # padded-vocabulary columns
+        if width == 0 or local_ids.numel() == 0 or (grad_logprobs is None and grad_entropy is None):
+            grad_logits[..., :width] = 0
+            return grad_logits, None, None, None, None
+        g_lp = torch.zeros_like(saved[1]) if grad_logprobs is None else grad_logprobs.float()
+        g_h = None if grad_entropy is None else grad_entropy.float()
+        target_cols = local_ids.clamp(0, width - 1).unsqueeze(-1)
         target_grad = torch.where(in_shard, g_lp / temperature, 0.0).unsqueeze(-1)
         in_place = logits.dtype == torch.float32  # fp32: build the gradient directly in the output rows
-        num_buffers = (0 if in_place else 1) + (0 if grad_entropy is None else 1)
-        buffers = _work_buffers(inner, chunk_size, valid_width, logits.device, num_buffers)
-        for o, a, b, f in _chunks(outer, inner, chunk_size):
-            rows, flat = logits[o, a:b, :valid_width], slice(f, f + b - a)
-            out = grad_logits[o, a:b, :valid_width] if in_place else buffers[-1][: b - a]
-            if grad_entropy is None:
-                _logprob_grad_chunk(rows, out, max_N[flat], log_z[flat], g_lp[flat], temperature)
-            else:
-                _full_grad_chunk(rows, out, buffers[0][: b - a], max_N[flat], log_z[flat], entropy[flat],
-                                 g_lp[flat], grad_entropy[flat].float(), temperature)
+        num_buffers = (0 if in_place else 1) + (0 if g_h is None else 1)
+        buffers = _work_buffers(inner, settings.chunk_size, width, logits.device, num_buffers)
+        for o, a, b, f in _chunks(outer, inner, settings.chunk_size):
+            flat = slice(f, f + b - a)
+            out = grad_logits[o, a:b, :width] if in_place else buffers[-1][: b - a]
+            scratch = buffers[0][: b - a] if g_h is not None else None
+            _grad_chunk(logits[o, a:b, :width], out, scratch, [t[flat] for t in saved], g_lp[flat],
+                        None if g_h is None else g_h[flat], settings)
             out.scatter_add_(1, target_cols[flat], target_grad[flat])
             if not in_place:
-                grad_logits[o, a:b, :valid_width].copy_(out)
-        return (grad_logits,) + (None,) * 7
+                grad_logits[o, a:b, :width].copy_(out)
+        return grad_logits, None, None, None, None
 
 
-def _validate(logits, target_ids, tp_size, vocab_size, padded_vocab_size, temperature, chunk_size,
-              check_targets) -> int:
+def _validate(logits, target_ids, tp_size, vocab_size, padded_vocab_size, temperatures, chunk_size) -> int:
     local_width = logits.shape[-1]
     full_width = local_width * tp_size
     if padded_vocab_size is not None and padded_vocab_size != full_width:
@@ -174,14 +271,11 @@ def _validate(logits, target_ids, tp_size, vocab_size, padded_vocab_size, temper
                          f"{tuple(logits.shape[:-1])}")
     if target_ids.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"target_ids must be int64 (or int32) global token ids; got {target_ids.dtype}")
-    if not temperature > 0:
-        raise ValueError(f"temperature={temperature} must be > 0")
+    for name, value in temperatures.items():
+        if not value > 0:
+            raise ValueError(f"{name}={value} must be > 0")
     if chunk_size is not None and chunk_size < 1:
         raise ValueError(f"chunk_size={chunk_size} must be a positive token count or None")
-    if check_targets and target_ids.numel() > 0 and bool(((target_ids < 0) | (target_ids >= vocab)).any()):
-        bad = target_ids[(target_ids < 0) | (target_ids >= vocab)][:4].tolist()
-        raise ValueError(f"target_ids contain ids outside [0, vocab_size={vocab}) e.g. {bad}; padded-vocabulary "
-                         "columns are never targets: map padding to a real id and mask it out")
     return vocab
 
 
@@ -192,11 +286,12 @@ def vocab_parallel_logprobs_entropy(
     tp_group: dist.ProcessGroup | None = None,
     vocab_size: int | None = None,
     temperature: float = 1.0,
+    entropy_temperature: float | None = None,
     chunk_size: int | None = None,
     with_entropy: bool = True,
     entropy_requires_grad: bool = False,
     padded_vocab_size: int | None = None,
-    check_targets: bool = True,
+    check_inputs: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probabilities of ``target_ids`` and full-vocabulary entropy from a vocabulary shard.
 
@@ -204,48 +299,61 @@ def vocab_parallel_logprobs_entropy(
         logits: ``[..., V/tp]`` this rank's vocabulary shard, any float dtype, any leading shape. Not modified and
             not copied: a non-contiguous view such as ``logits[:, :-1]`` of ``[B, S, V/tp]`` is processed sequence
             by sequence (only dims before the last two are merged; they should be viewable, else reshape copies).
+            ``-inf`` marks a token of probability 0 (masked); padded columns (``>= vocab_size``) may hold anything.
         target_ids: ``[...]`` int64 token ids in the *global* vocabulary, all in ``[0, vocab_size)``.
         tp_group: tensor-parallel group sharding the vocabulary; ``None`` means ``logits`` holds all V columns.
         vocab_size: real vocabulary size; columns ``>= vocab_size`` (Megatron's padding) get no probability mass,
             no entropy contribution and zero gradient. Default: all ``V`` columns.
-        temperature: logits are divided by it before both quantities (> 0).
+        temperature: the log-probs are those of ``softmax(logits / temperature)`` (> 0).
+        entropy_temperature: the entropy is that of ``softmax(logits / entropy_temperature)`` (> 0); ``None``: the
+            same as ``temperature``. A different value costs two more element-wise passes over each chunk (one
+            ``exp``) in forward, and one ``[N]`` row more in the SUM all-reduce; the logits are still read once.
         chunk_size: tokens per chunk; the fp32 working set is two ``[chunk_size, V/tp]`` buffers (reused by
             every chunk), and backward recomputes the softmax chunk by chunk from the saved logits (nothing of
             size ``V`` is saved). ``None``: one chunk (per leading index for a non-contiguous view), i.e. two fp32
             copies of the whole shard.
         with_entropy: also return the entropy (its statistics cost one multiply-add per element either way).
-        entropy_requires_grad: make the entropy differentiable (exact gradient); otherwise it is detached.
+        entropy_requires_grad: make the entropy differentiable (exact gradient at ``entropy_temperature``);
+            otherwise it is detached.
         padded_vocab_size: optional ``V`` to validate ``logits.shape[-1] * tp_size == V``.
-        check_targets: validate the target range (one host sync); turn off in hot loops once inputs are trusted.
+        check_inputs: refuse bad target ids and rows without a softmax (below), at the cost of ONE host sync per
+            call (after the MAX all-reduce, identical on every TP rank, so all ranks raise together). With
+            ``False`` nothing is synced and such rows give NaN (out-of-range targets: wrong values).
 
     Returns:
         ``(logprobs, entropy)``: ``logprobs`` ``[...]`` fp32 natural-log probabilities, differentiable w.r.t.
-        ``logits`` (gradient in ``logits.dtype``, computed in fp32); ``entropy`` ``[...]`` fp32 in nats, or None.
+        ``logits`` (gradient in ``logits.dtype``, computed in fp32; a target whose own logit is ``-inf`` gets
+        ``-inf``, its exact value, with a finite gradient); ``entropy`` ``[...]`` fp32 in nats, or None.
 
     Collectives:
         Two all-reduces on ``tp_group`` in forward (MAX of ``[N]`` row maxima; SUM of a ``[3, N]`` stack of
-        sum-exp, target logit and sum exp*logit), none in backward. Not differentiable themselves; the
-        gradient of each shard is local because the forward saved the global statistics.
+        sum-exp, target logit and sum exp*logit, ``[4, N]`` with a separate ``entropy_temperature``), none in
+        backward. Not differentiable themselves; the gradient of each shard is local because the forward saved
+        the global statistics.
 
     Raises:
-        ValueError: shard width inconsistent with ``padded_vocab_size``, ``vocab_size`` out of range, target ids
-            outside ``[0, vocab_size)`` (with ``check_targets``), shape/dtype mismatches, ``temperature <= 0``,
-            ``chunk_size < 1``.
+        ValueError: shard width inconsistent with ``padded_vocab_size``, ``vocab_size`` out of range, shape/dtype
+            mismatches, a temperature ``<= 0``, ``chunk_size < 1``; with ``check_inputs``: target ids outside
+            ``[0, vocab_size)``, a row whose real vocabulary is all ``-inf`` (every token masked) or holds
+            ``+inf``/NaN (the message names the row's index).
     """
+    if entropy_temperature is None or not with_entropy:
+        entropy_temperature = temperature
     tp_size, tp_rank = _tp_size_rank(tp_group)
-    vocab = _validate(logits, target_ids, tp_size, vocab_size, padded_vocab_size, temperature, chunk_size,
-                      check_targets)
+    vocab = _validate(logits, target_ids, tp_size, vocab_size, padded_vocab_size,
+                      {"temperature": temperature, "entropy_temperature": entropy_temperature}, chunk_size)
     local_width = logits.shape[-1]
     vocab_start = tp_rank * local_width
-    valid_width = max(0, min(local_width, vocab - vocab_start))
-    batch_shape = target_ids.shape
+    batch_shape = tuple(target_ids.shape)
+    settings = _OpSettings(vocab_start=vocab_start, valid_width=max(0, min(local_width, vocab - vocab_start)),
+                           vocab_size=vocab, temperature=float(temperature),
+                           entropy_temperature=float(entropy_temperature), chunk_size=chunk_size,
+                           check_inputs=check_inputs, batch_shape=batch_shape)
     if logits.dim() <= 2 or logits.is_contiguous():
         logits_OIV = logits.reshape(1, -1, local_width)  # a view: one flat run of tokens
     else:  # e.g. logits[:, :-1] of [B, S, V/tp]: chunk within each sequence instead of copying the logits
         logits_OIV = logits.flatten(0, -3)
-    logprobs, entropy = _LogprobsEntropy.apply(
-        logits_OIV, target_ids.reshape(-1).long(), tp_group, vocab_start, valid_width, float(temperature),
-        chunk_size, with_entropy and entropy_requires_grad,
-    )
+    logprobs, entropy = _LogprobsEntropy.apply(logits_OIV, target_ids.reshape(-1).long(), tp_group, settings,
+                                               with_entropy and entropy_requires_grad)
     logprobs = logprobs.view(batch_shape)
     return logprobs, (entropy.view(batch_shape) if with_entropy else None)

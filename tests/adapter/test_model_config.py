@@ -7,7 +7,8 @@ import torch
 from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
 from gtpo_megatron.megatron_adapter import cpu_compat
-from gtpo_megatron.megatron_adapter.model import rope_settings, transformer_config_from_hf
+from gtpo_megatron.megatron_adapter.hf_features import rope_settings
+from gtpo_megatron.megatron_adapter.model import transformer_config_from_hf
 
 SMALL = dict(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, rms_norm_eps=1e-6)
@@ -128,3 +129,13 @@ def test_cpu_shim_is_inert_with_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert cpu_compat.install_cpu_compat() is False
     assert isinstance(cpu_compat.cuda_to_cpu_mode(), type(__import__("contextlib").nullcontext()))
+
+
+def test_fp32_output_layer_refuses_gradient_accumulation_fusion():
+    from types import SimpleNamespace
+
+    from gtpo_megatron.megatron_adapter.output_layer import use_fp32_output_layer
+
+    layer = SimpleNamespace(config=SimpleNamespace(gradient_accumulation_fusion=True))
+    with pytest.raises(ValueError, match="fp32_output_layer=True cannot be combined with gradient_accumulation"):
+        use_fp32_output_layer(layer)

@@ -40,30 +40,86 @@ def _literal_split(rank: int, group) -> None:
     torch.testing.assert_close(entropy, torch.full((2,), 2.182897521), atol=1e-6, rtol=0)
 
 
-def _random_case(rank, world, group, vocab_size, temperature, chunk_size) -> None:
+def _random_logits(world: int, vocab_size: int):
+    """Seeded ``[3, 5, V]`` logits, targets (some on both sides of every shard boundary) and output weights."""
     gen = torch.Generator().manual_seed(17)
-    padded = LOCAL_WIDTH * world
-    full = 3 * torch.randn(3, 5, padded, generator=gen)
+    full = 3 * torch.randn(3, 5, LOCAL_WIDTH * world, generator=gen)
     targets = torch.randint(0, vocab_size, (3, 5), generator=gen)
     boundaries = [min(b, vocab_size - 1) for r in range(1, world) for b in (r * LOCAL_WIDTH - 1, r * LOCAL_WIDTH)]
     targets.view(-1)[:len(boundaries)] = torch.tensor(boundaries)  # labels on both sides of shard boundaries
-    g_lp, g_h = torch.randn(3, 5, generator=gen), torch.randn(3, 5, generator=gen)
+    return full, targets, torch.randn(3, 5, generator=gen), torch.randn(3, 5, generator=gen)
+
+
+def _check_against_reference(rank, group, full, targets, g_lp, g_h, *, vocab_size, temperature, chunk_size,
+                             entropy_temperature=None, entropy_requires_grad=True):
+    """This rank's op outputs and gradient shard vs the float64 full-vocabulary reference; returns them."""
     cols = slice(rank * LOCAL_WIDTH, (rank + 1) * LOCAL_WIDTH)
     shard = full[..., cols].clone().requires_grad_()
     logprobs, entropy = vocab_parallel_logprobs_entropy(
         shard, targets, tp_group=group, vocab_size=vocab_size, temperature=temperature, chunk_size=chunk_size,
-        entropy_requires_grad=True, padded_vocab_size=padded,
+        entropy_temperature=entropy_temperature, entropy_requires_grad=entropy_requires_grad,
+        padded_vocab_size=full.shape[-1],
     )
+    g_h = g_h if entropy_requires_grad else torch.zeros_like(g_h)
     (logprobs * g_lp + entropy * g_h).sum().backward()
-    assert torch.equal(shard.detach(), full[..., cols])  # input unmodified
+    torch.testing.assert_close(shard.detach(), full[..., cols], rtol=0, atol=0, equal_nan=True)  # unmodified
     ref_full = full.double().requires_grad_()
-    ref_lp, ref_h = ref_logprobs_entropy(ref_full, targets, vocab_size=vocab_size, temperature=temperature)
+    ref_lp, _ = ref_logprobs_entropy(ref_full, targets, vocab_size=vocab_size, temperature=temperature)
+    _, ref_h = ref_logprobs_entropy(ref_full, targets, vocab_size=vocab_size,
+                                    temperature=entropy_temperature or temperature)
     (ref_lp * g_lp.double() + ref_h * g_h.double()).sum().backward()
     # float32 vs float64 reference; values are O(10) nats, so allow 1e-6 relative on top of 1e-6 absolute.
     torch.testing.assert_close(logprobs.double(), ref_lp.detach(), atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(entropy.double(), ref_h.detach(), atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(shard.grad.double(), ref_full.grad[..., cols], atol=1e-6, rtol=1e-6)
     return logprobs.detach(), entropy.detach(), shard.grad
+
+
+def _random_case(rank, world, group, vocab_size, temperature, chunk_size, entropy_temperature=None):
+    full, targets, g_lp, g_h = _random_logits(world, vocab_size)
+    return _check_against_reference(rank, group, full, targets, g_lp, g_h, vocab_size=vocab_size,
+                                    temperature=temperature, chunk_size=chunk_size,
+                                    entropy_temperature=entropy_temperature)
+
+
+def _masked_case(rank, world, group) -> None:
+    """-inf logits (issue 12 item 7): row (0, 0) has rank 1's whole shard -inf, row (0, 1) every shard but the
+    last, scattered -inf elsewhere; garbage (+inf, NaN) in the padded columns. Values and gradient shards vs
+    float64 (with and without the entropy gradient, chunked or not, temperatures 1, 0.5, 0.9 and a separate entropy
+    temperature); the masked and padded columns get exactly 0 gradient."""
+    vocab_size = LOCAL_WIDTH * world - 2
+    full, targets, g_lp, g_h = _random_logits(world, vocab_size)
+    full[torch.rand(full.shape, generator=torch.Generator().manual_seed(4)) < 0.2] = float("-inf")
+    full[0, 0, LOCAL_WIDTH:2 * LOCAL_WIDTH] = float("-inf")
+    full[0, 1, :(world - 1) * LOCAL_WIDTH] = float("-inf")
+    full[..., vocab_size], full[..., vocab_size + 1] = float("inf"), float("nan")
+    targets = full[..., :vocab_size].argmax(dim=-1)  # finite target logits
+    cols = slice(rank * LOCAL_WIDTH, (rank + 1) * LOCAL_WIDTH)
+    cases = ((1.0, None, None, True), (0.5, 2, None, True), (0.9, 4, 1.4, True), (1.0, 3, None, False),
+             (0.9, None, 1.0, False))  # (temperature, chunk_size, entropy_temperature, entropy_requires_grad)
+    for temperature, chunk_size, entropy_temperature, entropy_requires_grad in cases:
+        _, _, grad = _check_against_reference(rank, group, full, targets, g_lp, g_h, vocab_size=vocab_size,
+                                              temperature=temperature, chunk_size=chunk_size,
+                                              entropy_temperature=entropy_temperature,
+                                              entropy_requires_grad=entropy_requires_grad)
+        assert bool((grad[torch.isinf(full[..., cols]) | torch.isnan(full[..., cols])] == 0).all())
+
+
+def _refusals(rank, world, group) -> None:
+    """Rows without a softmax are refused on EVERY rank (the decision follows the all-reduced max), also when
+    only one rank holds the +inf/NaN; afterwards the group still works (no rank left waiting in a collective)."""
+    cases = [((0, 1), slice(None), float("-inf"), r"row \(0, 1\) .* is -inf in all"),
+             ((1, 0), slice(0, 1), float("inf"), r"row \(1, 0\) .* holds \+inf or NaN"),
+             ((1, 1), slice((world - 1) * LOCAL_WIDTH, None), float("nan"), r"row \(1, 1\) .* holds \+inf or NaN")]
+    for row, columns, value, message in cases:
+        full = torch.randn(2, 2, LOCAL_WIDTH * world)
+        full[row + (columns,)] = value
+        shard = full[..., rank * LOCAL_WIDTH:(rank + 1) * LOCAL_WIDTH]
+        with pytest.raises(ValueError, match=message):
+            vocab_parallel_logprobs_entropy(shard, torch.zeros(2, 2, dtype=torch.long), tp_group=group)
+    uniform, _ = vocab_parallel_logprobs_entropy(torch.zeros(1, LOCAL_WIDTH), torch.zeros(1, dtype=torch.long),
+                                                 tp_group=group)
+    assert uniform.item() == pytest.approx(-math.log(LOCAL_WIDTH * world), abs=1e-6)
 
 
 def _dp_invariance(rank, world, group) -> None:
@@ -116,11 +172,13 @@ def _all_cases(rank: int, world: int) -> None:
         _literal_split(rank, group)
     padded = LOCAL_WIDTH * world
     for vocab_size in (padded, padded - 1, padded - LOCAL_WIDTH - 1):  # the last case leaves one shard all padding
-        for temperature in (1.0, 0.7):
-            unchunked = _random_case(rank, world, group, vocab_size, temperature, None)
-            chunked = _random_case(rank, world, group, vocab_size, temperature, 4)
+        for temperature, entropy_temperature in ((1.0, None), (0.7, None), (0.9, 1.0)):
+            unchunked = _random_case(rank, world, group, vocab_size, temperature, None, entropy_temperature)
+            chunked = _random_case(rank, world, group, vocab_size, temperature, 4, entropy_temperature)
             for a, b in zip(unchunked, chunked):
                 torch.testing.assert_close(a, b, atol=1e-7, rtol=0)
+    _masked_case(rank, world, group)
+    _refusals(rank, world, group)
     _dp_invariance(rank, world, group)
     _trainer_collectives(rank, world, group)
     assert math.isfinite(float(global_normalizer([torch.ones(2, 2, dtype=torch.bool)], "token-mean", group=group)))

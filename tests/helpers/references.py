@@ -13,11 +13,15 @@ import torch
 
 
 def ref_logprobs_entropy(full_logits, target_ids, *, vocab_size=None, temperature=1.0):
-    """float64 ``(logprobs, entropy)`` from the FULL ``[..., V]`` logits; differentiable if the input is."""
+    """float64 ``(logprobs, entropy)`` from the FULL ``[..., V]`` logits; differentiable if the input is.
+
+    A ``-inf`` logit is a token of probability 0: its ``0 * log 0`` entropy term is 0 (and gets no gradient).
+    """
     vocab = full_logits.shape[-1] if vocab_size is None else vocab_size
     logp = torch.log_softmax(full_logits.double()[..., :vocab] / temperature, dim=-1)
     picked = logp.gather(-1, target_ids.long().unsqueeze(-1)).squeeze(-1)
-    entropy = -(logp.exp() * logp).sum(dim=-1)
+    p = logp.exp()
+    entropy = -(p * logp.masked_fill(p == 0, 0.0)).sum(dim=-1)
     return picked, entropy
 
 

@@ -49,6 +49,56 @@ def test_padded_vocabulary_columns_take_no_mass_and_no_gradient():
         vocab_parallel_logprobs_entropy(logits, torch.tensor([10]), vocab_size=10)
 
 
+def test_literal_logprobs_and_entropy_at_two_temperatures():
+    # One call, one read of the logits: log-probs at one temperature, entropy at the other (values above).
+    logprobs, entropy = vocab_parallel_logprobs_entropy(_literal_logits(), torch.tensor([4]), temperature=1.0,
+                                                        entropy_temperature=0.5)
+    assert logprobs.item() == pytest.approx(-1.791759469, abs=1e-6)
+    assert entropy.item() == pytest.approx(1.970416478, abs=1e-6)
+    logprobs, entropy = vocab_parallel_logprobs_entropy(_literal_logits(), torch.tensor([4]), temperature=0.5,
+                                                        entropy_temperature=1.0, chunk_size=1)
+    assert logprobs.item() == pytest.approx(-1.481604541, abs=1e-6)
+    assert entropy.item() == pytest.approx(2.182897521, abs=1e-6)
+
+
+@pytest.mark.parametrize("entropy_requires_grad", [False, True])
+@pytest.mark.parametrize(("temperature", "entropy_temperature"), [(0.9, 1.0), (1.0, 0.6), (1.7, 0.8)])
+@pytest.mark.parametrize("chunk_size", [None, 3])
+def test_separate_entropy_temperature_matches_float64(chunk_size, temperature, entropy_temperature,
+                                                      entropy_requires_grad):
+    logits = (3 * torch.randn(4, 7, 33)).requires_grad_()
+    targets = torch.randint(0, 30, (4, 7))
+    logprobs, entropy = vocab_parallel_logprobs_entropy(
+        logits, targets, vocab_size=30, temperature=temperature, entropy_temperature=entropy_temperature,
+        chunk_size=chunk_size, entropy_requires_grad=entropy_requires_grad)
+    assert entropy.requires_grad == entropy_requires_grad
+    ref_input = logits.detach().double().requires_grad_()
+    ref_lp, _ = ref_logprobs_entropy(ref_input, targets, vocab_size=30, temperature=temperature)
+    _, ref_h = ref_logprobs_entropy(ref_input, targets, vocab_size=30, temperature=entropy_temperature)
+    # float32 computation vs float64 reference: a few ulps of values ~O(10).
+    torch.testing.assert_close(logprobs.double(), ref_lp.detach(), atol=1e-5, rtol=1e-6)
+    torch.testing.assert_close(entropy.double(), ref_h.detach(), atol=1e-5, rtol=1e-6)
+    g_lp, g_h = torch.randn(4, 7), torch.randn(4, 7)
+    loss, ref_loss = (logprobs * g_lp).sum(), (ref_lp * g_lp.double()).sum()
+    if entropy_requires_grad:
+        loss, ref_loss = loss + (entropy * g_h).sum(), ref_loss + (ref_h * g_h.double()).sum()
+    loss.backward()
+    ref_loss.backward()
+    torch.testing.assert_close(logits.grad.double(), ref_input.grad, atol=1e-6, rtol=1e-6)
+    assert torch.equal(logits.grad[..., 30:], torch.zeros(4, 7, 3))
+
+
+def test_entropy_temperature_equal_to_temperature_is_the_default_path():
+    logits, targets = torch.randn(3, 5, 40), torch.randint(0, 40, (3, 5))
+    default = vocab_parallel_logprobs_entropy(logits, targets, temperature=0.7, chunk_size=4)
+    same = vocab_parallel_logprobs_entropy(logits, targets, temperature=0.7, entropy_temperature=0.7, chunk_size=4)
+    for a, b in zip(default, same):
+        assert torch.equal(a, b)
+    lp, none = vocab_parallel_logprobs_entropy(logits, targets, temperature=0.7, entropy_temperature=1.0,
+                                               with_entropy=False)
+    assert none is None and torch.equal(lp, default[0])
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.5, 1.7])
 @pytest.mark.parametrize("chunk_size", [None, 3, 64])
 def test_matches_float64_reference_values_and_gradients(temperature, chunk_size):
@@ -117,8 +167,10 @@ def test_empty_batch_and_errors():
     logits = torch.randn(2, 8)
     with pytest.raises(ValueError, match="padded_vocab_size"):
         vocab_parallel_logprobs_entropy(logits, torch.tensor([0, 1]), padded_vocab_size=16)
-    with pytest.raises(ValueError, match="temperature"):
+    with pytest.raises(ValueError, match="temperature=0.0 must be > 0"):
         vocab_parallel_logprobs_entropy(logits, torch.tensor([0, 1]), temperature=0.0)
+    with pytest.raises(ValueError, match="entropy_temperature=-1.0 must be > 0"):
+        vocab_parallel_logprobs_entropy(logits, torch.tensor([0, 1]), entropy_temperature=-1.0)
     with pytest.raises(ValueError, match="outside"):
         vocab_parallel_logprobs_entropy(logits, torch.tensor([0, -1]))
     with pytest.raises(ValueError, match="target_ids shape"):

@@ -1,0 +1,154 @@
+"""What each Hugging Face config field of the accepted decoders does to the math, and how the Megatron model
+reproduces it; or the ValueError, at load, that refuses the checkpoint (issue 12 item 8: nothing is dropped
+silently, so the trainer never trains another model than the one ``transformers`` and vLLM run).
+
+The fields are those that the ``transformers`` modeling code of the accepted model types reads
+(``modeling_{llama,mistral,qwen2,qwen3}.py``, transformers 5.x); any other key of a config.json is ignored by
+``transformers`` as well, and here.
+
+Field (model types that read it): what the Megatron model does.
+
+* ``hidden_size``, ``intermediate_size``, ``num_hidden_layers``, ``num_attention_heads``, ``num_key_value_heads``,
+  ``vocab_size`` (all): sizes (``model.transformer_config_from_hf``; TP/PP rules there and in ``head_padding``).
+* ``head_dim`` (llama, mistral, qwen3; qwen2 uses ``hidden_size / num_attention_heads``): ``kv_channels``.
+* ``rms_norm_eps`` (all): ``layernorm_epsilon`` of every RMSNorm.
+* ``hidden_act`` (all): ``"silu"`` (SwiGLU) only; any other activation is refused.
+* ``tie_word_embeddings`` (all): ``share_embeddings_and_output_weights``.
+* ``rope_parameters`` / legacy ``rope_scaling``, ``rope_theta`` (all): ``rope_settings``: ``default``; ``linear``
+  (Megatron's ``seq_len_interpolation_factor``); ``llama3`` with Megatron's fixed frequency factors and original
+  length. Any other rope type, other llama3 constants, or ``partial_rotary_factor != 1`` are refused.
+* ``attention_bias`` (llama, qwen3): q/k/v biases (``add_qkv_bias``) AND the o_proj bias (``linear_proj`` built
+  with a bias). qwen2 always has q/k/v biases and no o_proj bias (``add_qkv_bias``).
+* ``mlp_bias`` (llama): gate/up biases (``linear_fc1``) and the down bias (``linear_fc2``).
+* q/k RMSNorm (qwen3, always): ``qk_layernorm``.
+* ``sliding_window`` (mistral: every layer): ``window_size = (W - 1, 0)``, i.e. a query attends to itself and the
+  ``W - 1`` tokens before it, as HF's mask ``kv > q - W``.
+* ``use_sliding_window``, ``sliding_window``, ``max_window_layers`` -> ``layer_types`` (qwen2, qwen3):
+  ``window_size`` on the layers whose ``layer_types`` entry is ``"sliding_attention"`` (``window_attn_skip_freq``
+  as a per-layer list); any other layer type is refused.
+* ``attention_dropout`` (all): a training-time knob only; the policy trains with dropout 0 (RL), as transformers
+  and vLLM evaluate; a warning when it is > 0.
+* ``max_position_embeddings`` (all): no effect on the math (RoPE is computed for every position).
+
+A sliding window is reproduced exactly, whatever the sequence lengths (so a window at least as long as the
+longest sequence, a no-op, costs nothing to get right either). ``mlp_bias`` / ``attention_bias`` of model types
+whose ``transformers`` class ignores them (mistral, qwen2) are ignored here too.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+_LLAMA3_CONSTANTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+@dataclass(frozen=True)
+class LinearBiases:
+    """Which linear layers of a decoder layer have biases: fused q/k/v, the attention output projection (o_proj),
+    and the MLP (gate/up and down)."""
+
+    qkv: bool
+    proj: bool
+    mlp: bool
+
+
+def linear_biases(hf_config) -> LinearBiases:
+    """The biases ``transformers`` builds for ``hf_config`` (see the module table)."""
+    model_type = hf_config.model_type
+    if model_type == "qwen2":
+        return LinearBiases(qkv=True, proj=False, mlp=False)
+    attention = model_type in ("llama", "qwen3") and bool(getattr(hf_config, "attention_bias", False))
+    mlp = model_type == "llama" and bool(getattr(hf_config, "mlp_bias", False))
+    return LinearBiases(qkv=attention, proj=attention, mlp=mlp)
+
+
+def sliding_window_settings(hf_config) -> dict:
+    """``TransformerConfig`` keyword arguments reproducing HF's sliding-window attention (empty: none).
+
+    Returns:
+        ``{"window_size": (W - 1, 0)}`` when every layer uses a window of ``W`` tokens, plus
+        ``"window_attn_skip_freq"``: a per-layer list (1 = windowed) when only some layers do.
+
+    Raises:
+        ValueError: a ``layer_types`` entry other than ``full_attention`` / ``sliding_attention``, or a window < 1.
+    """
+    window = getattr(hf_config, "sliding_window", None)
+    if hf_config.model_type == "mistral":
+        windowed = [window is not None] * hf_config.num_hidden_layers
+    elif hf_config.model_type in ("qwen2", "qwen3"):
+        layer_types = list(getattr(hf_config, "layer_types", None) or [])
+        unknown = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
+        if unknown:
+            raise ValueError(f"layer_types contains {unknown}: only full_attention and sliding_attention layers "
+                             "can be built; use a checkpoint without them")
+        windowed = [window is not None and kind == "sliding_attention" for kind in layer_types]
+    else:
+        windowed = []
+    if not any(windowed):
+        return {}
+    if window < 1:
+        raise ValueError(f"sliding_window={window} must be >= 1 (or null for full attention)")
+    settings = {"window_size": (int(window) - 1, 0)}
+    if not all(windowed):
+        settings["window_attn_skip_freq"] = [int(flag) for flag in windowed]
+    return settings
+
+
+def _rope_parameters(hf_config) -> dict:
+    legacy_scaling = getattr(hf_config, "rope_scaling", None) or {}
+    return {**legacy_scaling, **dict(getattr(hf_config, "rope_parameters", None) or {})}
+
+
+def rope_settings(hf_config) -> dict:
+    """GPTModel RoPE keyword arguments (base; linear or Llama-3 scaling) from an HF config.
+
+    Raises:
+        ValueError: a rope type Megatron's GPTModel cannot express (e.g. ``yarn``, ``dynamic``, ``longrope``),
+            Llama-3 scaling constants other than Megatron's fixed ones, or a partial rotary embedding.
+    """
+    params = _rope_parameters(hf_config)
+    partial = params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0))
+    if float(partial) != 1.0:
+        raise ValueError(f"partial_rotary_factor={partial} is not supported for model_type="
+                         f"{hf_config.model_type!r} (RoPE covers every head dimension here); use a checkpoint "
+                         "without it")
+    base = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    settings = {"rotary_base": base, "rope_scaling": False}
+    if rope_type == "default":
+        return settings
+    if rope_type == "linear":
+        return {**settings, "seq_len_interpolation_factor": float(params["factor"])}
+    if rope_type != "llama3":
+        raise ValueError(f"rope_parameters.rope_type={rope_type!r} is not supported by Megatron's GPTModel here "
+                         "(default, linear and llama3 are); use a checkpoint with one of those")
+    for key, expected in _LLAMA3_CONSTANTS.items():
+        if float(params.get(key, expected)) != expected:
+            raise ValueError(f"rope_parameters.{key}={params[key]} differs from Megatron's fixed {expected} for "
+                             "llama3 RoPE; such a checkpoint cannot be built exactly")
+    return {**settings, "rope_scaling": True, "rope_scaling_factor": float(params.get("factor", 8.0))}
+
+
+def check_hf_config(hf_config) -> None:
+    """Refuse, at load, every field of the module table that cannot be built; warn about those without effect.
+
+    Raises:
+        ValueError: unsupported ``model_type`` or ``hidden_act``, and the errors of ``rope_settings`` and
+            ``sliding_window_settings`` (which it calls).
+    """
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"model_type={model_type!r} is not supported; expected one of {SUPPORTED_MODEL_TYPES}")
+    if getattr(hf_config, "hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act={hf_config.hidden_act!r}: only SiLU-gated MLPs (SwiGLU) are supported; "
+                         "use a checkpoint with hidden_act='silu'")
+    rope_settings(hf_config)
+    sliding_window_settings(hf_config)
+    dropout = float(getattr(hf_config, "attention_dropout", 0.0) or 0.0)
+    if dropout > 0:
+        logger.warning("attention_dropout=%s in the HF config has no effect: the policy trains without dropout "
+                       "(as transformers and vLLM evaluate)", dropout)
