@@ -1,0 +1,128 @@
+"""The project's answer formats: where a completion states its final answer, before any math is parsed.
+
+Pure string functions (stdlib only). Everything MATH-style inside a span, and the whole text when no span exists,
+is left to math-verify's own extraction (:mod:`gtpo_megatron.rewards.equivalence`).
+
+- :func:`visible_text`: the text after the last ``</think>``; ``None`` when the completion was cut off inside a
+  ``<think>`` block (an opened ``<think>`` with no ``</think>`` after it), which therefore has no answer.
+- :func:`explicit_answer`: the span that states the answer, first found of
+    1. the last ``<answer>...</answer>`` block (GTPO_SPEC section 6 prompt format);
+    2. the line after the last GSM8K ``####`` marker (the number right after ``####`` is the answer, not a later
+       number of a chatty tail);
+    3. the last "final answer is X" statement (MATH/Minerva style, ``X`` up to ``. I hope`` or the end of its
+       line), unless a ``\\boxed{}`` follows it (then math-verify's boxed-first extraction decides).
+  Markdown emphasis around a span (``**58**``) is removed.
+- :func:`reference_span` / :func:`reference_answer`: the part of a dataset reference that holds its answer (a GSM8K
+  solution's ``####`` line, else all of it; graders parse it with math-verify, boxed first), and that part reduced
+  to a string (a MATH solution's last ``\\boxed{}``) for the datasets' records.
+- Extraction modes (:data:`EXTRACTION_MODES`): ``strict`` (MATH, AIME, AMC) accepts only an explicit answer: a span
+  above, a ``\\boxed{}``, or math-verify's anchored forms ("final answer ... is", "answer: X"); ``lenient``
+  (GSM8K) also falls back to the last number or LaTeX expression of the text. :func:`default_extraction` gives
+  each benchmark's mode.
+"""
+
+from __future__ import annotations
+
+import re
+
+STRICT = "strict"
+LENIENT = "lenient"
+EXTRACTION_MODES = (STRICT, LENIENT)
+LENIENT_BENCHMARKS = frozenset({"gsm8k", "synthetic"})
+
+_ANSWER_BLOCK_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+_FINAL_ANSWER_RE = re.compile(r"final answer is\s*:?\s*(.+?)\s*(?:\.\s*I hope|\.?[ \t]*$)", re.IGNORECASE | re.MULTILINE)
+_BOX_RE = re.compile(r"\\(?:boxed|fbox)\s*\{")
+_EMPHASIS_RE = re.compile(r"^(\*\*|\*|__)(.+)\1$", re.DOTALL)
+
+
+def check_extraction(mode: str, *, field: str = "extraction") -> str:
+    """Returns ``mode`` when it is a known extraction mode.
+
+    Raises:
+        ValueError: naming ``field``, the value and the choices.
+    """
+    if mode not in EXTRACTION_MODES:
+        raise ValueError(f"{field}={mode!r} is not an extraction mode; choose one of {list(EXTRACTION_MODES)} "
+                         "(strict for MATH/AIME/AMC, lenient for GSM8K-style last-number answers)")
+    return mode
+
+
+def default_extraction(benchmark: str) -> str:
+    """The extraction mode a benchmark or data source is graded with: ``lenient`` for GSM8K-style sets, else
+    ``strict``."""
+    return LENIENT if benchmark in LENIENT_BENCHMARKS else STRICT
+
+
+def visible_text(completion: str) -> str | None:
+    """The completion after its reasoning block, or ``None`` when it was cut off inside ``<think>``."""
+    opened, closed = completion.rfind("<think>"), completion.rfind("</think>")
+    if opened > closed:
+        return None
+    return completion[closed + len("</think>") :] if closed >= 0 else completion
+
+
+def strip_emphasis(span: str) -> str:
+    """``span`` without surrounding whitespace, a final full stop and Markdown emphasis (``**58**`` -> ``58``)."""
+    span = span.strip()
+    while True:
+        bare = _EMPHASIS_RE.sub(r"\2", span).strip().removesuffix(".").strip()
+        if bare == span:
+            return span
+        span = bare
+
+
+def answer_block(text: str) -> str | None:
+    """Content of the last ``<answer>...</answer>`` block, or ``None``."""
+    blocks = _ANSWER_BLOCK_RE.findall(text)
+    return blocks[-1] if blocks else None
+
+
+def gsm8k_final(text: str) -> str | None:
+    """The rest of the line after the last ``####``, or ``None`` when there is no ``####``."""
+    if "####" not in text:
+        return None
+    return text.rsplit("####", 1)[1].lstrip(" \t").split("\n", 1)[0]
+
+
+def final_answer_statement(text: str) -> str | None:
+    """``X`` of the last "final answer is X" statement that no ``\\boxed{}`` follows, or ``None``."""
+    matches = list(_FINAL_ANSWER_RE.finditer(text))
+    if not matches or _BOX_RE.search(text, matches[-1].start()):
+        return None
+    return matches[-1].group(1)
+
+
+def explicit_answer(text: str) -> str | None:
+    """The span that states the answer (order in the module docstring), emphasis removed; ``None`` if none."""
+    for front_end in (answer_block, gsm8k_final, final_answer_statement):
+        span = front_end(text)
+        if span is not None:
+            return strip_emphasis(span)
+    return None
+
+
+def last_boxed(text: str) -> str | None:
+    """Content of the last ``\\boxed{...}`` (or ``\\fbox{...}``), braces balanced; ``None`` if absent/unclosed."""
+    starts = [m.end() for m in _BOX_RE.finditer(text)]
+    if not starts:
+        return None
+    depth, start = 1, starts[-1]
+    for pos in range(start, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[pos], 0)
+        if depth == 0:
+            return text[start:pos].strip()
+    return None
+
+
+def reference_span(reference: str) -> str:
+    """The part of a dataset reference that holds its answer: a GSM8K solution's ``####`` line, else all of it."""
+    final = gsm8k_final(reference)
+    return final.strip() if final is not None and final.strip() else reference.strip()
+
+
+def reference_answer(reference: str) -> str:
+    """A dataset reference reduced to its final answer (for records): :func:`reference_span`, then its last
+    ``\\boxed{}`` when it has one (a MATH solution)."""
+    span = reference_span(reference)
+    return last_boxed(span) or span
