@@ -7,7 +7,7 @@ Extraction (math-verify's own configs; the caller chooses what text to hand over
 
 - :func:`parse_span` parses a span that IS the answer (an ``<answer>`` block, a ``####`` line, a "final answer is"
   statement, a dataset reference, a voted answer): a span without prose (``(3, -2)``, ``\\frac{1}{2}``, ``x = 5``,
-  a single word) is read as one LaTeX expression; a span with LaTeX delimiters or prose goes through math-verify's extraction with
+  a single word) is read as one LaTeX expression and keeps its text as written; a span with LaTeX delimiters or prose goes through math-verify's extraction with
   ``\\boxed{}`` first and no anchor required.
 - :func:`parse_text` parses a whole completion: ``\\boxed{}`` first (``boxed_match_priority=0``); in ``strict`` mode
   only math-verify's anchored forms (``try_extract_without_anchor=False``), in ``lenient`` mode also the last
@@ -84,9 +84,9 @@ def is_bare(span: str) -> bool:
 def parse_span(span: str) -> list:
     """Parses a span that is the answer (rules in the module docstring); ``[]`` when nothing is found."""
     if is_bare(span) and span.strip():
-        parsed = _parse(f"${span}$", (_LATEX,))
-        if any(isinstance(p, (sympy.Basic, sympy.MatrixBase)) for p in parsed):
-            return parsed
+        values = [p for p in _parse(f"${span}$", (_LATEX,)) if isinstance(p, (sympy.Basic, sympy.MatrixBase))]
+        if values:
+            return [*values, span.strip()]  # the span as written (math-verify rewrites 0.5 as \frac{1}{2})
     return _parse(span, _LENIENT_CONFIGS)
 
 
