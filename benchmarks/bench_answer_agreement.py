@@ -65,7 +65,8 @@ def product_verdicts(pool: RewardPool, rows: list[dict], feeding: str, extractio
 
 def agreement(rows: list[dict], verdicts: list) -> list[int]:
     """Indices of the pairs whose verdict equals the expected one."""
-    return [i for i, (r, v) in enumerate(zip(rows, verdicts, strict=True)) if v is not None and v == bool(r["expected"])]
+    pairs = enumerate(zip(rows, verdicts, strict=True))
+    return [i for i, (row, verdict) in pairs if verdict is not None and verdict == bool(row["expected"])]
 
 
 def main() -> None:

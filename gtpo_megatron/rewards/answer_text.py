@@ -12,9 +12,9 @@ is left to math-verify's own extraction (:mod:`gtpo_megatron.rewards.equivalence
     3. the last "final answer is X" statement (MATH/Minerva style, ``X`` up to ``. I hope`` or the end of its
        line), unless a ``\\boxed{}`` follows it (then math-verify's boxed-first extraction decides).
   Markdown emphasis around a span (``**58**``) is removed.
-- :func:`reference_span` / :func:`reference_answer`: the part of a dataset reference that holds its answer (a GSM8K
-  solution's ``####`` line, else all of it; graders parse it with math-verify, boxed first), and that part reduced
-  to a string (a MATH solution's last ``\\boxed{}``) for the datasets' records.
+- :func:`reference_span`: the part of a dataset reference that holds its answer (a GSM8K solution's ``####`` line,
+  else all of it; graders parse it with math-verify, boxed first). :func:`reference_answer`: the reference reduced
+  to a final-answer string for the datasets' records.
 - Extraction modes (:data:`EXTRACTION_MODES`): ``strict`` (MATH, AIME, AMC) accepts only an explicit answer: a span
   above, a ``\\boxed{}``, or math-verify's anchored forms ("final answer ... is", "answer: X"); ``lenient``
   (GSM8K) also falls back to the last number or LaTeX expression of the text. :func:`default_extraction` gives
@@ -31,9 +31,12 @@ EXTRACTION_MODES = (STRICT, LENIENT)
 LENIENT_BENCHMARKS = frozenset({"gsm8k", "synthetic"})
 
 _ANSWER_BLOCK_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
-_FINAL_ANSWER_RE = re.compile(r"final answer is\s*:?\s*(.+?)\s*(?:\.\s*I hope|\.?[ \t]*$)", re.IGNORECASE | re.MULTILINE)
+_FINAL_ANSWER_RE = re.compile(
+    r"final answer is\s*:?\s*(.+?)\s*(?:\.\s*I hope|\.?[ \t]*$)", re.IGNORECASE | re.MULTILINE
+)
 _BOX_RE = re.compile(r"\\(?:boxed|fbox)\s*\{")
 _EMPHASIS_RE = re.compile(r"^(\*\*|\*|__)(.+)\1$", re.DOTALL)
+_THOUSANDS_RE = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
 
 
 def check_extraction(mode: str, *, field: str = "extraction") -> str:
@@ -122,7 +125,9 @@ def reference_span(reference: str) -> str:
 
 
 def reference_answer(reference: str) -> str:
-    """A dataset reference reduced to its final answer (for records): :func:`reference_span`, then its last
-    ``\\boxed{}`` when it has one (a MATH solution)."""
-    span = reference_span(reference)
-    return last_boxed(span) or span
+    """A dataset reference reduced to its final answer (for records): a GSM8K ``####`` line without thousands
+    separators (``1,234`` -> ``1234``), else the last ``\\boxed{}`` of a MATH solution, else the reference."""
+    final = gsm8k_final(reference)
+    if final is not None and final.strip():
+        return _THOUSANDS_RE.sub("", final.strip())
+    return last_boxed(reference) or reference.strip()

@@ -6,7 +6,7 @@ Contract (keep stable): a reward function is a plain, picklable callable
 
 ``completion`` is the decoded response text only (no prompt); ``reference`` is the dataset answer, either the
 final answer (``"72"``, ``"\\frac{1}{2}"``) or a full GSM8K / boxed solution (reduced with
-:func:`~gtpo_megatron.rewards.answer_text.reference_answer`); ``extraction`` is ``strict`` or ``lenient``
+:func:`~gtpo_megatron.rewards.answer_text.reference_span`); ``extraction`` is ``strict`` or ``lenient``
 (:mod:`~gtpo_megatron.rewards.answer_text`). A grader failure propagates (an exception, or
 :class:`~gtpo_megatron.rewards.deadline.GradingTimeout` under a deadline) for the reward pool to count. Every
 reward fills the same fields so that metrics (accuracy, format rate) mean the same thing whatever reward trains

@@ -39,8 +39,8 @@ class SamplingConfig:
         max_tokens: maximum number of new tokens per completion (>= 1).
         stop: stop strings; the matched string is kept in the text and in the token ids.
         seed: base seed of this call (sample ``j`` of the prompt with global index ``i`` gets a seed derived from
-            ``(seed, i, j)``), or None for the engine's global generator. The same seed, prompts and weights give the same completions; pass a
-            different seed each training step to get fresh samples.
+            ``(seed, i, j)``), or None for the engine's global generator. The same seed, prompts and weights give
+            the same completions; pass a different seed each training step to get fresh samples.
         logprobs: return the rollout log-probability (nats) of every sampled token.
     """
 

@@ -70,6 +70,8 @@ def test_strip_emphasis_keeps_inner_markup() -> None:
 def test_reference_answer_and_span() -> None:
     solution = "Natalia sold 48+24 = <<48+24=72>>72 clips.\n#### 72"
     assert reference_answer(solution) == reference_span(solution) == "72"
+    assert reference_answer("so 1,000 + 234\n#### 1,234") == "1234"  # thousands separators go, for records
+    assert reference_span("so 1,000 + 234\n#### 1,234") == "1,234"  # the grader reads them itself
     boxed = "so the answer is $\\boxed{\\frac{14}{3}}$."
     assert reference_answer(boxed) == "\\frac{14}{3}"
     assert reference_span(boxed) == boxed  # graders let math-verify read the whole solution, boxed first

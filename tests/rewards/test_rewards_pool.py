@@ -69,7 +69,8 @@ def test_math_verify_timeouts_are_counted_not_scored_quietly(math_pool) -> None:
     assert time.monotonic() - start < 10.0
     assert results == [ZERO, RewardResult(1.0, True, False, "1"), ZERO]
     assert (stats["num_timeouts"], stats["num_errors"], stats["failed_indices"]) == (2, 0, [0, 2])
-    assert stats["errors"][0] == "answer 0 (timeout: no verdict within timeout_s=1.0), ending '\\\\boxed{9^{9^{9^{9}}}}'"
+    assert stats["errors"][0] == ("answer 0 (timeout: no verdict within timeout_s=1.0), ending "
+                                  "'\\\\boxed{9^{9^{9^{9}}}}'")
     with pytest.raises(RuntimeError, match=r"reward 'math_verify' failed to grade 2 of 3 answers \(2 timeouts, 0 "
                                            r"errors\), more than reward.max_error_frac=0.5; e.g. answer 0 \(timeout"):
         check_grader_failures(stats, max_error_frac=0.5)
