@@ -11,7 +11,9 @@ is left to math-verify's own extraction (:mod:`gtpo_megatron.rewards.equivalence
        number of a chatty tail);
     3. the last "final answer is X" statement (MATH/Minerva style, ``X`` up to ``. I hope`` or the end of its
        line), unless a ``\\boxed{}`` follows it (then math-verify's boxed-first extraction decides).
-  Markdown emphasis around a span (``**58**``) is removed.
+  Markdown emphasis around a span (``**58**``) is removed. A span in prose that starts with a number keeps only
+  that number (``#### 42 apples, 7 left`` -> ``42``); a span without prose (:func:`is_bare`) is kept whole
+  (``4,56``, ``3.25,10.5``, ``x = 5``).
 - :func:`reference_span`: the part of a dataset reference that holds its answer (a GSM8K solution's ``####`` line,
   else all of it; graders parse it with math-verify, boxed first). :func:`reference_answer`: the reference reduced
   to a final-answer string for the datasets' records.
@@ -37,6 +39,11 @@ _FINAL_ANSWER_RE = re.compile(
 _BOX_RE = re.compile(r"\\(?:boxed|fbox)\s*\{")
 _EMPHASIS_RE = re.compile(r"^(\*\*|\*|__)(.+)\1$", re.DOTALL)
 _THOUSANDS_RE = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
+_LEADING_NUMBER_RE = re.compile(r"-?\d[\d,./]*(?=\s)")
+_DELIMITER_RE = re.compile(r"\$|\\\(|\\\[|\\boxed|\\fbox")
+_TEXT_CMD_RE = re.compile(r"\\(?:text|textbf|textit|mathrm|mathbf|mbox|operatorname|begin|end)\s*\{[^{}]*\}")
+_WORD_RE = re.compile(r"(?<![\\a-zA-Z])[a-zA-Z]{2,}")
+_SINGLE_WORD_RE = re.compile(r"[a-zA-Z]+")
 
 
 def check_extraction(mode: str, *, field: str = "extraction") -> str:
@@ -96,12 +103,22 @@ def final_answer_statement(text: str) -> str | None:
     return matches[-1].group(1)
 
 
+def is_bare(span: str) -> bool:
+    """Whether ``span`` is one math expression: no LaTeX delimiters and no words (commands and ``\\text{}``
+    contents aside), or a single word (``odd``, ``Even``: math-verify compares it with ``\\text{odd}``)."""
+    if _DELIMITER_RE.search(span):
+        return False
+    return not _WORD_RE.search(_TEXT_CMD_RE.sub(" ", span)) or _SINGLE_WORD_RE.fullmatch(span.strip()) is not None
+
+
 def explicit_answer(text: str) -> str | None:
-    """The span that states the answer (order in the module docstring), emphasis removed; ``None`` if none."""
+    """The span that states the answer (order and rules in the module docstring); ``None`` if none."""
     for front_end in (answer_block, gsm8k_final, final_answer_statement):
         span = front_end(text)
         if span is not None:
-            return strip_emphasis(span)
+            span = strip_emphasis(span)
+            lead = None if is_bare(span) else _LEADING_NUMBER_RE.match(span)
+            return lead.group(0).rstrip(".,") if lead else span
     return None
 
 
@@ -118,16 +135,18 @@ def last_boxed(text: str) -> str | None:
     return None
 
 
+def _gsm8k_line(reference: str) -> str | None:
+    line = (gsm8k_final(reference) or "").strip()
+    return line or None
+
+
 def reference_span(reference: str) -> str:
     """The part of a dataset reference that holds its answer: a GSM8K solution's ``####`` line, else all of it."""
-    final = gsm8k_final(reference)
-    return final.strip() if final is not None and final.strip() else reference.strip()
+    return _gsm8k_line(reference) or reference.strip()
 
 
 def reference_answer(reference: str) -> str:
     """A dataset reference reduced to its final answer (for records): a GSM8K ``####`` line without thousands
     separators (``1,234`` -> ``1234``), else the last ``\\boxed{}`` of a MATH solution, else the reference."""
-    final = gsm8k_final(reference)
-    if final is not None and final.strip():
-        return _THOUSANDS_RE.sub("", final.strip())
-    return last_boxed(reference) or reference.strip()
+    line = _gsm8k_line(reference)
+    return _THOUSANDS_RE.sub("", line) if line else last_boxed(reference) or reference.strip()

@@ -6,8 +6,8 @@ extracted string, empty when nothing was found.
 Extraction (math-verify's own configs; the caller chooses what text to hand over, see ``answer_text``):
 
 - :func:`parse_span` parses a span that IS the answer (an ``<answer>`` block, a ``####`` line, a "final answer is"
-  statement, a dataset reference, a voted answer): a span without prose (``(3, -2)``, ``\\frac{1}{2}``, ``x = 5``,
-  a single word) is read as one LaTeX expression and keeps its text as written; a span with LaTeX delimiters or
+  statement, a dataset reference, a voted answer): a span without prose (``answer_text.is_bare``: ``(3, -2)``,
+  ``\\frac{1}{2}``, ``x = 5``, a single word) is read as one LaTeX expression and keeps its text as written; a span with LaTeX delimiters or
   prose goes through math-verify's extraction with ``\\boxed{}`` first and no anchor required.
 - :func:`parse_text` parses a whole completion: ``\\boxed{}`` first (``boxed_match_priority=0``); in ``strict`` mode
   only math-verify's anchored forms (``try_extract_without_anchor=False``), in ``lenient`` mode also the last
@@ -38,7 +38,7 @@ import re
 import sympy
 from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
-from gtpo_megatron.rewards.answer_text import STRICT, check_extraction
+from gtpo_megatron.rewards.answer_text import STRICT, check_extraction, is_bare
 
 REL_TOL = 1e-6
 NESTED_PRECISION = 50
@@ -51,10 +51,6 @@ _STRICT_CONFIGS = (
     ExprExtractionConfig(try_extract_without_anchor=False),
 )
 _LENIENT_CONFIGS = (_LATEX, _EXPR)
-_DELIMITER_RE = re.compile(r"\$|\\\(|\\\[|\\boxed|\\fbox")
-_TEXT_CMD_RE = re.compile(r"\\(?:text|textbf|textit|mathrm|mathbf|mbox|operatorname|begin|end)\s*\{[^{}]*\}")
-_WORD_RE = re.compile(r"(?<![\\a-zA-Z])[a-zA-Z]{2,}")
-_SINGLE_WORD_RE = re.compile(r"[a-zA-Z]+")
 _PLAIN_DECIMAL_RE = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|-?\.\d+")
 
 
@@ -71,14 +67,6 @@ for _name in ("math_verify.parser", "math_verify.grader"):
 
 def _parse(text: str, configs) -> list:
     return parse(text, list(configs), parsing_timeout=None, raise_on_error=True)
-
-
-def is_bare(span: str) -> bool:
-    """Whether ``span`` is one math expression: no LaTeX delimiters and no words (commands and ``\\text{}``
-    contents aside), or a single word (``odd``, ``Even``: math-verify compares it with ``\\text{odd}``)."""
-    if _DELIMITER_RE.search(span):
-        return False
-    return not _WORD_RE.search(_TEXT_CMD_RE.sub(" ", span)) or _SINGLE_WORD_RE.fullmatch(span.strip()) is not None
 
 
 def parse_span(span: str) -> list:

@@ -26,6 +26,7 @@ A failed answer scores 0 (``RewardResult(0.0, False, False, None)``; ``same_answ
 
 from __future__ import annotations
 
+import functools
 import multiprocessing as mp
 import time
 from collections import deque
@@ -47,7 +48,7 @@ _FAILED = RewardResult(score=0.0, correct=False, format_ok=False, extracted=None
 def _worker_main(conn: Connection, reward: str | RewardFn, timeout_s: float) -> None:
     """Worker loop: resolve the reward once, say ready, then answer ``(index, job, kwargs)`` messages."""
     jobs = {"score": get_reward(reward) if isinstance(reward, str) else reward,
-            "same": lambda first, second: same_answer(first, second, decimal_abs_tol=decimal_tolerance(reward))}
+            "same": functools.partial(same_answer, decimal_abs_tol=decimal_tolerance(reward))}
     conn.send("ready")
     while True:
         task = conn.recv()
@@ -65,7 +66,7 @@ def _worker_main(conn: Connection, reward: str | RewardFn, timeout_s: float) -> 
             conn.send((index, value, None))
 
 
-def reward_label(reward: str | RewardFn) -> str:
+def _reward_label(reward: str | RewardFn) -> str:
     """The reward's name for messages: the registry name, else the function's name."""
     return reward if isinstance(reward, str) else getattr(reward, "__name__", repr(reward))
 
@@ -231,7 +232,7 @@ class RewardPool:
             raise RuntimeError("RewardPool used after close(); build a new pool")
         start = time.monotonic()
         values: list = [None] * len(tasks)
-        stats: dict[str, Any] = {"reward": reward_label(self._reward), "num_scored": len(tasks), "num_timeouts": 0,
+        stats: dict[str, Any] = {"reward": _reward_label(self._reward), "num_scored": len(tasks), "num_timeouts": 0,
                                  "num_errors": 0, "errors": [], "failed_indices": []}
         pending = deque(range(len(tasks)))
         busy: dict[int, tuple[int, float]] = {}  # slot -> (task index, hard deadline)

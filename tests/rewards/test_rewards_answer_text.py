@@ -27,7 +27,13 @@ from gtpo_megatron.rewards.answer_text import (
         ("9+8=17\n#### 17\n\nHope that helps with your 2 questions!", "17"),  # not the last number after ####
         ("#### 4,56", "4,56"),
         ("#### 3.25,10.5", "3.25,10.5"),
-        ("first #### 1\nthen #### 2 apples\nbye 3", "2 apples"),  # the last marker
+        ("first #### 1\nthen #### 2 apples\nbye 3", "2"),  # the last marker
+        ("#### 42 apples, 7 left", "42"),  # prose: the number it starts with
+        ("#### x = 5", "x = 5"),  # no prose: the whole span
+        ("#### (3, -2)", "(3, -2)"),
+        ("<answer>58 apples, 3 left over</answer>", "58"),
+        ("<answer>The total is 58</answer>", "The total is 58"),  # math-verify reads it
+        ("The final answer is 7 and the other is 9.", "7"),
         ("The final answer is (3, -2). I hope it is correct.", "(3, -2)"),
         ("Final Answer: The final answer is $10,455$. I hope it is correct.", "$10,455$"),
         ("So the final answer is: 7.\nCheck: 7 + 0 = 7", "7"),

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from gtpo_megatron.rewards.equivalence import is_bare, parse_span
+from gtpo_megatron.rewards.answer_text import is_bare
+from gtpo_megatron.rewards.equivalence import parse_span
 from gtpo_megatron.rewards.math_answer import Verdict, extract, grade, same_answer
 
 HASH_TAIL = "9+8=17\n#### 17\n\nHope that helps with your 2 questions!"
