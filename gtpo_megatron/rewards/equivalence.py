@@ -7,8 +7,9 @@ Extraction (math-verify's own configs; the caller chooses what text to hand over
 
 - :func:`parse_span` parses a span that IS the answer (an ``<answer>`` block, a ``####`` line, a "final answer is"
   statement, a dataset reference, a voted answer): a span without prose (``answer_text.is_bare``: ``(3, -2)``,
-  ``\\frac{1}{2}``, ``x = 5``, a single word) is read as one LaTeX expression and keeps its text as written; a span with LaTeX delimiters or
-  prose goes through math-verify's extraction with ``\\boxed{}`` first and no anchor required.
+  ``\\frac{1}{2}``, ``x = 5``, a single word) is read as one LaTeX expression and keeps its text as written; a
+  span with LaTeX delimiters or prose goes through math-verify's extraction with ``\\boxed{}`` first and no anchor
+  required.
 - :func:`parse_text` parses a whole completion: ``\\boxed{}`` first (``boxed_match_priority=0``); in ``strict`` mode
   only math-verify's anchored forms (``try_extract_without_anchor=False``), in ``lenient`` mode also the last
   number / LaTeX expression.
