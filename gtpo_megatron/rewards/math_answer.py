@@ -63,13 +63,16 @@ def grade(
             exact / relative rules of :func:`equivalence.equivalent`.
 
     Raises:
-        ValueError: unknown ``extraction``.
+        ValueError: unknown ``extraction``, or a reference without a readable answer (a grader error: every
+            completion of that problem would otherwise score 0 quietly).
         Exception: a math-verify / SymPy failure (the reward pool counts it as a grader error).
     """
     pred = extract(completion, extraction)
     if not pred:
         return Verdict(correct=False, extracted=None)
     gold = parse_span(reference_span(reference))
+    if not gold:
+        raise ValueError(f"reference {reference[:80]!r} holds no answer math-verify can read; fix the dataset record")
     return Verdict(equivalent(gold, pred, decimal_abs_tol=decimal_abs_tol), answer_string(pred))
 
 

@@ -83,6 +83,8 @@ def test_no_answer_is_none_and_bad_modes_are_refused() -> None:
     assert extract("<think>\\boxed{3}", "lenient") == []
     with pytest.raises(ValueError, match="extraction='loose'"):
         grade("\\boxed{1}", "1", extraction="loose")
+    with pytest.raises(ValueError, match="reference 'see the figure' holds no answer math-verify can read"):
+        grade("\\boxed{1}", "see the figure")
 
 
 @pytest.mark.parametrize(
