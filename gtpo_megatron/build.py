@@ -7,41 +7,58 @@ loader; the other ranks get the step's completions by broadcast.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import math
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-from gtpo_megatron.assets import resolve_model_path
+from gtpo_megatron import run_dir
+from gtpo_megatron.builtin_models import resolve_model_path
 from gtpo_megatron.config import GTPOConfig, config_to_dict
-from gtpo_megatron.logging import MetricSink, get_logger
-from gtpo_megatron.trainer import Trainer, list_checkpoints
+from gtpo_megatron.logging import MetricSink
+from gtpo_megatron.trainer import Trainer
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-logger = get_logger(__name__)
-
-
-def build_policy(cfg: GTPOConfig, model_path: str, groups, *, padding_tp_size: int | None = None):
-    """``MegatronPolicy`` from the model, optim and algorithm sections (cosine decay to min_lr, or constant).
-
-    ``padding_tp_size``: build with the vocabulary/head padding of a run at that TP size (to load its checkpoint
-    at another layout; see ``MegatronPolicy.from_pretrained``)."""
+if TYPE_CHECKING:
+    from gtpo_megatron.megatron_adapter.optimizer import OptimSettings
     from gtpo_megatron.megatron_adapter.policy import MegatronPolicy
+    from gtpo_megatron.parallel.groups import ParallelGroups
+
+logger = logging.getLogger(__name__)
+
+
+def optim_settings(cfg: GTPOConfig) -> OptimSettings:
+    """Adam and LR schedule of a run, derived from the optim, parallel, trainer and algorithm sections.
+
+    The learning rate decays (cosine to ``min_lr``, or constant when ``min_lr == lr``) over every optimizer step of
+    the run (``max_steps * num_updates_per_batch``).
+    """
+    from gtpo_megatron.megatron_adapter.optimizer import OptimSettings
 
     optim = cfg.optim
-    recompute = None if cfg.model.recompute == "none" else cfg.model.recompute
-    return MegatronPolicy.from_pretrained(
-        model_path, groups=groups, params_dtype=_DTYPES[cfg.model.params_dtype], seed=cfg.trainer.seed,
-        micro_batch_size=optim.micro_batch_size, logprob_chunk_size=cfg.algorithm.logprob_chunk_size,
-        recompute_granularity=recompute, recompute_method="uniform" if recompute == "full" else None,
-        recompute_num_layers=1 if recompute == "full" else None,
-        make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by,
-        pad_attention_heads=cfg.model.pad_attention_heads, padding_tp_size=padding_tp_size,
+    return OptimSettings(
         lr=optim.lr, min_lr=optim.min_lr, warmup_steps=optim.warmup_steps,
         total_steps=max(cfg.trainer.max_steps * cfg.algorithm.num_updates_per_batch, optim.warmup_steps + 1),
         decay_style="constant" if optim.min_lr == optim.lr else "cosine", weight_decay=optim.weight_decay,
         adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2, clip_grad=optim.clip_grad,
         use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
+    )
+
+
+def build_policy(cfg: GTPOConfig, model_path: str, groups: ParallelGroups, *,
+                 padding_tp_size: int | None = None) -> MegatronPolicy:
+    """``MegatronPolicy`` of the model at ``model_path`` with the model, optim, algorithm and trainer sections.
+
+    ``padding_tp_size``: build with the vocabulary/head padding of a run at that TP size (to load its checkpoint
+    at another layout; see ``MegatronPolicy.from_pretrained``).
+    """
+    from gtpo_megatron.megatron_adapter.policy import MegatronPolicy
+
+    return MegatronPolicy.from_pretrained(
+        dataclasses.replace(cfg.model, name_or_path=model_path), groups=groups, optim=optim_settings(cfg),
+        micro_batch_size=cfg.optim.micro_batch_size, logprob_chunk_size=cfg.algorithm.logprob_chunk_size,
+        seed=cfg.trainer.seed, padding_tp_size=padding_tp_size,
     )
 
 
@@ -51,8 +68,8 @@ def build_collector(cfg: GTPOConfig, model_path: str, tokenizer):
     from gtpo_megatron.data.loader import PromptLoader
     from gtpo_megatron.data.prompts import build_prompt_ids
     from gtpo_megatron.rewards.pool import RewardPool
+    from gtpo_megatron.rollout.collector import RolloutCollector
     from gtpo_megatron.rollout.vllm_engine import VLLMEngine
-    from gtpo_megatron.rollout_phase import RolloutCollector
 
     data, rollout = cfg.data, cfg.rollout
     extra = {"seed": data.shuffle_seed, "difficulty": data.synthetic_difficulty} if data.source == "synthetic" else {}
@@ -76,7 +93,7 @@ def build_collector(cfg: GTPOConfig, model_path: str, tokenizer):
                             rollout_cfg=rollout, algorithm_cfg=cfg.algorithm)
 
 
-def build_trainer(cfg: GTPOConfig, groups) -> Trainer:
+def build_trainer(cfg: GTPOConfig, groups: ParallelGroups) -> Trainer:
     """All components of a run on this rank; ``groups`` from ``parallel.groups.init_distributed``."""
     from transformers import AutoTokenizer
 
@@ -85,8 +102,8 @@ def build_trainer(cfg: GTPOConfig, groups) -> Trainer:
     pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     policy = build_policy(cfg, model_path, groups)
     collector = build_collector(cfg, model_path, tokenizer) if groups.rank == 0 else None
-    checkpoints = list_checkpoints(Path(cfg.output_dir) / "checkpoints") if cfg.resume else []
-    start_step = int(checkpoints[-1].name.split("_")[-1]) if checkpoints else 0
+    checkpoints = run_dir.list_checkpoints(run_dir.checkpoints_dir(cfg.output_dir)) if cfg.resume else []
+    start_step = run_dir.checkpoint_step(checkpoints[-1]) if checkpoints else 0
     sink = MetricSink(cfg.output_dir, cfg=cfg.logging, run_config=config_to_dict(cfg),
                       max_steps=cfg.trainer.max_steps, start_step=start_step, enabled=groups.rank == 0)
     return Trainer(cfg, groups=groups, policy=policy, collector=collector, pad_token_id=pad_token_id, sink=sink)

@@ -1,7 +1,8 @@
-"""Rank-0 logging: a module logger, the per-step metric sink (jsonl, wandb, progress bar) and the curves plot.
+"""Rank-0 logging: the project logger's setup, the per-step metric sink (jsonl, wandb, progress bar), the curves.
 
-Only rank 0 writes anything: ``setup_logging(rank)`` lowers the other ranks to warnings, and ``MetricSink`` is
-built with ``enabled=False`` there. Metric names are ``group/name`` strings (``reward/mean``, ``time/step_s``);
+Modules log through ``logging.getLogger(__name__)`` (children of the ``gtpo_megatron`` logger); only rank 0 writes
+anything: ``setup_logging(rank)`` lowers the other ranks to warnings, and ``MetricSink`` is built with
+``enabled=False`` there. Metric names are ``group/name`` strings (``reward/mean``, ``time/step_s``);
 values are plain Python floats/ints already reduced over the data-parallel group by the trainer.
 
 wandb runs offline by default (``LoggingConfig.wandb_mode``); the environment variable ``WANDB_MODE`` wins when
@@ -20,28 +21,25 @@ from pathlib import Path
 from typing import Any
 
 from gtpo_megatron.config import LoggingConfig
+from gtpo_megatron.run_dir import metrics_path
 
 LOGGER_NAME = "gtpo_megatron"
 PROGRESS_KEYS = (("reward/mean", "reward"), ("accuracy", "acc"), ("entropy/mean", "H"),
                  ("time/rollout_s", "roll_s"), ("time/train_s", "train_s"), ("time/sync_s", "sync_s"))
 CURVES = (("reward/mean", "reward (mean)"), ("accuracy", "accuracy"), ("entropy/mean", "entropy (nats)"))
-
-
-def get_logger(name: str = LOGGER_NAME) -> logging.Logger:
-    """The project logger (or a child of it); configure it once with ``setup_logging``."""
-    return logging.getLogger(name)
+logger = logging.getLogger(__name__)
 
 
 def setup_logging(rank: int) -> logging.Logger:
     """INFO to stderr on rank 0, WARNING elsewhere; idempotent. Returns the project logger."""
-    logger = get_logger()
-    logger.setLevel(logging.INFO if rank == 0 else logging.WARNING)
-    if not logger.handlers:
+    project = logging.getLogger(LOGGER_NAME)
+    project.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    if not project.handlers:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter(f"[%(asctime)s rank{rank} %(levelname)s] %(message)s", "%H:%M:%S"))
-        logger.addHandler(handler)
-        logger.propagate = False
-    return logger
+        project.addHandler(handler)
+        project.propagate = False
+    return project
 
 
 class MetricSink:
@@ -60,7 +58,7 @@ class MetricSink:
     def __init__(self, output_dir: str | Path, *, cfg: LoggingConfig, run_config: dict[str, Any], max_steps: int,
                  start_step: int = 0, enabled: bool = True) -> None:
         self.enabled = enabled
-        self.path = Path(output_dir) / "metrics.jsonl"
+        self.path = metrics_path(output_dir)
         self._wandb_run = None
         self._bar = None
         if not enabled:
@@ -93,7 +91,7 @@ class MetricSink:
         if self._bar is not None:
             self._bar.write(message)
         else:
-            get_logger().info(message)
+            logger.info(message)
 
     def close(self) -> None:
         """Close the progress bar and finish the wandb run; idempotent."""
@@ -167,5 +165,5 @@ def _init_wandb(cfg: LoggingConfig, run_config: dict[str, Any], run_dir: Path) -
         return wandb.init(project=cfg.wandb_project, config=run_config, dir=str(run_dir), mode=mode,
                           name=run_dir.name)
     except Exception as exc:  # noqa: BLE001 - metrics still go to jsonl; wandb is a mirror
-        get_logger().warning("wandb.init failed in mode %r (%s); continuing with metrics.jsonl only", mode, exc)
+        logger.warning("wandb.init failed in mode %r (%s); continuing with metrics.jsonl only", mode, exc)
         return None

@@ -11,12 +11,12 @@ import argparse
 import os
 import socket
 import sys
-from pathlib import Path
 
 import torch
 
 from gtpo_megatron.config import load_config, save_config
 from gtpo_megatron.logging import setup_logging
+from gtpo_megatron.run_dir import check_fresh_run, config_path
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -39,21 +39,11 @@ def _single_process_defaults() -> None:
 
 def _check_inputs(cfg) -> None:
     """The model and the data exist (a typo fails here, not after minutes of model loading on every rank)."""
-    from gtpo_megatron.assets import check_model
+    from gtpo_megatron.builtin_models import check_model
     from gtpo_megatron.data.datasets import check_source
 
     check_model(cfg.model.name_or_path)
     check_source(cfg.data.source, path=cfg.data.path, split=cfg.data.split, prefix="data.")
-
-
-def _refuse_to_overwrite(cfg) -> None:
-    """A fresh run (``resume=false``) never writes over an earlier run's checkpoints and metrics."""
-    earlier = sorted((Path(cfg.output_dir) / "checkpoints").glob("step_*"))
-    if not cfg.resume and earlier:
-        raise ValueError(
-            f"output_dir={cfg.output_dir!r} holds checkpoints of an earlier run (last: {earlier[-1].name}); "
-            "pass resume=true to continue it or output_dir=<new folder> to start a new run"
-        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -65,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, args.overrides)
         cfg.validate(int(os.environ["WORLD_SIZE"]))
         _check_inputs(cfg)
-        _refuse_to_overwrite(cfg)
+        check_fresh_run(cfg.output_dir, resume=cfg.resume)
     except ValueError as err:
         print(f"gtpo-train: config error: {err}", file=sys.stderr)
         return 2
@@ -77,8 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     groups = init_distributed(tp_size=cfg.parallel.tp_size, pp_size=cfg.parallel.pp_size, backend=backend)
     logger = setup_logging(groups.rank)
     if groups.rank == 0:
-        save_config(cfg, Path(cfg.output_dir) / "config.yaml")
-        logger.info("config written to %s (world %d: tp=%d pp=%d dp=%d)", Path(cfg.output_dir) / "config.yaml",
+        save_config(cfg, config_path(cfg.output_dir))
+        logger.info("config written to %s (world %d: tp=%d pp=%d dp=%d)", config_path(cfg.output_dir),
                     groups.world_size, groups.tp_size, groups.pp_size, groups.dp_size)
     torch.manual_seed(cfg.trainer.seed)
     trainer = build_trainer(cfg, groups)

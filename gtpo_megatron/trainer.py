@@ -1,4 +1,4 @@
-"""The GTPO training loop: orchestration only (the math is in ``ops``, the model in ``megatron_adapter``).
+"""The GTPO training loop: orchestration only (the math is in ``ops`` and ``algorithm``, the model behind ``Policy``).
 
 A step, as ``Trainer.step`` reads: rollout (rank 0 samples and scores, then broadcasts) -> old-logprob pass
 (each data-parallel rank on its rows) -> advantages, entropy filter and conflict weights on the full batch
@@ -6,41 +6,49 @@ A step, as ``Trainer.step`` reads: rollout (rank 0 samples and scores, then broa
 adds logging and checkpoints (every ``checkpoint.every_n_steps``, after the last step and on SIGTERM).
 
 Ranks: global rank 0 owns the rollout engine and the reward pool (``RolloutCollector``); every rank receives the
-whole step's completions (``broadcast_object_list`` on the world), builds the same full batch and keeps its
-data-parallel share. Collectives per step: one object broadcast (world), an all-reduce of the sequence entropies
-and one of the mismatch sums (dp), the policy's own, the weight gather (model-parallel group of dp replica 0) and
-one MAX all-reduce of the stop flag (world).
+whole step's completions, builds the same full batch and keeps its data-parallel share (``parallel.row_shard``).
+Collectives per step, all through ``parallel.collectives``: one object broadcast (world), one all-gather of the
+sequence entropies (dp), one global mean for <H>_ini on the first step of the ``paper`` filter (dp), one all-reduce
+of the mismatch sums (dp), the policy's own, the weight gather (model-parallel group of dp replica 0) and one MAX
+all-reduce of the stop flag (world); a save adds two barriers (world).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import shutil
 import signal
 import time
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
+from gtpo_megatron import run_dir
+from gtpo_megatron.algorithm import StepWeights, build_loss_spec, compute_step_weights, weight_metrics
 from gtpo_megatron.config import GTPOConfig
-from gtpo_megatron.logging import MetricSink, format_step_line, get_logger, plot_curves
+from gtpo_megatron.logging import MetricSink, format_step_line, plot_curves
 from gtpo_megatron.ops import sequence_mean_entropy
-from gtpo_megatron.parallel import all_reduce_sum, reduce_metric_sums
-from gtpo_megatron.rollout_phase import RolloutCollector, StepRollout
-from gtpo_megatron.rollout.types import TrainBatch
-from gtpo_megatron.step_data import (
-    collate_completions,
-    compute_step_weights,
-    mismatch_sums,
-    rollout_metrics,
-    shard_rows,
-    weight_metrics,
+from gtpo_megatron.parallel import (
+    all_gather_rows,
+    any_rank,
+    barrier,
+    broadcast_object,
+    global_mean,
+    reduce_metric_sums,
+    row_shard,
 )
-from gtpo_megatron.weight_sync.push import push_weights
+from gtpo_megatron.rollout.batch import collate_completions, mismatch_sums, rollout_metrics
+from gtpo_megatron.rollout.collector import RolloutCollector, StepRollout
+from gtpo_megatron.rollout.push import push_weights
+from gtpo_megatron.rollout.types import TrainBatch
 
-CHECKPOINT_PREFIX = "step_"
-logger = get_logger(__name__)
+if TYPE_CHECKING:
+    from gtpo_megatron.parallel.groups import ParallelGroups
+    from gtpo_megatron.policy import Policy
+
+logger = logging.getLogger(__name__)
 
 
 class PhaseTimer:
@@ -51,6 +59,7 @@ class PhaseTimer:
 
     @contextlib.contextmanager
     def phase(self, name: str):
+        """Time the ``with`` block as ``time/<name>_s``."""
         start = time.perf_counter()
         yield
         self.seconds[f"time/{name}_s"] = time.perf_counter() - start
@@ -61,24 +70,27 @@ class Trainer:
 
     Args:
         cfg: the resolved run config (validated for this world size).
-        groups: ``parallel.groups.ParallelGroups``.
-        policy: ``MegatronPolicy`` (or an object with the same methods).
+        groups: this process's ``ParallelGroups``.
+        policy: the trained model (``Policy``; ``MegatronPolicy`` in production).
         collector: the rank-0 ``RolloutCollector``; None on other ranks.
         pad_token_id: padding id of the batches.
         sink: the metric sink (enabled on rank 0 only).
     """
 
-    def __init__(self, cfg: GTPOConfig, *, groups, policy, collector: RolloutCollector | None, pad_token_id: int,
-                 sink: MetricSink) -> None:
+    def __init__(self, cfg: GTPOConfig, *, groups: ParallelGroups, policy: Policy,
+                 collector: RolloutCollector | None, pad_token_id: int, sink: MetricSink) -> None:
         self.cfg = cfg
         self.groups = groups
         self.policy = policy
         self.collector = collector
         self.pad_token_id = pad_token_id
         self.sink = sink
-        self.checkpoint_dir = Path(cfg.output_dir) / "checkpoints"
+        self.loss_spec = build_loss_spec(cfg.algorithm, cfg.rollout)
+        self.checkpoint_dir = run_dir.checkpoints_dir(cfg.output_dir)
         self.initial_entropy: float | None = None
         self.loader_state: dict | None = None
+        self._dp_group = groups.dp if groups.dp_size > 1 else None
+        self._world = dist.group.WORLD
         self._stop_requested = False
         self._offload_enabled = cfg.rollout.offload_train_state and _cuda_available()
         if cfg.rollout.offload_train_state and not self._offload_enabled:
@@ -93,26 +105,27 @@ class Trainer:
             with timer.phase("rollout"):
                 rollout = self._rollout(step)
             batch = collate_completions(rollout.groups, pad_token_id=self.pad_token_id)
-            local = shard_rows(batch, dp_rank=self.groups.dp_rank, dp_size=self.groups.dp_size)
+            rows = row_shard(batch.num_sequences, rank=self.groups.dp_rank, size=self.groups.dp_size)
+            local = batch.select(rows)
             with timer.phase("old_logprob"):
                 old_logprobs, entropy = self._old_logprob_pass(local)
             with timer.phase("advantages"):
-                seq_entropy = self._gather_rows(sequence_mean_entropy(entropy, local.response_mask), batch)
-                weights = self._advantages(batch, rollout, seq_entropy)
-                train_batch = self._train_batch(local, weights, old_logprobs)
+                local_seq_entropy = sequence_mean_entropy(entropy, local.response_mask)
+                seq_entropy = all_gather_rows(local_seq_entropy, group=self._dp_group)
+                self._measure_initial_entropy(local_seq_entropy, local.response_mask)
+                weights = compute_step_weights(batch, torch.tensor(rollout.rewards), seq_entropy, self.cfg.algorithm,
+                                               initial_entropy=self.initial_entropy)
+                train_batch = self._train_batch(local, weights, rows, old_logprobs)
             with timer.phase("train"):
                 train_metrics = self._train(train_batch)
             with timer.phase("sync"):
                 sync_metrics = self._sync_weights()
-        metrics = rollout_metrics(batch, torch.tensor(rollout.scores), torch.tensor(rollout.correct),
-                                  torch.tensor(rollout.format_ok))
-        metrics.update(weight_metrics(weights, batch.response_mask))
-        metrics.update(self._entropy_and_mismatch(seq_entropy, old_logprobs, local))
+        self.loader_state = rollout.loader_state
+        metrics = self._step_metrics(rollout, batch, weights, seq_entropy, old_logprobs, local)
         metrics.update({f"train/{k}": v for k, v in train_metrics.items()})
         metrics.update({**rollout.stats, **sync_metrics, **timer.seconds})
         metrics["perf/tokens_per_s"] = float(batch.attention_mask.sum()) / metrics["time/step_s"]
         metrics["perf/response_tokens_per_s"] = float(batch.response_mask.sum()) / metrics["time/step_s"]
-        self.loader_state = rollout.loader_state
         return metrics
 
     def _rollout(self, step: int) -> StepRollout:
@@ -121,43 +134,34 @@ class Trainer:
         With ``rollout.offload_train_state`` (CUDA) every rank's gradient buffers and optimizer states leave the
         GPU for the duration (the previous ``train_step`` consumed the gradients) and are back before it returns.
         """
-        box: list[StepRollout | None] = [None]
+        rollout = None
         if self._offload_enabled:
             self.policy.offload_train_state()
         if self.collector is not None:
-            box[0] = self.collector.collect(step)
+            rollout = self.collector.collect(step)
             if self.cfg.rollout.placement == "colocated":
                 self.collector.engine.sleep()
-        dist.broadcast_object_list(box, src=0)
+        rollout = broadcast_object(rollout, src=0, group=self._world)
         if self._offload_enabled:
             self.policy.restore_train_state()
-        return box[0]
+        return rollout
 
     def _old_logprob_pass(self, local: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """log pi_old at the sampling temperature and entropy at ``entropy_temperature`` (section 4), ``[b, S]``."""
+        """Log pi_old at the sampling temperature and entropy at ``entropy_temperature`` (section 4), ``[b, S]``."""
         temperature = self.cfg.rollout.temperature
         old_logprobs, entropy = self.policy.compute_logprobs(local, temperature=temperature)
         if self.cfg.algorithm.entropy_temperature != temperature:
             _, entropy = self.policy.compute_logprobs(local, temperature=self.cfg.algorithm.entropy_temperature)
         return old_logprobs, entropy
 
-    def _gather_rows(self, local_values: torch.Tensor, batch: TrainBatch) -> torch.Tensor:
-        """``[B]`` from each data-parallel rank's ``[B/dp]`` share (one SUM all-reduce on the dp group)."""
-        share = local_values.shape[0]
-        full = torch.zeros(batch.num_sequences, dtype=torch.float32)
-        full[self.groups.dp_rank * share:(self.groups.dp_rank + 1) * share] = local_values
-        return all_reduce_sum(full, group=self.groups.dp if self.groups.dp_size > 1 else None)
+    def _measure_initial_entropy(self, local_seq_entropy: torch.Tensor, response_mask: torch.Tensor) -> None:
+        """<H>_ini of the ``paper`` filter: the first step's mean <H>_i over completions with a response token."""
+        if self.cfg.algorithm.entropy_filter == "paper" and self.initial_entropy is None:
+            self.initial_entropy = float(global_mean(local_seq_entropy, group=self._dp_group,
+                                                     mask=response_mask.any(dim=-1)))
 
-    def _advantages(self, batch: TrainBatch, rollout: StepRollout, seq_entropy: torch.Tensor):
-        algorithm = self.cfg.algorithm
-        if algorithm.entropy_filter == "paper" and self.initial_entropy is None:
-            has_tokens = batch.response_mask.any(dim=-1)
-            self.initial_entropy = float(seq_entropy[has_tokens].mean()) if has_tokens.any() else 0.0
-        return compute_step_weights(batch, torch.tensor(rollout.rewards), seq_entropy, algorithm,
-                                    initial_entropy=self.initial_entropy)
-
-    def _train_batch(self, local: TrainBatch, weights, old_logprobs: torch.Tensor) -> TrainBatch:
-        rows = slice(self.groups.dp_rank * local.num_sequences, (self.groups.dp_rank + 1) * local.num_sequences)
+    def _train_batch(self, local: TrainBatch, weights: StepWeights, rows: slice,
+                     old_logprobs: torch.Tensor) -> TrainBatch:
         local.advantages = weights.advantages[rows]
         local.token_weights = weights.token_weights[rows]
         # One update per batch: r = exp(logp - stopgrad(logp)) = 1 with gradient (GTPO_SPEC section 1).
@@ -165,15 +169,9 @@ class Trainer:
         return local
 
     def _train(self, batch: TrainBatch) -> dict[str, float]:
-        algorithm = self.cfg.algorithm
         metrics: dict[str, float] = {}
-        for _ in range(algorithm.num_updates_per_batch):
-            metrics = self.policy.train_step(
-                batch, loss_name=algorithm.name, aggregation=algorithm.aggregation,
-                clip_eps_low=algorithm.clip_eps_low, clip_eps_high=algorithm.clip_eps_high,
-                kl_coef=algorithm.kl_coef, kl_estimator=algorithm.kl_estimator,
-                temperature=self.cfg.rollout.temperature,
-                max_response_length=self.cfg.rollout.max_tokens if algorithm.name == "dr_grpo" else None)
+        for _ in range(self.cfg.algorithm.num_updates_per_batch):
+            metrics = self.policy.train_step(batch, self.loss_spec)
         return metrics
 
     def _sync_weights(self) -> dict[str, float]:
@@ -188,17 +186,21 @@ class Trainer:
                 pass
         return {}
 
-    def _entropy_and_mismatch(self, seq_entropy: torch.Tensor, old_logprobs: torch.Tensor,
-                              local: TrainBatch) -> dict[str, float]:
+    def _step_metrics(self, rollout: StepRollout, batch: TrainBatch, weights: StepWeights, seq_entropy: torch.Tensor,
+                      old_logprobs: torch.Tensor, local: TrainBatch) -> dict[str, float]:
+        """Rollout, GTPO-weight, entropy and train/rollout mismatch metrics of the step (mismatch reduced over dp)."""
+        metrics = rollout_metrics(batch, torch.tensor(rollout.scores), torch.tensor(rollout.correct),
+                                  torch.tensor(rollout.format_ok))
+        metrics.update(weight_metrics(weights, batch.response_mask))
         sums = mismatch_sums(old_logprobs, local.extras["rollout_logprobs"], local.response_mask)
-        sums = reduce_metric_sums(sums, group=self.groups.dp if self.groups.dp_size > 1 else None)
+        sums = reduce_metric_sums(sums, group=self._dp_group)
         count = max(float(sums["count"]), 1.0)
-        out = {"entropy/mean": float(seq_entropy.mean()),
-               "mismatch/abs_logprob_diff": float(sums["abs_logprob_diff"]) / count,
-               "mismatch/prob_ratio_err": float(sums["prob_ratio_err"]) / count}
+        metrics.update({"entropy/mean": float(seq_entropy.mean()),
+                        "mismatch/abs_logprob_diff": float(sums["abs_logprob_diff"]) / count,
+                        "mismatch/prob_ratio_err": float(sums["prob_ratio_err"]) / count})
         if self.initial_entropy is not None:
-            out["entropy/initial"] = self.initial_entropy
-        return out
+            metrics["entropy/initial"] = self.initial_entropy
+        return metrics
 
     # ------------------------------------------------------------------------------------------------ the loop
     def run(self) -> None:
@@ -222,30 +224,28 @@ class Trainer:
             if previous is not None:
                 signal.signal(signal.SIGTERM, previous)
         if self.groups.rank == 0 and self.sink.path.exists():
-            plot_curves(self.sink.path, Path(self.cfg.output_dir) / "curves.png")
+            plot_curves(self.sink.path, run_dir.curves_path(self.cfg.output_dir))
 
     def _on_sigterm(self, signum, frame) -> None:
         self._stop_requested = True
 
     def _agree_on_stop(self) -> bool:
         """True on every rank when any rank got SIGTERM (one MAX all-reduce on the world)."""
-        flag = torch.tensor([1.0 if self._stop_requested else 0.0])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        return any_rank(self._stop_requested, group=self._world)
 
     def save(self, step: int) -> None:
         """Checkpoint model, optimizer and trainer state under ``checkpoints/step_NNNNNN``; prune old ones."""
         state = {"step": step, "initial_entropy": self.initial_entropy, "loader": self.loader_state}
-        self.policy.save_checkpoint(str(self.checkpoint_dir / f"{CHECKPOINT_PREFIX}{step:06d}"), state)
-        dist.barrier()
+        self.policy.save_checkpoint(str(run_dir.checkpoint_dir(self.cfg.output_dir, step)), state)
+        barrier(group=self._world)
         if self.groups.rank == 0:
-            for old in list_checkpoints(self.checkpoint_dir)[:-self.cfg.checkpoint.keep_last]:
+            for old in run_dir.list_checkpoints(self.checkpoint_dir)[:-self.cfg.checkpoint.keep_last]:
                 shutil.rmtree(old, ignore_errors=True)
-        dist.barrier()
+        barrier(group=self._world)
 
     def _maybe_resume(self) -> int:
         """Load the newest checkpoint when ``resume=true``; returns the number of completed steps."""
-        checkpoints = list_checkpoints(self.checkpoint_dir) if self.cfg.resume else []
+        checkpoints = run_dir.list_checkpoints(self.checkpoint_dir) if self.cfg.resume else []
         if not checkpoints:
             if self.cfg.resume:
                 logger.warning("resume=true but %s holds no checkpoint; starting from step 0", self.checkpoint_dir)
@@ -271,10 +271,3 @@ def _cuda_available() -> bool:
     """Whether this process trains on CUDA (a function so that CPU tests can pretend)."""
     return torch.cuda.is_available()
 
-
-def list_checkpoints(folder: Path) -> list[Path]:
-    """Complete checkpoint folders ``step_NNNNNN`` in ``folder``, oldest first (temporary folders ignored)."""
-    if not folder.is_dir():
-        return []
-    return sorted(p for p in folder.iterdir() if p.is_dir() and p.name.startswith(CHECKPOINT_PREFIX)
-                  and p.name[len(CHECKPOINT_PREFIX):].isdigit())

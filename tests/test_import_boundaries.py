@@ -1,5 +1,7 @@
-"""Light modules import with ``megatron`` and ``vllm`` blocked (STYLE section 2 dependency direction).
+"""Every package module imports with ``megatron`` and ``vllm`` blocked (STYLE section 2 dependency direction).
 
+Heavy imports stay at the edges: the modules that use Megatron or vLLM import them inside functions, so the
+plugin-facing package root, the config, the planner, the trainer and even the adapter modules load without them.
 Runs in a fresh interpreter so the rest of the suite (which may import megatron) cannot mask a violation.
 """
 
@@ -9,13 +11,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.helpers.import_graph import package_modules
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
-LIGHT_MODULES = [
-    "gtpo_megatron", "gtpo_megatron.ops", "gtpo_megatron.parallel", "gtpo_megatron.rollout.types",
-    "gtpo_megatron.assets", "gtpo_megatron.config", "gtpo_megatron.trainer", "gtpo_megatron.train",
-    "gtpo_megatron.build", "gtpo_megatron.step_data", "gtpo_megatron.logging", "gtpo_megatron.rollout_phase",
-    "gtpo_megatron.rewards", "gtpo_megatron.data", "gtpo_megatron.plan.cli", "gtpo_megatron.evaluation.metrics",
-]
 
 _PROBE = """
 import importlib, sys
@@ -34,11 +32,13 @@ for module in {modules!r}:
 def _probe(modules: list[str]) -> subprocess.CompletedProcess:
     """Import ``modules`` in order in one fresh interpreter with megatron and vllm blocked."""
     return subprocess.run([sys.executable, "-c", _PROBE.format(modules=modules)], cwd=REPO_ROOT,
-                          capture_output=True, text=True, timeout=180)
+                          capture_output=True, text=True, timeout=300)
 
 
-def test_light_modules_import_without_megatron_or_vllm():
-    result = _probe(LIGHT_MODULES)
+def test_every_module_imports_without_megatron_or_vllm():
+    modules = sorted(package_modules(REPO_ROOT))
+    assert "gtpo_megatron" in modules and len(modules) > 50
+    result = _probe(modules)
     assert result.returncode == 0, result.stderr[-2000:]
 
 

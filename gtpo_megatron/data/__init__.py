@@ -8,18 +8,26 @@ Public API (stable; details in each module's docstring):
 - ``build_prompt_text(tokenizer, question) -> str`` and ``build_prompt_ids(tokenizer, question) -> list[int]``.
 - ``PromptLoader(problems, *, batch_size, seed=0, shuffle=True)``: ``next_batch(size=None)``, iteration,
   ``state_dict()`` / ``load_state_dict(state)``.
-- ``filter_uniform_groups``, ``overlong_penalty``, ``overlong_filter_mask`` (DAPO).
+- ``filter_uniform_groups``, ``overlong_penalty``, ``overlong_filter_mask``, ``shape_rewards``,
+  ``choose_groups`` (DAPO).
 
 Importing this package imports torch (for the sampling helpers) but neither megatron nor vllm.
 """
 
 from __future__ import annotations
 
-from gtpo_megatron.data.datasets import Problem, default_data_dir, load_problems, read_jsonl
+from gtpo_megatron.data.datasets import default_data_dir, load_problems, read_jsonl
 from gtpo_megatron.data.loader import PromptLoader
 from gtpo_megatron.data.prompts import SYSTEM_PROMPT, build_messages, build_prompt_ids, build_prompt_text
-from gtpo_megatron.data.sampling import filter_uniform_groups, overlong_filter_mask, overlong_penalty
+from gtpo_megatron.data.sampling import (
+    choose_groups,
+    filter_uniform_groups,
+    overlong_filter_mask,
+    overlong_penalty,
+    shape_rewards,
+)
 from gtpo_megatron.data.synthetic import SYNTHETIC_LEVELS, SyntheticLevel, generate_problems
+from gtpo_megatron.data.types import Problem
 
 __all__ = [
     "SYNTHETIC_LEVELS",
@@ -30,6 +38,7 @@ __all__ = [
     "build_messages",
     "build_prompt_ids",
     "build_prompt_text",
+    "choose_groups",
     "default_data_dir",
     "filter_uniform_groups",
     "generate_problems",
@@ -37,4 +46,5 @@ __all__ = [
     "overlong_filter_mask",
     "overlong_penalty",
     "read_jsonl",
+    "shape_rewards",
 ]

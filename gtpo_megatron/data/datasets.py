@@ -1,4 +1,4 @@
-"""Problem sets: local jsonl benchmarks, Hugging Face datasets and the built-in synthetic task.
+r"""Problem sets: local jsonl benchmarks, Hugging Face datasets and the built-in synthetic task.
 
 Every example becomes a :class:`Problem` ``(id, question, answer, source)`` where ``answer`` is the *final*
 reference answer (``"72"``, ``"\\frac{14}{3}"``), ready for :mod:`gtpo_megatron.rewards`.
@@ -32,10 +32,10 @@ import importlib.util
 import json
 import os
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from gtpo_megatron.data.types import Problem
 from gtpo_megatron.rewards.answer_text import reference_answer
 
 if TYPE_CHECKING:
@@ -53,16 +53,6 @@ _HF_ALIASES = {"math": "DigitalLearningGmbH/MATH-lighteval"}
 _QUESTION_KEYS = ("question", "problem", "prompt")
 _ANSWER_KEYS = ("answer", "solution", "final_answer")
 SYNTHETIC_DEFAULT_SIZE = 2000
-
-
-@dataclass(frozen=True, slots=True)
-class Problem:
-    """One question with its final reference answer; ``id`` is unique within a loaded set."""
-
-    id: str
-    question: str
-    answer: str
-    source: str
 
 
 def default_data_dir() -> Path:
@@ -221,7 +211,7 @@ def load_problems(
     if path is not None:
         return read_jsonl(path, source=source, limit=limit)
     if source == "synthetic":
-        from gtpo_megatron.data.synthetic import generate_problems  # synthetic imports Problem from here
+        from gtpo_megatron.data.synthetic import generate_problems
 
         num = SYNTHETIC_DEFAULT_SIZE if limit is None else limit
         return generate_problems(num, seed=seed, split=split or "train", difficulty=difficulty)

@@ -17,7 +17,7 @@ import random
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from gtpo_megatron.data.datasets import Problem
+from gtpo_megatron.data.types import Problem
 
 
 class PromptLoader:

@@ -9,19 +9,32 @@ Masks are bool and True means keep.
   the batch is full.
 - :func:`overlong_penalty`: soft overlong punishment, DAPO eq. 13, added to the task reward.
 - :func:`overlong_filter_mask`: overlong filtering, drops truncated completions from the loss.
+- :func:`shape_rewards`: task scores plus the overlong penalty, as the algorithm section configures it.
+- :func:`choose_groups`: dynamic sampling's pick of the step's groups.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
+if TYPE_CHECKING:
+    from gtpo_megatron.config import AlgorithmConfig
+
+
+UNIFORM_REWARD_ATOL = 1e-6
+"""Rewards within this distance of each other count as equal (one tolerance for every uniform-group decision)."""
+
 
 def filter_uniform_groups(
-    rewards: Sequence[float] | torch.Tensor, group_size: int, *, atol: float = 1e-6
+    rewards: Sequence[float] | torch.Tensor, group_size: int, *, atol: float = UNIFORM_REWARD_ATOL
 ) -> torch.Tensor:
-    """Which prompt groups to keep under dynamic sampling.
+    """Which prompt groups have varied rewards: the one uniform-group rule (GTPO_SPEC sections 4 and 5).
+
+    Used by dynamic sampling (``rollout.collector``) and by ``algorithm.skip_uniform_groups`` (its per-completion
+    view ``mask.repeat_interleave(group_size)``).
 
     Args:
         rewards: ``[B]`` rewards, B = P * group_size, grouped by prompt. Not modified.
@@ -79,3 +92,34 @@ def overlong_penalty(
 def overlong_filter_mask(finish_reasons: Sequence[str]) -> torch.Tensor:
     """``[B]`` bool, False for truncated completions (``finish_reason == "length"``), True otherwise (keep)."""
     return torch.tensor([reason != "length" for reason in finish_reasons], dtype=torch.bool)
+
+
+def shape_rewards(scores: torch.Tensor, response_lengths: torch.Tensor, cfg: AlgorithmConfig,
+                  *, max_tokens: int) -> torch.Tensor:
+    """Task scores plus DAPO's overlong penalty when ``cfg.overlong_buffer_len > 0`` (GTPO_SPEC section 5).
+
+    Args:
+        scores: ``[B]`` reward-function scores.
+        response_lengths: ``[B]`` response tokens per completion.
+        cfg: the algorithm section (``overlong_buffer_len`` L_cache, ``overlong_penalty``).
+        max_tokens: L_max, the sampling limit.
+
+    Returns:
+        ``[B]`` fp32 rewards used for the advantages.
+    """
+    rewards = scores.float()
+    if cfg.overlong_buffer_len > 0:
+        buffer = min(cfg.overlong_buffer_len, max_tokens)
+        rewards = rewards + overlong_penalty(response_lengths, max_tokens, buffer, cfg.overlong_penalty)
+    return rewards
+
+
+def choose_groups(varied: list[bool], num_prompts: int) -> list[int]:
+    """DAPO dynamic sampling's pick of the step's ``num_prompts`` groups (indices, in sampling order).
+
+    The first ``num_prompts`` groups with varied rewards, topped up with uniform groups (zero advantage) when the
+    rounds ran out, so the batch shape never changes.
+    """
+    picked = [i for i, v in enumerate(varied) if v][:num_prompts]
+    filler = [i for i, v in enumerate(varied) if not v][: num_prompts - len(picked)]
+    return sorted(picked + filler)

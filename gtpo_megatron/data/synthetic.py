@@ -21,7 +21,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from gtpo_megatron.data.datasets import Problem
+from gtpo_megatron.data.types import Problem
 
 _NAMES = (("Mia", "She"), ("Noah", "He"), ("Ava", "She"), ("Liam", "He"), ("Zoe", "She"), ("Omar", "He"),
           ("Lena", "She"), ("Ravi", "He"))

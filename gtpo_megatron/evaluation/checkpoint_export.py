@@ -1,6 +1,6 @@
 """Megatron checkpoint of a training run -> Hugging Face folder that ``transformers`` and vLLM load (issue 5).
 
-A run written by ``gtpo-train`` looks like (``trainer.Trainer.save``, ``checkpoint.save_checkpoint``)::
+A run written by ``gtpo-train`` looks like (names owned by ``run_dir``; written by ``trainer.Trainer.save``)::
 
     RUN_DIR/config.yaml                          the resolved run config (its ``model`` section names the base)
     RUN_DIR/checkpoints/step_000020/             one dist checkpoint (common.pt, metadata.json, *.distcp)
@@ -18,51 +18,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import os
 from pathlib import Path
 
-from gtpo_megatron.checkpoint import LATEST_FILE, resolve_checkpoint_dir
-from gtpo_megatron.logging import get_logger
+from gtpo_megatron.run_dir import hf_export_dir, resolve_step_dir, run_config_path
 
-CONFIG_FILE = "config.yaml"
-CHECKPOINTS_DIR = "checkpoints"
-HF_SUBDIR = "hf"
-logger = get_logger(__name__)
-
-
-def is_megatron_checkpoint(path: str | Path) -> bool:
-    """True when ``path`` is a step folder, a ``checkpoints/`` root with ``latest``, or a run dir holding one."""
-    path = Path(path)
-    if not path.is_dir():
-        return False
-    return ((path / "common.pt").exists() or (path / "metadata.json").exists() or (path / LATEST_FILE).exists()
-            or ((path / CONFIG_FILE).exists() and (path / CHECKPOINTS_DIR / LATEST_FILE).exists()))
-
-
-def resolve_step_dir(path: str | Path) -> Path:
-    """The checkpoint step folder that ``path`` (step folder, ``checkpoints/`` root or run dir) designates.
-
-    Raises:
-        ValueError: ``path`` is none of the three (names the path and what was looked for).
-    """
-    path = Path(path)
-    if (path / CONFIG_FILE).exists() and (path / CHECKPOINTS_DIR).is_dir():
-        path = path / CHECKPOINTS_DIR
-    return resolve_checkpoint_dir(path)
-
-
-def run_config_path(step_dir: Path) -> Path:
-    """``RUN_DIR/config.yaml`` of a step folder ``RUN_DIR/checkpoints/step_NNNNNN``.
-
-    Raises:
-        FileNotFoundError: no ``config.yaml`` two levels up (the checkpoint was moved out of its run dir).
-    """
-    config = step_dir.resolve().parent.parent / CONFIG_FILE
-    if not config.is_file():
-        raise FileNotFoundError(
-            f"{config} not found: the checkpoint {step_dir} must sit at RUN_DIR/checkpoints/<step>/ next to the "
-            f"run's {CONFIG_FILE} (it names the base model); copy the run's {CONFIG_FILE} there")
-    return config
+logger = logging.getLogger(__name__)
 
 
 def export_checkpoint_to_hf(path: str | Path, out_dir: str | Path | None = None, *, overwrite: bool = False) -> Path:
@@ -81,7 +43,7 @@ def export_checkpoint_to_hf(path: str | Path, out_dir: str | Path | None = None,
         FileNotFoundError: the run's ``config.yaml`` is missing.
     """
     step_dir = resolve_step_dir(path)
-    out = Path(out_dir) if out_dir is not None else step_dir / HF_SUBDIR
+    out = Path(out_dir) if out_dir is not None else hf_export_dir(step_dir)
     if (out / "config.json").exists() and not overwrite:
         logger.info("reusing the exported HF folder %s", out)
         return out
@@ -103,8 +65,8 @@ def _build_export_policy(cfg, groups):
     without Apex/TE (``checkpoint._check_loadable``), the plain one loads a checkpoint of any layout. The padding
     (vocabulary, and attention heads with ``model.pad_attention_heads``) is that of the run's TP size.
     """
-    from gtpo_megatron.assets import resolve_model_path
     from gtpo_megatron.build import build_policy
+    from gtpo_megatron.builtin_models import resolve_model_path
 
     run_tp_size = cfg.parallel.tp_size
     cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, tp_size=1, pp_size=1,

@@ -16,6 +16,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from gtpo_megatron.run_dir import metrics_path
+
 METRICS = (
     ("reward/mean", "reward"),
     ("accuracy", "accuracy"),
@@ -33,7 +35,7 @@ def load_metrics(run_dir: str | Path) -> list[dict[str, float]]:
         ValueError: a line that is not a JSON object with a numeric ``step`` (names the file and line).
     """
     path = Path(run_dir)
-    path = path / "metrics.jsonl" if path.is_dir() else path
+    path = metrics_path(path) if path.is_dir() else path
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist; pass run directories written by gtpo-train")
     rows = []

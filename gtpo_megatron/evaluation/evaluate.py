@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from gtpo_megatron.assets import resolve_model_path
+from gtpo_megatron.builtin_models import resolve_model_path
 from gtpo_megatron.data.datasets import load_problems
 from gtpo_megatron.data.prompts import build_prompt_ids
 from gtpo_megatron.evaluation.metrics import SameAnswer, SampleRecord, aggregate, problem_metrics
@@ -108,7 +108,8 @@ def resolve_hf_model(model: str) -> str:
         ValueError: ``model`` is a folder that is neither a Hugging Face model nor a run's Megatron checkpoint.
         FileNotFoundError: a Megatron checkpoint without its run's ``config.yaml`` two levels up.
     """
-    from gtpo_megatron.evaluation.checkpoint_export import export_checkpoint_to_hf, is_megatron_checkpoint
+    from gtpo_megatron.evaluation.checkpoint_export import export_checkpoint_to_hf
+    from gtpo_megatron.run_dir import is_megatron_checkpoint
 
     path = Path(resolve_model_path(model))
     if not path.is_dir():

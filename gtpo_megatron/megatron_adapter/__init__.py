@@ -3,7 +3,9 @@
 Modules: ``cpu_compat`` (CPU shim, inert on GPU), ``model`` (GPTModel from an HF config), ``hf_conversion``
 (HF <-> Megatron shard layout and sharded loading), ``forward_step`` (schedule hook and loss closure),
 ``optimizer`` (DDP, Megatron Adam, LR schedule, non-finite guard), ``step_metrics`` (metric reduction),
-``hf_export`` (HF folder writer), ``policy`` (``MegatronPolicy``, the facade the trainer uses).
+``hf_stream`` (streams ``(hf_name, full_tensor)`` out of the TP/PP shards: the source of weight export and weight
+sync), ``hf_export`` (HF folder writer), ``checkpoint`` (Megatron dist checkpointing), ``policy``
+(``MegatronPolicy``, the facade the trainer uses).
 Importing this package does not import megatron.
 """
 

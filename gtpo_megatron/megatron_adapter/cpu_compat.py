@@ -1,4 +1,4 @@
-"""Run megatron-core 0.16 on a machine without CUDA (gloo, CPU tensors); inert when CUDA is available.
+"""Run megatron-core (0.16.1 to 0.19.2) on a machine without CUDA (gloo, CPU tensors); inert when CUDA is available.
 
 Megatron-core assumes a GPU in a handful of places that no configuration flag reaches
 (``../shared/FEASIBILITY.md`` section 2):
@@ -6,6 +6,7 @@ Megatron-core assumes a GPU in a handful of places that no configuration flag re
 * RoPE moves its frequencies to ``torch.cuda.current_device()``; many ``torch.empty(device=...)`` calls do too.
 * the RNG tracker (``model_parallel_cuda_manual_seed``, ``get_cuda_rng_tracker().fork()``) reads and writes the
   CUDA generator state;
+* DDP's gradient sync waits on ``torch.cuda.current_stream()`` (megatron-core 0.19);
 * the pipeline schedules allocate ``torch.zeros(..., device="cuda")`` for the token counter, the FP32 optimizer
   allocates ``torch.tensor([1.0], device="cuda")``, and gradient clipping / the distributed optimizer check
   ``param.grad.type() == "torch.cuda.FloatTensor"``.

@@ -37,7 +37,7 @@ from functools import partial
 
 import torch
 
-from gtpo_megatron.ops import get_policy_loss, vocab_parallel_logprobs_entropy
+from gtpo_megatron.ops import LossSpec, get_policy_loss, vocab_parallel_logprobs_entropy
 
 
 @dataclass
@@ -58,22 +58,18 @@ class MicroBatch:
 class LossSettings:
     """Everything the loss closure needs besides the micro-batch (shared by all micro-batches of a step).
 
-    ``normalizer`` is the global ``N`` (fp32 scalar tensor); ``loss_scale`` is ``M * D`` (module docstring).
-    ``loss_name=None`` selects the forward-only mode that returns per-token values instead of a loss.
+    ``temperature`` is the softmax temperature of the log-probs; ``loss`` is the step objective (``ops.LossSpec``),
+    ``None`` for the forward-only mode that returns per-token values instead of a loss. ``normalizer`` is the
+    global ``N`` (fp32 scalar tensor); ``loss_scale`` is ``M * D`` (module docstring).
     """
 
     tp_group: object
     vocab_size: int
     temperature: float
     chunk_size: int | None
-    loss_name: str | None = None
-    aggregation: str = "seq-mean-token-mean"
+    loss: LossSpec | None = None
     normalizer: torch.Tensor | None = None
     loss_scale: float = 1.0
-    clip_eps_low: float = 0.2
-    clip_eps_high: float = 0.2
-    kl_coef: float = 0.0
-    kl_estimator: str = "k3"
 
 
 def token_logprobs_entropy(logits: torch.Tensor, batch: MicroBatch,
@@ -82,6 +78,8 @@ def token_logprobs_entropy(logits: torch.Tensor, batch: MicroBatch,
 
     Args:
         logits: ``[b, S, V/tp]`` vocab-parallel logits of this TP rank (position ``s`` predicts token ``s+1``).
+        batch: the micro-batch (``input_ids`` and ``response_mask`` are read).
+        settings: the step's ``LossSettings`` (TP group, vocabulary size, temperature, chunk size).
 
     Returns:
         ``(logprobs, entropy)``, both ``[b, S]`` fp32 nats; column 0 and every column off ``response_mask`` are 0.
@@ -106,26 +104,29 @@ def policy_loss_closure(logits: torch.Tensor, batch: MicroBatch, settings: LossS
 
     Args:
         logits: ``[b, S, V/tp]`` last-stage output.
+        batch: the micro-batch the logits belong to.
+        settings: the step's ``LossSettings`` (``loss=None``: forward-only).
 
     Returns:
-        Training (``settings.loss_name`` set): ``(l * loss_scale, metrics)`` with ``l`` the ops loss of this
+        Training (``settings.loss`` set): ``(l * loss_scale, metrics)`` with ``l`` the ops loss of this
         micro-batch (``S_dm / N``); ``metrics`` are detached fp32 scalars: the ops sums/counts plus ``loss`` (``l``)
         and, when ``old_logprobs`` is given, ``logprob_diff_max`` (max |log pi_theta - log pi_old| on response
-        tokens; reduce with MAX). Forward-only (``loss_name=None``): ``(0, {"logprobs", "entropy"})`` with the
+        tokens; reduce with MAX). Forward-only (``loss=None``): ``(0, {"logprobs", "entropy"})`` with the
         ``[b, S]`` tensors of ``token_logprobs_entropy``.
     """
     logprobs, entropy = token_logprobs_entropy(logits, batch, settings)
-    if settings.loss_name is None:
+    spec = settings.loss
+    if spec is None:
         zero = logprobs.new_zeros(())
         return zero, {"logprobs": logprobs.detach(), "entropy": entropy}
     token_weights = batch.token_weights
     if token_weights is None:
         token_weights = batch.response_mask.float()
-    loss, metrics = get_policy_loss(settings.loss_name)(
+    loss, metrics = get_policy_loss(spec.loss_name)(
         policy_logprobs=logprobs, old_logprobs=batch.old_logprobs, advantages=batch.advantages,
         token_weights=token_weights, response_mask=batch.response_mask, normalizer=settings.normalizer,
-        aggregation=settings.aggregation, clip_eps_low=settings.clip_eps_low, clip_eps_high=settings.clip_eps_high,
-        ref_logprobs=batch.ref_logprobs, kl_coef=settings.kl_coef, kl_estimator=settings.kl_estimator,
+        aggregation=spec.aggregation, clip_eps_low=spec.clip_eps_low, clip_eps_high=spec.clip_eps_high,
+        ref_logprobs=batch.ref_logprobs, kl_coef=spec.kl_coef, kl_estimator=spec.kl_estimator,
         entropy=entropy,
     )
     metrics = dict(metrics, loss=loss.detach().float())

@@ -1,5 +1,6 @@
-"""Exact attention-head padding: run a model whose KV groups do not divide ``tp_size`` (SmolLM2-135M: 9 heads,
-3 KV groups) under Megatron tensor parallelism.
+"""Exact attention-head padding: run a model whose KV groups do not divide ``tp_size`` under Megatron TP.
+
+For example SmolLM2-135M (9 heads, 3 KV groups) at ``tp_size=2``.
 
 Megatron needs ``num_attention_heads % tp_size == 0`` and ``num_query_groups % tp_size == 0``. With
 ``pad_attention_heads=True`` the Megatron model gets ``G_pad`` KV groups, ``G`` rounded up to a multiple of
@@ -26,7 +27,7 @@ Why this is exact, for the forward pass and for training (Adam or AdamW, with gr
    = 0``; decoupled weight decay subtracts ``lr * wd * 0 = 0``; clipping scales 0 to 0; bf16 casts of an fp32 0
    are 0. By induction over steps the padded weights stay exactly 0 forever and points 1-2 hold at every step.
 
-Export and weight streaming (``hf_conversion.hf_from_shards``, hence ``weight_sync.gather.iter_hf_weights`` and
+Export and weight streaming (``hf_conversion.hf_from_shards``, hence ``hf_stream.iter_hf_weights`` and
 ``MegatronPolicy.export_hf``) drop the padded groups, so vLLM and ``transformers`` see the original HF names,
 shapes and config. Checkpoints (``checkpoint.py``) save the *padded* Megatron layout: resume with the same
 ``pad_attention_heads`` and a ``tp_size`` that gives the same ``G_pad`` (e.g. SmolLM2: TP=2 or TP=4 -> 4 groups;

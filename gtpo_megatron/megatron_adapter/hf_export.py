@@ -1,6 +1,6 @@
 """Write a Hugging Face folder (safetensors + config + tokenizer) from a stream of ``(hf_name, tensor)``.
 
-The stream is ``weight_sync.gather.iter_hf_weights``; every model-parallel rank must drain it (its collectives
+The stream is ``hf_stream.iter_hf_weights``; every model-parallel rank must drain it (its collectives
 are matched) but only the rank with ``write=True`` keeps tensors and writes. Tensors are buffered up to
 ``max_shard_bytes`` and flushed to ``model-XXXXX.safetensors`` files with a ``model.safetensors.index.json``
 (a single shard is written as ``model.safetensors``). The folder is assembled under a temporary sibling and

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 
 import torch
 import torch.nn.functional as F
@@ -31,12 +30,6 @@ from gtpo_megatron.megatron_adapter.head_padding import padded_num_query_groups
 logger = logging.getLogger(__name__)
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-
-
-def compute_padded_vocab_size(vocab_size: int, *, divisible_by: int, tp_size: int) -> int:
-    """Round ``vocab_size`` up to a multiple of ``divisible_by * tp_size`` (Megatron's rule)."""
-    multiple = divisible_by * tp_size
-    return int(math.ceil(vocab_size / multiple) * multiple)
 
 
 @functools.lru_cache(maxsize=1)
@@ -171,7 +164,7 @@ def build_gpt_model(hf_config, config, *, padded_vocab_size: int, pre_process: b
     Args:
         hf_config: the HF ``PretrainedConfig`` ``config`` was made from (RoPE, tying, max positions).
         config: ``TransformerConfig`` from ``transformer_config_from_hf``.
-        padded_vocab_size: ``V``, see ``compute_padded_vocab_size``.
+        padded_vocab_size: ``V``, see ``plan.layout.padded_vocab_size``.
         pre_process / post_process: this rank holds the first / last pipeline stage.
 
     Returns:

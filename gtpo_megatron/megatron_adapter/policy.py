@@ -11,20 +11,29 @@ from __future__ import annotations
 import logging
 import math
 from functools import partial
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from gtpo_megatron.assets import resolve_model_path
-from gtpo_megatron.megatron_adapter import hf_conversion, model as model_lib
+from gtpo_megatron.builtin_models import resolve_model_path
+from gtpo_megatron.megatron_adapter import hf_conversion
+from gtpo_megatron.megatron_adapter import model as model_lib
 from gtpo_megatron.megatron_adapter.cpu_compat import cuda_to_cpu_mode, install_cpu_compat
 from gtpo_megatron.megatron_adapter.forward_step import LossSettings, MicroBatch, forward_step
 from gtpo_megatron.megatron_adapter.optimizer import OptimSettings, build_optimizer, optimizer_step, wrap_ddp
 from gtpo_megatron.megatron_adapter.step_metrics import reduce_step_metrics
-from gtpo_megatron.ops import compute_normalizer
+from gtpo_megatron.ops import LossSpec
+from gtpo_megatron.parallel.collectives import global_normalizer
+from gtpo_megatron.plan.layout import padded_vocab_size
 from gtpo_megatron.rollout.types import TrainBatch
 
+if TYPE_CHECKING:
+    from gtpo_megatron.config import ModelConfig
+    from gtpo_megatron.parallel.groups import ParallelGroups
+
 logger = logging.getLogger(__name__)
+_PARAMS_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def _log_head_padding(geometry: hf_conversion.ModelGeometry, pad_attention_heads: bool) -> None:
@@ -37,11 +46,38 @@ def _log_head_padding(geometry: hf_conversion.ModelGeometry, pad_attention_heads
                        geometry.num_query_groups, geometry.tp_size)
 
 
+def _params_dtype(model: ModelConfig) -> torch.dtype:
+    if model.params_dtype not in _PARAMS_DTYPES:
+        raise ValueError(f"model.params_dtype={model.params_dtype!r}: the Megatron policy trains in "
+                         f"{sorted(_PARAMS_DTYPES)}; set model.params_dtype=bfloat16 (or float32)")
+    return _PARAMS_DTYPES[model.params_dtype]
+
+
+def _recompute_settings(model: ModelConfig) -> dict:
+    """Megatron's recompute fields for ``model.recompute`` (full: every layer, one at a time)."""
+    if model.recompute == "none":
+        return {}
+    full = model.recompute == "full"
+    return {"recompute_granularity": model.recompute, "recompute_method": "uniform" if full else None,
+            "recompute_num_layers": 1 if full else None}
+
+
+def _build_stage(hf_config, config, groups: ParallelGroups, *, padded_vocab_size: int, seed: int):
+    """This rank's ``GPTModel`` stage, initialised from ``seed`` (torch and Megatron's model-parallel RNG)."""
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    torch.manual_seed(seed)
+    with cuda_to_cpu_mode():
+        model_parallel_cuda_manual_seed(seed)
+        return model_lib.build_gpt_model(hf_config, config, padded_vocab_size=padded_vocab_size,
+                                         pre_process=groups.is_first_pp_stage, post_process=groups.is_last_pp_stage)
+
+
 class MegatronPolicy:
     """A Megatron-Core policy loaded from an HF checkpoint; see ``from_pretrained``."""
 
-    def __init__(self, *, ddp_model, optimizer, scheduler, groups, hf_config, geometry, hf_path: str,
-                 micro_batch_size: int, logprob_chunk_size: int | None):
+    def __init__(self, *, ddp_model, optimizer, scheduler, groups: ParallelGroups, hf_config, geometry,
+                 hf_path: str, micro_batch_size: int, logprob_chunk_size: int | None):
         self.ddp_model = ddp_model
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -59,71 +95,58 @@ class MegatronPolicy:
         return self.ddp_model.module
 
     @classmethod
-    def from_pretrained(cls, hf_path: str, *, groups, params_dtype: torch.dtype = torch.float32, seed: int = 1234,
-                        micro_batch_size: int = 1, logprob_chunk_size: int | None = None,
-                        recompute_granularity: str | None = None, recompute_method: str | None = None,
-                        recompute_num_layers: int | None = None, make_vocab_size_divisible_by: int = 128,
-                        pad_attention_heads: bool = False, padding_tp_size: int | None = None,
-                        **optim_kwargs) -> MegatronPolicy:
-        """Build this rank's stage and load its shard of the HF checkpoint at ``hf_path``.
+    def from_pretrained(cls, model: ModelConfig, *, groups: ParallelGroups, optim: OptimSettings | None = None,
+                        micro_batch_size: int = 1, logprob_chunk_size: int | None = None, seed: int = 1234,
+                        padding_tp_size: int | None = None) -> MegatronPolicy:
+        """Build this rank's stage and load its shard of the HF checkpoint ``model.name_or_path``.
 
         Args:
-            hf_path: local HF folder (safetensors) or a ``builtin:`` name (``assets.resolve_model_path``).
-            groups: ``parallel.groups.ParallelGroups`` from ``init_distributed`` (TP/PP sizes come from it).
-            params_dtype: ``torch.float32`` or ``torch.bfloat16`` (fp32 main weights in the optimizer).
-            seed: seeds torch and Megatron's model-parallel RNG tracker.
+            model: the model section: ``name_or_path`` (local HF folder with safetensors, or a ``builtin:`` name,
+                see ``builtin_models.resolve_model_path``), ``params_dtype`` (``float32`` or ``bfloat16``; fp32
+                main weights in the optimizer), ``make_vocab_size_divisible_by`` (vocabulary padding multiple,
+                times ``tp_size``), ``recompute`` (Megatron activation recompute) and ``pad_attention_heads``
+                (when the KV groups do not divide ``tp_size``, pad the Megatron model with all-zero KV groups up
+                to the next multiple of ``tp_size``: exact for forward and training; HF export and weight
+                streaming drop them; checkpoints keep them; see ``head_padding``).
+            groups: the ``ParallelGroups`` of ``init_distributed`` (TP/PP sizes come from it).
+            optim: Adam and LR-schedule settings (``build.optim_settings`` derives them from the config sections);
+                None: ``OptimSettings()``.
             micro_batch_size: rows per micro-batch (>= 1).
             logprob_chunk_size: tokens per chunk in the vocab-parallel log-prob op (None = one chunk).
-            recompute_*: Megatron activation recompute passthrough (``"full"``/``"selective"``, ...).
-            make_vocab_size_divisible_by: vocabulary padding multiple (times ``tp_size``).
-            pad_attention_heads: when the KV groups (or heads) do not divide ``tp_size``, pad the Megatron model
-                with all-zero KV groups up to the next multiple of ``tp_size`` (exact for forward and training;
-                HF export and weight streaming drop them; checkpoints keep them). See ``head_padding``.
+            seed: seeds torch and Megatron's model-parallel RNG tracker.
             padding_tp_size: pad the vocabulary (and, with ``pad_attention_heads``, the KV groups) as a run at
                 this TP size did, so that its checkpoint loads at ``groups.tp_size`` (e.g. a TP=2 run exported
                 in one process). Default: ``groups.tp_size``.
-            **optim_kwargs: fields of ``optimizer.OptimSettings`` (lr, min_lr, warmup_steps, total_steps,
-                decay_style, weight_decay, adam_beta1, adam_beta2, adam_eps, clip_grad,
-                use_distributed_optimizer).
 
         Raises:
-            ValueError: bad ``micro_batch_size``/``params_dtype``, unknown optimizer settings, heads or KV
-                groups not divisible by ``tp_size`` without ``pad_attention_heads``, or an HF config / checkpoint
-                this converter cannot handle.
+            ValueError: bad ``micro_batch_size``/``params_dtype``, heads or KV groups not divisible by ``tp_size``
+                without ``pad_attention_heads``, or an HF config / checkpoint this converter cannot handle.
         """
         from megatron.core.distributed import finalize_model_grads
-        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
         from transformers import AutoConfig
 
         if micro_batch_size < 1:
             raise ValueError(f"micro_batch_size={micro_batch_size} must be >= 1")
-        if params_dtype not in (torch.float32, torch.bfloat16):
-            raise ValueError(f"params_dtype={params_dtype} must be torch.float32 or torch.bfloat16")
-        optim = OptimSettings(**optim_kwargs)
-        hf_path = resolve_model_path(hf_path)
+        params_dtype = _params_dtype(model)
+        optim = optim or OptimSettings()
+        hf_path = resolve_model_path(model.name_or_path)
         install_cpu_compat()
         hf_config = AutoConfig.from_pretrained(hf_path)
         config = model_lib.transformer_config_from_hf(
             hf_config, tp_size=groups.tp_size, pp_size=groups.pp_size, params_dtype=params_dtype,
-            recompute_granularity=recompute_granularity, recompute_method=recompute_method,
-            recompute_num_layers=recompute_num_layers, pad_attention_heads=pad_attention_heads,
-            padding_tp_size=padding_tp_size,
+            pad_attention_heads=model.pad_attention_heads, padding_tp_size=padding_tp_size,
+            **_recompute_settings(model),
         )
-        padded_vocab_size = model_lib.compute_padded_vocab_size(
-            hf_config.vocab_size, divisible_by=make_vocab_size_divisible_by,
+        vocab_size = padded_vocab_size(
+            hf_config.vocab_size, make_vocab_size_divisible_by=model.make_vocab_size_divisible_by,
             tp_size=math.lcm(groups.tp_size, padding_tp_size or groups.tp_size))
-        geometry = hf_conversion.ModelGeometry.from_hf(hf_config, padded_vocab_size=padded_vocab_size,
-                                                       tp_size=groups.tp_size, pad_attention_heads=pad_attention_heads,
-                                                       padding_tp_size=padding_tp_size)
-        _log_head_padding(geometry, pad_attention_heads)
-        torch.manual_seed(seed)
-        with cuda_to_cpu_mode():
-            model_parallel_cuda_manual_seed(seed)
-            model = model_lib.build_gpt_model(hf_config, config, padded_vocab_size=padded_vocab_size,
-                                              pre_process=groups.is_first_pp_stage,
-                                              post_process=groups.is_last_pp_stage)
-        hf_conversion.load_hf_weights(model, hf_path, geometry, tp_rank=groups.tp_rank)
-        ddp_model = wrap_ddp(model, config, settings=optim)
+        geometry = hf_conversion.ModelGeometry.from_hf(
+            hf_config, padded_vocab_size=vocab_size, tp_size=groups.tp_size,
+            pad_attention_heads=model.pad_attention_heads, padding_tp_size=padding_tp_size)
+        _log_head_padding(geometry, model.pad_attention_heads)
+        gpt_model = _build_stage(hf_config, config, groups, padded_vocab_size=vocab_size, seed=seed)
+        hf_conversion.load_hf_weights(gpt_model, hf_path, geometry, tp_rank=groups.tp_rank)
+        ddp_model = wrap_ddp(gpt_model, config, settings=optim)
         config.finalize_model_grads_func = finalize_model_grads
         config.no_sync_func = ddp_model.no_sync
         optimizer, scheduler = build_optimizer(ddp_model, settings=optim, params_dtype=params_dtype)
@@ -196,9 +219,7 @@ class MegatronPolicy:
         self.ddp_model.train()
         return both[0].cpu(), both[1].cpu()
 
-    def train_step(self, batch: TrainBatch, *, loss_name: str, aggregation: str, clip_eps_low: float,
-                   clip_eps_high: float, kl_coef: float = 0.0, kl_estimator: str = "k3", temperature: float = 1.0,
-                   max_response_length: int | None = None) -> dict[str, float]:
+    def train_step(self, batch: TrainBatch, loss: LossSpec) -> dict[str, float]:
         """One optimizer step over all micro-batches of ``batch`` (this DP rank's rows).
 
         ``forward_backward`` (arguments and batch fields documented there) followed by ``optimizer_step``.
@@ -206,29 +227,24 @@ class MegatronPolicy:
         Returns:
             Metrics identical on every rank: those of ``forward_backward`` plus ``grad_norm``, ``lr``, ``skipped``.
         """
-        metrics = self.forward_backward(
-            batch, loss_name=loss_name, aggregation=aggregation, clip_eps_low=clip_eps_low,
-            clip_eps_high=clip_eps_high, kl_coef=kl_coef, kl_estimator=kl_estimator, temperature=temperature,
-            max_response_length=max_response_length,
-        )
+        metrics = self.forward_backward(batch, loss)
         if metrics.get("normalizer", 0.0) <= 0:
             self.zero_grad()
             return dict(metrics, skipped=1.0)
         metrics.update(optimizer_step(self.optimizer, self.scheduler, self.ddp_model))
         return metrics
 
-    def forward_backward(self, batch: TrainBatch, *, loss_name: str, aggregation: str, clip_eps_low: float,
-                         clip_eps_high: float, kl_coef: float = 0.0, kl_estimator: str = "k3",
-                         temperature: float = 1.0, max_response_length: int | None = None) -> dict[str, float]:
+    def forward_backward(self, batch: TrainBatch, loss: LossSpec) -> dict[str, float]:
         """Accumulate the step's gradient into the DDP buffers (``param.main_grad``) without updating weights.
 
-        The global normaliser ``N`` (``ops.compute_normalizer`` for ``aggregation``, summed over this rank's rows
-        and all-reduced over the DP group) is fixed before the schedule; see ``forward_step``'s docstring for how
-        Megatron's per-micro-batch and DP averaging are cancelled. After the call every ``main_grad`` holds the
-        gradient of the step objective, reduced over DP (and over the tied embedding copies).
-        ``batch.advantages`` is required; ``token_weights=None`` means weight 1 on every response token;
-        ``old_logprobs=None`` means one update per batch (ratio 1 with gradient); ``ref_logprobs`` feeds the
-        optional KL term; ``max_response_length`` selects Dr. GRPO's constant normaliser.
+        The global normaliser ``N`` (``parallel.global_normalizer``: ``ops.compute_normalizer`` for
+        ``loss.aggregation`` on this rank's rows, all-reduced over the DP group) is fixed before the schedule; see
+        ``forward_step``'s docstring for how Megatron's per-micro-batch and DP averaging are cancelled. After the
+        call every ``main_grad`` holds the gradient of the step objective, reduced over DP (and over the tied
+        embedding copies). ``batch.advantages`` is required; ``token_weights=None`` means weight 1 on every
+        response token; ``old_logprobs=None`` means one update per batch (ratio 1 with gradient);
+        ``ref_logprobs`` feeds the optional KL term; ``loss.max_response_length`` selects Dr. GRPO's constant
+        normaliser.
 
         Returns:
             Metrics identical on every rank: ``loss`` (the step objective, summed over micro-batches and DP),
@@ -241,18 +257,14 @@ class MegatronPolicy:
         """
         if batch.advantages is None:
             raise ValueError("batch.advantages is None; fill TrainBatch.advantages before train_step")
-        normalizer = compute_normalizer(batch.response_mask, aggregation,
-                                        max_response_length=max_response_length).to(self.device)
-        dist.all_reduce(normalizer, group=self.groups.dp)
+        normalizer = global_normalizer([batch.response_mask], loss.aggregation, group=self.groups.dp,
+                                       max_response_length=loss.max_response_length).to(self.device)
         if float(normalizer) <= 0:
             logger.warning("train_step: no response tokens on any DP rank; step skipped")
             return {"normalizer": 0.0}
         micro_batches = self._micro_batches(batch)
-        settings = self._settings(
-            temperature, loss_name=loss_name, aggregation=aggregation, normalizer=normalizer,
-            loss_scale=float(len(micro_batches) * self.groups.dp_size), clip_eps_low=clip_eps_low,
-            clip_eps_high=clip_eps_high, kl_coef=kl_coef, kl_estimator=kl_estimator,
-        )
+        settings = self._settings(loss.temperature, loss=loss, normalizer=normalizer,
+                                  loss_scale=float(len(micro_batches) * self.groups.dp_size))
         store = self._run_schedule(micro_batches, settings, forward_only=False)
         metrics = reduce_step_metrics(store, self.groups, device=self.device)
         metrics["normalizer"] = float(normalizer)
@@ -291,14 +303,16 @@ class MegatronPolicy:
 
     # ----------------------------------------------------------------------------------- weights / checkpoints
     def iter_hf_weights(self):
-        """``weight_sync.gather.iter_hf_weights`` on this policy (every TP x PP rank must drain it)."""
-        from gtpo_megatron.weight_sync.gather import iter_hf_weights
+        """``hf_stream.iter_hf_weights`` on this policy (every TP x PP rank must drain it)."""
+        from gtpo_megatron.megatron_adapter.hf_stream import iter_hf_weights
 
         return iter_hf_weights(self.model, self.geometry, self.groups)
 
     def export_hf(self, out_dir: str) -> None:
-        """Write an HF folder (safetensors, config, tokenizer) that ``transformers`` and vLLM load; global rank 0
-        writes, every rank must call. Ends with a barrier on the model-parallel group."""
+        """Write an HF folder (safetensors, config, tokenizer) that ``transformers`` and vLLM load.
+
+        Global rank 0 writes, every rank must call. Ends with a barrier on the model-parallel group.
+        """
         from gtpo_megatron.megatron_adapter.hf_export import write_hf_folder
 
         write_hf_folder(self.iter_hf_weights(), out_dir, hf_config=self.hf_config, tokenizer_source=self.hf_path,
@@ -307,12 +321,12 @@ class MegatronPolicy:
 
     def save_checkpoint(self, path: str, trainer_state: dict) -> None:
         """``checkpoint.save_checkpoint`` of model, optimizer, LR schedule, RNG and ``trainer_state``."""
-        from gtpo_megatron.checkpoint import save_checkpoint
+        from gtpo_megatron.megatron_adapter.checkpoint import save_checkpoint
 
         save_checkpoint(path, self, trainer_state)
 
     def load_checkpoint(self, path: str) -> dict:
         """``checkpoint.load_checkpoint`` into this policy (any TP/PP layout); returns the trainer state."""
-        from gtpo_megatron.checkpoint import load_checkpoint
+        from gtpo_megatron.megatron_adapter.checkpoint import load_checkpoint
 
         return load_checkpoint(path, self)

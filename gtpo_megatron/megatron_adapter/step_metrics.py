@@ -11,8 +11,13 @@ all-reduces on the DP group (SUM and MAX), one broadcast on the PP group.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from gtpo_megatron.parallel.groups import ParallelGroups
 
 _MEANS = {"clip_frac": "clipped_tokens", "ratio_mean": "ratio_sum", "entropy_mean": "entropy_sum",
           "kl_mean": "kl_sum"}
@@ -26,7 +31,8 @@ def _local_totals(store: list[dict[str, torch.Tensor]], keys: list[str]) -> torc
     return torch.stack(values)
 
 
-def reduce_step_metrics(store: list[dict[str, torch.Tensor]], groups, *, device: torch.device) -> dict[str, float]:
+def reduce_step_metrics(store: list[dict[str, torch.Tensor]], groups: ParallelGroups, *,
+                        device: torch.device) -> dict[str, float]:
     """Global step metrics (see module docstring); every rank returns the same dict.
 
     Args:

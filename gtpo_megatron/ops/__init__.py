@@ -6,7 +6,6 @@ from gtpo_megatron.ops.advantages import (
     ADVANTAGE_ESTIMATOR_REGISTRY,
     compute_group_advantages,
     get_advantage_estimator,
-    nonuniform_group_mask,
     register_advantage_estimator,
 )
 from gtpo_megatron.ops.conflicts import CONFLICT_MODES, OVERLAP_MODES, build_conflict_weights, conflict_normalizers
@@ -23,6 +22,7 @@ from gtpo_megatron.ops.losses import (
     AGGREGATIONS,
     KL_ESTIMATORS,
     POLICY_LOSS_REGISTRY,
+    LossSpec,
     PolicyLossFn,
     clipped_surrogate_loss,
     compute_normalizer,
@@ -37,6 +37,7 @@ __all__ = [
     "ENTROPY_FILTER_MODES",
     "KL_ESTIMATORS",
     "LN2",
+    "LossSpec",
     "OVERLAP_MODES",
     "POLICY_LOSS_REGISTRY",
     "PolicyLossFn",
@@ -49,7 +50,6 @@ __all__ = [
     "entropy_keep_mask",
     "get_advantage_estimator",
     "get_policy_loss",
-    "nonuniform_group_mask",
     "policy_loss_metrics",
     "register_advantage_estimator",
     "register_policy_loss",

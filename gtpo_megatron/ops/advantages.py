@@ -10,7 +10,8 @@ in float64 on rewards re-centred on each group's first reward, so that a group o
 
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
@@ -26,7 +27,9 @@ class AdvantageEstimator(Protocol):
         ``[P, G]`` float64 advantages.
     """
 
-    def __call__(self, *, rewards: torch.Tensor, eps: float) -> torch.Tensor: ...
+    def __call__(self, *, rewards: torch.Tensor, eps: float) -> torch.Tensor:
+        """Advantages of group-centred rewards (see the class docstring)."""
+        ...
 
 
 ADVANTAGE_ESTIMATOR_REGISTRY: dict[str, AdvantageEstimator] = {}
@@ -109,15 +112,3 @@ def compute_group_advantages(
     centred_PG = rewards_PG - rewards_PG[:, :1]
     return fn(rewards=centred_PG, eps=eps).reshape(-1).to(torch.float32)
 
-
-def nonuniform_group_mask(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
-    """``[B]`` bool, True for completions whose group has at least two different rewards.
-
-    Used for the ``skip_uniform_groups`` switch (GTPO_SPEC section 4) and DAPO's dynamic sampling (section 5).
-
-    Raises:
-        ValueError: as :func:`compute_group_advantages` for the layout.
-    """
-    rewards_PG = _grouped(rewards, group_size)
-    varied_P = (rewards_PG != rewards_PG[:, :1]).any(dim=-1)
-    return varied_P.repeat_interleave(group_size)

@@ -2,10 +2,10 @@
 
 Dimension legend: P prompts, G group size, B = P*G sequences, T response tokens (or the full ``[B, S]`` layout).
 
-The initial mean entropy ``<H>_ini`` of the ``paper`` mode is a global statistic: compute it once, on the first
-step's completions under the initial policy, with ``gtpo_megatron.parallel.global_mean`` over the data-parallel
-group, and pass it in (statistics are split from decisions). Entropies are in nats. Pure torch, no host syncs,
-inputs never modified.
+The initial mean entropy ``<H>_ini`` of the ``paper`` mode is a global statistic: the trainer computes it once, on
+the first step's completions under the initial policy, with ``gtpo_megatron.parallel.global_mean`` over the
+data-parallel group, and passes it in (statistics are split from decisions). Entropies are in nats. Pure torch, no
+host syncs, inputs never modified.
 """
 
 from __future__ import annotations

@@ -3,8 +3,9 @@
 GTPO_SPEC sections 1 and 5. Every loss shares one keyword-only signature (:class:`PolicyLossFn`) and returns
 ``(loss, metrics)`` where ``loss`` is this micro-batch's *contribution* to the step objective: summing ``loss``
 over every micro-batch and data-parallel rank of one optimizer step gives the step's loss. The caller therefore
-computes ``normalizer`` once per step (``compute_normalizer`` on every micro-batch, summed, then all-reduced over the
-data-parallel group, e.g. with ``gtpo_megatron.parallel.global_normalizer``) and never divides again.
+computes ``normalizer`` once per step (``compute_normalizer`` on the step's rows, summed, then all-reduced over the
+data-parallel group: ``gtpo_megatron.parallel.global_normalizer``, which ``MegatronPolicy.forward_backward`` calls)
+and never divides again.
 
 Aggregations (the per-token term is ``l_{i,t} = -min(r A, clip(r) A) * w_{i,t}``, plus the optional KL term):
 - ``seq-mean-token-mean``: ``sum_i (sum_t l_{i,t} / |o_i|) / normalizer``; normaliser = number of sequences
@@ -27,7 +28,9 @@ Pure torch: no collectives, no ``.item()``, inputs are never modified.
 
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -77,7 +80,9 @@ class PolicyLossFn(Protocol):
         kl_estimator: str = "k3",
         entropy: torch.Tensor | None = None,
         entropy_keep_mask: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]: ...
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The loss and its metric sums (see the class docstring)."""
+        ...
 
 
 POLICY_LOSS_REGISTRY: dict[str, PolicyLossFn] = {}
@@ -108,6 +113,33 @@ def get_policy_loss(name: str) -> PolicyLossFn:
     if name not in POLICY_LOSS_REGISTRY:
         raise ValueError(f"unknown policy loss {name!r}; choose one of {sorted(POLICY_LOSS_REGISTRY)}")
     return POLICY_LOSS_REGISTRY[name]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LossSpec:
+    """The step objective's settings: which registered loss, how it aggregates, and the log-prob temperature.
+
+    Plain values, shared by every micro-batch of a step; ``algorithm.build_loss_spec`` builds the production one from
+    the algorithm and rollout config sections.
+
+    Attributes:
+        loss_name: key of :data:`POLICY_LOSS_REGISTRY` (``gtpo``, ``grpo``, ``dapo``, ``dr_grpo``).
+        aggregation: one of :data:`AGGREGATIONS`; also selects the normaliser (:func:`compute_normalizer`).
+        clip_eps_low, clip_eps_high: PPO clip range ``[1 - low, 1 + high]`` of the ratio.
+        kl_coef: KL coefficient beta (0 disables the term); ``kl_estimator``: ``"k1"`` or ``"k3"``.
+        temperature: softmax temperature of the training log-probs (> 0): the sampling temperature, so that
+            pi_theta is the distribution the completions were drawn from.
+        max_response_length: Dr. GRPO's constant L of the normaliser (``compute_normalizer``), else None.
+    """
+
+    loss_name: str
+    aggregation: str
+    clip_eps_low: float
+    clip_eps_high: float
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    temperature: float = 1.0
+    max_response_length: int | None = None
 
 
 def compute_normalizer(

@@ -1,4 +1,4 @@
-"""Distributed glue: global statistics over explicit groups (``collectives``) and the group handle (``groups``).
+"""Distributed glue: collectives over explicit groups (``collectives``) and the group handle (``groups``).
 
 Only ``collectives`` is re-exported here: ``groups`` imports megatron and must be imported explicitly
 (``from gtpo_megatron.parallel.groups import ParallelGroups``).
@@ -6,6 +6,26 @@ Only ``collectives`` is re-exported here: ``groups`` imports megatron and must b
 
 from __future__ import annotations
 
-from gtpo_megatron.parallel.collectives import all_reduce_sum, global_mean, global_normalizer, reduce_metric_sums
+from gtpo_megatron.parallel.collectives import (
+    all_gather_rows,
+    all_reduce_sum,
+    any_rank,
+    barrier,
+    broadcast_object,
+    global_mean,
+    global_normalizer,
+    reduce_metric_sums,
+    row_shard,
+)
 
-__all__ = ["all_reduce_sum", "global_mean", "global_normalizer", "reduce_metric_sums"]
+__all__ = [
+    "all_gather_rows",
+    "all_reduce_sum",
+    "any_rank",
+    "barrier",
+    "broadcast_object",
+    "global_mean",
+    "global_normalizer",
+    "reduce_metric_sums",
+    "row_shard",
+]

@@ -1,14 +1,18 @@
-"""Global statistics over an explicit process group (STYLE section 3: statistics split from decisions).
+"""The trainer's collectives and the step's global statistics, over explicit process groups.
 
-Each function takes the group it reduces over as the keyword ``group``. ``group=None`` has exactly one meaning:
-"this process is the whole reduction" (single process, or a statistic that is local by design); it never falls
-back to the default world group. Every function returns a new tensor and leaves its inputs unmodified; the
-collectives are SUM all-reduces (not differentiable), listed per function.
+Global statistics (STYLE section 3: statistics split from decisions; the policy's loss normaliser, <H>_ini), the
+data-parallel row layout of a step and the trainer's control messages (rollout broadcast, stop flag, barriers).
+Each function takes the group it works on as the keyword ``group``. ``group=None`` has exactly one meaning: "this
+process is the whole group" (single process, or a statistic that is local by design); it never falls back to the
+default world group. Tensors travel on the group's device (CUDA for
+NCCL, CPU otherwise) and come back on the input's device. Every function returns new values and leaves its inputs
+unmodified; the collectives are not differentiable and are listed per function.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -16,15 +20,83 @@ import torch.distributed as dist
 from gtpo_megatron.ops.losses import compute_normalizer
 
 
+def _group_device(group: dist.ProcessGroup) -> torch.device:
+    """Where ``group``'s collectives run: the current CUDA device for NCCL, else the CPU."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def all_reduce_sum(tensor: torch.Tensor, *, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """A copy of ``tensor`` summed over ``group``.
+    """A copy of ``tensor`` summed over ``group``, on ``tensor``'s device.
 
     Collectives: one SUM all-reduce on ``group`` (none when ``group`` is None).
     """
     out = tensor.detach().clone()
+    if group is None:
+        return out
+    work = out.to(_group_device(group))
+    dist.all_reduce(work, op=dist.ReduceOp.SUM, group=group)
+    return work.to(tensor.device)
+
+
+def row_shard(num_rows: int, *, rank: int, size: int) -> slice:
+    """Rows ``[rank * B/size, (rank + 1) * B/size)`` of a ``B``-row step batch: one data-parallel rank's share.
+
+    Every rank builds the same full batch; rank ``r`` of the data-parallel group trains on this slice, and
+    :func:`all_gather_rows` puts the shares back together in the same order.
+
+    Raises:
+        ValueError: ``size`` does not divide ``num_rows``.
+    """
+    if num_rows % size:
+        raise ValueError(f"batch of {num_rows} rows does not split over dp_size={size}; see GTPOConfig.validate")
+    share = num_rows // size
+    return slice(rank * share, (rank + 1) * share)
+
+
+def all_gather_rows(local: torch.Tensor, *, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """``[B]`` fp32 from each rank's ``[B/size]`` share (:func:`row_shard` order), identical on every rank.
+
+    Collectives: one SUM all-reduce of a zero-padded ``[B]`` vector on ``group`` (none when ``group`` is None).
+    """
+    rank, size = (0, 1) if group is None else (dist.get_rank(group), dist.get_world_size(group))
+    full = torch.zeros(local.shape[0] * size, dtype=torch.float32)
+    full[row_shard(full.shape[0], rank=rank, size=size)] = local
+    return all_reduce_sum(full, group=group)
+
+
+def broadcast_object(obj: Any, *, src: int, group: dist.ProcessGroup | None) -> Any:
+    """``obj`` of global rank ``src`` on every rank of ``group`` (picklable; other ranks pass anything, e.g. None).
+
+    Collectives: one ``broadcast_object_list`` on ``group`` (none when ``group`` is None).
+    """
+    if group is None:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]
+
+
+def barrier(*, group: dist.ProcessGroup | None) -> None:
+    """Wait until every rank of ``group`` got here.
+
+    Collectives: one barrier on ``group`` (none when ``group`` is None).
+    """
     if group is not None:
-        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
-    return out
+        dist.barrier(group=group)
+
+
+def any_rank(flag: bool, *, group: dist.ProcessGroup | None) -> bool:
+    """True on every rank of ``group`` when ``flag`` is True on at least one of them.
+
+    Collectives: one MAX all-reduce of a 1-element tensor on ``group`` (none when ``group`` is None).
+    """
+    if group is None:
+        return flag
+    value = torch.tensor([1.0 if flag else 0.0], device=_group_device(group))
+    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+    return bool(value.item())
 
 
 def global_normalizer(
@@ -34,16 +106,18 @@ def global_normalizer(
     group: dist.ProcessGroup | None,
     max_response_length: int | None = None,
 ) -> torch.Tensor:
-    """The step's loss normaliser: ``compute_normalizer`` summed over micro-batches and the data-parallel group.
+    """The step's loss normaliser: ``compute_normalizer`` summed over the given masks and the data-parallel group.
 
     Args:
-        response_masks: this rank's micro-batch masks, each ``[b, T]`` bool (True = response token).
+        response_masks: this rank's masks of the step (its micro-batches, or all its rows as one mask), each
+            ``[b, T]`` bool (True = response token).
         aggregation: as ``gtpo_megatron.ops.compute_normalizer``.
         group: the data-parallel group of the step (None: single replica).
         max_response_length: Dr. GRPO's constant (see ``compute_normalizer``).
 
     Returns:
-        fp32 scalar, identical on every rank of ``group``; clamped to >= 1 so an all-empty step gives loss 0.
+        fp32 scalar on the masks' device, identical on every rank of ``group``; 0 when no rank has a response
+        token (the caller skips such a step: dividing by it is undefined).
 
     Collectives: one SUM all-reduce on ``group``.
 
@@ -53,7 +127,7 @@ def global_normalizer(
     if len(response_masks) == 0:
         raise ValueError("response_masks is empty; pass the masks of every micro-batch of the step")
     local = sum(compute_normalizer(m, aggregation, max_response_length=max_response_length) for m in response_masks)
-    return all_reduce_sum(local, group=group).clamp(min=1.0)
+    return all_reduce_sum(local, group=group)
 
 
 def global_mean(values: torch.Tensor, *, group: dist.ProcessGroup | None, mask: torch.Tensor | None = None):
@@ -68,7 +142,7 @@ def global_mean(values: torch.Tensor, *, group: dist.ProcessGroup | None, mask: 
     Collectives: one SUM all-reduce of a 2-vector (sum, count) on ``group``.
     """
     keep = torch.ones_like(values, dtype=torch.bool) if mask is None else mask.bool()
-    stats = torch.stack([torch.where(keep, values.detach().float(), 0.0).sum(), keep.sum(dtype=torch.float32)])
+    stats = torch.stack([values.detach().float()[keep].sum(), keep.sum(dtype=torch.float32)])
     stats = all_reduce_sum(stats, group=group)
     return stats[0] / stats[1].clamp(min=1.0)
 

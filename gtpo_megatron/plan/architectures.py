@@ -127,14 +127,14 @@ def architecture_from_hf_config(config: dict, name: str) -> Architecture:
 def resolve_architecture(name_or_path: str) -> Architecture:
     """Dimensions of ``name_or_path``: a local HF folder, a ``builtin:`` model, or a known hub name.
 
-    A local folder (or a ``builtin:`` name, materialised through :mod:`gtpo_megatron.assets`) is read from its
+    A local folder (or a ``builtin:`` name, materialised through :mod:`gtpo_megatron.builtin_models`) is read from its
     ``config.json``; otherwise the last path component (``Qwen/Qwen3-32B`` -> ``Qwen3-32B``) is looked up in
     :data:`KNOWN_ARCHITECTURES`, so planning a 70B run needs neither the weights nor a network.
 
     Raises:
         ValueError: neither a folder with ``config.json`` nor a known name (the message lists the known names).
     """
-    from gtpo_megatron.assets import resolve_model_path
+    from gtpo_megatron.builtin_models import resolve_model_path
 
     path = Path(resolve_model_path(name_or_path))
     if (path / "config.json").is_file():

@@ -4,10 +4,12 @@ The rules are Megatron-Core's and vLLM's: TP must divide the attention heads and
 ``TransformerConfig``), PP must divide the layers, the vocabulary is padded to a multiple of
 ``make_vocab_size_divisible_by * tp_size`` (Megatron's ``_vocab_size_with_padding``), vLLM's engine TP must divide
 the attention heads and either divide the KV heads or be a multiple of them, and the rollout batch
-``num_prompts * group_size`` must split evenly over data-parallel ranks and then into micro-batches (the same rule
-as ``GTPOConfig.validate``). The trainer runs one vLLM engine, owned by global rank 0 (``trainer.py``), with
-``engine_tp_size`` GPUs of one node: ``colocated`` puts it on the first training GPUs, ``separate`` on GPUs of its
-own outside the torchrun world, so that ``--gpus`` counts the training GPUs plus the engine's.
+``num_prompts * group_size`` must split evenly over data-parallel ranks and then into micro-batches. Each rule is a
+function returning its problems (empty when it holds); ``check_layout`` (``gtpo-plan``) and
+``GTPOConfig.validate`` (``gtpo-train``, once the world size is known) both call them. The trainer runs one vLLM
+engine, owned by global rank 0 (``trainer.py``), with ``engine_tp_size`` GPUs of one node: ``colocated`` puts it
+on the first training GPUs, ``separate`` on GPUs of its own outside the torchrun world, so that ``--gpus`` counts
+the training GPUs plus the engine's.
 """
 
 from __future__ import annotations
@@ -60,32 +62,82 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _model_problems(arch: Architecture, tp: int, pp: int, engine_tp: int, pad_heads: bool) -> list[str]:
-    """Reasons the model cannot be sharded this way (empty when it can).
+def model_problems(arch: Architecture, *, tp_size: int, pp_size: int, pad_attention_heads: bool) -> list[str]:
+    """Reasons Megatron cannot shard the model over ``tp_size`` x ``pp_size`` (empty when it can).
 
-    With ``pad_heads`` (``model.pad_attention_heads``) Megatron pads the KV groups to a multiple of ``tp`` with
-    zero heads, so only the pipeline and engine rules apply to the training layout.
+    With ``pad_attention_heads`` (``model.pad_attention_heads``) Megatron pads the KV groups to a multiple of
+    ``tp_size`` with zero heads, so only the pipeline rule applies.
     """
     problems = []
     heads, groups = arch.num_attention_heads, arch.num_query_groups
     tp_ok = [d for d in _divisors(heads) if groups % d == 0]
-    if (heads % tp or groups % tp) and not pad_heads:
+    if (heads % tp_size or groups % tp_size) and not pad_attention_heads:
         problems.append(
-            f"parallel.tp_size={tp} must divide num_attention_heads={heads} and num_query_groups={groups} of "
+            f"parallel.tp_size={tp_size} must divide num_attention_heads={heads} and num_query_groups={groups} of "
             f"{arch.name}; use one of {tp_ok} or set model.pad_attention_heads=true"
         )
-    if arch.num_layers % pp:
+    if arch.num_layers % pp_size:
         problems.append(
-            f"parallel.pp_size={pp} must divide num_layers={arch.num_layers} of {arch.name}; "
+            f"parallel.pp_size={pp_size} must divide num_layers={arch.num_layers} of {arch.name}; "
             f"use one of {_divisors(arch.num_layers)}"
         )
-    if heads % engine_tp or (groups % engine_tp and engine_tp % groups):
-        engine_ok = [d for d in _divisors(heads) if groups % d == 0 or d % groups == 0]
-        problems.append(
-            f"rollout.engine_tp_size={engine_tp} must divide num_attention_heads={heads} and divide or be a "
-            f"multiple of num_query_groups={groups} (vLLM); use one of {engine_ok}"
-        )
     return problems
+
+
+def engine_problems(arch: Architecture, *, engine_tp_size: int) -> list[str]:
+    """Reasons vLLM cannot shard the model over ``engine_tp_size`` GPUs (empty when it can)."""
+    heads, groups = arch.num_attention_heads, arch.num_query_groups
+    if heads % engine_tp_size or (groups % engine_tp_size and engine_tp_size % groups):
+        engine_ok = [d for d in _divisors(heads) if groups % d == 0 or d % groups == 0]
+        return [
+            f"rollout.engine_tp_size={engine_tp_size} must divide num_attention_heads={heads} and divide or be a "
+            f"multiple of num_query_groups={groups} (vLLM); use one of {engine_ok}"
+        ]
+    return []
+
+
+def world_problems(train_world_size: int, *, tp_size: int, pp_size: int, described: str, launch: str) -> list[str]:
+    """Reasons ``train_world_size`` training ranks do not split into ``tp_size * pp_size`` model replicas.
+
+    ``described`` says where the ranks come from (``--gpus=40 leaves 32 training ranks``, ``the world size 6``)
+    and ``launch`` what to launch instead (``32*k + 8 GPUs``, ``a multiple of 4 ranks``).
+    """
+    if train_world_size >= 1 and train_world_size % (tp_size * pp_size) == 0:
+        return []
+    return [
+        f"{described}, not a multiple of parallel.tp_size*parallel.pp_size={tp_size}*{pp_size} (tp_size*pp_size "
+        f"must divide the world size); launch {launch} or change tp_size/pp_size"
+    ]
+
+
+def batch_problems(*, num_prompts: int, group_size: int, dp_size: int, micro_batch_size: int) -> list[str]:
+    """Reasons the step's sequences do not split over the data-parallel ranks and micro-batches (empty: they do).
+
+    The step has ``num_prompts * group_size`` sequences; each of the ``dp_size`` ranks cuts its share into
+    micro-batches of ``micro_batch_size``.
+    """
+    batch = num_prompts * group_size
+    if batch % dp_size:
+        return [
+            f"rollout.num_prompts*algorithm.group_size={num_prompts}*{group_size}={batch} must split evenly over "
+            f"dp_size={dp_size}; use rollout.num_prompts={_next_prompts(num_prompts, group_size, dp_size)}"
+        ]
+    if (batch // dp_size) % micro_batch_size:
+        return [
+            f"optim.micro_batch_size={micro_batch_size} must divide the {batch // dp_size} sequences per "
+            f"data-parallel rank; use one of {_divisors(batch // dp_size)}"
+        ]
+    return []
+
+
+def raise_problems(problems: list[str]) -> None:
+    """Raise one ``ValueError`` listing every problem (one line each), if there is any.
+
+    Raises:
+        ValueError: ``problems`` is not empty.
+    """
+    if problems:
+        raise ValueError("layout does not divide:\n  - " + "\n  - ".join(problems))
 
 
 def check_layout(
@@ -108,10 +160,12 @@ def check_layout(
     Args:
         arch: model dimensions.
         world_size: GPUs of the whole job (``--gpus``), the engine's included when ``placement="separate"``.
-        tp_size, pp_size: ``parallel.tp_size`` and ``parallel.pp_size``.
+        tp_size: ``parallel.tp_size``.
+        pp_size: ``parallel.pp_size``.
         engine_tp_size: ``rollout.engine_tp_size``.
         placement: ``rollout.placement``.
-        num_prompts, group_size: ``rollout.num_prompts`` and ``algorithm.group_size``.
+        num_prompts: ``rollout.num_prompts``.
+        group_size: ``algorithm.group_size``.
         micro_batch_size: ``optim.micro_batch_size``.
         make_vocab_size_divisible_by: ``model.make_vocab_size_divisible_by``.
         gpus_per_node: GPUs of one node (the engine stays within one node).
@@ -121,14 +175,12 @@ def check_layout(
         ValueError: one line per broken rule, each naming the fields, their values and a fix.
     """
     train_world = world_size - (engine_tp_size if placement == "separate" else 0)
-    problems = _model_problems(arch, tp_size, pp_size, engine_tp_size, pad_attention_heads)
     model_parallel = tp_size * pp_size
-    if train_world < 1 or train_world % model_parallel:
-        need = f"{model_parallel}*k" + (f" + {engine_tp_size}" if placement == "separate" else "")
-        problems.append(
-            f"--gpus={world_size} leaves {train_world} training ranks, not a multiple of parallel.tp_size*"
-            f"parallel.pp_size={tp_size}*{pp_size}; launch {need} GPUs or change tp_size/pp_size"
-        )
+    need = f"{model_parallel}*k" + (f" + {engine_tp_size}" if placement == "separate" else "")
+    problems = model_problems(arch, tp_size=tp_size, pp_size=pp_size, pad_attention_heads=pad_attention_heads)
+    problems += engine_problems(arch, engine_tp_size=engine_tp_size)
+    problems += world_problems(train_world, tp_size=tp_size, pp_size=pp_size, launch=f"{need} GPUs",
+                               described=f"--gpus={world_size} leaves {train_world} training ranks")
     if engine_tp_size > min(gpus_per_node, world_size):
         problems.append(
             f"rollout.engine_tp_size={engine_tp_size} exceeds the {min(gpus_per_node, world_size)} GPUs the engine can "
@@ -136,18 +188,9 @@ def check_layout(
         )
     dp = max(train_world // model_parallel, 1)
     batch = num_prompts * group_size
-    if batch % dp:
-        problems.append(
-            f"rollout.num_prompts*algorithm.group_size={num_prompts}*{group_size}={batch} must split evenly over "
-            f"dp_size={dp}; use rollout.num_prompts={_next_prompts(num_prompts, group_size, dp)}"
-        )
-    elif (batch // dp) % micro_batch_size:
-        problems.append(
-            f"optim.micro_batch_size={micro_batch_size} must divide the {batch // dp} sequences per data-parallel "
-            f"rank; use one of {_divisors(batch // dp)}"
-        )
-    if problems:
-        raise ValueError("layout does not divide:\n  - " + "\n  - ".join(problems))
+    problems += batch_problems(num_prompts=num_prompts, group_size=group_size, dp_size=dp,
+                               micro_batch_size=micro_batch_size)
+    raise_problems(problems)
     num_engines = 1
     return Layout(
         world_size=world_size,

@@ -8,7 +8,7 @@ Weight updates come in two granularities:
 - ``update_weights(named_tensors)``: one complete update from any iterable of ``(hf_name, tensor)`` pairs
   (materialised as one bucket; meant for small updates and tests).
 - ``begin_weight_update()`` / ``load_weight_bucket(bucket)`` / ``finish_weight_update()``: the streaming form that
-  ``weight_sync.push.push_weights`` drives with byte-bounded buckets, so a whole model never sits in memory twice.
+  ``rollout.push.push_weights`` drives with byte-bounded buckets, so a whole model never sits in memory twice.
 Both take Hugging Face (vLLM checkpoint) names and full, unsharded tensors; parameters not named keep their values,
 except that an update must name all members of a module the engine fuses (q/k/v projections, gate/up projections).
 After an update returns, the next ``generate`` uses the new weights and no prefix-cache entry computed with the old

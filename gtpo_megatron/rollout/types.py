@@ -52,7 +52,6 @@ class TrainBatch:
         token_weights: ``[B, S]`` fp32 per-token multiplier: conflict weight lambda (section 3) times the entropy
             filter's delta_i (section 4), 0 off the response.
         ref_logprobs: ``[B, S]`` fp32 reference-policy log-probs for the optional GRPO KL term, else None.
-        group_ids: ``[B]`` int64 prompt index of each row (conflicts never cross groups).
     """
 
     input_ids: torch.Tensor
@@ -62,11 +61,11 @@ class TrainBatch:
     advantages: torch.Tensor | None = None
     token_weights: torch.Tensor | None = None
     ref_logprobs: torch.Tensor | None = None
-    group_ids: torch.Tensor | None = None
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def num_sequences(self) -> int:
+        """B, the number of rows."""
         return int(self.input_ids.shape[0])
 
     def select(self, rows: slice | torch.Tensor) -> TrainBatch:
@@ -83,6 +82,5 @@ class TrainBatch:
             advantages=take(self.advantages),
             token_weights=take(self.token_weights),
             ref_logprobs=take(self.ref_logprobs),
-            group_ids=take(self.group_ids),
             extras={k: v[rows] for k, v in self.extras.items()},
         )

@@ -49,7 +49,7 @@ from pathlib import Path
 
 import torch
 
-from gtpo_megatron.assets import resolve_model_path
+from gtpo_megatron.builtin_models import resolve_model_path
 from gtpo_megatron.rollout.engine import NamedTensor, SamplingConfig, validate_prompt_ids
 from gtpo_megatron.rollout.types import Completion, PromptCompletions
 
@@ -172,7 +172,7 @@ class VLLMEngine:
     """A ``RolloutEngine`` backed by ``vllm.LLM``.
 
     Args:
-        model_path: HF folder, hub name, or ``builtin:`` name (resolved by ``assets.resolve_model_path``).
+        model_path: HF folder, hub name, or ``builtin:`` name (resolved by ``builtin_models.resolve_model_path``).
         dtype: ``"auto"`` (the checkpoint's dtype), ``"float32"``, ``"bfloat16"`` or ``"float16"``; weights pushed
             later are cast to the engine's dtype.
         max_model_len: prompt + completion token limit per sequence.
@@ -348,7 +348,7 @@ class VLLMEngine:
 
     # -------------------------------------------------------------------------------------------- weight update
     def update_weights(self, named_tensors: Iterable[NamedTensor]) -> None:
-        """Apply ``(hf_name, full_tensor)`` pairs as one update; use ``weight_sync.push`` for a whole model."""
+        """Apply ``(hf_name, full_tensor)`` pairs as one update; use ``rollout.push`` for a whole model."""
         self.begin_weight_update()
         self.load_weight_bucket(list(named_tensors))
         self.finish_weight_update()

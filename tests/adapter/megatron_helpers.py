@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from gtpo_megatron.config import ModelConfig
 from gtpo_megatron.rollout.types import TrainBatch
 from tests.helpers.references import ref_logprobs_entropy
 
@@ -17,6 +18,11 @@ TINY_QWEN2 = "builtin:tiny-qwen2"
 TINY_LLAMA = "builtin:tiny-llama"
 SMOLLM2 = "builtin:smollm2-135m-instruct"
 LOGITS_ATOL = 1e-4  # fp32 transformer stacks (up to 30 layers) with different matmul splits and orders
+
+
+def model_section(path: str, **fields) -> ModelConfig:
+    """The model section of a test policy: fp32 parameters unless ``fields`` say otherwise."""
+    return ModelConfig(**{"name_or_path": path, "params_dtype": "float32", **fields})
 
 
 def make_batch(*, rows: int = 4, seq_len: int = 12, vocab_size: int = 49152, seed: int = 0,
@@ -35,7 +41,6 @@ def make_batch(*, rows: int = 4, seq_len: int = 12, vocab_size: int = 49152, see
     return TrainBatch(
         input_ids=input_ids, attention_mask=attention_mask, response_mask=response_mask,
         advantages=torch.randn(rows, generator=gen), token_weights=weights * response_mask,
-        group_ids=torch.arange(rows) // 2,
     )
 
 
@@ -77,7 +82,7 @@ def save_random_hf_model(out_dir: str, config, *, tokenizer_from: str | None = N
 def load_hf_model(path: str):
     from transformers import AutoModelForCausalLM
 
-    from gtpo_megatron.assets import resolve_model_path
+    from gtpo_megatron.builtin_models import resolve_model_path
 
     return AutoModelForCausalLM.from_pretrained(resolve_model_path(path), dtype=torch.float32).eval()
 
@@ -164,7 +169,7 @@ def check_hf_weights(policy, path: str, label: str) -> None:
     ``torch.equal`` to the original."""
     from safetensors import safe_open
 
-    from gtpo_megatron.assets import resolve_model_path
+    from gtpo_megatron.builtin_models import resolve_model_path
 
     with safe_open(f"{resolve_model_path(path)}/model.safetensors", "pt") as original:
         expected_names = set(original.keys())

@@ -1,16 +1,26 @@
-"""Layering rules of STYLE sections 2 and 4 for the Megatron side of the package (source scans, one subprocess)."""
+"""Layering rules of STYLE sections 2 and 4 that a source scan can check (no module is imported).
+
+* only ``parallel/groups.py`` reads Megatron's ``parallel_state`` (or ``mpu``);
+* only ``rollout/vllm_engine.py`` imports vllm;
+* ``ops`` imports torch and the standard library only, and no other package module;
+* ``rewards`` needs no torch at all, ``data`` no torch.distributed, megatron or vllm, transitively through the package
+  modules they import.
+"""
 
 from __future__ import annotations
 
 import ast
-import subprocess
 import sys
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[2] / "gtpo_megatron"
+from tests.helpers import import_graph
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "gtpo_megatron"
 
 
 def _imports(path: Path) -> set[str]:
+    """Every imported name, ``module.name`` for ``from module import name``."""
     names = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
@@ -20,20 +30,40 @@ def _imports(path: Path) -> set[str]:
     return names
 
 
+def _offenders(rule, allowed: set[Path]) -> list[str]:
+    return sorted(str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")
+                  if p not in allowed and any(rule(name) for name in _imports(p)))
+
+
 def test_only_groups_module_touches_parallel_state():
-    offenders = [
-        str(path.relative_to(PACKAGE)) for path in PACKAGE.rglob("*.py")
-        if path != PACKAGE / "parallel" / "groups.py" and any("parallel_state" in name or name.endswith(".mpu")
-                                            for name in _imports(path))
-    ]
+    offenders = _offenders(lambda n: "parallel_state" in n or n.endswith(".mpu"), {PACKAGE / "parallel" / "groups.py"})
     assert offenders == [], f"import megatron.core.parallel_state only in parallel/groups.py: {offenders}"
 
 
-def test_package_entry_points_do_not_import_megatron():
-    code = (
-        "import sys; import gtpo_megatron.megatron_adapter, gtpo_megatron.weight_sync, "
-        "gtpo_megatron.parallel.groups, gtpo_megatron.checkpoint; "
-        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'megatron'))"
-    )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert result.stdout.strip() == "[]", result.stdout
+def test_only_the_vllm_engine_imports_vllm():
+    offenders = _offenders(lambda n: n.split(".")[0] == "vllm", {PACKAGE / "rollout" / "vllm_engine.py"})
+    assert offenders == [], f"import vllm only in rollout/vllm_engine.py: {offenders}"
+
+
+def test_ops_is_torch_math_only():
+    imports = import_graph.read_imports(ROOT)
+    for module, found in imports.items():
+        if module.split(".")[:2] != ["gtpo_megatron", "ops"]:
+            continue
+        third_party = {n for n in found.external if n.split(".")[0] not in sys.stdlib_module_names}
+        assert third_party <= {"torch", "torch.distributed"}, (module, third_party)
+        outside = {n for n in found.runtime | found.type_only if not n.startswith("gtpo_megatron.ops")}
+        assert outside == set(), (module, outside)
+
+
+def _heavy(found: import_graph.Imports, banned: tuple[str, ...]) -> set[str]:
+    return {n for n in found.external if any(n == b or n.startswith(b + ".") for b in banned)}
+
+
+def test_rewards_and_data_stay_light():
+    imports = import_graph.read_imports(ROOT)
+    for package, banned in (("gtpo_megatron.rewards", ("torch", "megatron", "vllm")),
+                            ("gtpo_megatron.data", ("torch.distributed", "megatron", "vllm"))):
+        for module in (m for m in imports if m == package or m.startswith(package + ".")):
+            heavy = {(m, n) for m in import_graph.closure(imports, module) for n in _heavy(imports[m], banned)}
+            assert heavy == set(), f"{module} reaches {sorted(heavy)} through its imports"

@@ -17,7 +17,7 @@ from gtpo_megatron.megatron_adapter.forward_step import (
     policy_loss_closure,
     token_logprobs_entropy,
 )
-from gtpo_megatron.ops import compute_normalizer
+from gtpo_megatron.ops import LossSpec, compute_normalizer
 from tests.helpers.references import ref_logprobs_entropy
 
 ROWS, SEQ, VOCAB, PADDED = 8, 7, 11, 16
@@ -58,8 +58,8 @@ def test_column_convention_matches_reference():
 def _replay_megatron(logits, batch, *, dp: int, micro_batches: int) -> torch.Tensor:
     """Gradient w.r.t. the logits after Megatron's schedule (1/M) and DDP averaging (1/D), by hand."""
     normalizer = compute_normalizer(batch.response_mask, "seq-mean-token-mean")
-    settings = _settings(loss_name="gtpo", normalizer=normalizer, loss_scale=float(micro_batches * dp),
-                         clip_eps_low=0.2, clip_eps_high=0.2)
+    loss = LossSpec(loss_name="gtpo", aggregation="seq-mean-token-mean", clip_eps_low=0.2, clip_eps_high=0.2)
+    settings = _settings(loss=loss, normalizer=normalizer, loss_scale=float(micro_batches * dp))
     leaf = logits.clone().requires_grad_(True)
     per_rank, per_micro = ROWS // dp, ROWS // dp // micro_batches
     for d in range(dp):
@@ -102,7 +102,7 @@ def test_forward_only_mode_and_drift_metric():
     batch.old_logprobs = values["logprobs"].clone()
     batch.old_logprobs[0, 3] += 0.25
     normalizer = compute_normalizer(batch.response_mask, "token-mean")
-    _, metrics = policy_loss_closure(logits, batch, _settings(loss_name="gtpo", aggregation="token-mean",
-                                                              normalizer=normalizer))
+    loss = LossSpec(loss_name="gtpo", aggregation="token-mean", clip_eps_low=0.2, clip_eps_high=0.2)
+    _, metrics = policy_loss_closure(logits, batch, _settings(loss=loss, normalizer=normalizer))
     assert metrics["logprob_diff_max"].item() == pytest.approx(0.25, abs=1e-6)
     assert metrics["num_tokens"].item() == normalizer.item()

@@ -7,16 +7,10 @@ import torch
 from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
 from gtpo_megatron.megatron_adapter import cpu_compat
-from gtpo_megatron.megatron_adapter.model import compute_padded_vocab_size, rope_settings, transformer_config_from_hf
+from gtpo_megatron.megatron_adapter.model import rope_settings, transformer_config_from_hf
 
 SMALL = dict(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, rms_norm_eps=1e-6)
-
-
-def test_padded_vocab_size():
-    assert compute_padded_vocab_size(49152, divisible_by=128, tp_size=1) == 49152
-    assert compute_padded_vocab_size(49153, divisible_by=128, tp_size=2) == 49408
-    assert compute_padded_vocab_size(151936, divisible_by=128, tp_size=4) == 152064
 
 
 def test_architecture_flags():

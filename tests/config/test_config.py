@@ -138,7 +138,7 @@ def _cfg(*overrides: str) -> GTPOConfig:
 @pytest.mark.parametrize("overrides, world, fragment", [
     (["parallel.tp_size=2", "parallel.pp_size=2"], 6, "tp_size*pp_size must divide the world size"),
     (["rollout.num_prompts=3", "algorithm.group_size=2"], 4, "use rollout.num_prompts=4"),
-    (["algorithm.group_size=4", "optim.micro_batch_size=3"], 2, "must divide the per-rank batch"),
+    (["algorithm.group_size=4", "optim.micro_batch_size=3"], 2, "must divide the 2 sequences per data-parallel rank"),
 ])
 def test_validate_world_arithmetic(overrides, world, fragment):
     with pytest.raises(ValueError) as err:
@@ -147,16 +147,26 @@ def test_validate_world_arithmetic(overrides, world, fragment):
 
 
 def test_validate_heads_against_local_model():
-    # tiny-qwen2 has 4 query heads and 2 KV heads (gtpo_megatron/assets.py): TP=4 cannot split 2 KV heads.
-    from gtpo_megatron.assets import resolve_model_path
+    # tiny-qwen2 has 4 query heads and 2 KV heads (gtpo_megatron/builtin_models.py): TP=4 cannot split 2 KV heads.
+    from gtpo_megatron.builtin_models import resolve_model_path
 
     resolve_model_path("builtin:tiny-qwen2")
     _cfg("parallel.tp_size=2", "rollout.max_tokens=64").validate(2, check_registries=False)
-    with pytest.raises(ValueError, match="must divide the model's num_key_value_heads=2"):
+    with pytest.raises(ValueError, match="parallel.tp_size=4 must divide num_attention_heads=4 and num_query_groups=2"):
         _cfg("parallel.tp_size=4").validate(4, check_registries=False)
     _cfg("parallel.tp_size=4", "model.pad_attention_heads=true").validate(4, check_registries=False)
     with pytest.raises(ValueError, match="max_position_embeddings=2048"):
         _cfg("rollout.max_tokens=2000").validate(1, check_registries=False)
+
+
+def test_validate_applies_the_planner_rules(monkeypatch):
+    # one owner: GTPOConfig.validate raises whatever plan.layout's rules report, all at once
+    from gtpo_megatron.plan import layout
+
+    monkeypatch.setattr(layout, "world_problems", lambda *args, **kw: ["world rule"])
+    monkeypatch.setattr(layout, "batch_problems", lambda **kw: [f"batch rule dp_size={kw['dp_size']}"])
+    with pytest.raises(ValueError, match=r"layout does not divide:\n  - world rule\n  - batch rule dp_size=1$"):
+        _cfg("model=/no/local/model").validate(1, check_registries=False)
 
 
 def test_validate_rejects_unknown_megatron_override():

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from gtpo_megatron.assets import cache_dir
+from gtpo_megatron.builtin_models import cache_dir
 from gtpo_megatron.data import SYSTEM_PROMPT, build_prompt_ids, build_prompt_text
 
 SMOLLM2 = cache_dir() / "smollm2-135m-instruct"

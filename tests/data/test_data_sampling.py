@@ -5,7 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gtpo_megatron.data import filter_uniform_groups, overlong_filter_mask, overlong_penalty
+from gtpo_megatron.data import (
+    choose_groups,
+    filter_uniform_groups,
+    overlong_filter_mask,
+    overlong_penalty,
+    shape_rewards,
+)
+from gtpo_megatron.data.sampling import UNIFORM_REWARD_ATOL
+from tests.helpers.batches import algorithm_section
 
 
 def test_filter_uniform_groups_literal() -> None:
@@ -15,6 +23,14 @@ def test_filter_uniform_groups_literal() -> None:
     assert keep.tolist() == [False, True, True, False]  # last group differs by 1e-9 < atol: uniform
     assert filter_uniform_groups(torch.tensor(rewards), 3, atol=0.0).tolist() == [False, True, True, True]
     assert filter_uniform_groups([1.0, 2.0], 2).repeat_interleave(2).tolist() == [True, True]
+
+
+def test_per_completion_view_of_the_uniform_rule() -> None:
+    # the view the algorithm's skip_uniform_groups switch uses; 0.35 twice is uniform, so is 2 vs 2 + 1e-9 (< atol)
+    rewards = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.35, 0.35, 2.0, 2.0 + 1e-9])
+    keep = filter_uniform_groups(rewards, 2).repeat_interleave(2)
+    assert keep.tolist() == [False, False, True, True, False, False, False, False]
+    assert UNIFORM_REWARD_ATOL == 1e-6
 
 
 def test_filter_uniform_groups_errors() -> None:
@@ -48,3 +64,16 @@ def test_overlong_filter_mask() -> None:
     mask = overlong_filter_mask(["stop", "length", "stop", "length"])
     assert mask.dtype == torch.bool and mask.tolist() == [True, False, True, False]
     assert overlong_filter_mask([]).shape == (0,)
+
+
+def test_shape_rewards_overlong_ramp():
+    cfg = algorithm_section("dapo", overlong_buffer_len=4, overlong_penalty=1.0)
+    lengths = torch.tensor([5, 6, 8, 10])
+    # L_max=10, L_cache=4: no penalty up to 6, then linear to -1 at 10.
+    assert shape_rewards(torch.ones(4), lengths, cfg, max_tokens=10).tolist() == [1.0, 1.0, 0.5, 0.0]
+    assert shape_rewards(torch.ones(4), lengths, algorithm_section("grpo"), max_tokens=10).tolist() == [1.0] * 4
+
+
+def test_choose_groups_prefers_varied_then_fills():
+    assert choose_groups([False, True, False, True, True], 2) == [1, 3]
+    assert choose_groups([False, True, False], 2) == [0, 1]

@@ -4,7 +4,7 @@ Two separate 2-rank runs share one checkpoint root:
 1. TP=2: one optimizer step, save (``step_000001``), then record the log-probs, a random draw and two more steps;
 2. fresh processes, TP=2: load via ``latest``; the trainer state, log-probs, the random draw and the next two
    steps' loss / grad norm / lr must be *identical* (exact equality: same layout, same arithmetic); loading into
-   Megatron's distributed optimizer fails with a clear RuntimeError on CPU (megatron-core 0.16.1 limitation);
+   Megatron's distributed optimizer fails with a clear RuntimeError on CPU (a megatron-core 0.16.1-0.19.2 limitation);
    then the same processes switch to PP=2 (a different layout) and load again: log-probs and the next two steps
    agree within fp32 noise (1e-5), which needs the model and the Adam state resharded correctly (the second step
    depends on both moments).
@@ -17,23 +17,26 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.adapter.megatron_helpers import TINY_QWEN2, make_batch
+from gtpo_megatron.ops import LossSpec
+from tests.adapter.megatron_helpers import TINY_QWEN2, make_batch, model_section
 from tests.helpers.dist_harness import run_distributed
 
 pytestmark = pytest.mark.distributed
 
-STEP_KW = dict(loss_name="gtpo", aggregation="seq-mean-token-mean", clip_eps_low=0.9, clip_eps_high=10.0)
+LOSS = LossSpec(loss_name="gtpo", aggregation="seq-mean-token-mean", clip_eps_low=0.9, clip_eps_high=10.0)
 RESHARD_ATOL = 1e-5  # same math, different TP/PP split: fp32 summation-order noise only
 
 
 def _policy(tp: int, pp: int, distributed_optimizer: bool):
+    from gtpo_megatron.megatron_adapter.optimizer import OptimSettings
     from gtpo_megatron.megatron_adapter.policy import MegatronPolicy
     from gtpo_megatron.parallel.groups import init_distributed
 
     groups = init_distributed(tp_size=tp, pp_size=pp)
-    return MegatronPolicy.from_pretrained(TINY_QWEN2, groups=groups, micro_batch_size=2, lr=1e-3,
-                                          warmup_steps=1, total_steps=10, decay_style="cosine", seed=7,
-                                          use_distributed_optimizer=distributed_optimizer)
+    optim = OptimSettings(lr=1e-3, warmup_steps=1, total_steps=10, decay_style="cosine",
+                          use_distributed_optimizer=distributed_optimizer)
+    return MegatronPolicy.from_pretrained(model_section(TINY_QWEN2), groups=groups, optim=optim, micro_batch_size=2,
+                                          seed=7)
 
 
 def _batch():
@@ -47,14 +50,14 @@ def _continue(policy) -> dict:
     batch = _batch()
     logprobs, _ = policy.compute_logprobs(batch)
     draw = torch.rand(4)
-    steps = [policy.train_step(batch, **STEP_KW) for _ in range(2)]
+    steps = [policy.train_step(batch, LOSS) for _ in range(2)]
     return {"logprobs": logprobs, "draw": draw,
             "steps": [(m["loss"], m["grad_norm"], m["lr"]) for m in steps]}
 
 
 def _first_run(rank: int, world_size: int, root: str) -> None:
     policy = _policy(2, 1, False)
-    assert policy.train_step(_batch(), **STEP_KW)["skipped"] == 0.0
+    assert policy.train_step(_batch(), LOSS)["skipped"] == 0.0
     policy.save_checkpoint(f"{root}/step_000001", {"step": 1, "loader": {"epoch": 0, "position": 4}})
     if rank == 0:
         torch.save(_continue(policy), f"{root}/expected.pt")
@@ -65,7 +68,7 @@ def _first_run(rank: int, world_size: int, root: str) -> None:
 def _resume_same_layout(rank: int, world_size: int, root: str) -> None:
     from megatron.core.optimizer.distrib_optimizer import HAVE_APEX_OR_TE
 
-    if not HAVE_APEX_OR_TE:  # megatron-core 0.16.1 cannot load into its distributed optimizer here: clear error
+    if not HAVE_APEX_OR_TE:  # megatron-core 0.16-0.19 cannot load into its distributed optimizer here: clear error
         with pytest.raises(RuntimeError, match="use_distributed_optimizer=False"):
             _policy(2, 1, True).load_checkpoint(root)
     policy = _policy(2, 1, False)

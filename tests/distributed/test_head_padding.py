@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from gtpo_megatron.ops import LossSpec
 from tests.adapter.megatron_helpers import (
     SMOLLM2,
     TINY_LLAMA,
@@ -26,6 +27,7 @@ from tests.adapter.megatron_helpers import (
     load_hf_model,
     make_batch,
     megatron_named_params,
+    model_section,
     save_random_hf_model,
 )
 from tests.helpers.dist_harness import run_distributed
@@ -35,16 +37,18 @@ pytestmark = pytest.mark.distributed
 ROWS = 4
 GRAD_ATOL = 1e-5  # fp32 gradients accumulated in different orders (TP splits, DP sums, padded matmul widths)
 WEIGHT_ATOL = 1e-5  # two Adam steps from those gradients; adam_eps=1e-4 keeps lr/eps sensitivity small
-LOSS = dict(loss_name="gtpo", aggregation="token-mean", clip_eps_low=0.2, clip_eps_high=0.2)
+LOSS = LossSpec(loss_name="gtpo", aggregation="token-mean", clip_eps_low=0.2, clip_eps_high=0.2)
 OPTIM = dict(lr=1e-3, weight_decay=0.1, adam_eps=1e-4)
 
 
-def _build(path: str, tp: int, **kwargs):
+def _build(path: str, tp: int, *, optim: dict | None = None, **model_fields):
+    from gtpo_megatron.megatron_adapter.optimizer import OptimSettings
     from gtpo_megatron.megatron_adapter.policy import MegatronPolicy
     from gtpo_megatron.parallel.groups import init_distributed
 
     groups = init_distributed(tp_size=tp, pp_size=1)
-    return MegatronPolicy.from_pretrained(path, groups=groups, **kwargs)
+    return MegatronPolicy.from_pretrained(model_section(path, **model_fields), groups=groups,
+                                          optim=OptimSettings(**(optim or {})))
 
 
 def _save_three_group_llama(out_dir: str) -> None:
@@ -52,7 +56,7 @@ def _save_three_group_llama(out_dir: str) -> None:
     embeddings, perturbed norms; the tokenizer of ``builtin:tiny-llama`` so the folder is complete."""
     from transformers import LlamaConfig
 
-    from gtpo_megatron.assets import resolve_model_path
+    from gtpo_megatron.builtin_models import resolve_model_path
 
     config = LlamaConfig(vocab_size=49152, hidden_size=96, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=6, num_key_value_heads=3, head_dim=32, tie_word_embeddings=True)
@@ -93,7 +97,7 @@ def _two_steps(policy, batch, on_grads) -> list[float]:
     local = batch.select(slice(policy.groups.dp_rank * share, (policy.groups.dp_rank + 1) * share))
     norms = []
     for step in range(2):
-        policy.forward_backward(local, **LOSS)
+        policy.forward_backward(local, LOSS)
         on_grads(step)
         result = optimizer_step(policy.optimizer, policy.scheduler, policy.ddp_model)
         assert result["skipped"] == 0.0
@@ -124,12 +128,12 @@ def _tiny_worker(rank: int, world_size: int, out_root: str) -> None:
         _save_three_group_llama(path)
     dist.barrier()
     batch = make_batch(rows=ROWS, seed=5)
-    reference = _build(path, 1, **OPTIM)  # DP = 2, no padding needed
+    reference = _build(path, 1, optim=OPTIM)  # DP = 2, no padding needed
     ref_grads = []
     ref_norms = _two_steps(reference, batch, lambda step: ref_grads.append(_hf_grads(reference)))
     ref_weights = dict(reference.iter_hf_weights())
-    del reference
-    policy = _build(path, 2, pad_attention_heads=True, **OPTIM)
+    reference = None  # free the TP=1 model before the padded one is built
+    policy = _build(path, 2, pad_attention_heads=True, optim=OPTIM)
     assert (policy.geometry.padded_num_query_groups, policy.geometry.num_pad_groups) == (4, 1)
     worst = []
     norms = _two_steps(policy, batch, lambda step: worst.append(_check_padded_step(policy, ref_grads[step], step)))

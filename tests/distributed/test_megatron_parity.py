@@ -24,6 +24,7 @@ from tests.adapter.megatron_helpers import (
     check_hf_weights,
     check_logits,
     load_hf_model,
+    model_section,
     save_random_hf_model,
 )
 from tests.helpers.dist_harness import run_distributed
@@ -36,7 +37,7 @@ PAD_MULTIPLE = 1000  # vocab 49152 -> padded 50000 at TP=1 and TP=2: exercises p
 def _check_export(policy, path: str, out_dir: str, label: str) -> None:
     from safetensors.torch import load_file
 
-    from gtpo_megatron.assets import resolve_model_path
+    from gtpo_megatron.builtin_models import resolve_model_path
 
     policy.export_hf(out_dir)
     if policy.groups.rank == 0:
@@ -51,12 +52,12 @@ def _check_export(policy, path: str, out_dir: str, label: str) -> None:
     dist.barrier()
 
 
-def _build(path: str, tp: int, pp: int, **kwargs):
+def _build(path: str, tp: int, pp: int, **model_fields):
     from gtpo_megatron.megatron_adapter.policy import MegatronPolicy
     from gtpo_megatron.parallel.groups import init_distributed
 
     groups = init_distributed(tp_size=tp, pp_size=pp)
-    return MegatronPolicy.from_pretrained(path, groups=groups, **kwargs)
+    return MegatronPolicy.from_pretrained(model_section(path, **model_fields), groups=groups)
 
 
 def _save_tiny_qwen3(out_dir: str) -> None:

@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from gtpo_megatron.ops import LossSpec
 from tests.adapter.megatron_helpers import (
     TINY_LLAMA,
     TINY_QWEN2,
@@ -25,6 +26,7 @@ from tests.adapter.megatron_helpers import (
     load_hf_model,
     make_batch,
     megatron_named_params,
+    model_section,
     reference_grads,
     reference_token_logprobs,
 )
@@ -51,13 +53,17 @@ def _check_grads(policy, ref_grads: dict[str, torch.Tensor], label: str) -> floa
     return worst
 
 
+def _loss(aggregation: str) -> LossSpec:
+    return LossSpec(loss_name="gtpo", aggregation=aggregation, clip_eps_low=0.2, clip_eps_high=0.2)
+
+
 def _local_rows(batch, groups):
     share = ROWS // groups.dp_size
     return batch.select(slice(groups.dp_rank * share, (groups.dp_rank + 1) * share))
 
 
 def _run_layout(path: str, tp: int, pp: int, aggregation: str) -> None:
-    from gtpo_megatron.megatron_adapter.optimizer import global_grad_norm
+    from gtpo_megatron.megatron_adapter.optimizer import OptimSettings, global_grad_norm
     from gtpo_megatron.megatron_adapter.policy import MegatronPolicy
     from gtpo_megatron.parallel.groups import init_distributed
 
@@ -71,12 +77,12 @@ def _run_layout(path: str, tp: int, pp: int, aggregation: str) -> None:
     ref_loss, ref_grads = reference_grads(hf_model, batch, loss_name="gtpo", aggregation=aggregation)
     local = _local_rows(batch, groups)
     label = f"{path} tp={tp} pp={pp} dp={groups.dp_size}"
-    policy = MegatronPolicy.from_pretrained(path, groups=groups, lr=1e-3, make_vocab_size_divisible_by=1000)
+    policy = MegatronPolicy.from_pretrained(model_section(path, make_vocab_size_divisible_by=1000), groups=groups,
+                                            optim=OptimSettings(lr=1e-3))
     for micro_batch_size in (len(local.input_ids), len(local.input_ids) // 4):  # 1 vs 4 micro-batches
         policy.micro_batch_size = micro_batch_size
         policy.zero_grad()
-        metrics = policy.forward_backward(local, loss_name="gtpo", aggregation=aggregation,
-                                          clip_eps_low=0.2, clip_eps_high=0.2)
+        metrics = policy.forward_backward(local, _loss(aggregation))
         assert metrics["clipped_tokens"] > 0, "the test batch should exercise the clipped branch"
         assert abs(metrics["loss"] - ref_loss) <= 1e-6, (label, metrics["loss"], ref_loss)
         worst = _check_grads(policy, ref_grads, f"{label} mbs={micro_batch_size}")
@@ -109,8 +115,7 @@ def _check_logprob_pass(policy, local, ref_logprobs, ref_entropy, groups, label)
     assert bool((padded_logprobs[:, -5:] == 0).all())
     policy.zero_grad()
     local.old_logprobs = logprobs
-    metrics = policy.forward_backward(local, loss_name="gtpo", aggregation="token-mean",
-                                      clip_eps_low=0.2, clip_eps_high=0.2)
+    metrics = policy.forward_backward(local, _loss("token-mean"))
     assert metrics["logprob_diff_max"] == 0.0, f"{label}: training pass differs from compute_logprobs"
     entropy_sum = entropy.sum().reshape(1)
     dist.all_reduce(entropy_sum, group=groups.dp)
@@ -129,8 +134,7 @@ def _check_nonfinite_guard(policy, local) -> None:
         result = optimizer_step(policy.optimizer, policy.scheduler, policy.ddp_model)
     assert result["skipped"] == 1.0
     assert all(torch.equal(before[n], p) for n, p in policy.model.named_parameters())
-    metrics = policy.train_step(local, loss_name="gtpo", aggregation="token-mean", clip_eps_low=0.2,
-                                clip_eps_high=0.2)
+    metrics = policy.train_step(local, _loss("token-mean"))
     assert metrics["skipped"] == 0.0 and metrics["grad_norm"] > 0
     assert not all(torch.equal(before[n], p) for n, p in policy.model.named_parameters())
 
@@ -139,31 +143,34 @@ def _check_recompute_and_bf16(path, groups, local) -> None:
     """Full activation recompute gives bit-identical gradients; bf16 parameters train and stay close to fp32."""
     from gtpo_megatron.megatron_adapter.policy import MegatronPolicy
 
-    kw = dict(loss_name="gtpo", aggregation="seq-mean-token-mean", clip_eps_low=0.2, clip_eps_high=0.2)
+    loss = _loss("seq-mean-token-mean")
     grads = []
-    for recompute in ({}, dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)):
-        policy = MegatronPolicy.from_pretrained(path, groups=groups, micro_batch_size=2, **recompute)
-        policy.forward_backward(local, **kw)
+    for recompute in ("none", "full"):
+        policy = MegatronPolicy.from_pretrained(model_section(path, recompute=recompute), groups=groups,
+                                                micro_batch_size=2)
+        policy.forward_backward(local, loss)
         grads.append([p.main_grad.clone() for p in policy.model.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*grads)), "activation recompute changed the gradient"
     fp32_logprobs, _ = policy.compute_logprobs(local)
-    bf16 = MegatronPolicy.from_pretrained(path, groups=groups, micro_batch_size=2, params_dtype=torch.bfloat16)
+    bf16 = MegatronPolicy.from_pretrained(model_section(path, params_dtype="bfloat16"), groups=groups,
+                                          micro_batch_size=2)
     logprobs, _ = bf16.compute_logprobs(local)
     assert logprobs.dtype == torch.float32
     assert (logprobs - fp32_logprobs).abs().max().item() < 0.05  # bf16 weights/activations, fp32 softmax
-    assert all(bf16.train_step(local, **kw)["skipped"] == 0.0 for _ in range(2))
+    assert all(bf16.train_step(local, loss)["skipped"] == 0.0 for _ in range(2))
 
 
 def _check_distributed_optimizer(path, groups, local) -> None:
     """Megatron's distributed optimizer (GPU default; sharded over DP) takes the same steps as the plain one."""
+    from gtpo_megatron.megatron_adapter.optimizer import OptimSettings
     from gtpo_megatron.megatron_adapter.policy import MegatronPolicy
 
     runs = []
     for distributed in (False, True):
-        policy = MegatronPolicy.from_pretrained(TINY_QWEN2, groups=groups, micro_batch_size=2, lr=1e-3,
-                                                use_distributed_optimizer=distributed)
-        steps = [policy.train_step(local, loss_name="gtpo", aggregation="seq-mean-token-mean", clip_eps_low=0.2,
-                                   clip_eps_high=0.2) for _ in range(2)]
+        optim = OptimSettings(lr=1e-3, use_distributed_optimizer=distributed)
+        policy = MegatronPolicy.from_pretrained(model_section(TINY_QWEN2), groups=groups, optim=optim,
+                                                micro_batch_size=2)
+        steps = [policy.train_step(local, _loss("seq-mean-token-mean")) for _ in range(2)]
         runs.append([(m["loss"], m["grad_norm"]) for m in steps])
     for (loss, norm), (loss_d, norm_d) in zip(*runs):
         assert abs(loss - loss_d) <= 1e-6 and abs(norm - norm_d) <= 1e-5 * norm, runs

@@ -14,7 +14,15 @@ import torch
 import torch.distributed as dist
 
 from gtpo_megatron.ops import compute_normalizer, get_policy_loss, vocab_parallel_logprobs_entropy
-from gtpo_megatron.parallel import global_mean, global_normalizer, reduce_metric_sums
+from gtpo_megatron.parallel import (
+    all_gather_rows,
+    any_rank,
+    broadcast_object,
+    global_mean,
+    global_normalizer,
+    reduce_metric_sums,
+    row_shard,
+)
 from tests.helpers.dist_harness import run_distributed
 from tests.helpers.references import ref_logprobs_entropy
 
@@ -90,6 +98,17 @@ def _dp_invariance(rank, world, group) -> None:
     torch.testing.assert_close(global_mean(seq_entropy[mine], group=group, mask=keep[mine]), expected)
 
 
+def _trainer_collectives(rank, world, group) -> None:
+    """The trainer's row gather, rollout broadcast and stop flag: every rank sees the same values."""
+    full = torch.arange(3 * world, dtype=torch.float32) / 7  # each rank's [3] share, gathered back in rank order
+    gathered = all_gather_rows(full[row_shard(3 * world, rank=rank, size=world)], group=group)
+    assert torch.equal(gathered, full)
+    assert broadcast_object({"step": 3} if rank == 0 else None, src=0, group=group) == {"step": 3}
+    assert any_rank(rank == world - 1, group=group) is True and any_rank(False, group=group) is False
+    empty = global_normalizer([torch.zeros(2, 3, dtype=torch.bool)], "token-mean", group=group)
+    assert empty.item() == 0.0  # no rank has a response token: the policy skips the step
+
+
 def _all_cases(rank: int, world: int) -> None:
     torch.manual_seed(0)
     group = dist.group.WORLD
@@ -103,6 +122,7 @@ def _all_cases(rank: int, world: int) -> None:
             for a, b in zip(unchunked, chunked):
                 torch.testing.assert_close(a, b, atol=1e-7, rtol=0)
     _dp_invariance(rank, world, group)
+    _trainer_collectives(rank, world, group)
     assert math.isfinite(float(global_normalizer([torch.ones(2, 2, dtype=torch.bool)], "token-mean", group=group)))
 
 

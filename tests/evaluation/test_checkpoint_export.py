@@ -10,7 +10,6 @@ resolution must reuse the folder.
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -27,6 +26,7 @@ pytestmark = pytest.mark.distributed
 def _train_and_save(rank: int, world_size: int, run_dir: str) -> None:
     from gtpo_megatron.build import build_policy
     from gtpo_megatron.config import load_config, save_config
+    from gtpo_megatron.ops import LossSpec
     from gtpo_megatron.parallel.groups import init_distributed
 
     cfg = load_config(None, [f"model={TINY_LLAMA}", f"output_dir={run_dir}", "model.params_dtype=float32",
@@ -34,8 +34,8 @@ def _train_and_save(rank: int, world_size: int, run_dir: str) -> None:
     if rank == 0:
         save_config(cfg, Path(run_dir) / "config.yaml")
     policy = build_policy(cfg, cfg.model.name_or_path, init_distributed(tp_size=2))
-    metrics = policy.train_step(make_batch(rows=4, seed=3), loss_name="gtpo", aggregation="seq-mean-token-mean",
-                                clip_eps_low=0.2, clip_eps_high=0.2)
+    loss = LossSpec(loss_name="gtpo", aggregation="seq-mean-token-mean", clip_eps_low=0.2, clip_eps_high=0.2)
+    metrics = policy.train_step(make_batch(rows=4, seed=3), loss)
     assert metrics["skipped"] == 0.0, metrics
     policy.save_checkpoint(f"{run_dir}/checkpoints/step_000001", {"step": 1})
     weights = {name: tensor.clone() for name, tensor in policy.iter_hf_weights()}
@@ -56,7 +56,7 @@ def test_export_run_checkpoint_to_hf(tmp_path):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from gtpo_megatron.assets import resolve_model_path
+    from gtpo_megatron.builtin_models import resolve_model_path
     from gtpo_megatron.evaluation.evaluate import resolve_hf_model
 
     run_dir = tmp_path / "run"

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from gtpo_megatron.assets import resolve_model_path
+from gtpo_megatron.builtin_models import resolve_model_path
 from gtpo_megatron.data.datasets import default_data_dir
 from gtpo_megatron.evaluation.cli import build_parser, config_from_args
 from gtpo_megatron.evaluation.evaluate import run_evaluation

@@ -19,6 +19,8 @@ import socket
 import pytest
 import torch
 
+from gtpo_megatron.config import ModelConfig
+from gtpo_megatron.ops import LossSpec
 from gtpo_megatron.rollout.types import TrainBatch
 from tests.gpu.report import record
 from tests.helpers.references import ref_policy_loss
@@ -33,11 +35,12 @@ QUESTIONS = [
     "Compute 3 * (4 + 5) - 6.",
 ]
 MEAN_MISMATCH_LIMIT = 0.05  # nats per token: bf16 vLLM kernels vs bf16 Megatron kernels on the same weights
+LOSS = LossSpec(loss_name="gtpo", aggregation="seq-mean-token-mean", clip_eps_low=0.2, clip_eps_high=0.2)
 
 
 @pytest.fixture(scope="module")
 def model_path() -> str:
-    from gtpo_megatron.assets import resolve_model_path
+    from gtpo_megatron.builtin_models import resolve_model_path
 
     return resolve_model_path(MODEL)
 
@@ -65,6 +68,7 @@ def engine(model_path: str):
 @pytest.fixture(scope="module")
 def policy(model_path: str):
     pytest.importorskip("megatron.core", reason="megatron-core is not installed")
+    from gtpo_megatron.megatron_adapter.optimizer import OptimSettings
     from gtpo_megatron.megatron_adapter.policy import MegatronPolicy
     from gtpo_megatron.parallel.groups import destroy_distributed, init_distributed
 
@@ -76,15 +80,16 @@ def policy(model_path: str):
         os.environ.setdefault(key, value)
     groups = init_distributed(tp_size=1, pp_size=1, backend="nccl")
     # lr 1e-3: one Adam step must move bf16 weights visibly (a 1e-6 step is below bf16 resolution)
-    yield MegatronPolicy.from_pretrained(model_path, groups=groups, params_dtype=torch.bfloat16, micro_batch_size=4,
-                                         logprob_chunk_size=512, lr=1e-3, clip_grad=1.0)  # fmt: skip
+    model = ModelConfig(name_or_path=model_path, params_dtype="bfloat16")
+    yield MegatronPolicy.from_pretrained(model, groups=groups, optim=OptimSettings(lr=1e-3, clip_grad=1.0),
+                                         micro_batch_size=4, logprob_chunk_size=512)  # fmt: skip
     destroy_distributed()
 
 
 @pytest.fixture(scope="module")
 def rollout_batch(engine, prompt_ids) -> TrainBatch:
+    from gtpo_megatron.rollout.batch import collate_completions
     from gtpo_megatron.rollout.engine import SamplingConfig
-    from gtpo_megatron.step_data import collate_completions
 
     groups = engine.generate(prompt_ids, 4, SamplingConfig(temperature=1.0, top_p=1.0, max_tokens=64, seed=0))
     return collate_completions(groups, pad_token_id=0)
@@ -98,7 +103,7 @@ def _with_advantages(batch: TrainBatch) -> TrainBatch:
 
 
 def test_vllm_logprobs_match_trainer(engine, policy, rollout_batch: TrainBatch) -> None:
-    from gtpo_megatron.step_data import mismatch_sums
+    from gtpo_megatron.rollout.batch import mismatch_sums
 
     trainer_logprobs, _ = policy.compute_logprobs(rollout_batch, temperature=1.0)
     sums = mismatch_sums(trainer_logprobs, rollout_batch.extras["rollout_logprobs"], rollout_batch.response_mask)
@@ -123,8 +128,7 @@ def test_megatron_train_step(policy, rollout_batch: TrainBatch) -> None:
     logprobs, _ = policy.compute_logprobs(batch)
     batch.old_logprobs = torch.where(batch.response_mask, logprobs + 0.1 * torch.randn_like(logprobs), 0.0)
     before = next(policy.model.parameters()).detach().clone()
-    metrics = policy.train_step(batch, loss_name="gtpo", aggregation="seq-mean-token-mean", clip_eps_low=0.2,
-                                clip_eps_high=0.2)  # fmt: skip
+    metrics = policy.train_step(batch, LOSS)
     lengths = batch.response_mask.sum(-1).tolist()
     starts = batch.response_mask.int().argmax(-1).tolist()
 
@@ -149,12 +153,11 @@ def test_megatron_train_step(policy, rollout_batch: TrainBatch) -> None:
 
 
 def test_weight_sync_makes_vllm_match_trainer(engine, policy, rollout_batch: TrainBatch, prompt_ids) -> None:
-    from gtpo_megatron.weight_sync.push import push_weights
+    from gtpo_megatron.rollout.push import push_weights
 
     batch = _with_advantages(rollout_batch)
     batch.old_logprobs = None
-    policy.train_step(batch, loss_name="gtpo", aggregation="seq-mean-token-mean", clip_eps_low=0.2,
-                      clip_eps_high=0.2)  # fmt: skip
+    policy.train_step(batch, LOSS)
     trainer_logprobs, _ = policy.compute_logprobs(batch)
     prompts, completions, trainer = [], [], []
     for row in range(batch.num_sequences):

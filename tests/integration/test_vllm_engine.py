@@ -15,10 +15,10 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from gtpo_megatron.assets import resolve_model_path
+from gtpo_megatron.builtin_models import resolve_model_path
 from gtpo_megatron.rollout.engine import SamplingConfig
+from gtpo_megatron.rollout.push import push_weights
 from gtpo_megatron.rollout.vllm_engine import VLLMEngine
-from gtpo_megatron.weight_sync.push import push_weights
 
 pytestmark = pytest.mark.integration
 

@@ -9,7 +9,6 @@ from gtpo_megatron.ops import (
     ADVANTAGE_ESTIMATOR_REGISTRY,
     compute_group_advantages,
     get_advantage_estimator,
-    nonuniform_group_mask,
     register_advantage_estimator,
 )
 from tests.helpers.references import ref_group_advantages
@@ -55,8 +54,3 @@ def test_registry_rules_and_errors():
         compute_group_advantages(torch.zeros(5), 2)
     with pytest.raises(ValueError, match=r"\[B\]"):
         compute_group_advantages(torch.zeros(2, 2), 2)
-
-
-def test_nonuniform_group_mask():
-    rewards = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.35, 0.35])
-    assert nonuniform_group_mask(rewards, 2).tolist() == [False, False, True, True, False, False]

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
-from gtpo_megatron.assets import cache_dir
+from gtpo_megatron.builtin_models import cache_dir
 from gtpo_megatron.plan.architectures import (
     KNOWN_ARCHITECTURES,
     architecture_from_hf_config,

@@ -26,6 +26,9 @@ def _layout(arch=LLAMA70B, **changes):
         (152064, 4, 152064),  # multiple of 512 already: 297 * 512
         (49152, 2, 49152),  # 192 * 256
         (49152, 3, 49152),  # 128 * 384
+        (49152, 1, 49152),  # the policy's cases (one owner: megatron_adapter.policy imports this function)
+        (49153, 2, 49408),
+        (151936, 4, 152064),
     ],
 )
 def test_padded_vocab_size(vocab: int, tp: int, expected: int) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gtpo_megatron.weight_sync.push import PushStats, iter_weight_buckets, push_weights
+from gtpo_megatron.rollout.push import PushStats, iter_weight_buckets, push_weights
 
 
 def _stream(sizes_bytes: list[int]) -> list[tuple[str, torch.Tensor]]:

@@ -94,8 +94,8 @@ class FakePolicy:
         entropy = torch.where(mask, 0.25 * (rows % 4), 0.0)
         return torch.where(mask, -1.0, 0.0), entropy
 
-    def train_step(self, batch, **kwargs):
-        self.train_batches.append((batch, kwargs))
+    def train_step(self, batch, loss):
+        self.train_batches.append((batch, loss))
         return {"loss": 0.5, "grad_norm": 1.0, "lr": 1e-5, "clip_frac": 0.0}
 
     def iter_hf_weights(self):

@@ -14,9 +14,9 @@ from gtpo_megatron.config import LoggingConfig, load_config
 from gtpo_megatron.data.datasets import load_problems
 from gtpo_megatron.data.loader import PromptLoader
 from gtpo_megatron.logging import MetricSink
-from gtpo_megatron.rollout_phase import RolloutCollector
-from gtpo_megatron.trainer import Trainer, list_checkpoints
-
+from gtpo_megatron.rollout.collector import RolloutCollector
+from gtpo_megatron.run_dir import list_checkpoints
+from gtpo_megatron.trainer import Trainer
 from tests.trainer.fakes import FakeEngine, FakePolicy, FakeRewardPool, FakeTokenizer, single_rank_groups
 
 CONTRACT_KEYS = {"reward/mean", "accuracy", "entropy/mean", "gtpo/filtered_frac", "gtpo/conflict_frac",
@@ -57,14 +57,14 @@ def test_step_phases_feed_the_policy_and_engine(tmp_path):
     trainer = _trainer(tmp_path)
     metrics = trainer.step(1)
     assert CONTRACT_KEYS <= set(metrics)
-    batch, kwargs = trainer.policy.train_batches[0]
+    batch, loss = trainer.policy.train_batches[0]
     # Completion texts alternate "9" (reward 1) / "0" (0): group_mean advantages +-0.5 minus 0.1 * <H>_i with
     # <H>_i = 0.25 * (row % 4) from the fake policy (GTPO_SPEC sections 2 and 4).
     entropy = 0.25 * (torch.arange(8) % 4).float()
     expected = torch.tensor([0.5, -0.5, 0.5, -0.5] * 2) - 0.1 * entropy
     torch.testing.assert_close(batch.advantages, expected)
     assert trainer.initial_entropy == pytest.approx(float(entropy.mean()))  # 0.375 <= ln 2: the filter is active
-    assert batch.old_logprobs is None and kwargs["loss_name"] == "gtpo" and kwargs["temperature"] == 0.9
+    assert batch.old_logprobs is None and loss.loss_name == "gtpo" and loss.temperature == 0.9
     assert metrics["accuracy"] == 0.5 and metrics["reward/mean"] == 0.5
     assert metrics["gtpo/filtered_frac"] == pytest.approx(2 / 8)  # rows with <H> = 0.75 > ln 2
     assert metrics["mismatch/abs_logprob_diff"] == pytest.approx(0.25)  # |-1 - (-1)| and |-1 - (-0.5)|
@@ -122,9 +122,9 @@ def test_dynamic_sampling_resamples_until_groups_vary(tmp_path):
     assert metrics["rollout/num_rounds"] == 2.0
     seeds = [call[2].seed for call in trainer.collector.engine.calls]
     assert seeds == [1000, 1001]
-    batch, kwargs = trainer.policy.train_batches[0]
+    batch, loss = trainer.policy.train_batches[0]
     assert batch.advantages.abs().min() > 0  # both chosen groups come from the varied second round
-    assert kwargs["aggregation"] == "token-mean" and kwargs["clip_eps_high"] == 0.28
+    assert loss.aggregation == "token-mean" and loss.clip_eps_high == 0.28
 
 
 class _RecordingEngine(FakeEngine):
@@ -138,9 +138,9 @@ class _RecordingPolicy(FakePolicy):
         self.events.append("compute_logprobs")
         return super().compute_logprobs(batch, temperature=temperature)
 
-    def train_step(self, batch, **kwargs):
+    def train_step(self, batch, loss):
         self.events.append("train_step")
-        return super().train_step(batch, **kwargs)
+        return super().train_step(batch, loss)
 
 
 def test_train_state_is_offloaded_around_the_rollout(tmp_path, monkeypatch):

@@ -1,20 +1,8 @@
-"""Typed, frozen run configuration: one root ``GTPOConfig`` made of sections (STYLE.md section 7).
+"""The config sections: frozen dataclasses that check their own fields, and the root ``GTPOConfig``.
 
 Each section is a frozen ``kw_only`` slotted dataclass that checks its own fields in ``__post_init__``;
 ``GTPOConfig.validate(world_size)`` does the cross-section arithmetic once the world size is known. Components receive
-their section, never the root. ``load_config(path, overrides)`` reads a complete YAML recipe plus dotted overrides
-(``algorithm.group_size=4``), applies the algorithm preset and coerces values to the annotated types;
-``save_config`` writes the resolved config back (``load_config`` of that file gives an equal config).
-
-The loader lives in ``gtpo_megatron.config_loader`` and is re-exported here.
-
-Shorthands: ``algorithm=NAME`` is ``algorithm.name=NAME``, ``data=NAME`` is ``data.source=NAME`` and
-``model=NAME`` is ``model.name_or_path=NAME``.
-
-Algorithm presets (GTPO_SPEC section 5): the fields in ``PRESET_FIELDS`` take the values of ``PRESETS[name]`` unless
-the user set them. Precedence, lowest first: preset < YAML < command-line overrides. When an override switches
-``algorithm.name`` away from the YAML's, the YAML's preset fields described the other algorithm and are dropped (a
-warning lists them); the YAML's other algorithm fields (group_size, ...) are kept.
+their section, never the root. Reading YAML is ``config/loader.py``'s job (this module does not import it).
 
 Every error is a ``ValueError`` that names the field, shows the value, states the rule and proposes a fix.
 """
@@ -24,8 +12,11 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field, fields
-from pathlib import Path
 from typing import Literal
+
+from gtpo_megatron.builtin_models import local_model_folder
+from gtpo_megatron.plan import layout
+from gtpo_megatron.plan.architectures import architecture_from_hf_config
 
 LN2 = math.log(2.0)
 
@@ -38,6 +29,8 @@ def _require(ok: bool, name: str, value: object, rule: str, fix: str) -> None:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ModelConfig:
+    """The model to train and how Megatron holds it (``model.*``)."""
+
     name_or_path: str
     """Local HF folder, hub name (online users) or ``builtin:smollm2-135m-instruct|tiny-llama|tiny-qwen2``."""
     params_dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
@@ -62,6 +55,8 @@ class ModelConfig:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ParallelConfig:
+    """Training parallelism and the distributed backend (``parallel.*``)."""
+
     tp_size: int = 1
     """Tensor-parallel size (shards heads, MLP and vocabulary)."""
     pp_size: int = 1
@@ -82,6 +77,8 @@ class ParallelConfig:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RolloutConfig:
+    """Sampling and the vLLM engine (``rollout.*``; GTPO_SPEC section 6 for the paper's values)."""
+
     placement: Literal["colocated", "separate"] = "colocated"
     """``colocated``: the engine shares the training devices and sleeps while the policy trains; ``separate``: the
     engine runs on devices of its own (outside the torchrun world) and never sleeps."""
@@ -98,7 +95,10 @@ class RolloutConfig:
     stop: tuple[str, ...] = ()
     """Extra stop strings (EOS always stops)."""
     seed: int = 0
-    """Sampling seed; step s uses seed + s so that resumed runs sample the same way."""
+    """Base sampling seed. Rollout round r of step s (r > 0 only with dynamic sampling) samples with
+    ``seed + 1000 * s + r``, and request i of that round with a seed derived from that value and i
+    (``rollout.vllm_engine.request_seed``); it is also the engine's own seed. A resumed run therefore samples exactly
+    as the original run did, given the same weights."""
     engine_tp_size: int = 1
     """vLLM tensor-parallel size."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
@@ -139,6 +139,8 @@ class RolloutConfig:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class AlgorithmConfig:
+    """The policy-optimisation algorithm: GTPO and its GRPO/DAPO/Dr. GRPO presets (``algorithm.*``)."""
+
     name: Literal["gtpo", "grpo", "dapo", "dr_grpo"] = "gtpo"
     """Policy loss and preset (GTPO_SPEC sections 1-5); unset fields take the preset of this name."""
     group_size: int = 8
@@ -154,9 +156,12 @@ class AlgorithmConfig:
     normalize_by_conflicts: bool = False
     """Divide completion i by max(1, n_i) as the authors' code does (section 3 parity switch)."""
     entropy_filter: Literal["off", "paper", "fixed"] = "paper"
-    """Entropy filter delta_i (section 4): ``paper`` (ln 2 rule with the initial entropy), ``fixed``, ``off``."""
+    """Entropy filter delta_i (section 4), with tau = ``entropy_threshold``: ``paper`` keeps every completion while
+    the first step's mean entropy <H>_ini exceeds tau and otherwise drops those with <H>_i > tau; ``fixed`` always
+    drops <H>_i > tau; ``off`` keeps all. Ties (<H>_i == tau) are kept."""
     entropy_threshold: float = LN2
-    """tau in nats for ``fixed`` (authors: 0.7 for Llama-3.1-8B); ``paper`` always uses ln 2."""
+    """tau in nats, used by both the ``paper`` and the ``fixed`` filter: ln 2 by default (the paper's rule); the
+    authors' code uses 0.7 for Llama-3.1-8B."""
     entropy_only_negative: bool = False
     """Filter only completions with A_i < 0 (paper ablation GTPO-OnlyNeg)."""
     entropy_penalty: float = 0.1
@@ -223,6 +228,8 @@ class AlgorithmConfig:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class OptimConfig:
+    """Adam, the learning-rate schedule and micro-batching (``optim.*``)."""
+
     lr: float = 1e-6
     """Peak AdamW learning rate (section 6: 1e-6)."""
     min_lr: float = 0.0
@@ -253,6 +260,8 @@ class OptimConfig:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class DataConfig:
+    """The problem set and its order (``data.*``)."""
+
     source: str = "synthetic"
     """``gsm8k|math500|aime24|aime25|amc23|math|synthetic`` or a Hugging Face dataset name."""
     path: str | None = None
@@ -274,6 +283,8 @@ class DataConfig:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RewardConfig:
+    """The reward function and its worker pool (``reward.*``)."""
+
     name: str = "paper"
     """Registered reward function (the paper's format+correctness scheme, section 6, or a binary math reward)."""
     num_workers: int = 2
@@ -288,6 +299,8 @@ class RewardConfig:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TrainerConfig:
+    """Length of the run, seed and log cadence (``trainer.*``)."""
+
     max_steps: int = 20
     """Training steps (one rollout batch each)."""
     seed: int = 0
@@ -302,6 +315,8 @@ class TrainerConfig:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class CheckpointConfig:
+    """When checkpoints are written and how many are kept (``checkpoint.*``)."""
+
     every_n_steps: int = 10
     """Save every N steps (and after the last step); 0 saves only at the end and on SIGTERM."""
     keep_last: int = 2
@@ -316,6 +331,8 @@ class CheckpointConfig:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class LoggingConfig:
+    """Metric mirrors: wandb and the progress bar (``logging.*``)."""
+
     wandb_mode: Literal["offline", "online", "disabled"] = "offline"
     """wandb mode; the environment variable WANDB_MODE wins when set. Offline needs no network."""
     wandb_project: str = "gtpo-megatron"
@@ -325,6 +342,8 @@ class LoggingConfig:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class GTPOConfig:
+    """The root config: the sections, the run folder and ``resume``; ``validate`` checks it for a world size."""
+
     model: ModelConfig
     output_dir: str
     """Run folder: config.yaml, metrics.jsonl, curves.png, checkpoints/."""
@@ -340,52 +359,37 @@ class GTPOConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
-    def dp_size(self, world_size: int) -> int:
-        """Data-parallel size of a ``world_size``-rank job (call ``validate`` first)."""
-        return world_size // (self.parallel.tp_size * self.parallel.pp_size)
-
     def validate(self, world_size: int, *, check_registries: bool = True) -> None:
         """Cross-section checks once the world size is known.
 
-        Checks tp*pp divides the world size, P*G divisible by dp and the per-rank share by the micro-batch size,
-        attention heads / KV heads / layers divisible by tp / pp when the model's config.json is local,
-        ``megatron_overrides`` keys against Megatron's ``TransformerConfig`` and, with ``check_registries``, the
-        advantage estimator and reward names against their registries (imports torch, megatron and the rewards).
+        The planner's rules (``plan.layout``): tp*pp divides the world size, P*G splits over dp and the per-rank
+        share into micro-batches, and, when the model's config.json is local, tp divides the attention heads and
+        KV heads (unless ``model.pad_attention_heads``) and pp the layers. Then prompt + completion fit the model's
+        ``max_position_embeddings``, ``megatron_overrides`` keys are fields of Megatron's ``TransformerConfig`` and,
+        with ``check_registries``, the advantage estimator and reward names are registered (imports torch,
+        megatron and the rewards).
 
         Raises:
-            ValueError: naming the fields, the values, the rule and a fix.
+            ValueError: naming the fields, the values, the rule and a fix (every layout problem at once).
         """
         tp, pp = self.parallel.tp_size, self.parallel.pp_size
-        _require(world_size >= 1 and world_size % (tp * pp) == 0, "parallel.tp_size*parallel.pp_size",
-                 f"{tp}*{pp} with world size {world_size}", "tp_size*pp_size must divide the world size",
-                 f"launch a multiple of {tp * pp} ranks or change tp_size/pp_size")
-        dp = world_size // (tp * pp)
-        batch = self.rollout.num_prompts * self.algorithm.group_size
-        per_rank = batch // dp
-        prompt_multiple = dp // math.gcd(dp, self.algorithm.group_size)
-        _require(batch % dp == 0, "rollout.num_prompts*algorithm.group_size", f"{batch} with dp_size={dp}",
-                 "the batch must split evenly over data-parallel ranks",
-                 f"use rollout.num_prompts={_round_up(self.rollout.num_prompts, prompt_multiple)}")
-        _require(per_rank % self.optim.micro_batch_size == 0, "optim.micro_batch_size",
-                 f"{self.optim.micro_batch_size} with {per_rank} sequences per data-parallel rank",
-                 "must divide the per-rank batch", "use 1 or a divisor of the per-rank batch")
-        self._validate_model_shape(tp, pp)
+        dp = max(world_size // (tp * pp), 1)
+        problems = layout.world_problems(world_size, tp_size=tp, pp_size=pp, described=f"the world size {world_size}",
+                                         launch=f"a multiple of {tp * pp} ranks")
+        problems += layout.batch_problems(num_prompts=self.rollout.num_prompts, group_size=self.algorithm.group_size,
+                                          dp_size=dp, micro_batch_size=self.optim.micro_batch_size)
+        hf = read_hf_config(self.model.name_or_path)
+        if hf is not None:
+            arch = architecture_from_hf_config(hf, name=self.model.name_or_path)
+            problems += layout.model_problems(arch, tp_size=tp, pp_size=pp,
+                                              pad_attention_heads=self.model.pad_attention_heads)
+        layout.raise_problems(problems)
+        if hf is not None:
+            self._validate_sequence_length(hf.get("max_position_embeddings"))
         if check_registries:
             self._validate_registries()
 
-    def _validate_model_shape(self, tp: int, pp: int) -> None:
-        hf = read_hf_config(self.model.name_or_path)
-        if hf is None:
-            return
-        checks = [("num_hidden_layers", pp, "pp_size")]
-        if not self.model.pad_attention_heads:
-            checks += [("num_attention_heads", tp, "tp_size"), ("num_key_value_heads", tp, "tp_size")]
-        for key, size, axis in checks:
-            value = hf.get(key)
-            fix = f"choose a divisor of {value}" + ("" if axis == "pp_size" else " or set model.pad_attention_heads=true")
-            _require(value is None or value % size == 0, f"parallel.{axis}", size,
-                     f"must divide the model's {key}={value}", fix)
-        max_pos = hf.get("max_position_embeddings")
+    def _validate_sequence_length(self, max_pos: int | None) -> None:
         total = self.rollout.max_prompt_len + self.rollout.max_tokens
         _require(max_pos is None or total <= max_pos, "rollout.max_prompt_len+rollout.max_tokens", total,
                  f"must not exceed the model's max_position_embeddings={max_pos}", "shorten prompts or completions")
@@ -404,29 +408,7 @@ class GTPOConfig:
         registry.get_reward(self.reward.name)
 
 
-def _round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
-
-
 def read_hf_config(name_or_path: str) -> dict | None:
     """The model's ``config.json`` as a dict when it is on local disk (built-ins: once materialised), else None."""
-    from gtpo_megatron import assets
-
-    if name_or_path.startswith(assets.BUILTIN_PREFIX):
-        folder = assets.cache_dir() / name_or_path[len(assets.BUILTIN_PREFIX):]
-    else:
-        folder = Path(name_or_path)
-    path = folder / "config.json"
+    path = local_model_folder(name_or_path) / "config.json"
     return json.loads(path.read_text()) if path.is_file() else None
-
-
-
-
-
-from gtpo_megatron.config_loader import PRESETS, config_to_dict, load_config, save_config  # noqa: E402
-
-__all__ = [
-    "AlgorithmConfig", "CheckpointConfig", "DataConfig", "GTPOConfig", "LoggingConfig", "ModelConfig", "OptimConfig",
-    "ParallelConfig", "PRESETS", "RewardConfig", "RolloutConfig", "TrainerConfig", "config_to_dict", "load_config",
-    "read_hf_config", "save_config",
-]

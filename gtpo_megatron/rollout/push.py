@@ -1,6 +1,6 @@
 """Push trainer weights into a rollout engine in byte-bounded buckets (I/O only; no name mapping, no math).
 
-The input is the stream that ``weight_sync.gather`` yields: ``(hf_name, full_tensor)`` pairs in Hugging Face
+The input is the stream that ``megatron_adapter.hf_stream`` yields: ``(hf_name, full_tensor)`` pairs in Hugging Face
 (vLLM checkpoint) naming, already TP-gathered, PP-broadcast, vocab-trimmed and split out of fused QKV / gate-up.
 ``push_weights`` groups the stream into buckets of at most ``bucket_bytes`` (a single tensor larger than the budget
 travels alone), hands each bucket to ``RolloutEngine.load_weight_bucket`` between ``begin_weight_update`` and

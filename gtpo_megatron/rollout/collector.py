@@ -3,7 +3,7 @@
 ``RolloutCollector.collect(step)`` draws prompts from the resumable loader, samples G completions each with the
 rollout engine, scores them in the reward pool and, with DAPO dynamic sampling (GTPO_SPEC section 5), repeats
 with fresh prompts until ``num_prompts`` groups with varied rewards are found or ``dynamic_sampling_max_rounds`` is
-reached (then uniform groups fill the batch, see ``step_data.choose_groups``). The result is a plain picklable
+reached (then uniform groups fill the batch, see ``data.sampling.choose_groups``). The result is a plain picklable
 ``StepRollout`` that the trainer broadcasts to every rank.
 
 Sampling seeds are ``rollout.seed + 1000 * step + round``, so a resumed run samples exactly like the original one
@@ -21,10 +21,9 @@ import torch
 from gtpo_megatron.config import AlgorithmConfig, RolloutConfig
 from gtpo_megatron.data.loader import PromptLoader
 from gtpo_megatron.data.prompts import build_prompt_ids
-from gtpo_megatron.data.sampling import filter_uniform_groups
+from gtpo_megatron.data.sampling import choose_groups, filter_uniform_groups, shape_rewards
 from gtpo_megatron.rollout.engine import RolloutEngine, SamplingConfig
 from gtpo_megatron.rollout.types import PromptCompletions
-from gtpo_megatron.step_data import choose_groups, shape_rewards
 
 _SEEDS_PER_STEP = 1000
 

@@ -1,6 +1,16 @@
 """YAML recipes + dotted overrides -> ``GTPOConfig`` (presets, shorthands, coercion, "did you mean" errors).
 
-See ``gtpo_megatron.config`` for the precedence rules; import ``load_config``/``save_config`` from there.
+``load_config(path, overrides)`` reads a complete YAML recipe plus dotted overrides (``algorithm.group_size=4``),
+applies the algorithm preset and coerces values to the annotated types; ``save_config`` writes the resolved config
+back (``load_config`` of that file gives an equal config).
+
+Shorthands: ``algorithm=NAME`` is ``algorithm.name=NAME``, ``data=NAME`` is ``data.source=NAME`` and
+``model=NAME`` is ``model.name_or_path=NAME``.
+
+Algorithm presets (GTPO_SPEC section 5): the fields in ``PRESET_FIELDS`` take the values of ``PRESETS[name]`` unless
+the user set them. Precedence, lowest first: preset < YAML < command-line overrides. When an override switches
+``algorithm.name`` away from the YAML's, the YAML's preset fields described the other algorithm and are dropped (a
+warning lists them); the YAML's other algorithm fields (group_size, ...) are kept.
 """
 
 from __future__ import annotations
@@ -15,8 +25,7 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
-from gtpo_megatron.config import GTPOConfig, RolloutConfig
-
+from gtpo_megatron.config.sections import GTPOConfig, RolloutConfig
 
 PRESETS: dict[str, dict[str, object]] = {
     "gtpo": dict(advantage_estimator="group_mean", conflict_mode="prefix_suffix", entropy_filter="paper",
@@ -64,7 +73,8 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
             del algorithm[key]
         if dropped:
             warnings.warn(f"algorithm.name={name!r} (was {yaml_name!r} in the YAML): the YAML's {dropped} are "
-                          f"replaced by the {name} preset; override them on the command line to keep them")
+                          f"replaced by the {name} preset; override them on the command line to keep them",
+                          stacklevel=2)
     raw["algorithm"] = {**_preset(name, raw), **algorithm}
     return _build(GTPOConfig, raw, "")
 

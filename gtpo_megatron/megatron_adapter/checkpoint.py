@@ -1,14 +1,15 @@
-"""Save/load a ``MegatronPolicy`` (model, optimizer, LR schedule, RNG) plus trainer state with
-``megatron.core.dist_checkpointing``.
+"""Save/load a ``MegatronPolicy`` (model, optimizer, LR schedule, RNG) and trainer state: Megatron dist checkpoints.
 
-Layout of a run's checkpoint folder::
+``megatron.core.dist_checkpointing`` writes and reads the sharded state. Layout of a run's checkpoint folder (names
+owned by ``run_dir``)::
 
     <root>/step_000010/         one dist checkpoint (Megatron's format: sharded tensors + common.pt)
     <root>/latest               text file holding the name of the newest complete checkpoint folder
 
-Atomicity: every rank writes into ``<root>/.<name>.tmp``; after a barrier global rank 0 renames it to
-``<root>/<name>`` and then replaces ``latest`` (write-to-temp + ``os.replace``). A killed save therefore leaves at
-most a stale ``.tmp`` folder (removed by the next save of the same name) and never a dangling ``latest``.
+Atomicity: every rank writes into ``run_dir.temporary_dir(<root>/<name>)``; after a barrier global rank 0 renames
+it to ``<root>/<name>`` and then replaces ``latest`` (``run_dir.write_latest``: write-to-temp + ``os.replace``). A
+killed save therefore leaves at most a stale ``.tmp`` folder (removed by the next save of the same name) and never
+a dangling ``latest``.
 
 Resharding: model and optimizer tensors are saved as Megatron ``ShardedTensor`` s in the model's global layout
 (the distributed optimizer in its ``fully_reshardable`` format), so a checkpoint written with one TP/PP/DP layout
@@ -23,18 +24,23 @@ import os
 import random
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from gtpo_megatron.run_dir import resolve_checkpoint_dir, temporary_dir, write_latest
+
+if TYPE_CHECKING:
+    from gtpo_megatron.parallel.groups import ParallelGroups
+
 logger = logging.getLogger(__name__)
 
-LATEST_FILE = "latest"
 _OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
-def _layout(groups) -> dict[str, int]:
+def _layout(groups: ParallelGroups) -> dict[str, int]:
     return {"tp_size": groups.tp_size, "pp_size": groups.pp_size, "dp_size": groups.dp_size}
 
 
@@ -60,11 +66,12 @@ def _set_rng_state(state: dict) -> None:
 
 
 def _check_loadable(optimizer) -> None:
-    """Refuse a load that megatron-core 0.16.1 cannot perform, with the remedy.
+    """Refuse a load that megatron-core (0.16.1 and 0.19.2 alike) cannot perform, with the remedy.
 
     Without Apex or Transformer Engine (always the case on CPU) the distributed optimizer wraps ``torch.optim.Adam``,
-    whose per-parameter ``step`` state breaks ``DistributedOptimizer.load_state_dict`` for the reshardable formats
-    (``KeyError: 'step'`` in ``_set_main_param_and_optimizer_states``). Saving works; loading does not.
+    whose lazily created per-parameter ``step`` state breaks loading the reshardable formats (``state_dict``'s
+    ``assert len(steps) == 1`` on a fresh optimizer; ``KeyError: 'step'`` in ``_set_main_param_and_optimizer_states``).
+    Saving works; loading does not.
 
     Raises:
         RuntimeError: distributed optimizer without Apex/TE.
@@ -75,7 +82,7 @@ def _check_loadable(optimizer) -> None:
     if not HAVE_APEX_OR_TE and any(isinstance(inner, DistributedOptimizer) for inner in inners):
         raise RuntimeError(
             "loading a checkpoint into Megatron's distributed optimizer needs Apex or Transformer Engine "
-            "(megatron-core 0.16.1 fails on torch Adam's 'step' state); build the policy with "
+            "(megatron-core fails on torch Adam's 'step' state); build the policy with "
             "use_distributed_optimizer=False (the CPU default), which loads any checkpoint of this project"
         )
 
@@ -97,20 +104,6 @@ def _sharded_state_dict(policy, *, is_loading: bool, rng: dict | None) -> dict:
     return state
 
 
-def resolve_checkpoint_dir(path: str | Path) -> Path:
-    """``path`` itself if it is a checkpoint folder, else the folder named by ``path/latest``.
-
-    Raises:
-        ValueError: ``path`` is neither a checkpoint folder nor a root with a ``latest`` file.
-    """
-    path = Path(path)
-    if (path / "common.pt").exists() or (path / "metadata.json").exists():
-        return path
-    if (path / LATEST_FILE).exists():
-        return path / (path / LATEST_FILE).read_text().strip()
-    raise ValueError(f"checkpoint path={str(path)!r} holds no checkpoint and no {LATEST_FILE!r} file")
-
-
 def save_checkpoint(path: str | Path, policy, trainer_state: dict) -> Path:
     """Save ``policy`` and ``trainer_state`` to the checkpoint folder ``path``; all ranks call.
 
@@ -126,7 +119,7 @@ def save_checkpoint(path: str | Path, policy, trainer_state: dict) -> Path:
     from gtpo_megatron.megatron_adapter.cpu_compat import cuda_to_cpu_mode
 
     final = Path(path)
-    tmp = final.parent / f".{final.name}.tmp"
+    tmp = temporary_dir(final)
     world = dist.group.WORLD
     if policy.groups.rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -142,9 +135,7 @@ def save_checkpoint(path: str | Path, policy, trainer_state: dict) -> Path:
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
-        pointer = final.parent / f".{LATEST_FILE}.tmp"
-        pointer.write_text(final.name)
-        os.replace(pointer, final.parent / LATEST_FILE)
+        write_latest(final)
     dist.barrier(group=world)
     return final
 
@@ -155,7 +146,7 @@ def load_checkpoint(path: str | Path, policy) -> dict:
     Works across TP/PP/DP layouts (module docstring). All ranks call.
 
     Raises:
-        ValueError: see ``resolve_checkpoint_dir``.
+        ValueError: see ``run_dir.resolve_checkpoint_dir``.
         RuntimeError: see ``_check_loadable`` (distributed optimizer without Apex/TE).
     """
     from megatron.core import dist_checkpointing

@@ -22,6 +22,7 @@ All ranks of the model-parallel group must drain the generator to the end (the c
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -35,6 +36,9 @@ from gtpo_megatron.megatron_adapter.hf_conversion import (
     param_mapping,
     stage_layer_offset,
 )
+
+if TYPE_CHECKING:
+    from gtpo_megatron.parallel.groups import ParallelGroups
 
 
 def _stage_entries(model, geometry: ModelGeometry) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
@@ -56,7 +60,7 @@ def _gather_tp(param: torch.Tensor, mapping: ParamMapping, tp_group, tp_size: in
     return shards
 
 
-def iter_hf_weights(model, geometry: ModelGeometry, groups) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_hf_weights(model, geometry: ModelGeometry, groups: ParallelGroups) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, full_tensor)`` for every HF weight of the model, on every model-parallel rank.
 
     Args:
@@ -82,7 +86,7 @@ def iter_hf_weights(model, geometry: ModelGeometry, groups) -> Iterator[tuple[st
             yield from _emit(name, shard_shape, dtype, stage, by_global, geometry, groups, device)
 
 
-def _emit(name, shard_shape, dtype, stage, by_global, geometry, groups, device):
+def _emit(name, shard_shape, dtype, stage, by_global, geometry, groups: ParallelGroups, device):
     """Produce one Megatron parameter's HF tensors on stage ``stage`` and share them with the other stages."""
     mapping = param_mapping(name, geometry)
     if stage == groups.pp_rank:

@@ -1,4 +1,4 @@
-"""Local model assets: resolve a model name to a Hugging Face folder without touching a hub.
+"""Built-in models, materialised locally: resolve a model name to a Hugging Face folder without touching a hub.
 
 Built-in names (materialised once into a cache folder, atomically):
 - ``builtin:smollm2-135m-instruct``: SmolLM2-135M-Instruct, dequantised to fp32 from the Q4_1 GGUF that the
@@ -30,6 +30,13 @@ def cache_dir() -> Path:
     return Path(os.environ.get("GTPO_CACHE_DIR", Path.home() / ".cache" / "gtpo_megatron"))
 
 
+def local_model_folder(name_or_path: str) -> Path:
+    """The folder ``name_or_path`` designates, without building anything: a built-in's cache folder, else the path."""
+    if name_or_path.startswith(BUILTIN_PREFIX):
+        return cache_dir() / name_or_path[len(BUILTIN_PREFIX):]
+    return Path(name_or_path)
+
+
 def resolve_model_path(name_or_path: str) -> str:
     """Return a loadable HF folder (or hub name) for ``name_or_path``, building built-ins on first use.
 
@@ -41,7 +48,7 @@ def resolve_model_path(name_or_path: str) -> str:
         return name_or_path
     check_model(name_or_path)
     name = name_or_path[len(BUILTIN_PREFIX) :]
-    target = cache_dir() / name
+    target = local_model_folder(name_or_path)
     if not (target / "config.json").exists():
         builder = _build_smollm2 if name == _SMOLLM2 else (lambda out: _build_tiny(out, _TINY[name]))
         _atomic_build(target, builder)

@@ -1,0 +1,110 @@
+"""One step's GTPO weights (advantages, the entropy filter, conflict weights) and the step objective's spec.
+
+GTPO_SPEC sections 2-4 composed from ``ops`` (the math) on the whole step batch: lambda and delta are computed on
+complete groups before the batch is split over data-parallel ranks (section 8). Pure functions of tensors and the
+algorithm section (no collectives, no I/O), called by ``trainer.py``.
+
+Dimension legend: P prompts, G group size, B = P*G rows laid out group by group, S padded prompt+response length.
+Per-token tensors use the ``TrainBatch`` layout: column ``s`` describes the prediction of ``input_ids[:, s]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from gtpo_megatron.config import AlgorithmConfig, RolloutConfig
+from gtpo_megatron.data.sampling import filter_uniform_groups
+from gtpo_megatron.ops import (
+    LossSpec,
+    apply_entropy_penalty,
+    build_conflict_weights,
+    compute_group_advantages,
+    conflict_normalizers,
+    entropy_keep_mask,
+)
+from gtpo_megatron.rollout.types import TrainBatch
+
+
+@dataclass
+class StepWeights:
+    """Per-sequence and per-token quantities of one step's full batch.
+
+    Attributes:
+        raw_advantages: ``[B]`` fp32 group-relative advantages A_i (GTPO_SPEC section 2).
+        advantages: ``[B]`` fp32 advantages used by the loss (A_i - gamma <H>_i, section 4).
+        keep_mask: ``[B]`` bool delta_i (True = completion enters the loss).
+        conflict_weights: ``[B, S]`` fp32 lambda before the filter (section 3), 0 off the response.
+        token_weights: ``[B, S]`` fp32 lambda * delta_i (and overlong filtering), 0 off the response.
+    """
+
+    raw_advantages: torch.Tensor
+    advantages: torch.Tensor
+    keep_mask: torch.Tensor
+    conflict_weights: torch.Tensor
+    token_weights: torch.Tensor
+
+
+def compute_step_weights(batch: TrainBatch, rewards: torch.Tensor, seq_entropy: torch.Tensor, cfg: AlgorithmConfig,
+                         *, initial_entropy: float | None) -> StepWeights:
+    """Advantages, the entropy filter and conflict weights of the full batch (GTPO_SPEC sections 2-4).
+
+    Args:
+        batch: the full (unsharded) step batch from ``collate_completions``.
+        rewards: ``[B]`` shaped rewards.
+        seq_entropy: ``[B]`` per-completion mean entropy <H>_i in nats (global, gathered over data-parallel ranks).
+        cfg: algorithm section.
+        initial_entropy: <H>_ini for the ``paper`` filter (None for the other modes).
+    """
+    group_size = cfg.group_size
+    raw_B = compute_group_advantages(rewards, group_size, estimator=cfg.advantage_estimator)
+    keep_B = entropy_keep_mask(seq_entropy, mode=cfg.entropy_filter, threshold=cfg.entropy_threshold,
+                               initial_entropy=initial_entropy, advantages=raw_B,
+                               only_negative=cfg.entropy_only_negative)
+    if cfg.skip_uniform_groups:
+        keep_B = keep_B & filter_uniform_groups(rewards, group_size).repeat_interleave(group_size)
+    conflict_adv_B = raw_B * keep_B if cfg.exclude_filtered_from_conflicts else raw_B
+    ids, mask = batch.input_ids, batch.response_mask
+    if cfg.conflict_mode == "off":
+        lambda_BS = mask.float()
+    else:
+        lambda_BS = build_conflict_weights(ids, mask, conflict_adv_B, group_size,
+                                           amplification=cfg.conflict_amplification, mode=cfg.conflict_mode,
+                                           overlap=cfg.conflict_overlap)
+        if cfg.normalize_by_conflicts:
+            lambda_BS = lambda_BS / conflict_normalizers(ids, mask, conflict_adv_B, group_size,
+                                                         mode=cfg.conflict_mode).unsqueeze(-1)
+    row_keep_B = keep_B & ~batch.extras["truncated"] if cfg.overlong_filter else keep_B
+    advantages_B = apply_entropy_penalty(raw_B, seq_entropy, cfg.entropy_penalty)
+    return StepWeights(raw_advantages=raw_B, advantages=advantages_B, keep_mask=keep_B,
+                       conflict_weights=lambda_BS, token_weights=lambda_BS * row_keep_B.unsqueeze(-1))
+
+
+def weight_metrics(weights: StepWeights, response_mask: torch.Tensor) -> dict[str, float]:
+    """Filter and conflict fractions of the full batch.
+
+    ``gtpo/conflict_frac_pos``: response tokens of A > 0 completions whose lambda differs from 1 (amplified);
+    ``gtpo/conflict_frac_neg``: response tokens of A < 0 completions with lambda = 0; both over all response
+    tokens, and ``gtpo/conflict_frac`` is their sum. ``gtpo/filtered_frac``: completions with delta = 0.
+    """
+    num_tokens = response_mask.sum().clamp(min=1).float()
+    lam = weights.conflict_weights
+    pos = response_mask & (weights.raw_advantages > 0).unsqueeze(-1) & (lam != 1)
+    neg = response_mask & (weights.raw_advantages < 0).unsqueeze(-1) & (lam == 0)
+    frac_pos, frac_neg = float(pos.sum() / num_tokens), float(neg.sum() / num_tokens)
+    return {"gtpo/filtered_frac": float((~weights.keep_mask).float().mean()),
+            "gtpo/conflict_frac": frac_pos + frac_neg, "gtpo/conflict_frac_pos": frac_pos,
+            "gtpo/conflict_frac_neg": frac_neg, "advantage/abs_mean": float(weights.advantages.abs().mean())}
+
+
+def build_loss_spec(algorithm: AlgorithmConfig, rollout: RolloutConfig) -> LossSpec:
+    """The step objective of ``algorithm`` (GTPO_SPEC sections 1 and 5) as the policy receives it.
+
+    The log-probs are taken at the sampling temperature (``rollout.temperature``), so pi_theta is the distribution
+    the completions were drawn from; Dr. GRPO's constant normaliser uses L = ``rollout.max_tokens``.
+    """
+    return LossSpec(loss_name=algorithm.name, aggregation=algorithm.aggregation, clip_eps_low=algorithm.clip_eps_low,
+                    clip_eps_high=algorithm.clip_eps_high, kl_coef=algorithm.kl_coef,
+                    kl_estimator=algorithm.kl_estimator, temperature=rollout.temperature,
+                    max_response_length=rollout.max_tokens if algorithm.name == "dr_grpo" else None)

@@ -1,0 +1,158 @@
+"""Run folder and checkpoint naming: the one owner of every path a run writes or reads back (torch-free).
+
+A run folder (``output_dir``) holds::
+
+    config.yaml                      the resolved config (``train.py``)
+    metrics.jsonl                    one JSON object per step (``logging.MetricSink``)
+    curves.png                       reward, accuracy and entropy curves (``trainer.py``)
+    checkpoints/step_000010/         one Megatron dist checkpoint per saved step (``megatron_adapter.checkpoint``)
+    checkpoints/.step_000010.tmp/    a save in progress, renamed into place when complete
+    checkpoints/latest               text file: the name of the newest complete checkpoint folder
+    checkpoints/step_000010/hf/      its Hugging Face export, made on demand (``evaluation.checkpoint_export``)
+
+Checkpoint folders are named ``step_`` plus the 1-based step number on six digits; only folders named that way
+count as checkpoints (temporary folders never do).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+CONFIG_FILE = "config.yaml"
+METRICS_FILE = "metrics.jsonl"
+CURVES_FILE = "curves.png"
+CHECKPOINTS_DIR = "checkpoints"
+CHECKPOINT_PREFIX = "step_"
+LATEST_FILE = "latest"
+HF_SUBDIR = "hf"
+
+
+def config_path(output_dir: str | Path) -> Path:
+    """``output_dir/config.yaml``: the resolved config of the run."""
+    return Path(output_dir) / CONFIG_FILE
+
+
+def metrics_path(output_dir: str | Path) -> Path:
+    """``output_dir/metrics.jsonl``: one JSON object per step."""
+    return Path(output_dir) / METRICS_FILE
+
+
+def curves_path(output_dir: str | Path) -> Path:
+    """``output_dir/curves.png``: the training curves."""
+    return Path(output_dir) / CURVES_FILE
+
+
+def checkpoints_dir(output_dir: str | Path) -> Path:
+    """``output_dir/checkpoints``: the root of the run's checkpoint folders."""
+    return Path(output_dir) / CHECKPOINTS_DIR
+
+
+def checkpoint_dir(output_dir: str | Path, step: int) -> Path:
+    """``output_dir/checkpoints/step_NNNNNN``: the checkpoint folder of (1-based) ``step``."""
+    return checkpoints_dir(output_dir) / f"{CHECKPOINT_PREFIX}{step:06d}"
+
+
+def checkpoint_step(folder: str | Path) -> int:
+    """The step number in a checkpoint folder's name (``step_000010`` -> 10).
+
+    Raises:
+        ValueError: the name is not ``step_`` followed by digits.
+    """
+    name = Path(folder).name
+    digits = name[len(CHECKPOINT_PREFIX):]
+    if not name.startswith(CHECKPOINT_PREFIX) or not digits.isdigit():
+        raise ValueError(f"checkpoint folder {name!r} is not named {CHECKPOINT_PREFIX}<step>, e.g. step_000010")
+    return int(digits)
+
+
+def temporary_dir(final: str | Path) -> Path:
+    """The sibling folder a checkpoint is written into before it is renamed to ``final`` (``.<name>.tmp``)."""
+    final = Path(final)
+    return final.parent / f".{final.name}.tmp"
+
+
+def list_checkpoints(folder: str | Path) -> list[Path]:
+    """Complete checkpoint folders ``step_NNNNNN`` in the checkpoint root ``folder``, oldest first."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    return sorted(p for p in folder.iterdir() if p.is_dir() and p.name.startswith(CHECKPOINT_PREFIX)
+                  and p.name[len(CHECKPOINT_PREFIX):].isdigit())
+
+
+def check_fresh_run(output_dir: str | Path, *, resume: bool) -> None:
+    """A fresh run (``resume=false``) never writes over an earlier run's checkpoints and metrics.
+
+    Raises:
+        ValueError: ``output_dir`` holds a checkpoint and ``resume`` is False (names both fixes).
+    """
+    earlier = list_checkpoints(checkpoints_dir(output_dir))
+    if not resume and earlier:
+        raise ValueError(
+            f"output_dir={str(output_dir)!r} holds checkpoints of an earlier run (last: {earlier[-1].name}); "
+            "pass resume=true to continue it or output_dir=<new folder> to start a new run"
+        )
+
+
+def write_latest(final: str | Path) -> None:
+    """Point the ``latest`` file of ``final``'s checkpoint root at ``final`` (write to a temporary, then rename)."""
+    final = Path(final)
+    pointer = final.parent / f".{LATEST_FILE}.tmp"
+    pointer.write_text(final.name)
+    os.replace(pointer, final.parent / LATEST_FILE)
+
+
+def resolve_checkpoint_dir(path: str | Path) -> Path:
+    """``path`` itself if it is a checkpoint folder, else the folder named by ``path/latest``.
+
+    Raises:
+        ValueError: ``path`` is neither a checkpoint folder nor a root with a ``latest`` file.
+    """
+    path = Path(path)
+    if (path / "common.pt").exists() or (path / "metadata.json").exists():
+        return path
+    if (path / LATEST_FILE).exists():
+        return path / (path / LATEST_FILE).read_text().strip()
+    raise ValueError(f"checkpoint path={str(path)!r} holds no checkpoint and no {LATEST_FILE!r} file")
+
+
+def is_megatron_checkpoint(path: str | Path) -> bool:
+    """True when ``path`` is a step folder, a ``checkpoints/`` root with ``latest``, or a run dir holding one."""
+    path = Path(path)
+    if not path.is_dir():
+        return False
+    return ((path / "common.pt").exists() or (path / "metadata.json").exists() or (path / LATEST_FILE).exists()
+            or ((path / CONFIG_FILE).exists() and (path / CHECKPOINTS_DIR / LATEST_FILE).exists()))
+
+
+def resolve_step_dir(path: str | Path) -> Path:
+    """The checkpoint step folder that ``path`` (step folder, ``checkpoints/`` root or run dir) designates.
+
+    Raises:
+        ValueError: ``path`` is none of the three (names the path and what was looked for).
+    """
+    path = Path(path)
+    if (path / CONFIG_FILE).exists() and (path / CHECKPOINTS_DIR).is_dir():
+        path = path / CHECKPOINTS_DIR
+    return resolve_checkpoint_dir(path)
+
+
+def run_config_path(step_dir: str | Path) -> Path:
+    """``RUN_DIR/config.yaml`` of a step folder ``RUN_DIR/checkpoints/step_NNNNNN``.
+
+    Raises:
+        FileNotFoundError: no ``config.yaml`` two levels up (the checkpoint was moved out of its run dir).
+    """
+    step_dir = Path(step_dir)
+    config = step_dir.resolve().parent.parent / CONFIG_FILE
+    if not config.is_file():
+        raise FileNotFoundError(
+            f"{config} not found: the checkpoint {step_dir} must sit at RUN_DIR/checkpoints/<step>/ next to the "
+            f"run's {CONFIG_FILE} (it names the base model); copy the run's {CONFIG_FILE} there")
+    return config
+
+
+def hf_export_dir(step_dir: str | Path) -> Path:
+    """``<step dir>/hf``: where a checkpoint's Hugging Face export goes by default."""
+    return Path(step_dir) / HF_SUBDIR

@@ -1,0 +1,174 @@
+"""The package's import graph read from its source (``ast``; nothing is imported), and the layer order it must keep.
+
+An edge ``a -> b`` is an ``import``/``from ... import`` of package module ``b`` anywhere in module ``a`` (module
+level or lazily inside a function); ``from pkg import name`` points at ``pkg.name`` when that is a module, else at
+``pkg``. Imports under ``if TYPE_CHECKING:`` are annotations only and are kept apart (``Imports.type_only``).
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass, field
+from pathlib import Path
+
+PACKAGE = "gtpo_megatron"
+
+# Lowest layer first (STYLE.md section 2, refined): a module may import its own layer and the layers below it.
+# Each layer lists module prefixes; the longest matching prefix decides.
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("ops: torch math", ("gtpo_megatron.ops",)),
+    ("torch-free helpers", ("gtpo_megatron.builtin_models", "gtpo_megatron.run_dir", "gtpo_megatron.plan.architectures",
+                            "gtpo_megatron.plan.layout", "gtpo_megatron.plan.memory", "gtpo_megatron.plan")),
+    ("parallel", ("gtpo_megatron.parallel",)),
+    ("rewards", ("gtpo_megatron.rewards",)),
+    ("config", ("gtpo_megatron.config",)),
+    ("data", ("gtpo_megatron.data",)),
+    ("rollout, megatron_adapter, policy contract, logging",
+     ("gtpo_megatron.rollout", "gtpo_megatron.megatron_adapter", "gtpo_megatron.policy", "gtpo_megatron.logging")),
+    ("algorithm", ("gtpo_megatron.algorithm",)),
+    ("trainer", ("gtpo_megatron.trainer", "gtpo_megatron.build")),
+    ("entry points", ("gtpo_megatron.train", "gtpo_megatron.evaluation", "gtpo_megatron.plan.cli")),
+]
+
+
+@dataclass
+class Imports:
+    """What one module imports: third-party/stdlib module names and package modules (runtime and type-only)."""
+
+    external: set[str] = field(default_factory=set)
+    runtime: set[str] = field(default_factory=set)
+    type_only: set[str] = field(default_factory=set)
+
+
+def package_modules(root: Path) -> dict[str, Path]:
+    """``{dotted module name: file}`` of every module under ``root/gtpo_megatron`` (packages by ``__init__``)."""
+    out = {}
+    for path in sorted((root / PACKAGE).rglob("*.py")):
+        parts = list(path.relative_to(root).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+def _type_checking_nodes(tree: ast.AST) -> set[int]:
+    ids = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            ids.update(id(sub) for child in node.body for sub in ast.walk(child))
+    return ids
+
+
+def _targets(node: ast.AST, module: str, is_package: bool, modules: dict[str, Path]) -> list[str]:
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names]
+    if not isinstance(node, ast.ImportFrom):
+        return []
+    base = node.module or ""
+    if node.level:
+        parent = module.split(".") if is_package else module.split(".")[:-1]
+        base = ".".join(parent[: len(parent) - node.level + 1] + ([base] if base else []))
+    return [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+
+
+def read_imports(root: Path) -> dict[str, Imports]:
+    """Every module's imports.
+
+    Raises:
+        AssertionError: a module imports a package module that does not exist (a stale name after a move).
+    """
+    modules = package_modules(root)
+    out = {}
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text())
+        type_only = _type_checking_nodes(tree)
+        found = Imports()
+        for node in ast.walk(tree):
+            for target in _targets(node, name, path.name == "__init__.py", modules):
+                if target.split(".")[0] != PACKAGE:
+                    found.external.add(target)
+                    continue
+                assert target in modules, f"{name} imports {target}, which does not exist"
+                if target != name:
+                    (found.type_only if id(node) in type_only else found.runtime).add(target)
+        out[name] = found
+    return out
+
+
+def layer_of(module: str) -> int:
+    """Index in ``LAYERS`` of ``module`` (the package root counts as an entry point).
+
+    Raises:
+        AssertionError: ``module`` belongs to no layer (a new top-level module: add it to ``LAYERS``).
+    """
+    if module == PACKAGE:
+        return len(LAYERS) - 1
+    best, best_len = None, -1
+    for index, (_, prefixes) in enumerate(LAYERS):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best_len:
+                best, best_len = index, len(prefix)
+    assert best is not None, f"{module} belongs to no layer; add it to LAYERS in tests/helpers/import_graph.py"
+    return best
+
+
+def edges(imports: dict[str, Imports]) -> set[tuple[str, str]]:
+    """Runtime edges ``(importer, imported)`` between package modules."""
+    return {(a, b) for a, found in imports.items() for b in found.runtime}
+
+
+def back_edges(imports: dict[str, Imports], *, include_type_only: bool = False) -> list[tuple[str, str]]:
+    """Edges that point from a layer to a higher one."""
+    pairs = edges(imports)
+    if include_type_only:
+        pairs |= {(a, b) for a, found in imports.items() for b in found.type_only}
+    return sorted((a, b) for a, b in pairs if layer_of(b) > layer_of(a))
+
+
+def cycles(imports: dict[str, Imports]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan), each sorted."""
+    graph = {name: sorted(found.runtime) for name, found in imports.items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for succ in graph[node]:
+            if succ not in index:
+                visit(succ)
+                low[node] = min(low[node], low[succ])
+            elif succ in on_stack:
+                low[node] = min(low[node], index[succ])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                top = stack.pop()
+                on_stack.discard(top)
+                component.append(top)
+                if top == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in graph:
+        if node not in index:
+            visit(node)
+    return found
+
+
+def closure(imports: dict[str, Imports], start: str) -> set[str]:
+    """``start`` and every package module it imports at runtime, transitively (``__init__`` of parents included)."""
+    seen, todo = set(), [start]
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        parents = [".".join(name.split(".")[:i]) for i in range(1, name.count(".") + 1)]
+        todo += [p for p in parents if p in imports] + sorted(imports[name].runtime)
+    return seen
