@@ -1,4 +1,4 @@
-"""Agreement of the product's answer checking with math-verify's own test verdicts (issue 12; not a test).
+r"""Agreement of the product's answer checking with math-verify's own test verdicts (issue 12; not a test).
 
 Usage: ``python benchmarks/bench_answer_agreement.py [--reward math_verify] [--workers 2] [--timeout 5]
 [--show-disagreements]``
@@ -9,7 +9,7 @@ extracted answer string of the prediction (its sentence-ending full stop dropped
 is fed to the reward three ways:
 
 - ``raw``: the prediction as the completion;
-- ``boxed``: ``Therefore the answer is \\boxed{<answer>}.``;
+- ``boxed``: ``Therefore the answer is \boxed{<answer>}.``;
 - ``gsm8k``: ``Step by step.`` then a ``#### <answer>`` line.
 
 The reference is the gold as written in the test. A pair agrees when the reward's ``correct`` equals the expected
@@ -45,8 +45,11 @@ def load_pairs(path: Path = DATA) -> list[dict]:
 def completion(row: dict, feeding: str) -> str:
     """The completion text of ``row`` fed as ``feeding`` (module docstring)."""
     answer = row["answer"].replace("\n", " ").removesuffix(".")
-    return {"raw": row["pred"], "boxed": f"Therefore the answer is \\boxed{{{answer}}}.",
-            "gsm8k": f"Step by step.\n#### {answer}"}[feeding]
+    return {
+        "raw": row["pred"],
+        "boxed": f"Therefore the answer is \\boxed{{{answer}}}.",
+        "gsm8k": f"Step by step.\n#### {answer}",
+    }[feeding]
 
 
 def math_verify_alone(rows: list[dict], feeding: str) -> list[bool]:
@@ -92,8 +95,10 @@ def main() -> None:
                 failures.append(f"{stats['num_timeouts']}/{stats['num_errors']}")
                 if args.show_disagreements:
                     for i in sorted(set(range(len(rows))) - agreed):
-                        print(f"  {feeding}/{mode} #{i} expected {rows[i]['expected']} got {verdicts[i]}: "
-                              f"gold {rows[i]['gold'][:60]!r} completion {completion(rows[i], feeding)[-80:]!r}")
+                        print(
+                            f"  {feeding}/{mode} #{i} expected {rows[i]['expected']} got {verdicts[i]}: "
+                            f"gold {rows[i]['gold'][:60]!r} completion {completion(rows[i], feeding)[-80:]!r}"
+                        )
             print(f"{feeding:8} | " + " | ".join(f"{c:>14}/{len(rows)}" for c in counts) + " | " + ", ".join(failures))
 
 

@@ -1,8 +1,8 @@
-"""``gtpo-eval``: pass@k / maj@k of a model on math benchmarks with vLLM (issue 5).
+r"""``gtpo-eval``: pass@k / maj@k of a model on math benchmarks with vLLM (issue 5).
 
 Example (the acceptance contract)::
 
-    gtpo-eval --model builtin:smollm2-135m-instruct --benchmarks gsm8k --data-dir ../shared/data \\
+    gtpo-eval --model builtin:smollm2-135m-instruct --benchmarks gsm8k --data-dir ../shared/data \
         --limit 5 --n 4 --k 1,4 --output OUT
 
 writes ``OUT/results.json`` (``results[benchmark]["pass@1"]``, ``["pass@4"]``, ``["maj@4"]``, fractions in [0, 1]),

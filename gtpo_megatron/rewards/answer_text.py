@@ -1,4 +1,4 @@
-"""The project's answer formats: where a completion states its final answer, before any math is parsed.
+r"""The project's answer formats: where a completion states its final answer, before any math is parsed.
 
 Pure string functions (stdlib only). Everything MATH-style inside a span, and the whole text when no span exists,
 is left to math-verify's own extraction (:mod:`gtpo_megatron.rewards.equivalence`).
@@ -10,7 +10,7 @@ is left to math-verify's own extraction (:mod:`gtpo_megatron.rewards.equivalence
     2. the line after the last GSM8K ``####`` marker (the number right after ``####`` is the answer, not a later
        number of a chatty tail);
     3. the last "final answer is X" statement (MATH/Minerva style, ``X`` up to ``. I hope`` or the end of its
-       line), unless a ``\\boxed{}`` follows it (then math-verify's boxed-first extraction decides).
+       line), unless a ``\boxed{}`` follows it (then math-verify's boxed-first extraction decides).
   Markdown emphasis around a span (``**58**``) is removed. A span in prose that starts with a number keeps only
   that number (``#### 42 apples, 7 left`` -> ``42``); a span without prose (:func:`is_bare`) is kept whole
   (``4,56``, ``3.25,10.5``, ``x = 5``).
@@ -18,7 +18,7 @@ is left to math-verify's own extraction (:mod:`gtpo_megatron.rewards.equivalence
   else all of it; graders parse it with math-verify, boxed first). :func:`reference_answer`: the reference reduced
   to a final-answer string for the datasets' records.
 - Extraction modes (:data:`EXTRACTION_MODES`): ``strict`` (MATH, AIME, AMC) accepts only an explicit answer: a span
-  above, a ``\\boxed{}``, or math-verify's anchored forms ("final answer ... is", "answer: X"); ``lenient``
+  above, a ``\boxed{}``, or math-verify's anchored forms ("final answer ... is", "answer: X"); ``lenient``
   (GSM8K) also falls back to the last number or LaTeX expression of the text. :func:`default_extraction` gives
   each benchmark's mode.
 """
@@ -53,14 +53,15 @@ def check_extraction(mode: str, *, field: str = "extraction") -> str:
         ValueError: naming ``field``, the value and the choices.
     """
     if mode not in EXTRACTION_MODES:
-        raise ValueError(f"{field}={mode!r} is not an extraction mode; choose one of {list(EXTRACTION_MODES)} "
-                         "(strict for MATH/AIME/AMC, lenient for GSM8K-style last-number answers)")
+        raise ValueError(
+            f"{field}={mode!r} is not an extraction mode; choose one of {list(EXTRACTION_MODES)} "
+            "(strict for MATH/AIME/AMC, lenient for GSM8K-style last-number answers)"
+        )
     return mode
 
 
 def default_extraction(benchmark: str) -> str:
-    """The extraction mode a benchmark or data source is graded with: ``lenient`` for GSM8K-style sets, else
-    ``strict``."""
+    """The extraction mode a benchmark or data source is graded with: ``lenient`` for GSM8K-style sets, else strict."""
     return LENIENT if benchmark in LENIENT_BENCHMARKS else STRICT
 
 
@@ -96,7 +97,7 @@ def gsm8k_final(text: str) -> str | None:
 
 
 def final_answer_statement(text: str) -> str | None:
-    """``X`` of the last "final answer is X" statement that no ``\\boxed{}`` follows, or ``None``."""
+    r"""``X`` of the last "final answer is X" statement that no ``\boxed{}`` follows, or ``None``."""
     matches = list(_FINAL_ANSWER_RE.finditer(text))
     if not matches or _BOX_RE.search(text, matches[-1].start()):
         return None
@@ -104,8 +105,11 @@ def final_answer_statement(text: str) -> str | None:
 
 
 def is_bare(span: str) -> bool:
-    """Whether ``span`` is one math expression: no LaTeX delimiters and no words (commands and ``\\text{}``
-    contents aside), or a single word (``odd``, ``Even``: math-verify compares it with ``\\text{odd}``)."""
+    r"""Whether ``span`` is one math expression rather than prose.
+
+    True when it has no LaTeX delimiters and no words (commands and ``\text{}`` contents aside), or is a single word
+    (``odd``, ``Even``: math-verify compares it with ``\text{odd}``).
+    """
     if _DELIMITER_RE.search(span):
         return False
     return not _WORD_RE.search(_TEXT_CMD_RE.sub(" ", span)) or _SINGLE_WORD_RE.fullmatch(span.strip()) is not None
@@ -123,7 +127,7 @@ def explicit_answer(text: str) -> str | None:
 
 
 def last_boxed(text: str) -> str | None:
-    """Content of the last ``\\boxed{...}`` (or ``\\fbox{...}``), braces balanced; ``None`` if absent/unclosed."""
+    r"""Content of the last ``\boxed{...}`` (or ``\fbox{...}``), braces balanced; ``None`` if absent/unclosed."""
     starts = [m.end() for m in _BOX_RE.finditer(text)]
     if not starts:
         return None
@@ -146,7 +150,10 @@ def reference_span(reference: str) -> str:
 
 
 def reference_answer(reference: str) -> str:
-    """A dataset reference reduced to its final answer (for records): a GSM8K ``####`` line without thousands
-    separators (``1,234`` -> ``1234``), else the last ``\\boxed{}`` of a MATH solution, else the reference."""
+    r"""A dataset reference reduced to its final answer string, for records.
+
+    A GSM8K ``####`` line without thousands separators (``1,234`` -> ``1234``), else the last ``\boxed{}`` of a MATH
+    solution, else the reference itself.
+    """
     line = _gsm8k_line(reference)
     return _THOUSANDS_RE.sub("", line) if line else last_boxed(reference) or reference.strip()

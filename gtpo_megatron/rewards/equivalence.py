@@ -1,4 +1,4 @@
-"""math-verify extraction and the equivalence of two parsed answers.
+r"""math-verify extraction and the equivalence of two parsed answers.
 
 A parsed answer is math-verify's ``parse`` result: a list holding a SymPy object (when parsing succeeded) and the
 extracted string, empty when nothing was found.
@@ -7,10 +7,10 @@ Extraction (math-verify's own configs; the caller chooses what text to hand over
 
 - :func:`parse_span` parses a span that IS the answer (an ``<answer>`` block, a ``####`` line, a "final answer is"
   statement, a dataset reference, a voted answer): a span without prose (``answer_text.is_bare``: ``(3, -2)``,
-  ``\\frac{1}{2}``, ``x = 5``, a single word) is read as one LaTeX expression and keeps its text as written; a
-  span with LaTeX delimiters or prose goes through math-verify's extraction with ``\\boxed{}`` first and no anchor
+  ``\frac{1}{2}``, ``x = 5``, a single word) is read as one LaTeX expression and keeps its text as written; a
+  span with LaTeX delimiters or prose goes through math-verify's extraction with ``\boxed{}`` first and no anchor
   required.
-- :func:`parse_text` parses a whole completion: ``\\boxed{}`` first (``boxed_match_priority=0``); in ``strict`` mode
+- :func:`parse_text` parses a whole completion: ``\boxed{}`` first (``boxed_match_priority=0``); in ``strict`` mode
   only math-verify's anchored forms (``try_extract_without_anchor=False``), in ``lenient`` mode also the last
   number / LaTeX expression.
 
@@ -19,8 +19,8 @@ Equivalence (:func:`equivalent`, gold first; math-verify's ``verify`` is not sym
 1. When both answers are single numbers without variables (percentages excepted):
    - both written as plain decimals and ``decimal_abs_tol`` is set: ``|gold - pred| <= decimal_abs_tol``. Only the
      ``paper`` reward sets it (1e-2, GTPO_SPEC section 6: "numeric within 1e-2"), for GSM8K-style decimal answers;
-   - both exact rationals (integers, fractions, powers of them): exact equality, so ``\\frac{1}{3^{40}}`` differs
-     from ``\\frac{1}{3^{41}}`` (math-verify alone calls them equal: it compares ``|a - b|`` to ``10^-15``);
+   - both exact rationals (integers, fractions, powers of them): exact equality, so ``\frac{1}{3^{40}}`` differs
+     from ``\frac{1}{3^{41}}`` (math-verify alone calls them equal: it compares ``|a - b|`` to ``10^-15``);
    - otherwise (irrationals, decimals): relative tolerance ``|a - b| <= REL_TOL * max(|a|, |b|)`` at 30 digits.
 2. Everything else (sets, tuples, intervals, matrices, equations, symbols, percentages) is math-verify's
    ``verify`` with ``numeric_precision=NESTED_PRECISION``, so values inside a tuple are compared to ``1e-50``.

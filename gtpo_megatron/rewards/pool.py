@@ -47,8 +47,10 @@ _FAILED = RewardResult(score=0.0, correct=False, format_ok=False, extracted=None
 
 def _worker_main(conn: Connection, reward: str | RewardFn, timeout_s: float) -> None:
     """Worker loop: resolve the reward once, say ready, then answer ``(index, job, kwargs)`` messages."""
-    jobs = {"score": get_reward(reward) if isinstance(reward, str) else reward,
-            "same": functools.partial(same_answer, decimal_abs_tol=decimal_tolerance(reward))}
+    jobs = {
+        "score": get_reward(reward) if isinstance(reward, str) else reward,
+        "same": functools.partial(same_answer, decimal_abs_tol=decimal_tolerance(reward)),
+    }
     conn.send("ready")
     while True:
         task = conn.recv()
@@ -93,7 +95,8 @@ def check_grader_failures(stats: Mapping[str, Any], *, max_error_frac: float = 0
             f"reward {stats['reward']!r} failed to grade {failed} of {stats['num_scored']} answers "
             f"({stats['num_timeouts']} timeouts, {stats['num_errors']} errors), more than "
             f"reward.max_error_frac={max_error_frac}; e.g. {example}. Check the reward on that answer in one "
-            "process, raise reward.timeout_s if answers are merely slow, or raise reward.max_error_frac")
+            "process, raise reward.timeout_s if answers are merely slow, or raise reward.max_error_frac"
+        )
 
 
 class _Worker:
@@ -208,8 +211,10 @@ class RewardPool:
         if len(completions) != len(references):
             raise ValueError(f"len(completions)={len(completions)} != len(references)={len(references)}")
         check_extraction(extraction)
-        tasks = [("score", {"completion": c, "reference": r, "extraction": extraction})
-                 for c, r in zip(completions, references, strict=True)]
+        tasks = [
+            ("score", {"completion": c, "reference": r, "extraction": extraction})
+            for c, r in zip(completions, references, strict=True)
+        ]
         values, stats = self._run(tasks, lambda i: completions[i][-120:])
         return [_FAILED if v is None else v for v in values], stats
 
@@ -232,8 +237,14 @@ class RewardPool:
             raise RuntimeError("RewardPool used after close(); build a new pool")
         start = time.monotonic()
         values: list = [None] * len(tasks)
-        stats: dict[str, Any] = {"reward": _reward_label(self._reward), "num_scored": len(tasks), "num_timeouts": 0,
-                                 "num_errors": 0, "errors": [], "failed_indices": []}
+        stats: dict[str, Any] = {
+            "reward": _reward_label(self._reward),
+            "num_scored": len(tasks),
+            "num_timeouts": 0,
+            "num_errors": 0,
+            "errors": [],
+            "failed_indices": [],
+        }
         pending = deque(range(len(tasks)))
         busy: dict[int, tuple[int, float]] = {}  # slot -> (task index, hard deadline)
         while pending or busy:

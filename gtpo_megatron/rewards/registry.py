@@ -1,11 +1,11 @@
-"""Reward functions by name: ``REWARD_REGISTRY``, ``register_reward``, ``get_reward``.
+r"""Reward functions by name: ``REWARD_REGISTRY``, ``register_reward``, ``get_reward``.
 
 Contract (keep stable): a reward function is a plain, picklable callable
 
     reward_fn(*, completion: str, reference: str, extraction: str) -> RewardResult
 
 ``completion`` is the decoded response text only (no prompt); ``reference`` is the dataset answer, either the
-final answer (``"72"``, ``"\\frac{1}{2}"``) or a full GSM8K / boxed solution (reduced with
+final answer (``"72"``, ``"\frac{1}{2}"``) or a full GSM8K / boxed solution (reduced with
 :func:`~gtpo_megatron.rewards.answer_text.reference_span`); ``extraction`` is ``strict`` or ``lenient``
 (:mod:`~gtpo_megatron.rewards.answer_text`). A grader failure propagates (an exception, or
 :class:`~gtpo_megatron.rewards.deadline.GradingTimeout` under a deadline) for the reward pool to count. Every
@@ -54,9 +54,11 @@ class RewardResult:
 
 
 class RewardFn(Protocol):
-    """A reward function: keyword-only ``completion`` and ``reference``, returns a :class:`RewardResult`."""
+    """A reward function: keyword-only arguments, returns a :class:`RewardResult` (contract in the module docstring)."""
 
-    def __call__(self, *, completion: str, reference: str, extraction: str) -> RewardResult: ...
+    def __call__(self, *, completion: str, reference: str, extraction: str) -> RewardResult:
+        """Scores ``completion`` against ``reference`` in ``extraction`` mode (``strict`` or ``lenient``)."""
+        ...
 
 
 REWARD_REGISTRY: dict[str, RewardFn] = {}

@@ -87,9 +87,19 @@ def test_reference_answer_and_span() -> None:
 
 
 def test_extraction_modes() -> None:
-    assert [default_extraction(b) for b in ("gsm8k", "synthetic", "math500", "aime24", "aime25", "amc23", "math")] \
-        == ["lenient", "lenient", "strict", "strict", "strict", "strict", "strict"]
+    assert [default_extraction(b) for b in ("gsm8k", "synthetic", "math500", "aime24", "aime25", "amc23", "math")] == [
+        "lenient",
+        "lenient",
+        "strict",
+        "strict",
+        "strict",
+        "strict",
+        "strict",
+    ]
     assert check_extraction("strict") == "strict"
-    with pytest.raises(ValueError, match=r"reward.extraction='loose' is not an extraction mode; choose one of "
-                                         r"\['strict', 'lenient'\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"reward.extraction='loose' is not an extraction mode; choose one of "
+        r"\['strict', 'lenient'\]",
+    ):
         check_extraction("loose", field="reward.extraction")

@@ -45,34 +45,53 @@ def math_pool():
 
 
 def test_pool_matches_in_process_scores_and_is_reusable() -> None:
-    expected = [get_reward("paper")(completion=c, reference=r, extraction="strict")
-                for c, r in zip(COMPLETIONS, REFERENCES)]
+    expected = [
+        get_reward("paper")(completion=c, reference=r, extraction="strict") for c, r in zip(COMPLETIONS, REFERENCES)
+    ]
     assert [r.score for r in expected] == [20.0, 20.0, 0.0, 1.0, 0.0]
     with RewardPool("paper", num_workers=2, timeout_s=10.0) as pool:
         for _ in range(2):
             results, stats = pool.score(COMPLETIONS * 3, REFERENCES * 3, extraction="strict")
             assert results == expected * 3
             assert (stats["reward"], stats["num_scored"], stats["num_timeouts"], stats["num_errors"]) == (
-                "paper", 15, 0, 0)
+                "paper",
+                15,
+                0,
+                0,
+            )
         lenient, _ = pool.score(["so 12", "so 12"], ["12", "13"], extraction="lenient")
         assert [r.correct for r in lenient] == [True, False]
-        assert pool.score([], []) == ([], {"reward": "paper", "num_scored": 0, "num_timeouts": 0, "num_errors": 0,
-                                           "errors": [], "failed_indices": [],
-                                           "seconds": pytest.approx(0.0, abs=1.0)})
+        assert pool.score([], []) == (
+            [],
+            {
+                "reward": "paper",
+                "num_scored": 0,
+                "num_timeouts": 0,
+                "num_errors": 0,
+                "errors": [],
+                "failed_indices": [],
+                "seconds": pytest.approx(0.0, abs=1.0),
+            },
+        )
 
 
 def test_math_verify_timeouts_are_counted_not_scored_quietly(math_pool) -> None:
     """A power tower: math-verify alone times out inside and answers False; here it is a counted timeout."""
     start = time.monotonic()
-    results, stats = math_pool.score(["\\boxed{9^{9^{9^{9}}}}", "\\boxed{1}", "The final answer is $9^{9^{9^{9}}}$."],
-                                     ["1", "1", "1"])
+    results, stats = math_pool.score(
+        ["\\boxed{9^{9^{9^{9}}}}", "\\boxed{1}", "The final answer is $9^{9^{9^{9}}}$."], ["1", "1", "1"]
+    )
     assert time.monotonic() - start < 10.0
     assert results == [ZERO, RewardResult(1.0, True, False, "1"), ZERO]
     assert (stats["num_timeouts"], stats["num_errors"], stats["failed_indices"]) == (2, 0, [0, 2])
-    assert stats["errors"][0] == ("answer 0 (timeout: no verdict within timeout_s=1.0), ending "
-                                  "'\\\\boxed{9^{9^{9^{9}}}}'")
-    with pytest.raises(RuntimeError, match=r"reward 'math_verify' failed to grade 2 of 3 answers \(2 timeouts, 0 "
-                                           r"errors\), more than reward.max_error_frac=0.5; e.g. answer 0 \(timeout"):
+    assert stats["errors"][0] == (
+        "answer 0 (timeout: no verdict within timeout_s=1.0), ending '\\\\boxed{9^{9^{9^{9}}}}'"
+    )
+    with pytest.raises(
+        RuntimeError,
+        match=r"reward 'math_verify' failed to grade 2 of 3 answers \(2 timeouts, 0 "
+        r"errors\), more than reward.max_error_frac=0.5; e.g. answer 0 \(timeout",
+    ):
         check_grader_failures(stats, max_error_frac=0.5)
     check_grader_failures(stats, max_error_frac=0.7)
 
@@ -99,12 +118,23 @@ def test_pool_counts_timeouts_and_crashes_and_keeps_going() -> None:
 
 @pytest.mark.parametrize(
     ("timeouts", "errors", "frac", "stops"),
-    [(2, 0, 0.5, False), (2, 1, 0.5, True), (0, 3, 0.5, True), (4, 0, 1.0, False), (1, 0, 0.25, False),
-     (1, 1, 0.25, True)],
+    [
+        (2, 0, 0.5, False),
+        (2, 1, 0.5, True),
+        (0, 3, 0.5, True),
+        (4, 0, 1.0, False),
+        (1, 0, 0.25, False),
+        (1, 1, 0.25, True),
+    ],
 )
 def test_check_grader_failures_threshold(timeouts: int, errors: int, frac: float, stops: bool) -> None:
-    stats = {"reward": "paper", "num_scored": 4, "num_timeouts": timeouts, "num_errors": errors,
-             "errors": ["answer 2 (error: ValueError: x), ending '\\\\boxed{?}'"]}
+    stats = {
+        "reward": "paper",
+        "num_scored": 4,
+        "num_timeouts": timeouts,
+        "num_errors": errors,
+        "errors": ["answer 2 (error: ValueError: x), ending '\\\\boxed{?}'"],
+    }
     if stops:
         with pytest.raises(RuntimeError, match=r"reward 'paper' failed to grade .* of 4 answers.*e\.g\. answer 2"):
             check_grader_failures(stats, max_error_frac=frac)

@@ -51,8 +51,11 @@ def test_paper_reward_reduces_gsm8k_solutions_and_latex() -> None:
 def test_only_the_paper_reward_has_the_decimal_tolerance() -> None:
     """GTPO_SPEC section 6: the paper's "numeric within 1e-2", for plain decimal answers only."""
     close = "<reasoning>r</reasoning><answer>0.509</answer>"
-    assert (decimal_tolerance("paper"), decimal_tolerance("math_verify"), decimal_tolerance("format")) == (1e-2, None,
-                                                                                                            None)
+    assert (decimal_tolerance("paper"), decimal_tolerance("math_verify"), decimal_tolerance("format")) == (
+        1e-2,
+        None,
+        None,
+    )
     assert get_reward("paper")(completion=close, reference="0.5", extraction="strict").score == 20.0
     assert get_reward("math_verify")(completion=close, reference="0.5", extraction="strict").score == 0.0
     far = "<reasoning>r</reasoning><answer>\\frac{1}{3^{41}}</answer>"
@@ -62,7 +65,8 @@ def test_only_the_paper_reward_has_the_decimal_tolerance() -> None:
 def test_math_verify_and_format_rewards_are_binary() -> None:
     math_verify, fmt = get_reward("math_verify"), get_reward("format")
     assert math_verify(completion="The answer is \\boxed{12}", reference="12", extraction="strict") == RewardResult(
-        1.0, True, False, "12")
+        1.0, True, False, "12"
+    )
     assert math_verify(completion="The answer is 12", reference="12", extraction="lenient").score == 1.0
     assert math_verify(completion="so 12", reference="12", extraction="strict").score == 0.0
     assert math_verify(completion=GOOD, reference="13", extraction="strict").score == 0.0
