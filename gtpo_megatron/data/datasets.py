@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gtpo_megatron.data.types import Problem
-from gtpo_megatron.rewards.math_answer import reference_answer
+from gtpo_megatron.rewards.answer_text import reference_answer
 
 if TYPE_CHECKING:
     from gtpo_megatron.data.synthetic import SyntheticLevel

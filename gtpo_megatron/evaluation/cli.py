@@ -1,8 +1,8 @@
-"""``gtpo-eval``: pass@k / maj@k of a model on math benchmarks with vLLM (issue 5).
+r"""``gtpo-eval``: pass@k / maj@k of a model on math benchmarks with vLLM (issue 5).
 
 Example (the acceptance contract)::
 
-    gtpo-eval --model builtin:smollm2-135m-instruct --benchmarks gsm8k --data-dir ../shared/data \\
+    gtpo-eval --model builtin:smollm2-135m-instruct --benchmarks gsm8k --data-dir ../shared/data \
         --limit 5 --n 4 --k 1,4 --output OUT
 
 writes ``OUT/results.json`` (``results[benchmark]["pass@1"]``, ``["pass@4"]``, ``["maj@4"]``, fractions in [0, 1]),
@@ -19,6 +19,7 @@ from pathlib import Path
 
 from gtpo_megatron.data.datasets import check_source, load_problems
 from gtpo_megatron.evaluation.evaluate import BENCHMARKS, EvalConfig, run_evaluation
+from gtpo_megatron.rewards.answer_text import EXTRACTION_MODES
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -52,6 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="sampling seed; the same seed gives the same numbers")
     p.add_argument("--output", required=True, help="output folder (created)")
     p.add_argument("--reward", default="math_verify", help="registered reward whose `correct` verdict is scored")
+    p.add_argument("--extraction", choices=EXTRACTION_MODES, default=None,
+                   help="answer extraction for every benchmark: strict needs \\boxed{}, <answer> or a 'final answer' "
+                        "statement, lenient also takes the last number (default: lenient for gsm8k, strict for the "
+                        "others)")
     p.add_argument("--reward-workers", type=int, default=2)
     p.add_argument("--reward-timeout", type=float, default=5.0, help="seconds per answer before it scores 0")
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
@@ -68,9 +73,9 @@ def config_from_args(args: argparse.Namespace) -> EvalConfig:
     return EvalConfig(
         model=args.model, output_dir=args.output, benchmarks=args.benchmarks, data_dir=args.data_dir,
         limit=args.limit, n=args.n, ks=args.k, temperature=args.temperature, top_p=args.top_p,
-        max_tokens=args.max_tokens, seed=args.seed, reward=args.reward, reward_workers=args.reward_workers,
-        reward_timeout_s=args.reward_timeout, dtype=args.dtype, max_model_len=args.max_model_len,
-        in_process=args.in_process, label=args.label,
+        max_tokens=args.max_tokens, seed=args.seed, reward=args.reward, extraction=args.extraction,
+        reward_workers=args.reward_workers, reward_timeout_s=args.reward_timeout, dtype=args.dtype,
+        max_model_len=args.max_model_len, in_process=args.in_process, label=args.label,
     )
 
 

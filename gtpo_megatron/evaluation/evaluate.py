@@ -3,22 +3,28 @@
 For each benchmark: load the problems (``data.datasets.load_problems``, test split), build the same chat prompts
 as training (``data.prompts.build_prompt_ids``), sample n completions per problem with ``VLLMEngine`` (per-request
 seeds derived from ``--seed``, so the same seed, model and flags give the same numbers), score every completion
-with the registered reward in a ``RewardPool`` (its ``correct`` verdict drives pass@k and maj@k; its
-``extracted`` answer, normalised by ``rewards.math_answer.normalize_answer``, is the maj@k vote) and aggregate
-with ``evaluation.metrics``.
+with the registered reward in a ``RewardPool`` in the benchmark's extraction mode (``--extraction``, default
+``rewards.default_extraction``: ``lenient`` for GSM8K, ``strict`` for MATH-500/AIME/AMC), and aggregate with
+``evaluation.metrics``: the reward's ``correct`` verdict drives pass@k and maj@k; its ``extracted`` answers vote
+for maj@k in equivalence classes decided by the same pool (``RewardPool.same_answers``, the reward's own
+equivalence).
 
 Outputs in ``output_dir``:
-- ``results.json``: ``{"model", "config", "results": {benchmark: {"pass@k", "maj@k", "accuracy", "format_rate",
-  "truncation_rate", "mean_length", "num_problems", "num_samples"}}, "seconds"}``; rates are fractions in [0, 1].
+- ``results.json``: ``{"model", "config", "extraction": {benchmark: mode}, "results": {benchmark: {"pass@k",
+  "maj@k", "accuracy", "format_rate", "truncation_rate", "mean_length", "num_problems", "num_samples",
+  "reward/num_timeouts", "reward/num_errors"}}, "seconds"}``; rates are fractions in [0, 1]; the last two count
+  the grader's timeouts and errors (scoring and maj@k classes; a failed answer scores 0 and does not vote).
 - ``results.md``: a table laid out like the paper's Table 1 (one row per model, p@k and maj@k columns per
-  benchmark, in percent) and a table of sample-level rates.
-- ``records/<benchmark>.jsonl``: one line per problem (id, reference, per-sample text, extracted and normalised
-  answer, correctness, format, length, finish reason, and the problem's pass@k/maj@k) for auditing.
+  benchmark, in percent) and a table of sample-level rates and grader failures.
+- ``records/<benchmark>.jsonl``: one line per problem (id, reference, per-sample text, extracted answer,
+  correctness, format, length, finish reason, and the problem's pass@k/maj@k) for auditing.
 """
 
 from __future__ import annotations
 
+import functools
 import json
+import logging
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -27,8 +33,8 @@ from typing import TYPE_CHECKING, Any
 from gtpo_megatron.builtin_models import resolve_model_path
 from gtpo_megatron.data.datasets import load_problems
 from gtpo_megatron.data.prompts import build_prompt_ids
-from gtpo_megatron.evaluation.metrics import SampleRecord, aggregate, problem_metrics
-from gtpo_megatron.rewards.math_answer import normalize_answer
+from gtpo_megatron.evaluation.metrics import SameAnswer, SampleRecord, aggregate, problem_metrics
+from gtpo_megatron.rewards.answer_text import check_extraction, default_extraction
 from gtpo_megatron.rewards.pool import RewardPool
 from gtpo_megatron.rollout.engine import RolloutEngine, SamplingConfig
 
@@ -38,6 +44,7 @@ if TYPE_CHECKING:
 BENCHMARKS = ("gsm8k", "math500", "aime24", "aime25", "amc23")
 DISPLAY_NAMES = {"gsm8k": "GSM8K", "math500": "MATH-500", "aime24": "AIME24", "aime25": "AIME25", "amc23": "AMC23"}
 _MEGATRON_MARKERS = ("latest_checkpointed_iteration.txt", ".metadata")  # Megatron-LM layouts we do not convert
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -56,6 +63,7 @@ class EvalConfig:
     max_tokens: int = 1500
     seed: int = 0
     reward: str = "math_verify"
+    extraction: str | None = None
     reward_workers: int = 2
     reward_timeout_s: float = 5.0
     dtype: str = "auto"
@@ -72,6 +80,8 @@ class EvalConfig:
             raise ValueError(f"k values {list(self.ks)} must be non-empty and each in [1, n={self.n}]; raise --n")
         if not self.benchmarks:
             raise ValueError("benchmarks is empty; pass e.g. --benchmarks gsm8k,amc23")
+        if self.extraction is not None:
+            check_extraction(self.extraction, field="--extraction")
         if self.limit is not None and self.limit < 1:
             raise ValueError(f"limit={self.limit} must be >= 1 problems per benchmark; omit --limit for all")
         if self.model.startswith(("/", ".", "~")) and not Path(self.model).expanduser().exists():
@@ -81,6 +91,10 @@ class EvalConfig:
             temperature=self.temperature, top_p=self.top_p, max_tokens=self.max_tokens, seed=self.seed
         )
         object.__setattr__(self, "sampling", sampling)
+
+    def extraction_for(self, benchmark: str) -> str:
+        """The extraction mode of ``benchmark``: ``extraction`` when set, else the benchmark's default."""
+        return self.extraction or default_extraction(benchmark)
 
 
 def resolve_hf_model(model: str) -> str:
@@ -116,7 +130,7 @@ def resolve_hf_model(model: str) -> str:
 def _to_samples(out, results) -> list[SampleRecord]:
     return [
         SampleRecord(
-            normalized=normalize_answer(r.extracted),
+            answer=r.extracted or "",
             correct=r.correct,
             format_ok=r.format_ok,
             num_tokens=len(c.token_ids),
@@ -126,31 +140,66 @@ def _to_samples(out, results) -> list[SampleRecord]:
     ]
 
 
-def _problem_record(problem: Problem, out, results, samples, ks) -> dict[str, Any]:
+def _is_same(same_pairs: frozenset[frozenset[str]], first: str, second: str) -> bool:
+    return first == second or frozenset((first, second)) in same_pairs
+
+
+def _candidate_pairs(samples: list[SampleRecord]) -> list[tuple[str, str]]:
+    """Pairs of distinct answers of one problem that may join a maj@k class (same correctness verdict)."""
+    keys = list(dict.fromkeys((s.answer, s.correct) for s in samples if s.answer))
+    return [(a, b) for i, (a, ok_a) in enumerate(keys) for b, ok_b in keys[:i] if ok_a == ok_b and a != b]
+
+
+def answer_equivalences(pool: RewardPool, problems: list[list[SampleRecord]]) -> tuple[list[SameAnswer], dict]:
+    """Each problem's ``same(a, b)`` for maj@k, decided by the reward pool in one call; returns it and the stats."""
+    pairs = [_candidate_pairs(samples) for samples in problems]
+    verdicts, stats = pool.same_answers([pair for problem_pairs in pairs for pair in problem_pairs])
+    same, start = [], 0
+    for problem_pairs in pairs:
+        chunk = verdicts[start : start + len(problem_pairs)]
+        start += len(problem_pairs)
+        same_pairs = frozenset(frozenset(p) for p, ok in zip(problem_pairs, chunk, strict=True) if ok)
+        same.append(functools.partial(_is_same, same_pairs))
+    return same, stats
+
+
+def _problem_record(problem: Problem, out, results, samples, metrics) -> dict[str, Any]:
     completions = [
-        {"text": c.text, "extracted": r.extracted, "normalized": s.normalized, "correct": r.correct,
-         "format_ok": r.format_ok, "score": r.score, "num_tokens": s.num_tokens, "finish_reason": c.finish_reason}
+        {"text": c.text, "extracted": r.extracted, "correct": r.correct, "format_ok": r.format_ok, "score": r.score,
+         "num_tokens": s.num_tokens, "finish_reason": c.finish_reason}
         for c, r, s in zip(out.completions, results, samples, strict=True)
     ]
     return {"id": problem.id, "reference": problem.answer, "num_correct": sum(s.correct for s in samples),
-            **problem_metrics(samples, ks), "completions": completions}
+            **metrics, "completions": completions}
+
+
+def _grader_failures(name: str, *stats: dict) -> dict[str, float]:
+    """``reward/num_timeouts`` and ``reward/num_errors`` of a benchmark's pool calls, logged when not zero."""
+    counts = {"reward/num_timeouts": float(sum(s["num_timeouts"] for s in stats)),
+              "reward/num_errors": float(sum(s["num_errors"] for s in stats))}
+    if any(counts.values()):
+        examples = [e for s in stats for e in s["errors"]][:3]
+        logger.warning("%s: the grader failed on %d answers (%d timeouts, %d errors), scored 0; e.g. %s", name,
+                       sum(counts.values()), counts["reward/num_timeouts"], counts["reward/num_errors"], examples)
+    return counts
 
 
 def evaluate_benchmark(
-    engine: RolloutEngine, pool: RewardPool, problems: list[Problem], prompts: list[list[int]], config: EvalConfig
+    engine: RolloutEngine, pool: RewardPool, name: str, problems: list[Problem], prompts: list[list[int]],
+    config: EvalConfig,
 ) -> tuple[dict[str, float], list[dict[str, Any]]]:
-    """Sample, score and aggregate one benchmark; returns ``(summary, per-problem records)``."""
+    """Sample, score and aggregate benchmark ``name``; returns ``(summary, per-problem records)``."""
     outputs = engine.generate(prompts, config.n, config.sampling)
     texts = [c.text for out in outputs for c in out.completions]
     references = [p.answer for p in problems for _ in range(config.n)]
-    results, _ = pool.score(texts, references)
-    samples_per_problem, records = [], []
-    for i, (problem, out) in enumerate(zip(problems, outputs, strict=True)):
-        chunk = results[i * config.n : (i + 1) * config.n]
-        samples = _to_samples(out, chunk)
-        samples_per_problem.append(samples)
-        records.append(_problem_record(problem, out, chunk, samples, config.ks))
-    return aggregate(samples_per_problem, config.ks), records
+    results, score_stats = pool.score(texts, references, extraction=config.extraction_for(name))
+    chunks = [results[i * config.n : (i + 1) * config.n] for i in range(len(problems))]
+    samples = [_to_samples(out, chunk) for out, chunk in zip(outputs, chunks, strict=True)]
+    same, vote_stats = answer_equivalences(pool, samples)
+    records = [_problem_record(problem, out, chunk, s, problem_metrics(s, config.ks, eq))
+               for problem, out, chunk, s, eq in zip(problems, outputs, chunks, samples, same, strict=True)]
+    summary = aggregate(samples, config.ks, same) | _grader_failures(name, score_stats, vote_stats)
+    return summary, records
 
 
 def markdown_report(label: str, results: dict[str, dict[str, float]], ks: tuple[int, ...]) -> str:
@@ -162,12 +211,12 @@ def markdown_report(label: str, results: dict[str, dict[str, float]], ks: tuple[
     head = "| model | " + " | ".join(f"{DISPLAY_NAMES.get(b, b)} {name}" for b, _, name in cols) + " |"
     row = f"| {label} | " + " | ".join(f"{100 * results[b][key]:.1f}" for b, key, _ in cols) + " |"
     lines = [head, "|" + "---|" * (len(cols) + 1), row, "",
-             "| benchmark | problems | n | accuracy | format rate | truncated | mean length |",
-             "|---|---|---|---|---|---|---|"]
+             "| benchmark | problems | n | accuracy | format rate | truncated | mean length | grader timeouts/errors |",
+             "|---|---|---|---|---|---|---|---|"]
     for b, r in results.items():
         lines.append(f"| {DISPLAY_NAMES.get(b, b)} | {r['num_problems']:.0f} | {r['num_samples']:.0f} | "
                      f"{100 * r['accuracy']:.1f} | {100 * r['format_rate']:.1f} | {100 * r['truncation_rate']:.1f} "
-                     f"| {r['mean_length']:.1f} |")
+                     f"| {r['mean_length']:.1f} | {r['reward/num_timeouts']:.0f}/{r['reward/num_errors']:.0f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -216,14 +265,15 @@ def run_evaluation(config: EvalConfig, *, engine: RolloutEngine | None = None) -
     try:
         with RewardPool(config.reward, num_workers=config.reward_workers, timeout_s=config.reward_timeout_s) as pool:
             for name, (problems, prompts) in benchmarks.items():
-                results[name], records = evaluate_benchmark(engine, pool, problems, prompts, config)
+                results[name], records = evaluate_benchmark(engine, pool, name, problems, prompts, config)
                 with open(out_dir / "records" / f"{name}.jsonl", "w") as f:
                     f.writelines(json.dumps(r) + "\n" for r in records)
     finally:
         if own_engine:
             engine.close()
     settings = {k: v for k, v in asdict(config).items() if k != "sampling"}
-    payload = {"model": config.model, "config": settings, "results": results,
+    payload = {"model": config.model, "config": settings,
+               "extraction": {name: config.extraction_for(name) for name in results}, "results": results,
                "seconds": time.perf_counter() - start}
     (out_dir / "results.json").write_text(json.dumps(payload, indent=2) + "\n")
     label = config.label or Path(config.model).name

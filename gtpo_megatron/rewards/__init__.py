@@ -1,33 +1,53 @@
-"""Rewards for math reasoning: answer extraction/equivalence, the reward registry and a timeout-safe worker pool.
+"""Rewards for math reasoning: answer formats, math-verify equivalence, the reward registry and a timeout-safe pool.
 
 Public API (stable; details in each module's docstring):
 
-- ``get_reward(name)`` -> ``reward_fn(*, completion: str, reference: str) -> RewardResult`` with fields
-  ``score: float``, ``correct: bool``, ``format_ok: bool``, ``extracted: str | None``. Names: ``math_verify``,
-  ``format``, ``paper`` (GTPO_SPEC section 6). ``register_reward(name)`` adds one.
-- ``RewardPool(reward_name, num_workers=2, timeout_s=5.0)``: ``.score(completions, references) -> (results,
-  stats)``, ``.close()``, context manager.
-- ``normalize_answer(text) -> str``: canonical answer string for maj@k voting.
-- ``extract_answer``, ``answers_match``, ``reference_answer``: the pieces the rewards are built from.
+- ``get_reward(name)`` -> ``reward_fn(*, completion: str, reference: str, extraction: str) -> RewardResult`` with
+  fields ``score: float``, ``correct: bool``, ``format_ok: bool``, ``extracted: str | None``. Names:
+  ``math_verify``, ``format``, ``paper`` (GTPO_SPEC section 6). ``register_reward(name)`` adds one;
+  ``decimal_tolerance(name)`` is its numeric rule for plain decimal answers.
+- Extraction modes: ``EXTRACTION_MODES`` (``strict``, ``lenient``), ``default_extraction(benchmark)``,
+  ``check_extraction(mode)``.
+- ``RewardPool(reward_name, num_workers=2, timeout_s=5.0)``: ``.score(completions, references, extraction=...)
+  -> (results, stats)``, ``.same_answers(pairs) -> (verdicts, stats)`` (maj@k classes), ``.close()``, context
+  manager. ``check_grader_failures(stats, max_error_frac=0.5)`` stops a run whose grader fails too often.
+- ``grade``, ``same_answer``, ``reference_answer``: the pieces the rewards are built from;
+  ``grading_deadline``/``GradingTimeout``: the per-answer time bound.
 
-Depends only on the stdlib and math-verify (no torch), so reward workers start fast.
+Depends only on the stdlib, math-verify and SymPy (no torch), so reward workers start fast.
 """
 
 from __future__ import annotations
 
-from gtpo_megatron.rewards.math_answer import answers_match, extract_answer, normalize_answer, reference_answer
-from gtpo_megatron.rewards.pool import RewardPool
-from gtpo_megatron.rewards.registry import REWARD_REGISTRY, RewardFn, RewardResult, get_reward, register_reward
+from gtpo_megatron.rewards.answer_text import EXTRACTION_MODES, check_extraction, default_extraction, reference_answer
+from gtpo_megatron.rewards.deadline import GradingTimeout, grading_deadline
+from gtpo_megatron.rewards.math_answer import Verdict, grade, same_answer
+from gtpo_megatron.rewards.pool import RewardPool, check_grader_failures
+from gtpo_megatron.rewards.registry import (
+    REWARD_REGISTRY,
+    RewardFn,
+    RewardResult,
+    decimal_tolerance,
+    get_reward,
+    register_reward,
+)
 
 __all__ = [
+    "EXTRACTION_MODES",
     "REWARD_REGISTRY",
+    "GradingTimeout",
     "RewardFn",
     "RewardPool",
     "RewardResult",
-    "answers_match",
-    "extract_answer",
+    "Verdict",
+    "check_extraction",
+    "check_grader_failures",
+    "decimal_tolerance",
+    "default_extraction",
     "get_reward",
-    "normalize_answer",
+    "grade",
+    "grading_deadline",
     "reference_answer",
     "register_reward",
+    "same_answer",
 ]

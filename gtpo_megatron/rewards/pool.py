@@ -1,54 +1,110 @@
-"""Scores completions in worker processes with a per-answer timeout (math-verify can hang on odd inputs).
+"""Grades answers in worker processes with a per-answer time bound (math-verify can hang or give up on odd inputs).
 
 Usage (the pool is meant to live for the whole run and be reused at every step)::
 
     with RewardPool("paper", num_workers=2, timeout_s=5.0) as pool:
-        results, stats = pool.score(completions, references)
+        results, stats = pool.score(completions, references, extraction="strict")
+        check_grader_failures(stats, max_error_frac=0.5)   # the run stops if the grader fails too often
 
 Each worker is a ``multiprocessing`` process (``spawn`` by default: safe next to torch/vLLM threads) that imports
-the reward module once and then scores one answer at a time, so the parent always knows which answer a worker is
-busy with. An answer that takes longer than ``timeout_s`` gets its worker killed (SIGKILL on the process this pool
-started) and replaced; an exception in the reward function, or a worker that dies (segfault, ``os._exit``), is
-an error. Timed-out and errored answers score 0 (``RewardResult(0.0, False, False, None)``) and are counted in
-``stats``; the run never stops because of one answer. The worker runs rewards in its main thread, so
-math-verify's own signal-based timeouts stay active there as a first line of defence.
+the reward module once and then grades one answer at a time, so the parent always knows which answer a worker is
+busy with. Two jobs: ``score`` (the reward function) and ``same_answers`` (whether two extracted answers are the
+same answer, :func:`~gtpo_megatron.rewards.math_answer.same_answer` with the reward's numeric rule; the maj@k
+classes of ``gtpo-eval``).
+
+Failures are counted, never scored quietly:
+
+- timeout (``num_timeouts``): the worker runs each answer under
+  :func:`~gtpo_megatron.rewards.deadline.grading_deadline` (``timeout_s``), whose exception math-verify cannot
+  swallow, and replies "timeout"; an answer stuck in C code past ``timeout_s + KILL_GRACE_S`` gets its worker
+  killed (SIGKILL on the process this pool started) and replaced;
+- error (``num_errors``): the reward or math-verify raised, or the worker died (segfault, ``os._exit``).
+
+A failed answer scores 0 (``RewardResult(0.0, False, False, None)``; ``same_answers``: not the same).
+:func:`check_grader_failures` raises once failures exceed a fraction of a batch.
 """
 
 from __future__ import annotations
 
+import functools
 import multiprocessing as mp
 import time
 from collections import deque
+from collections.abc import Callable, Mapping, Sequence
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from gtpo_megatron.rewards.registry import RewardFn, RewardResult, get_reward
+from gtpo_megatron.rewards.answer_text import STRICT, check_extraction
+from gtpo_megatron.rewards.deadline import GradingTimeout, grading_deadline
+from gtpo_megatron.rewards.math_answer import same_answer
+from gtpo_megatron.rewards.registry import RewardFn, RewardResult, decimal_tolerance, get_reward
 
+KILL_GRACE_S = 2.0
 _STARTUP_TIMEOUT_S = 120.0
+_MAX_MESSAGES = 5
 _FAILED = RewardResult(score=0.0, correct=False, format_ok=False, extracted=None)
 
 
-def _worker_main(conn: Connection, reward: str | RewardFn) -> None:
-    """Worker loop: resolve the reward once, say ready, then answer ``(index, completion, reference)`` messages."""
-    reward_fn = get_reward(reward) if isinstance(reward, str) else reward
+def _worker_main(conn: Connection, reward: str | RewardFn, timeout_s: float) -> None:
+    """Worker loop: resolve the reward once, say ready, then answer ``(index, job, kwargs)`` messages."""
+    jobs = {
+        "score": get_reward(reward) if isinstance(reward, str) else reward,
+        "same": functools.partial(same_answer, decimal_abs_tol=decimal_tolerance(reward)),
+    }
     conn.send("ready")
     while True:
         task = conn.recv()
         if task is None:
             return
-        index, completion, reference = task
+        index, job, kwargs = task
         try:
-            conn.send((index, reward_fn(completion=completion, reference=reference), None))
-        except Exception as exc:  # noqa: BLE001 - any reward failure is scored 0 and reported
-            conn.send((index, None, f"{type(exc).__name__}: {exc}"))
+            with grading_deadline(timeout_s):
+                value = jobs[job](**kwargs)
+        except GradingTimeout:
+            conn.send((index, None, ("timeout", f"no verdict within timeout_s={timeout_s}")))
+        except Exception as exc:  # noqa: BLE001 - any grader failure is counted and reported
+            conn.send((index, None, ("error", f"{type(exc).__name__}: {str(exc)[:200]}")))
+        else:
+            conn.send((index, value, None))
+
+
+def _reward_label(reward: str | RewardFn) -> str:
+    """The reward's name for messages: the registry name, else the function's name."""
+    return reward if isinstance(reward, str) else getattr(reward, "__name__", repr(reward))
+
+
+def check_grader_failures(stats: Mapping[str, Any], *, max_error_frac: float = 0.5) -> None:
+    """Stops a run whose grader failed on more than ``max_error_frac`` of one batch.
+
+    Args:
+        stats: the stats of one :meth:`RewardPool.score` call (``reward``, ``num_scored``, ``num_timeouts``,
+            ``num_errors``, ``errors``).
+        max_error_frac: allowed fraction of timed-out plus errored answers, in (0, 1] (``reward.max_error_frac``).
+
+    Raises:
+        ValueError: ``max_error_frac`` outside (0, 1].
+        RuntimeError: more than ``max_error_frac * num_scored`` answers failed; names the reward, the counts and
+            an example answer.
+    """
+    if not 0 < max_error_frac <= 1:
+        raise ValueError(f"reward.max_error_frac={max_error_frac} must be in (0, 1]; the default is 0.5")
+    failed = stats["num_timeouts"] + stats["num_errors"]
+    if failed > max_error_frac * stats["num_scored"]:
+        example = stats["errors"][0] if stats["errors"] else "no message"
+        raise RuntimeError(
+            f"reward {stats['reward']!r} failed to grade {failed} of {stats['num_scored']} answers "
+            f"({stats['num_timeouts']} timeouts, {stats['num_errors']} errors), more than "
+            f"reward.max_error_frac={max_error_frac}; e.g. {example}. Check the reward on that answer in one "
+            "process, raise reward.timeout_s if answers are merely slow, or raise reward.max_error_frac"
+        )
 
 
 class _Worker:
     """One worker process and the parent's end of its pipe."""
 
-    def __init__(self, ctx: Any, reward: str | RewardFn) -> None:
+    def __init__(self, ctx: Any, reward: str | RewardFn, timeout_s: float) -> None:
         self.conn, child_conn = ctx.Pipe()
-        self.process = ctx.Process(target=_worker_main, args=(child_conn, reward), daemon=True)
+        self.process = ctx.Process(target=_worker_main, args=(child_conn, reward, timeout_s), daemon=True)
         self.process.start()
         child_conn.close()
 
@@ -85,7 +141,8 @@ class RewardPool:
         reward_name: a registered reward name (see :mod:`gtpo_megatron.rewards.registry`) or a picklable
             module-level reward function.
         num_workers: number of worker processes (>= 1).
-        timeout_s: wall-clock seconds allowed per answer (> 0), measured from dispatch to the worker.
+        timeout_s: wall-clock seconds per answer (> 0): the worker's grading deadline; a worker still busy
+            ``KILL_GRACE_S`` seconds later (stuck in C code) is killed. Both count as timeouts.
         start_method: ``multiprocessing`` start method; ``spawn`` (default) needs importable reward functions.
 
     Raises:
@@ -117,7 +174,7 @@ class RewardPool:
             self._retire(slot)
             worker = None
         if worker is None:
-            worker = _Worker(self._ctx, self._reward)
+            worker = _Worker(self._ctx, self._reward, self._timeout_s)
             worker.wait_ready()
             self._workers[slot] = worker
         return worker
@@ -131,65 +188,101 @@ class RewardPool:
         worker.kill(grace_s)
         return worker.process.exitcode
 
-    def score(self, completions: list[str], references: list[str]) -> tuple[list[RewardResult], dict[str, Any]]:
+    def score(
+        self, completions: Sequence[str], references: Sequence[str], *, extraction: str = STRICT
+    ) -> tuple[list[RewardResult], dict[str, Any]]:
         """Scores ``completions[i]`` against ``references[i]`` for every ``i``.
+
+        Args:
+            completions: decoded response texts.
+            references: dataset answers, one per completion.
+            extraction: ``strict`` or ``lenient`` (``answer_text.EXTRACTION_MODES``), for every answer of the call.
 
         Returns:
             ``(results, stats)``: ``results[i]`` is the :class:`RewardResult` of answer ``i`` (a zero result on
-            timeout or error). ``stats`` has ``num_scored``, ``num_timeouts``, ``num_errors`` (ints),
-            ``errors`` (up to 5 messages, list of str), ``failed_indices`` (sorted indices of timed-out or
-            errored answers) and ``seconds`` (float, wall time of this call).
+            timeout or error). ``stats`` has ``reward`` (its name), ``num_scored``, ``num_timeouts``,
+            ``num_errors`` (ints), ``errors`` (up to 5 messages naming the answer index, the failure and the end
+            of the answer's text), ``failed_indices`` (sorted) and ``seconds`` (float, wall time of this call).
 
         Raises:
-            ValueError: if the two lists differ in length.
-            RuntimeError: if the pool is closed or a replacement worker cannot start.
+            ValueError: the two lists differ in length, or an unknown ``extraction``.
+            RuntimeError: the pool is closed or a replacement worker cannot start.
         """
         if len(completions) != len(references):
             raise ValueError(f"len(completions)={len(completions)} != len(references)={len(references)}")
+        check_extraction(extraction)
+        tasks = [
+            ("score", {"completion": c, "reference": r, "extraction": extraction})
+            for c, r in zip(completions, references, strict=True)
+        ]
+        values, stats = self._run(tasks, lambda i: completions[i][-120:])
+        return [_FAILED if v is None else v for v in values], stats
+
+    def same_answers(self, pairs: Sequence[tuple[str, str]]) -> tuple[list[bool], dict[str, Any]]:
+        """For each pair of extracted answers, whether they are the same answer under this pool's reward.
+
+        Returns:
+            ``(verdicts, stats)``; a timed-out or errored pair is not the same (``stats`` as in :meth:`score`).
+
+        Raises:
+            RuntimeError: the pool is closed or a replacement worker cannot start.
+        """
+        tasks = [("same", {"first": a, "second": b}) for a, b in pairs]
+        values, stats = self._run(tasks, lambda i: f"{pairs[i][0][-60:]} vs {pairs[i][1][-60:]}")
+        return [bool(v) for v in values], stats
+
+    def _run(self, tasks: list[tuple[str, dict]], describe: Callable[[int], str]) -> tuple[list, dict[str, Any]]:
+        """Runs every task on the workers; ``None`` for a failed one. ``describe(i)`` quotes task i in messages."""
         if self._closed:
-            raise RuntimeError("RewardPool.score called after close(); build a new pool")
+            raise RuntimeError("RewardPool used after close(); build a new pool")
         start = time.monotonic()
-        results: list[RewardResult] = [_FAILED] * len(completions)
-        stats: dict[str, Any] = {"num_scored": len(completions), "num_timeouts": 0, "num_errors": 0, "errors": [],
-                                 "failed_indices": []}
-        pending = deque(range(len(completions)))
-        busy: dict[int, tuple[int, float]] = {}  # slot -> (answer index, deadline)
+        values: list = [None] * len(tasks)
+        stats: dict[str, Any] = {
+            "reward": _reward_label(self._reward),
+            "num_scored": len(tasks),
+            "num_timeouts": 0,
+            "num_errors": 0,
+            "errors": [],
+            "failed_indices": [],
+        }
+        pending = deque(range(len(tasks)))
+        busy: dict[int, tuple[int, float]] = {}  # slot -> (task index, hard deadline)
         while pending or busy:
             for slot in range(len(self._workers)):
                 if pending and slot not in busy:
                     index = pending.popleft()
-                    self._ensure_worker(slot).conn.send((index, completions[index], references[index]))
-                    busy[slot] = (index, time.monotonic() + self._timeout_s)
-            self._collect(busy, results, stats)
+                    self._ensure_worker(slot).conn.send((index, *tasks[index]))
+                    busy[slot] = (index, time.monotonic() + self._timeout_s + KILL_GRACE_S)
+            for index, value, failure in self._collect(busy):
+                if failure is None:
+                    values[index] = value
+                else:
+                    _count_failure(stats, index, failure, describe(index))
         stats["failed_indices"].sort()
         stats["seconds"] = time.monotonic() - start
-        return results, stats
+        return values, stats
 
-    def _collect(self, busy: dict[int, tuple[int, float]], results: list[RewardResult], stats: dict) -> None:
-        """Waits until the next reply or deadline, then records replies, crashes and timeouts."""
+    def _collect(self, busy: dict[int, tuple[int, float]]) -> list[tuple[int, Any, tuple[str, str] | None]]:
+        """Waits until the next reply or hard deadline; returns ``(index, value, failure)`` of finished tasks."""
         next_deadline = min(deadline for _, deadline in busy.values())
         conns = {self._workers[slot].conn: slot for slot in busy}  # type: ignore[union-attr]
+        finished = []
         for conn in wait(list(conns), timeout=max(0.0, next_deadline - time.monotonic())):
             slot = conns[conn]
             index, _ = busy.pop(slot)
             try:
-                _, result, error = conn.recv()
+                _, value, failure = conn.recv()
             except (EOFError, OSError):
-                result, error = None, f"worker died (exit code {self._retire(slot, grace_s=1.0)})"
-            if error is None:
-                results[index] = result
-            else:
-                stats["num_errors"] += 1
-                stats["failed_indices"].append(index)
-                if len(stats["errors"]) < 5:
-                    stats["errors"].append(f"answer {index}: {error}")
+                value, failure = None, ("error", f"worker died (exit code {self._retire(slot, grace_s=1.0)})")
+            finished.append((index, value, failure))
         now = time.monotonic()
         for slot, (index, deadline) in list(busy.items()):
             if now >= deadline:
                 busy.pop(slot)
                 self._retire(slot)
-                stats["num_timeouts"] += 1
-                stats["failed_indices"].append(index)
+                killed_after = self._timeout_s + KILL_GRACE_S
+                finished.append((index, None, ("timeout", f"worker killed after {killed_after:.1f} s")))
+        return finished
 
     def close(self) -> None:
         """Stops every worker (politely, then by kill); idempotent."""
@@ -209,3 +302,12 @@ class RewardPool:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def _count_failure(stats: dict[str, Any], index: int, failure: tuple[str, str], quote: str) -> None:
+    """Adds one failed task to ``stats`` (counts, index, and a message while fewer than five are kept)."""
+    kind, detail = failure
+    stats["num_timeouts" if kind == "timeout" else "num_errors"] += 1
+    stats["failed_indices"].append(index)
+    if len(stats["errors"]) < _MAX_MESSAGES:
+        stats["errors"].append(f"answer {index} ({kind}: {detail}), ending {quote!r}")

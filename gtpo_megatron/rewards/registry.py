@@ -1,19 +1,23 @@
-"""Reward functions by name: ``REWARD_REGISTRY``, ``register_reward``, ``get_reward``.
+r"""Reward functions by name: ``REWARD_REGISTRY``, ``register_reward``, ``get_reward``.
 
 Contract (keep stable): a reward function is a plain, picklable callable
 
-    reward_fn(*, completion: str, reference: str) -> RewardResult
+    reward_fn(*, completion: str, reference: str, extraction: str) -> RewardResult
 
 ``completion`` is the decoded response text only (no prompt); ``reference`` is the dataset answer, either the
-final answer (``"72"``, ``"\\frac{1}{2}"``) or a full GSM8K / boxed solution (reduced with
-:func:`~gtpo_megatron.rewards.math_answer.reference_answer`). Every reward fills the same fields so that metrics
-(accuracy, format rate) mean the same thing whatever reward trains the policy:
+final answer (``"72"``, ``"\frac{1}{2}"``) or a full GSM8K / boxed solution (reduced with
+:func:`~gtpo_megatron.rewards.answer_text.reference_span`); ``extraction`` is ``strict`` or ``lenient``
+(:mod:`~gtpo_megatron.rewards.answer_text`). A grader failure propagates (an exception, or
+:class:`~gtpo_megatron.rewards.deadline.GradingTimeout` under a deadline) for the reward pool to count. Every
+reward fills the same fields so that metrics (accuracy, format rate) mean the same thing whatever reward trains
+the policy:
 
-- ``correct``: the leniently extracted answer (:func:`extract_answer`, last-number fallback included) is
-  equivalent to the reference (:func:`answers_match`);
+- ``correct``: :func:`~gtpo_megatron.rewards.math_answer.grade` in the given extraction mode, with the reward's
+  numeric rule (:func:`decimal_tolerance`);
 - ``format_ok``: the strict paper format: a ``<reasoning>...</reasoning>`` block and an ``<answer>...</answer>``
   block that ends the text (trailing whitespace allowed);
-- ``extracted``: that extracted answer (``None`` if none), used for maj@k voting after ``normalize_answer``.
+- ``extracted``: the extracted answer (``None`` if none); maj@k votes group these with
+  :func:`~gtpo_megatron.rewards.math_answer.same_answer` under the same numeric rule.
 
 Registered rewards:
 
@@ -22,8 +26,10 @@ Registered rewards:
 - ``paper``: the authors' scheme (GTPO_SPEC section 6): format part 10 when ``format_ok``; otherwise 1.5 when
   exactly one of the two blocks is complete and a tag of the other is present, 1.0 when exactly one block is
   complete, 0 when neither is. Correctness part 10 only when ``format_ok`` and the ``<answer>`` block is correct.
-  Totals are in {0, 1, 1.5, 10, 20}. Deviation from the authors' code: their "lenient string match" accepted any
-  reference that is a substring of the prediction (``"1"`` in ``"10"``); we use :func:`answers_match` instead.
+  Totals are in {0, 1, 1.5, 10, 20}. Two plain decimal answers match within 1e-2 (the paper's numeric rule);
+  other answers use the exact / relative rules of :mod:`~gtpo_megatron.rewards.equivalence`. Deviation from the
+  authors' code: their "lenient string match" accepted any reference that is a substring of the prediction
+  (``"1"`` in ``"10"``); we use math-verify's equivalence instead.
 """
 
 from __future__ import annotations
@@ -33,7 +39,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from gtpo_megatron.rewards.math_answer import answers_match, extract_answer, reference_answer
+from gtpo_megatron.rewards.answer_text import STRICT
+from gtpo_megatron.rewards.math_answer import grade
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,21 +54,29 @@ class RewardResult:
 
 
 class RewardFn(Protocol):
-    """A reward function: keyword-only ``completion`` and ``reference``, returns a :class:`RewardResult`."""
+    """A reward function: keyword-only arguments, returns a :class:`RewardResult` (contract in the module docstring)."""
 
-    def __call__(self, *, completion: str, reference: str) -> RewardResult: ...
+    def __call__(self, *, completion: str, reference: str, extraction: str) -> RewardResult:
+        """Scores ``completion`` against ``reference`` in ``extraction`` mode (``strict`` or ``lenient``)."""
+        ...
 
 
 REWARD_REGISTRY: dict[str, RewardFn] = {}
+_DECIMAL_TOLERANCES: dict[str, float] = {}
 
 _REASONING_RE = re.compile(r"<reasoning>.*?</reasoning>", re.DOTALL)
 _ANSWER_AT_END_RE = re.compile(r"<answer>.*?</answer>\s*$", re.DOTALL)
 PAPER_FORMAT_SCORE = 10.0
 PAPER_CORRECT_SCORE = 10.0
+PAPER_DECIMAL_TOLERANCE = 1e-2
 
 
-def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
+def register_reward(name: str, *, decimal_abs_tol: float | None = None) -> Callable[[RewardFn], RewardFn]:
     """Decorator that adds a reward function under ``name``.
+
+    Args:
+        name: registry key.
+        decimal_abs_tol: the reward's tolerance for two plain decimal answers (:func:`decimal_tolerance`).
 
     Raises:
         ValueError: if ``name`` is already registered.
@@ -71,6 +86,8 @@ def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
         if name in REWARD_REGISTRY:
             raise ValueError(f"reward {name!r} is already registered; pick another name")
         REWARD_REGISTRY[name] = fn
+        if decimal_abs_tol is not None:
+            _DECIMAL_TOLERANCES[name] = decimal_abs_tol
         return fn
 
     return decorator
@@ -87,6 +104,14 @@ def get_reward(name: str) -> RewardFn:
     return REWARD_REGISTRY[name]
 
 
+def decimal_tolerance(reward: str | RewardFn) -> float | None:
+    """Absolute tolerance of a reward for two plain decimal answers (``None``: exact / relative rules).
+
+    ``reward`` is a registered name or a function (functions outside the registry use ``None``).
+    """
+    return _DECIMAL_TOLERANCES.get(reward) if isinstance(reward, str) else None
+
+
 def paper_format_score(completion: str) -> float:
     """The paper's format part: 10, 1.5, 1 or 0 (rules in the module docstring)."""
     has_reasoning = _REASONING_RE.search(completion) is not None
@@ -100,32 +125,31 @@ def paper_format_score(completion: str) -> float:
     return 0.0
 
 
-def _judge(completion: str, reference: str) -> tuple[bool, bool, str | None]:
+def _judge(completion: str, reference: str, extraction: str, name: str) -> tuple[bool, bool, str | None]:
     """``(correct, format_ok, extracted)`` shared by every registered reward."""
-    extracted = extract_answer(completion)
-    correct = answers_match(extracted, reference_answer(reference))
+    verdict = grade(completion, reference, extraction=extraction, decimal_abs_tol=decimal_tolerance(name))
     format_ok = paper_format_score(completion) == PAPER_FORMAT_SCORE
-    return correct, format_ok, extracted
+    return verdict.correct, format_ok, verdict.extracted
 
 
 @register_reward("math_verify")
-def math_verify_reward(*, completion: str, reference: str) -> RewardResult:
+def math_verify_reward(*, completion: str, reference: str, extraction: str = STRICT) -> RewardResult:
     """1.0 when the extracted answer is equivalent to the reference, else 0.0."""
-    correct, format_ok, extracted = _judge(completion, reference)
+    correct, format_ok, extracted = _judge(completion, reference, extraction, "math_verify")
     return RewardResult(score=float(correct), correct=correct, format_ok=format_ok, extracted=extracted)
 
 
 @register_reward("format")
-def format_reward(*, completion: str, reference: str) -> RewardResult:
+def format_reward(*, completion: str, reference: str, extraction: str = STRICT) -> RewardResult:
     """1.0 when the completion has the strict reasoning/answer format, else 0.0."""
-    correct, format_ok, extracted = _judge(completion, reference)
+    correct, format_ok, extracted = _judge(completion, reference, extraction, "format")
     return RewardResult(score=float(format_ok), correct=correct, format_ok=format_ok, extracted=extracted)
 
 
-@register_reward("paper")
-def paper_reward(*, completion: str, reference: str) -> RewardResult:
+@register_reward("paper", decimal_abs_tol=PAPER_DECIMAL_TOLERANCE)
+def paper_reward(*, completion: str, reference: str, extraction: str = STRICT) -> RewardResult:
     """The authors' format + correctness reward; total in {0, 1, 1.5, 10, 20} (GTPO_SPEC section 6)."""
-    correct, format_ok, extracted = _judge(completion, reference)
+    correct, format_ok, extracted = _judge(completion, reference, extraction, "paper")
     score = paper_format_score(completion)
     if format_ok and correct:
         score += PAPER_CORRECT_SCORE

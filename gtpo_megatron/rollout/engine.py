@@ -38,9 +38,9 @@ class SamplingConfig:
         top_p: nucleus mass in (0, 1]; 1 disables nucleus sampling.
         max_tokens: maximum number of new tokens per completion (>= 1).
         stop: stop strings; the matched string is kept in the text and in the token ids.
-        seed: base seed of this call (request ``i`` gets a seed derived from ``(seed, i)``), or None for the
-            engine's global generator. The same seed, prompts and weights give the same completions; pass a
-            different seed each training step to get fresh samples.
+        seed: base seed of this call (sample ``j`` of the prompt with global index ``i`` gets a seed derived from
+            ``(seed, i, j)``), or None for the engine's global generator. The same seed, prompts and weights give
+            the same completions; pass a different seed each training step to get fresh samples.
         logprobs: return the rollout log-probability (nats) of every sampled token.
     """
 
@@ -89,7 +89,11 @@ class RolloutEngine(Protocol):
     """What the trainer and the evaluator need from a generation engine."""
 
     def generate(
-        self, prompt_ids: Sequence[Sequence[int]], n: int, sampling: SamplingConfig
+        self,
+        prompt_ids: Sequence[Sequence[int]],
+        n: int,
+        sampling: SamplingConfig,
+        prompt_indices: Sequence[int] | None = None,
     ) -> list[PromptCompletions]:
         """Sample ``n`` completions of every prompt.
 
@@ -97,6 +101,8 @@ class RolloutEngine(Protocol):
             prompt_ids: P tokenised (chat-templated) prompts.
             n: completions per prompt (the group size G, >= 1).
             sampling: sampling parameters of this call.
+            prompt_indices: global index of each prompt in its batch (distinct), which seeds its samples together
+                with ``sampling.seed``; default ``0 .. P-1``.
 
         Returns:
             P ``PromptCompletions`` in prompt order, each with ``n`` completions (token ids, text, finish reason

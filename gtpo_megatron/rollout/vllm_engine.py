@@ -4,6 +4,13 @@ Generation returns, per prompt, G completions with token ids, text, finish reaso
 sampled token after temperature and top-p (vLLM ``logprobs_mode="processed_logprobs"``), i.e. the distribution
 the tokens were actually drawn from.
 
+Seeds: every (prompt, sample) pair is its own vLLM request (``n=1``) seeded with :func:`request_seed` of the call's
+seed, the prompt's GLOBAL index and the sample index. vLLM's own ``n > 1`` gives sample j the seed ``seed + j``,
+so prompts seeded R and R + d shared G - d random streams (the same prompt twice in one call returned 3 identical
+completions out of 4); hashed per-pair seeds share none, and an engine holding prompts 4-7 of a batch samples
+exactly what one engine holding 0-7 does when it is given their global indices. Prefix caching still computes a
+prompt once for its G requests.
+
 Weight updates (``RolloutEngine`` contract in ``rollout/engine.py``): every bucket is written as one safetensors
 shard into a private staging folder (``/dev/shm`` when available, so it stays in RAM); ``finish_weight_update``
 then calls the workers' ``reload_weights(weights_path=folder)`` once (through ``WeightReloadExtension``, which also
@@ -30,6 +37,7 @@ must be used. Sleep mode is unsupported on CPU, so ``sleep``/``wake_up`` are no-
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import math
 import os
@@ -49,12 +57,32 @@ logger = logging.getLogger(__name__)
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _FINISH_REASONS = ("stop", "length")
-_SEED_MIX = 1_000_003
 
 
-def request_seed(seed: int, index: int) -> int:
-    """Seed of request ``index`` in a call seeded with ``seed`` (distinct for distinct pairs, in [0, 2**31))."""
-    return (seed * _SEED_MIX + index) % (2**31 - 1)
+def request_seed(seed: int, prompt_index: int, sample_index: int) -> int:
+    """vLLM seed of sample ``sample_index`` of the prompt at global index ``prompt_index`` in a call seeded ``seed``.
+
+    A 63-bit BLAKE2b hash of the triple, in ``[0, 2**63)``: the same triple always gets the same stream, and two
+    different triples share one with probability ``2**-63`` (about 1e-7 for a run of a million samples).
+    """
+    digest = hashlib.blake2b(f"{seed}/{prompt_index}/{sample_index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def check_prompt_indices(prompt_indices: Sequence[int] | None, num_prompts: int) -> list[int]:
+    """The global index of each prompt: ``prompt_indices`` checked, or ``0 .. num_prompts - 1`` when ``None``.
+
+    Raises:
+        ValueError: wrong length, a negative index or a repeated one (two prompts would share random streams).
+    """
+    if prompt_indices is None:
+        return list(range(num_prompts))
+    indices = [int(i) for i in prompt_indices]
+    if len(indices) != num_prompts or min(indices, default=0) < 0 or len(set(indices)) != num_prompts:
+        raise ValueError(
+            f"prompt_indices={indices} must hold {num_prompts} distinct indices >= 0 (one global index per prompt of "
+            "the batch); pass None for 0..P-1")
+    return indices
 
 
 @contextlib.contextmanager
@@ -231,16 +259,29 @@ class VLLMEngine:
 
     # ----------------------------------------------------------------------------------------------- generation
     def generate(
-        self, prompt_ids: Sequence[Sequence[int]], n: int, sampling: SamplingConfig
+        self,
+        prompt_ids: Sequence[Sequence[int]],
+        n: int,
+        sampling: SamplingConfig,
+        prompt_indices: Sequence[int] | None = None,
     ) -> list[PromptCompletions]:
         """Sample ``n`` completions per prompt (see ``RolloutEngine.generate``).
 
         ``rollout_logprobs`` are natural-log probabilities of the sampled tokens under the temperature-scaled,
         top-p-renormalised distribution (empty lists when ``sampling.logprobs`` is False). With a stop string the
-        text and the token ids both include the matched string.
+        text and the token ids both include the matched string. Sample ``j`` of prompt ``i`` is seeded with
+        ``request_seed(sampling.seed, prompt_indices[i], j)`` (module docstring).
+
+        Args:
+            prompt_ids: P tokenised prompts.
+            n: completions per prompt (>= 1).
+            sampling: sampling parameters of this call.
+            prompt_indices: the global index of each prompt in its batch (distinct, >= 0), so that a batch split
+                over several engines samples what one engine would; default ``0 .. P-1``.
 
         Raises:
-            ValueError: ``n < 1`` or a prompt that is empty or too long for ``max_model_len``.
+            ValueError: ``n < 1``, a prompt that is empty or too long for ``max_model_len``, or bad
+                ``prompt_indices``.
             RuntimeError: vLLM aborted a request (finish reason other than stop/length).
         """
         from vllm import SamplingParams
@@ -249,24 +290,28 @@ class VLLMEngine:
         if n < 1:
             raise ValueError(f"n={n} must be >= 1 (completions per prompt)")
         validate_prompt_ids(prompt_ids, max_model_len=self.max_model_len, max_tokens=sampling.max_tokens)
+        indices = check_prompt_indices(prompt_indices, len(prompt_ids))
         params = [
             SamplingParams(
-                n=n,
+                n=1,
                 temperature=sampling.temperature,
                 top_p=sampling.top_p,
                 max_tokens=sampling.max_tokens,
                 stop=list(sampling.stop) or None,
                 include_stop_str_in_output=True,
-                seed=None if sampling.seed is None else request_seed(sampling.seed, i),
+                seed=None if sampling.seed is None else request_seed(sampling.seed, index, sample),
                 logprobs=0 if sampling.logprobs else None,
             )
-            for i in range(len(prompt_ids))
+            for index in indices
+            for sample in range(n)
         ]
-        prompts = [TokensPrompt(prompt_token_ids=[int(t) for t in ids]) for ids in prompt_ids]
+        prompts = [TokensPrompt(prompt_token_ids=[int(t) for t in ids]) for ids in prompt_ids for _ in range(n)]
         outputs = self._llm.generate(prompts, params, use_tqdm=False)
         return [
-            PromptCompletions(prompt_ids=list(ids), completions=[_to_completion(o) for o in out.outputs])
-            for ids, out in zip(prompt_ids, outputs, strict=True)
+            PromptCompletions(
+                prompt_ids=list(ids), completions=[_to_completion(o.outputs[0]) for o in outputs[i * n : (i + 1) * n]]
+            )
+            for i, ids in enumerate(prompt_ids)
         ]
 
     def score(self, prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]]) -> list[list[float]]:

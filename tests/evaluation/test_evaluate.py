@@ -18,16 +18,17 @@ SCRIPT = [  # completions per problem, in prompt order
 
 
 class ScriptedEngine:
-    """Returns SCRIPT[i] for prompt i; records the calls."""
+    """Returns script[i] for prompt i; records the calls."""
 
-    def __init__(self) -> None:
+    def __init__(self, script=SCRIPT) -> None:
         self.calls = []
+        self.script = script
 
     def generate(self, prompt_ids, n, sampling):
         self.calls.append((len(prompt_ids), n, sampling))
         return [
             PromptCompletions(list(p), [Completion(list(range(len(t))), [0.0] * len(t), t, "stop") for t in texts])
-            for p, texts in zip(prompt_ids, SCRIPT)
+            for p, texts in zip(prompt_ids, self.script)
         ]
 
 
@@ -49,6 +50,16 @@ def test_contract_flags_parse():
     assert (config.model, config.benchmarks, config.data_dir, config.limit) == ("M", ("gsm8k",), "D", 5)
     assert (config.n, config.ks, config.output_dir) == (4, (1, 4), "OUT")
     assert config.sampling.seed == 0 and config.sampling.temperature == 0.9
+    assert [config.extraction_for(b) for b in ("gsm8k", "math500", "aime24", "aime25", "amc23")] == [
+        "lenient", "strict", "strict", "strict", "strict"]
+    strict = config_from_args(build_parser().parse_args("--model M --output O --extraction strict".split()))
+    assert strict.extraction_for("gsm8k") == "strict"
+
+
+def test_bad_extraction_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args("--model M --output O --extraction loose".split())
+    assert "invalid choice: 'loose'" in capsys.readouterr().err
 
 
 def test_k_larger_than_n_is_a_usage_error(capsys):
@@ -110,38 +121,59 @@ def test_model_folder_detection(tmp_path):
     assert resolve_hf_model(str(tmp_path / "hf")) == str(tmp_path / "hf")
 
 
-def test_run_evaluation_scores_and_writes(tmp_path, data_dir):
+def _evaluate(tmp_path, data_dir, *flags, script=SCRIPT):
     args = build_parser().parse_args(
         ["--model", "builtin:tiny-llama", "--benchmarks", "gsm8k", "--data-dir", data_dir, "--n", "4",
-         "--k", "1,4", "--output", str(tmp_path / "out"), "--reward-workers", "1", "--label", "tiny"]
+         "--k", "1,4", "--output", str(tmp_path / "out"), "--reward-workers", "1", "--label", "tiny", *flags]
     )
-    engine = ScriptedEngine()
-    payload = run_evaluation(config_from_args(args), engine=engine)
+    engine = ScriptedEngine(script)
+    return run_evaluation(config_from_args(args), engine=engine), engine
+
+
+def test_run_evaluation_scores_and_writes(tmp_path, data_dir):
+    payload, engine = _evaluate(tmp_path, data_dir)
     assert engine.calls[0][:2] == (2, 4)
     r = payload["results"]["gsm8k"]
-    # problem 1: answers 5 (right), 4, 4, none -> c=1; vote 4 wins. problem 2: 1000, 100, 100, 1000 -> c=2;
-    # 2-2 tie goes to 1000 (first), which is wrong.
+    # gsm8k is graded leniently. Problem 1 (gold 5): answers 5 (right), 4, 4, none -> c=1; the class {4, 4} wins.
+    # Problem 2 (gold 100): classes {1,000, 1000} (wrong) and {100, 100.0} (right) tie 2-2 -> maj 1/2.
     assert r["pass@1"] == pytest.approx((1 / 4 + 2 / 4) / 2)
     assert r["pass@4"] == 1.0
-    assert r["maj@1"] == 0.5 and r["maj@4"] == 0.0
+    assert r["maj@1"] == 0.5 and r["maj@4"] == 0.25
     assert r["format_rate"] == 1 / 8 and r["num_problems"] == 2
+    assert r["reward/num_timeouts"] == r["reward/num_errors"] == 0
     saved = json.loads((tmp_path / "out" / "results.json").read_text())
-    assert saved["results"] == payload["results"]
+    assert saved["results"] == payload["results"] and saved["extraction"] == {"gsm8k": "lenient"}
     records = [json.loads(x) for x in (tmp_path / "out" / "records" / "gsm8k.jsonl").read_text().splitlines()]
     assert [rec["num_correct"] for rec in records] == [1, 2]
-    assert [c["normalized"] for c in records[1]["completions"]] == ["1000", "100", "100", "1000"]
+    assert [rec["maj@4"] for rec in records] == [0.0, 0.5]
+    assert [c["extracted"] for c in records[1]["completions"]] == ["1,000", "100", "100.0", "1000"]
     assert records[0]["completions"][0]["format_ok"] and records[0]["reference"] == "5"
     report = (tmp_path / "out" / "results.md").read_text()
     assert report.splitlines()[0] == "| model | GSM8K p@1 | GSM8K p@4 | GSM8K maj@4 |"
-    assert report.splitlines()[2] == "| tiny | 37.5 | 100.0 | 0.0 |"
+    assert report.splitlines()[2] == "| tiny | 37.5 | 100.0 | 25.0 |"
+    assert report.splitlines()[6].endswith("| 0/0 |")
+
+
+def test_extraction_flag_and_grader_failures_reach_the_results(tmp_path, data_dir):
+    """--extraction strict on gsm8k: "the answer is 4" still has math-verify's "answer" anchor, "no idea" votes
+    nothing; a power tower times out and is counted, not scored quietly."""
+    script = [["\\boxed{5}", "\\boxed{9^{9^{9^{9}}}}", "4", "the answer is 4"], SCRIPT[1]]
+    payload, _ = _evaluate(tmp_path, data_dir, "--extraction", "strict", "--reward-timeout", "1", script=script)
+    r = payload["results"]["gsm8k"]
+    assert payload["extraction"] == {"gsm8k": "strict"}
+    assert (r["reward/num_timeouts"], r["reward/num_errors"]) == (1, 0)
+    assert r["maj@4"] == pytest.approx((0.5 + 0.5) / 2)  # problem 1: 5 and 4 tie one vote each
+    assert r["pass@1"] == pytest.approx((1 / 4 + 2 / 4) / 2)
 
 
 def test_markdown_report_matches_table1_layout():
     res = {b: {"pass@64": 0.3, "maj@64": 0.425, "accuracy": 0.1, "format_rate": 1.0, "truncation_rate": 0.0,
-               "mean_length": 100.0, "num_problems": 30.0, "num_samples": 64.0} for b in ("aime24", "amc23")}
-    head = markdown_report("Qwen GTPO", res, (64,)).splitlines()[:3]
-    assert head[0] == "| model | AIME24 p@64 | AIME24 maj@64 | AMC23 p@64 | AMC23 maj@64 |"
-    assert head[2] == "| Qwen GTPO | 30.0 | 42.5 | 30.0 | 42.5 |"
+               "mean_length": 100.0, "num_problems": 30.0, "num_samples": 64.0, "reward/num_timeouts": 2.0,
+               "reward/num_errors": 0.0} for b in ("aime24", "amc23")}
+    lines = markdown_report("Qwen GTPO", res, (64,)).splitlines()
+    assert lines[0] == "| model | AIME24 p@64 | AIME24 maj@64 | AMC23 p@64 | AMC23 maj@64 |"
+    assert lines[2] == "| Qwen GTPO | 30.0 | 42.5 | 30.0 | 42.5 |"
+    assert lines[6] == "| AIME24 | 30 | 64 | 10.0 | 100.0 | 0.0 | 100.0 | 2/0 |"
 
 
 def _write_run(folder, rows):

@@ -115,6 +115,27 @@ class TestTinyLlama:
         for group in first:  # the G samples of one prompt differ from each other
             assert len({tuple(t) for t in group}) > 1
 
+    def test_every_prompt_sample_pair_has_its_own_stream(self, engine):
+        """The same prompt twice in one call: 8 different completions (vLLM's n=4 with seeds R, R+1 shared 3)."""
+        sampling = SamplingConfig(temperature=1.0, max_tokens=8, seed=7)
+        outputs = engine.generate([self.PROMPTS[0], self.PROMPTS[0]], 4, sampling)
+        assert len({tuple(c.token_ids) for out in outputs for c in out.completions}) == 8
+
+    def test_samples_depend_on_the_global_prompt_index_only(self, engine):
+        """A prompt at global index 5 samples the same alone, in a call of 4 or of 8 (engines splitting a batch)."""
+        sampling = SamplingConfig(temperature=1.0, max_tokens=8, seed=11)
+        prompts = [[3 * i + 1, 3 * i + 2, 3 * i + 3] for i in range(8)]
+
+        def tokens(outputs):
+            return [[c.token_ids for c in out.completions] for out in outputs]
+
+        whole = tokens(engine.generate(prompts, 4, sampling))
+        assert tokens(engine.generate(prompts[5:6], 4, sampling, prompt_indices=[5])) == whole[5:6]
+        assert tokens(engine.generate(prompts[4:], 4, sampling, prompt_indices=[4, 5, 6, 7])) == whole[4:]
+        assert tokens(engine.generate(prompts[5:6], 4, sampling)) != whole[5:6]  # index 0 is another stream
+        with pytest.raises(ValueError, match="distinct indices"):
+            engine.generate(prompts[:2], 4, sampling, prompt_indices=[3, 3])
+
     def test_score_matches_hf(self, engine, hf_model):
         completions = [[5, 6, 7], [8, 9, 10, 11], [12]]
         scores = engine.score(self.PROMPTS, completions)

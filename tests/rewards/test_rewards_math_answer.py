@@ -1,130 +1,142 @@
-"""Answer extraction, numeric parsing, equivalence and maj@k normalisation, on hand-written literal cases."""
+"""Grading on hand-written completions: extraction faults of issue 12 item 1 and their siblings, the strict and
+lenient modes (item 2), numeric equivalence (item 3) and the vote equivalence ``same_answer`` (item 4)."""
 
 from __future__ import annotations
 
-from fractions import Fraction
-
 import pytest
 
-from gtpo_megatron.rewards.math_answer import (
-    answers_match,
-    extract_answer,
-    extract_boxed,
-    normalize_answer,
-    parse_number,
-    reference_answer,
-)
+from gtpo_megatron.rewards.answer_text import is_bare
+from gtpo_megatron.rewards.equivalence import parse_span
+from gtpo_megatron.rewards.math_answer import Verdict, extract, grade, same_answer
+
+HASH_TAIL = "9+8=17\n#### 17\n\nHope that helps with your 2 questions!"
+PMATRIX = "\\begin{pmatrix} 3 \\\\ -4 \\end{pmatrix}"
 
 
 @pytest.mark.parametrize(
-    ("text", "expected"),
+    ("reference", "completion", "correct"),
     [
-        ("She has 3 + 4 = 7 apples.\n#### 1,234", "1234"),
-        ("<reasoning>2*6</reasoning>\n<answer>\n12\n</answer>", "12"),
-        ("<reasoning>x</reasoning><answer>The result is \\boxed{\\frac{1}{2}}</answer>", "\\frac{1}{2}"),
-        ("so \\boxed{3} first, then \\boxed{\\sqrt{\\frac{a}{b}}}", "\\sqrt{\\frac{a}{b}}"),
-        ("<answer>5</answer> and later <answer>6</answer>", "6"),
-        ("Therefore, the answer is $42$.\n", "42"),
-        ("The answer is 1,250 apples. Later 3 + 4 = 7.", "1250"),
-        ("So, the answer is 1 + 1 = 2 apples.", "2"),
-        ("The answer is 10 yes answers of the question. So 10 + 10 = 20", "10"),
-        ("the answer is unclear. I think 9", "9"),
-        ("the answer is: $\\frac{3}{4}$ so we stop at 9", "\\frac{3}{4}"),
-        ("The answer is ten, not 12 or 13", "12"),
-        ("She pays 3 dollars, then 1,250 dollars in total", "1250"),
-        ("no digits at all", None),
-        ("\\boxed{unclosed", None),
+        ("7", "The code word is XQ7BZ.", False),  # digits inside a word are not an answer
+        ("12", "Room B12 is free.", False),
+        ("5", "The solution set is $(0,5]$.", False),  # an interval, not the number 5
+        ("(0,5]", "The solution set is $(0,5]$.", True),
+        ("456", "#### 4,56", False),  # 4,56 is no thousands group
+        ("1250", "#### 12,50", False),
+        ("1234", "#### 1,234", True),
+        ("1234567", "\\boxed{1,234,567}", True),
+        ("3.25", "#### 3.25,10.5", False),  # two numbers, not one
+        ("10.5", "#### 3.25,10.5", False),
+        ("3.2510.5", "#### 3.25,10.5", False),
+        ("3.25, 10.5", "#### 3.25,10.5", True),
+        ("4", "Thus $y = \\frac{3+\\sqrt{7}}{4}$.", False),  # a denominator is not the answer
+        ("\\frac{3+\\sqrt{7}}{4}", "Thus $y = \\frac{3+\\sqrt{7}}{4}$.", True),
+        ("5", "So the ratio is 2/5.", False),
+        ("2/5", "So the ratio is 2/5.", True),
+        ("\\frac{2}{5}", "So the ratio is 2/5.", True),
+        ("0.4", "So the ratio is 2/5.", True),
+        ("(3,-2)", "The final answer is (3, -2). I hope it is correct.", True),
+        ("3", "The final answer is (3, -2). I hope it is correct.", False),
+        ("(-2,3)", "The final answer is (3, -2). I hope it is correct.", False),
+        ("12500", "The total is \\boxed{12,\\! 500}.", True),
+        ("1000000", "The total is \\boxed{1,\\!000,\\!000}.", True),
+        (PMATRIX, "\\boxed{\\begin{pmatrix}3\\\\-4\\end{pmatrix}}", True),  # \\ row break kept
+        (PMATRIX, "\\boxed{\\begin{pmatrix}3\\\\4\\end{pmatrix}}", False),
+        ("17", HASH_TAIL, True),  # the number right after ####
+        ("2", HASH_TAIL, False),
+        ("42", "#### 42 apples\nNext time bring 7.", True),
+        ("58", "<answer>**58**</answer>", True),  # Markdown emphasis around the answer
+        ("58", "<reasoning>r</reasoning>\n<answer>\n__58__\n</answer>", True),
+        ("72", "Natalia sold 48/2 = 24 clips.\n#### 72", True),
+        ("\\frac{\\sqrt{2}}{2}", "<answer>\\sqrt{2}/2</answer>", True),
+        ("B", "\\boxed{\\text{(B)}}", True),
+        ("C", "\\boxed{\\text{(B)}}", False),
     ],
 )
-def test_extract_answer(text: str, expected: str | None) -> None:
-    assert extract_answer(text) == expected
-
-
-def test_extract_answer_without_fallback_needs_a_marker() -> None:
-    assert extract_answer("the total is 12", fallback_last_number=False) is None
-    assert extract_answer("the total is \\boxed{12}", fallback_last_number=False) == "12"
-
-
-def test_extract_boxed_balances_nested_braces() -> None:
-    assert extract_boxed("\\boxed{\\frac{\\sqrt{2}}{2}} tail") == "\\frac{\\sqrt{2}}{2}"
-    assert extract_boxed("\\fbox{7}") == "7"
-    assert extract_boxed("nothing") is None
-
-
-def test_reference_answer() -> None:
-    assert reference_answer("Natalia sold 48+24 = <<48+24=72>>72 clips.\n#### 72") == "72"
-    assert reference_answer("so the answer is $\\boxed{\\frac{14}{3}}$.") == "\\frac{14}{3}"
-    assert reference_answer("  \\left( 3, \\frac{\\pi}{2} \\right) ") == "\\left( 3, \\frac{\\pi}{2} \\right)"
+def test_extraction_kind(reference: str, completion: str, correct: bool) -> None:
+    """Item 1; raw-text cases need the lenient mode (strict gives them 0, see below)."""
+    assert grade(completion, reference, extraction="lenient").correct is correct
 
 
 @pytest.mark.parametrize(
-    ("text", "expected"),
+    ("completion", "strict", "lenient"),
     [
-        ("1,234", Fraction(1234)),
-        ("$1,234.00", Fraction(1234)),
-        ("\\$18", Fraction(18)),
-        ("72 dollars", Fraction(72)),
-        ("50\\%", Fraction(50)),
-        ("-\\frac{3}{4}", Fraction(-3, 4)),
-        ("\\dfrac{1}{2}", Fraction(1, 2)),
-        ("1/2", Fraction(1, 2)),
-        ("0.5", Fraction(1, 2)),
-        ("\\boxed{7}", Fraction(7)),
-        ("1,-2", None),
-        ("5i", None),
-        ("2x", None),
-        ("3\\sqrt{2}", None),
-        ("1/0", None),
+        ("Maybe 12, maybe 30.", False, True),
+        ("30", False, True),
+        ("so we get $30$", False, True),
+        ("\\boxed{30}", True, True),
+        ("<answer>30</answer>", True, True),
+        ("The final answer is 30.", True, True),
+        ("Final Answer: the final answer for the count is 30", True, True),  # math-verify's own anchor
+        ("<think>so it is \\boxed{30}", False, False),  # cut off inside <think>
+        ("<think>maybe \\boxed{12}</think>So \\boxed{30}", True, True),
+        ("<think>so it is 30</think>", False, False),  # an answer only inside the thoughts
     ],
 )
-def test_parse_number(text: str, expected: Fraction | None) -> None:
-    assert parse_number(text) == expected
+def test_strictness(completion: str, strict: bool, lenient: bool) -> None:
+    """Item 2: strict (MATH/AIME/AMC) needs \\boxed{}, <answer> or a final-answer statement; lenient (GSM8K) not."""
+    assert grade(completion, "30", extraction="strict").correct is strict
+    assert grade(completion, "30", extraction="lenient").correct is lenient
+
+
+def test_no_answer_is_none_and_bad_modes_are_refused() -> None:
+    assert grade("Maybe 12, maybe 30.", "30") == Verdict(False, None)
+    assert extract("<think>\\boxed{3}", "lenient") == []
+    with pytest.raises(ValueError, match="extraction='loose'"):
+        grade("\\boxed{1}", "1", extraction="loose")
+    with pytest.raises(ValueError, match="reference 'see the figure' holds no answer math-verify can read"):
+        grade("\\boxed{1}", "see the figure")
 
 
 @pytest.mark.parametrize(
-    ("pred", "ref", "expected"),
+    ("reference", "answer", "correct"),
     [
+        ("\\frac{1}{3^{40}}", "\\frac{1}{3^{41}}", False),  # math-verify alone: equal (|a - b| < 1e-15)
+        ("\\frac{1}{3^{40}}", "\\frac{1}{3^{40}}", True),
+        ("\\frac{1}{3^{40}}", "3^{-40}", True),
+        ("10^{-20}", "2 \\cdot 10^{-20}", False),
+        ("10^{20}+1", "10^{20}", False),  # exact, not relative, for two rationals
+        ("(\\frac{1}{3^{40}}, 1)", "(\\frac{1}{3^{41}}, 1)", False),  # nested: compared to 1e-50
+        ("\\frac{\\sqrt{3}}{3}", "\\sqrt{3}/3", True),
+        ("\\frac{\\sqrt{3}}{3}", "\\frac{1}{\\sqrt{3}}", True),
+        ("\\frac{\\sqrt{3}}{3}", "0.5773502692", True),  # relative 1e-6 for irrationals and decimals
+        ("\\frac{\\sqrt{3}}{3}", "0.577", False),
+        ("\\frac{1}{12}", "0.0833333333333333", True),
+        ("\\sqrt{2} \\cdot 10^{-40}", "\\sqrt{3} \\cdot 10^{-40}", False),
+        ("0.5", "0.509", False),  # the paper's 1e-2 applies only to the paper reward (test_rewards_registry)
+        ("28\\%", "28", True),  # percentages stay with math-verify
+    ],
+)
+def test_numeric_equivalence(reference: str, answer: str, correct: bool) -> None:
+    """Item 3: exact rationals, relative tolerance otherwise, math-verify for structures."""
+    assert grade(f"\\boxed{{{answer}}}", reference).correct is correct
+
+
+def test_paper_decimal_tolerance_is_for_plain_decimals_only() -> None:
+    assert grade("#### 0.509", "0.5", decimal_abs_tol=1e-2).correct
+    assert not grade("#### 0.52", "0.5", decimal_abs_tol=1e-2).correct
+    assert grade("#### 1,234.004", "1234", decimal_abs_tol=1e-2).correct
+    assert not grade("\\boxed{\\frac{1}{3^{41}}}", "\\frac{1}{3^{40}}", decimal_abs_tol=1e-2).correct
+
+
+@pytest.mark.parametrize(
+    ("first", "second", "same"),
+    [
+        ("\\frac{\\sqrt{3}}{3}", "\\sqrt{3}/3", True),
+        ("\\sqrt{3}/3", "\\frac{\\sqrt{3}}{3}", True),
+        ("2", "\\frac{\\sqrt{3}}{3}", False),
         ("1,234", "1234", True),
-        ("$1,234.00", "1234", True),
-        ("72 dollars", "72", True),
-        ("\\frac{1}{2}", "0.5", True),
-        ("0.509", "0.5", True),  # within the paper's 1e-2
-        ("0.52", "0.5", False),
-        ("12", "13", False),
-        ("033", "33", True),  # AIME answers are integers 0..999
-        ("204", "204", True),
-        ("\\sqrt{2}/2", "\\frac{\\sqrt{2}}{2}", True),
-        ("\\frac{\\sqrt{2}}{2}", "\\sqrt{2}", False),
-        ("(3, \\pi/2)", "\\left( 3, \\frac{\\pi}{2} \\right)", True),
-        ("-2, 1", "1,-2", True),
-        ("6-5i", "6 - 5i", True),
-        ("5i", "5", False),
-        ("11\\sqrt{2}", "11\\sqrt2", True),
-        ("\\text{(B)}", "B", True),
-        ("B", "C", False),
-        ("90", "90^\\circ", True),
-        (None, "3", False),
-        ("", "3", False),
+        ("9", "9.0", True),
+        ("x = 5", "5", True),  # either direction of the reward's (asymmetric) equivalence
+        ("5", "x = 5", True),
+        ("\\frac{1}{3^{40}}", "\\frac{1}{3^{41}}", False),
+        ("(3, -2)", "(-2, 3)", False),
     ],
 )
-def test_answers_match(pred: str | None, ref: str, expected: bool) -> None:
-    assert answers_match(pred, ref) is expected
+def test_same_answer(first: str, second: str, same: bool) -> None:
+    assert same_answer(first, second) is same
 
 
-@pytest.mark.parametrize(
-    ("texts", "canonical"),
-    [
-        (["1,234", "1234", "$1,234.00", "#### 1,234"], "1234"),
-        (["\\frac{1}{2}", "0.5", "1/2", "\\boxed{\\dfrac{1}{2}}"], "1/2"),
-        (["\\boxed{\\text{(B)}}", "B", "(B)", "b"], "B"),
-        (["\\left( 3, \\frac{\\pi}{2} \\right)", "( 3,\\frac{\\pi}{2})"], "(3,\\frac{\\pi}{2})"),
-        ([None, ""], ""),
-    ],
-)
-def test_normalize_answer_groups_equal_answers(texts: list[str | None], canonical: str) -> None:
-    assert {normalize_answer(t) for t in texts} == {canonical}
-
-
-def test_normalize_answer_keeps_different_answers_apart() -> None:
-    values = ["1/2", "0.25", "B", "C", "12", "-12", "\\sqrt{2}"]
-    assert len({normalize_answer(v) for v in values}) == len(values)
+def test_spans_without_prose_are_one_latex_expression() -> None:
+    assert is_bare("(3, -2)") and is_bare("\\text{(B)}") and is_bare(PMATRIX) and is_bare("odd")
+    assert not is_bare("18 dollars") and not is_bare("$5$") and not is_bare("\\boxed{5}")
+    assert parse_span("") == []

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from gtpo_megatron.rollout.engine import RolloutEngine, SamplingConfig, validate_prompt_ids
-from gtpo_megatron.rollout.vllm_engine import VLLMEngine, request_seed
+from gtpo_megatron.rollout.vllm_engine import VLLMEngine, check_prompt_indices, request_seed
 
 
 @pytest.mark.parametrize(
@@ -34,10 +34,20 @@ def test_validate_prompt_ids():
 
 
 def test_request_seeds_are_distinct_and_stable():
-    seeds = {request_seed(s, i) for s in range(50) for i in range(64)}
-    assert len(seeds) == 50 * 64
-    assert request_seed(3, 7) == request_seed(3, 7)
-    assert all(0 <= s < 2**31 for s in seeds)
+    """One stream per (call seed, global prompt index, sample index); vLLM's seed + j overlaps are gone."""
+    seeds = {request_seed(s, i, j) for s in range(20) for i in range(32) for j in range(16)}
+    assert len(seeds) == 20 * 32 * 16
+    assert all(0 <= s < 2**63 for s in seeds)
+    assert request_seed(7, 1, 0) != request_seed(7, 0, 1) != request_seed(8, 0, 0)
+    assert request_seed(3, 7, 2) == 0x4E17903CF37FDF98  # pinned: a resumed run must sample like the original
+
+
+def test_prompt_indices():
+    assert check_prompt_indices(None, 3) == [0, 1, 2]
+    assert check_prompt_indices((4, 5, 7), 3) == [4, 5, 7]
+    for bad in ([0, 1], [0, 0, 1], [-1, 0, 1]):
+        with pytest.raises(ValueError, match="3 distinct indices >= 0"):
+            check_prompt_indices(bad, 3)
 
 
 def test_vllm_engine_satisfies_protocol_structurally():
