@@ -31,7 +31,6 @@ import subprocess
 import sys
 
 import torch
-
 from bench_logprobs import PeakSampler, anon_rss_bytes, free_port
 
 VARIANTS = ("bf16", "fp32", "fp32-no-hook")
@@ -59,11 +58,18 @@ def _worker(args) -> dict:
 
     install_cpu_compat()
     init_distributed(tp_size=1)
-    config = TransformerConfig(num_layers=1, hidden_size=args.hidden, num_attention_heads=8, bf16=True,
-                               params_dtype=torch.bfloat16, use_cpu_initialization=True)
+    config = TransformerConfig(
+        num_layers=1,
+        hidden_size=args.hidden,
+        num_attention_heads=8,
+        bf16=True,
+        params_dtype=torch.bfloat16,
+        use_cpu_initialization=True,
+    )
     with cuda_to_cpu_mode():
-        layer = ColumnParallelLinear(args.hidden, args.vocab, config=config, init_method=torch.nn.init.zeros_,
-                                     bias=False, gather_output=False)
+        layer = ColumnParallelLinear(
+            args.hidden, args.vocab, config=config, init_method=torch.nn.init.zeros_, bias=False, gather_output=False
+        )
     layer.weight.data.normal_(0, 0.02)
     {"fp32": use_fp32_output_layer, "fp32-no-hook": _no_hook_fp32}.get(args.worker, lambda _: None)(layer)
     targets = torch.randint(0, args.vocab, (args.tokens, 1))
@@ -110,22 +116,39 @@ def main() -> None:
         return
     gib = 2**30
     weight_gib = args.vocab * args.hidden * 2 / gib
-    print(f"n={args.tokens} tokens, V={args.vocab}, h={args.hidden}, chunk={args.chunk_size}, TP=1; "
-          f"logits {args.tokens * args.vocab * 2 / gib:.2f} GiB in bf16, weight {weight_gib:.2f} GiB in bf16")
+    print(
+        f"n={args.tokens} tokens, V={args.vocab}, h={args.hidden}, chunk={args.chunk_size}, TP=1; "
+        f"logits {args.tokens * args.vocab * 2 / gib:.2f} GiB in bf16, weight {weight_gib:.2f} GiB in bf16"
+    )
     print(f"{'variant':<14}{'logits':>9}{'peak extra GiB':>16}{'planner GiB':>13}{'x bf16':>8}")
     base = None
     for variant in VARIANTS:
-        cmd = [sys.executable, __file__, "--worker", variant, "--tokens", str(args.tokens), "--vocab",
-               str(args.vocab), "--hidden", str(args.hidden), "--chunk-size", str(args.chunk_size),
-               "--threads", str(args.threads)]
+        cmd = [
+            sys.executable,
+            __file__,
+            "--worker",
+            variant,
+            "--tokens",
+            str(args.tokens),
+            "--vocab",
+            str(args.vocab),
+            "--hidden",
+            str(args.hidden),
+            "--chunk-size",
+            str(args.chunk_size),
+            "--threads",
+            str(args.threads),
+        ]
         done = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if done.returncode != 0:
             raise RuntimeError(f"variant {variant} failed:\n{done.stderr[-3000:]}")
         result = json.loads(done.stdout.strip().splitlines()[-1])
         base = base or result["peak_extra_bytes"]
-        print(f"{variant:<14}{result['logits_dtype'].replace('torch.', ''):>9}"
-              f"{result['peak_extra_bytes'] / gib:>16.2f}{_planned(args, variant) / gib:>13.2f}"
-              f"{result['peak_extra_bytes'] / base:>8.2f}")
+        print(
+            f"{variant:<14}{result['logits_dtype'].replace('torch.', ''):>9}"
+            f"{result['peak_extra_bytes'] / gib:>16.2f}{_planned(args, variant) / gib:>13.2f}"
+            f"{result['peak_extra_bytes'] / base:>8.2f}"
+        )
 
 
 if __name__ == "__main__":

@@ -108,8 +108,9 @@ def _naive(logits, targets, grad_out, _chunk, _group):
 def _fused(logits, targets, grad_out, chunk, group):
     from gtpo_megatron.ops import vocab_parallel_logprobs_entropy
 
-    logprobs, entropy = vocab_parallel_logprobs_entropy(logits, targets, tp_group=group, chunk_size=chunk,
-                                                        entropy_requires_grad=ENTROPY_GRAD)
+    logprobs, entropy = vocab_parallel_logprobs_entropy(
+        logits, targets, tp_group=group, chunk_size=chunk, entropy_requires_grad=ENTROPY_GRAD
+    )
     loss = (logprobs * grad_out).sum() + (entropy.sum() if ENTROPY_GRAD else 0.0)
     loss.backward()
     return entropy
@@ -117,14 +118,20 @@ def _fused(logits, targets, grad_out, chunk, group):
 
 def _measure(fn, tokens, width, vocab_offset, vocab, dtype, chunk, repeats, group=None) -> dict:
     gen = torch.Generator().manual_seed(0)
-    fn(torch.randn(4, width, dtype=dtype, requires_grad=True), torch.zeros(4, dtype=torch.long),
-       torch.ones(4), chunk, group)  # warm-up: lazy kernels and thread pools out of the measurement
+    fn(
+        torch.randn(4, width, dtype=dtype, requires_grad=True),
+        torch.zeros(4, dtype=torch.long),
+        torch.ones(4),
+        chunk,
+        group,
+    )  # warm-up: lazy kernels and thread pools out of the measurement
     targets = torch.randint(0, vocab, (tokens,), generator=gen)
     grad_out = torch.randn(tokens, generator=gen)
     logits = torch.empty(tokens, width, dtype=dtype)
     for a in range(0, tokens, 64):  # fill in slices: no full-size temporary before the baseline
-        logits[a:a + 64] = torch.randn(min(64, tokens - a), vocab, generator=gen, dtype=dtype)[
-            :, vocab_offset:vocab_offset + width]
+        logits[a : a + 64] = torch.randn(min(64, tokens - a), vocab, generator=gen, dtype=dtype)[
+            :, vocab_offset : vocab_offset + width
+        ]
     logits.requires_grad_()
     baseline = anon_rss_bytes()
     sampler = PeakSampler()
@@ -147,8 +154,17 @@ def _tp2_rank(rank, args, port, out_path):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     width = args.vocab // 2
-    result = _measure(_fused, args.tokens, width, rank * width, args.vocab, DTYPES[args.dtype], args.chunk_size,
-                      args.repeats, group=dist.group.WORLD)
+    result = _measure(
+        _fused,
+        args.tokens,
+        width,
+        rank * width,
+        args.vocab,
+        DTYPES[args.dtype],
+        args.chunk_size,
+        args.repeats,
+        group=dist.group.WORLD,
+    )
     with open(f"{out_path}.{rank}", "w") as f:
         json.dump(result, f)
     dist.destroy_process_group()
@@ -163,8 +179,11 @@ def _worker(args) -> dict:
         out = tempfile.mktemp(prefix="bench_tp2_")
         mp.spawn(_tp2_rank, args=(args, free_port(), out), nprocs=2, join=True)
         ranks = [json.load(open(f"{out}.{r}")) for r in range(2)]
-        return {"time_s": max(r["time_s"] for r in ranks), "logits_bytes": ranks[0]["logits_bytes"],
-                "peak_extra_bytes": max(r["peak_extra_bytes"] for r in ranks)}
+        return {
+            "time_s": max(r["time_s"] for r in ranks),
+            "logits_bytes": ranks[0]["logits_bytes"],
+            "peak_extra_bytes": max(r["peak_extra_bytes"] for r in ranks),
+        }
     fn = _naive if args.worker == "naive" else _fused
     return _measure(fn, args.tokens, args.vocab, 0, args.vocab, DTYPES[args.dtype], args.chunk_size, args.repeats)
 
@@ -174,17 +193,34 @@ def _wait_for_memory(needed: float, timeout_s: float = 180.0) -> None:
     deadline = time.monotonic() + timeout_s
     while _mem_available() < needed:
         if time.monotonic() > deadline:
-            raise RuntimeError(f"only {_mem_available() / 2**30:.1f} GiB available, {needed / 2**30:.1f} GiB needed; "
-                               "retry with a smaller --tokens")
+            raise RuntimeError(
+                f"only {_mem_available() / 2**30:.1f} GiB available, {needed / 2**30:.1f} GiB needed; "
+                "retry with a smaller --tokens"
+            )
         time.sleep(2.0)
 
 
 def _run_variant(variant: str, tokens: int, args) -> dict:
     logits_bytes = tokens * args.vocab * torch.tensor([], dtype=DTYPES[args.dtype]).element_size()
     _wait_for_memory((7 * tokens * args.vocab * 4 if variant == "naive" else 2.2 * logits_bytes) + 2**30)
-    cmd = [sys.executable, __file__, "--worker", variant, "--tokens", str(tokens), "--vocab", str(args.vocab),
-           "--chunk-size", str(args.chunk_size), "--dtype", args.dtype, "--repeats", str(args.repeats),
-           "--threads", str(args.threads)] + (["--entropy-grad"] if args.entropy_grad else [])
+    cmd = [
+        sys.executable,
+        __file__,
+        "--worker",
+        variant,
+        "--tokens",
+        str(tokens),
+        "--vocab",
+        str(args.vocab),
+        "--chunk-size",
+        str(args.chunk_size),
+        "--dtype",
+        args.dtype,
+        "--repeats",
+        str(args.repeats),
+        "--threads",
+        str(args.threads),
+    ] + (["--entropy-grad"] if args.entropy_grad else [])
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"variant {variant} at N={tokens} failed:\n{done.stderr[-3000:]}")
@@ -214,22 +250,29 @@ def _naive_tokens(args) -> int:
 def _report(rows: list[tuple[str, int, dict]], naive: dict, bandwidth: float) -> None:
     gib = 2**30
     naive_work = naive["peak_extra_bytes"] - naive["logits_bytes"]
-    print(f"{'variant':<32}{'N':>6}{'time s':>8}{'extra GiB':>10}{'x logits':>9}{'time/naive':>11}"
-          f"{'mem/naive':>10}{'work/naive':>11}{'roofline':>9}{'GB/s':>6}")
+    print(
+        f"{'variant':<32}{'N':>6}{'time s':>8}{'extra GiB':>10}{'x logits':>9}{'time/naive':>11}"
+        f"{'mem/naive':>10}{'work/naive':>11}{'roofline':>9}{'GB/s':>6}"
+    )
     for name, tokens, r in rows:
         scale = tokens / naive["tokens"]
         work = r["peak_extra_bytes"] - r["logits_bytes"]
-        print(f"{name:<32}{tokens:>6}{r['time_s']:>8.3f}{r['peak_extra_bytes'] / gib:>10.2f}"
-              f"{r['peak_extra_bytes'] / r['logits_bytes']:>9.2f}{r['time_s'] / (naive['time_s'] * scale):>11.3f}"
-              f"{r['peak_extra_bytes'] / (naive['peak_extra_bytes'] * scale):>10.3f}"
-              f"{work / (naive_work * scale):>11.3f}{3 * r['logits_bytes'] / bandwidth / r['time_s']:>9.2f}"
-              f"{3 * r['logits_bytes'] / r['time_s'] / 1e9:>6.1f}")
+        print(
+            f"{name:<32}{tokens:>6}{r['time_s']:>8.3f}{r['peak_extra_bytes'] / gib:>10.2f}"
+            f"{r['peak_extra_bytes'] / r['logits_bytes']:>9.2f}{r['time_s'] / (naive['time_s'] * scale):>11.3f}"
+            f"{r['peak_extra_bytes'] / (naive['peak_extra_bytes'] * scale):>10.3f}"
+            f"{work / (naive_work * scale):>11.3f}{3 * r['logits_bytes'] / bandwidth / r['time_s']:>9.2f}"
+            f"{3 * r['logits_bytes'] / r['time_s'] / 1e9:>6.1f}"
+        )
 
 
 def _fused_tokens(args) -> int:
     tokens = args.tokens
-    while tokens > 256 and 2.2 * tokens * args.vocab * torch.tensor([], dtype=DTYPES[args.dtype]).element_size() \
-            > 0.8 * _mem_available():
+    while (
+        tokens > 256
+        and 2.2 * tokens * args.vocab * torch.tensor([], dtype=DTYPES[args.dtype]).element_size()
+        > 0.8 * _mem_available()
+    ):
         tokens //= 2
     return tokens
 
@@ -241,10 +284,17 @@ def main() -> None:
     parser.add_argument("--chunk-size", type=int, default=256)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads(),
-                        help="torch threads of the TP=1 variants (each TP=2 rank uses 1)")
-    parser.add_argument("--entropy-grad", action="store_true",
-                        help="also backpropagate through the entropy (an entropy bonus; GTPO detaches it)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=torch.get_num_threads(),
+        help="torch threads of the TP=1 variants (each TP=2 rank uses 1)",
+    )
+    parser.add_argument(
+        "--entropy-grad",
+        action="store_true",
+        help="also backpropagate through the entropy (an entropy bonus; GTPO detaches it)",
+    )
     parser.add_argument("--worker", choices=["naive", "fused", "fused-tp2"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -260,12 +310,16 @@ def main() -> None:
     for tokens in sorted({small, large}):
         rows.append((f"fused chunk={args.chunk_size} TP=1", tokens, _run_variant("fused", tokens, args)))
         rows.append((f"fused-tp2 chunk={args.chunk_size} per rank", tokens, _run_variant("fused-tp2", tokens, args)))
-    print(f"V={args.vocab} dtype={args.dtype} threads={args.threads} entropy_grad={args.entropy_grad} "
-          f"read bandwidth={bandwidth / 1e9:.1f} GB/s; roofline = 3 passes over the (per-rank) logits; "
-          "'work' = peak extra minus the logits gradient (same size in every variant)")
+    print(
+        f"V={args.vocab} dtype={args.dtype} threads={args.threads} entropy_grad={args.entropy_grad} "
+        f"read bandwidth={bandwidth / 1e9:.1f} GB/s; roofline = 3 passes over the (per-rank) logits; "
+        "'work' = peak extra minus the logits gradient (same size in every variant)"
+    )
     if small != large:
-        print(f"naive measured at N={small} (N={large} needs more than half of MemAvailable); ratios at N={large} "
-              f"use the naive numbers scaled linearly by {large / small:g}")
+        print(
+            f"naive measured at N={small} (N={large} needs more than half of MemAvailable); ratios at N={large} "
+            f"use the naive numbers scaled linearly by {large / small:g}"
+        )
     _report(rows, naive, bandwidth)
 
 

@@ -46,8 +46,14 @@ class StepWeights:
     token_weights: torch.Tensor
 
 
-def compute_step_weights(batch: TrainBatch, rewards: torch.Tensor, seq_entropy: torch.Tensor, cfg: AlgorithmConfig,
-                         *, initial_entropy: float | None) -> StepWeights:
+def compute_step_weights(
+    batch: TrainBatch,
+    rewards: torch.Tensor,
+    seq_entropy: torch.Tensor,
+    cfg: AlgorithmConfig,
+    *,
+    initial_entropy: float | None,
+) -> StepWeights:
     """Advantages, the entropy filter and conflict weights of the full batch (GTPO_SPEC sections 2-4).
 
     Args:
@@ -59,9 +65,14 @@ def compute_step_weights(batch: TrainBatch, rewards: torch.Tensor, seq_entropy: 
     """
     group_size = cfg.group_size
     raw_B = compute_group_advantages(rewards, group_size, estimator=cfg.advantage_estimator)
-    keep_B = entropy_keep_mask(seq_entropy, mode=cfg.entropy_filter, threshold=cfg.entropy_threshold,
-                               initial_entropy=initial_entropy, advantages=raw_B,
-                               only_negative=cfg.entropy_only_negative)
+    keep_B = entropy_keep_mask(
+        seq_entropy,
+        mode=cfg.entropy_filter,
+        threshold=cfg.entropy_threshold,
+        initial_entropy=initial_entropy,
+        advantages=raw_B,
+        only_negative=cfg.entropy_only_negative,
+    )
     if cfg.skip_uniform_groups:
         keep_B = keep_B & filter_uniform_groups(rewards, group_size).repeat_interleave(group_size)
     conflict_adv_B = raw_B * keep_B if cfg.exclude_filtered_from_conflicts else raw_B
@@ -69,16 +80,28 @@ def compute_step_weights(batch: TrainBatch, rewards: torch.Tensor, seq_entropy: 
     if cfg.conflict_mode == "off":
         lambda_BS = mask.float()
     else:
-        lambda_BS = build_conflict_weights(ids, mask, conflict_adv_B, group_size,
-                                           amplification=cfg.conflict_amplification, mode=cfg.conflict_mode,
-                                           overlap=cfg.conflict_overlap)
+        lambda_BS = build_conflict_weights(
+            ids,
+            mask,
+            conflict_adv_B,
+            group_size,
+            amplification=cfg.conflict_amplification,
+            mode=cfg.conflict_mode,
+            overlap=cfg.conflict_overlap,
+        )
         if cfg.normalize_by_conflicts:
-            lambda_BS = lambda_BS / conflict_normalizers(ids, mask, conflict_adv_B, group_size,
-                                                         mode=cfg.conflict_mode).unsqueeze(-1)
+            lambda_BS = lambda_BS / conflict_normalizers(
+                ids, mask, conflict_adv_B, group_size, mode=cfg.conflict_mode
+            ).unsqueeze(-1)
     row_keep_B = keep_B & ~batch.extras["truncated"] if cfg.overlong_filter else keep_B
     advantages_B = apply_entropy_penalty(raw_B, seq_entropy, cfg.entropy_penalty)
-    return StepWeights(raw_advantages=raw_B, advantages=advantages_B, keep_mask=keep_B,
-                       conflict_weights=lambda_BS, token_weights=lambda_BS * row_keep_B.unsqueeze(-1))
+    return StepWeights(
+        raw_advantages=raw_B,
+        advantages=advantages_B,
+        keep_mask=keep_B,
+        conflict_weights=lambda_BS,
+        token_weights=lambda_BS * row_keep_B.unsqueeze(-1),
+    )
 
 
 def weight_metrics(weights: StepWeights, response_mask: torch.Tensor) -> dict[str, float]:
@@ -93,9 +116,13 @@ def weight_metrics(weights: StepWeights, response_mask: torch.Tensor) -> dict[st
     pos = response_mask & (weights.raw_advantages > 0).unsqueeze(-1) & (lam != 1)
     neg = response_mask & (weights.raw_advantages < 0).unsqueeze(-1) & (lam == 0)
     frac_pos, frac_neg = float(pos.sum() / num_tokens), float(neg.sum() / num_tokens)
-    return {"gtpo/filtered_frac": float((~weights.keep_mask).float().mean()),
-            "gtpo/conflict_frac": frac_pos + frac_neg, "gtpo/conflict_frac_pos": frac_pos,
-            "gtpo/conflict_frac_neg": frac_neg, "advantage/abs_mean": float(weights.advantages.abs().mean())}
+    return {
+        "gtpo/filtered_frac": float((~weights.keep_mask).float().mean()),
+        "gtpo/conflict_frac": frac_pos + frac_neg,
+        "gtpo/conflict_frac_pos": frac_pos,
+        "gtpo/conflict_frac_neg": frac_neg,
+        "advantage/abs_mean": float(weights.advantages.abs().mean()),
+    }
 
 
 def build_loss_spec(algorithm: AlgorithmConfig, rollout: RolloutConfig) -> LossSpec:
@@ -104,7 +131,13 @@ def build_loss_spec(algorithm: AlgorithmConfig, rollout: RolloutConfig) -> LossS
     The log-probs are taken at the sampling temperature (``rollout.temperature``), so pi_theta is the distribution
     the completions were drawn from; Dr. GRPO's constant normaliser uses L = ``rollout.max_tokens``.
     """
-    return LossSpec(loss_name=algorithm.name, aggregation=algorithm.aggregation, clip_eps_low=algorithm.clip_eps_low,
-                    clip_eps_high=algorithm.clip_eps_high, kl_coef=algorithm.kl_coef,
-                    kl_estimator=algorithm.kl_estimator, temperature=rollout.temperature,
-                    max_response_length=rollout.max_tokens if algorithm.name == "dr_grpo" else None)
+    return LossSpec(
+        loss_name=algorithm.name,
+        aggregation=algorithm.aggregation,
+        clip_eps_low=algorithm.clip_eps_low,
+        clip_eps_high=algorithm.clip_eps_high,
+        kl_coef=algorithm.kl_coef,
+        kl_estimator=algorithm.kl_estimator,
+        temperature=rollout.temperature,
+        max_response_length=rollout.max_tokens if algorithm.name == "dr_grpo" else None,
+    )

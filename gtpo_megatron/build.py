@@ -38,16 +38,22 @@ def optim_settings(cfg: GTPOConfig) -> OptimSettings:
 
     optim = cfg.optim
     return OptimSettings(
-        lr=optim.lr, min_lr=optim.min_lr, warmup_steps=optim.warmup_steps,
+        lr=optim.lr,
+        min_lr=optim.min_lr,
+        warmup_steps=optim.warmup_steps,
         total_steps=max(cfg.trainer.max_steps * cfg.algorithm.num_updates_per_batch, optim.warmup_steps + 1),
-        decay_style="constant" if optim.min_lr == optim.lr else "cosine", weight_decay=optim.weight_decay,
-        adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2, clip_grad=optim.clip_grad,
+        decay_style="constant" if optim.min_lr == optim.lr else "cosine",
+        weight_decay=optim.weight_decay,
+        adam_beta1=optim.adam_beta1,
+        adam_beta2=optim.adam_beta2,
+        clip_grad=optim.clip_grad,
         use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
     )
 
 
-def build_policy(cfg: GTPOConfig, model_path: str, groups: ParallelGroups, *,
-                 padding_tp_size: int | None = None) -> MegatronPolicy:
+def build_policy(
+    cfg: GTPOConfig, model_path: str, groups: ParallelGroups, *, padding_tp_size: int | None = None
+) -> MegatronPolicy:
     """``MegatronPolicy`` of the model at ``model_path`` with the model, optim, algorithm and trainer sections.
 
     ``padding_tp_size``: build with the vocabulary/head padding of a run at that TP size (to load its checkpoint
@@ -56,9 +62,13 @@ def build_policy(cfg: GTPOConfig, model_path: str, groups: ParallelGroups, *,
     from gtpo_megatron.megatron_adapter.policy import MegatronPolicy
 
     return MegatronPolicy.from_pretrained(
-        dataclasses.replace(cfg.model, name_or_path=model_path), groups=groups, optim=optim_settings(cfg),
-        micro_batch_size=cfg.optim.micro_batch_size, logprob_chunk_size=cfg.algorithm.logprob_chunk_size,
-        seed=cfg.trainer.seed, padding_tp_size=padding_tp_size,
+        dataclasses.replace(cfg.model, name_or_path=model_path),
+        groups=groups,
+        optim=optim_settings(cfg),
+        micro_batch_size=cfg.optim.micro_batch_size,
+        logprob_chunk_size=cfg.algorithm.logprob_chunk_size,
+        seed=cfg.trainer.seed,
+        padding_tp_size=padding_tp_size,
     )
 
 
@@ -76,21 +86,33 @@ def build_collector(cfg: GTPOConfig, model_path: str, tokenizer):
     problems = load_problems(data.source, path=data.path, split=data.split, limit=data.limit, **extra)
     fitting = [p for p in problems if len(build_prompt_ids(tokenizer, p.question)) <= rollout.max_prompt_len]
     if len(fitting) < len(problems):
-        logger.warning("skipped %d of %d problems longer than rollout.max_prompt_len=%d tokens",
-                       len(problems) - len(fitting), len(problems), rollout.max_prompt_len)
+        logger.warning(
+            "skipped %d of %d problems longer than rollout.max_prompt_len=%d tokens",
+            len(problems) - len(fitting),
+            len(problems),
+            rollout.max_prompt_len,
+        )
     loader = PromptLoader(fitting, batch_size=rollout.num_prompts, seed=data.shuffle_seed, shuffle=True)
     engine = VLLMEngine(
-        model_path, dtype=cfg.model.params_dtype if rollout.dtype == "auto" else rollout.dtype,
+        model_path,
+        dtype=cfg.model.params_dtype if rollout.dtype == "auto" else rollout.dtype,
         max_model_len=rollout.max_prompt_len + rollout.max_tokens,
         gpu_memory_utilization=rollout.gpu_memory_utilization,
         cpu_kvcache_space_gib=max(1, math.ceil(rollout.cpu_kv_cache_gib)),
-        tensor_parallel_size=rollout.engine_tp_size, seed=rollout.seed,
+        tensor_parallel_size=rollout.engine_tp_size,
+        seed=rollout.seed,
         enable_sleep_mode=rollout.placement == "colocated" and torch.cuda.is_available(),
         max_num_seqs=max(16, rollout.num_prompts * cfg.algorithm.group_size),
     )
     pool = RewardPool(cfg.reward.name, num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s)
-    return RolloutCollector(engine=engine, reward_pool=pool, tokenizer=tokenizer, loader=loader,
-                            rollout_cfg=rollout, algorithm_cfg=cfg.algorithm)
+    return RolloutCollector(
+        engine=engine,
+        reward_pool=pool,
+        tokenizer=tokenizer,
+        loader=loader,
+        rollout_cfg=rollout,
+        algorithm_cfg=cfg.algorithm,
+    )
 
 
 def build_trainer(cfg: GTPOConfig, groups: ParallelGroups) -> Trainer:
@@ -104,6 +126,12 @@ def build_trainer(cfg: GTPOConfig, groups: ParallelGroups) -> Trainer:
     collector = build_collector(cfg, model_path, tokenizer) if groups.rank == 0 else None
     checkpoints = run_dir.list_checkpoints(run_dir.checkpoints_dir(cfg.output_dir)) if cfg.resume else []
     start_step = run_dir.checkpoint_step(checkpoints[-1]) if checkpoints else 0
-    sink = MetricSink(cfg.output_dir, cfg=cfg.logging, run_config=config_to_dict(cfg),
-                      max_steps=cfg.trainer.max_steps, start_step=start_step, enabled=groups.rank == 0)
+    sink = MetricSink(
+        cfg.output_dir,
+        cfg=cfg.logging,
+        run_config=config_to_dict(cfg),
+        max_steps=cfg.trainer.max_steps,
+        start_step=start_step,
+        enabled=groups.rank == 0,
+    )
     return Trainer(cfg, groups=groups, policy=policy, collector=collector, pad_token_id=pad_token_id, sink=sink)

@@ -33,7 +33,7 @@ def cache_dir() -> Path:
 def local_model_folder(name_or_path: str) -> Path:
     """The folder ``name_or_path`` designates, without building anything: a built-in's cache folder, else the path."""
     if name_or_path.startswith(BUILTIN_PREFIX):
-        return cache_dir() / name_or_path[len(BUILTIN_PREFIX):]
+        return cache_dir() / name_or_path[len(BUILTIN_PREFIX) :]
     return Path(name_or_path)
 
 
@@ -63,11 +63,15 @@ def check_model(name_or_path: str) -> None:
     """
     choices = [BUILTIN_PREFIX + c for c in (_SMOLLM2, *_TINY)]
     if name_or_path.startswith(BUILTIN_PREFIX) and name_or_path not in choices:
-        raise ValueError(f"model.name_or_path={name_or_path!r} is not a built-in model; choose one of {choices} or "
-                         "give a local Hugging Face folder")
+        raise ValueError(
+            f"model.name_or_path={name_or_path!r} is not a built-in model; choose one of {choices} or "
+            "give a local Hugging Face folder"
+        )
     if name_or_path.startswith(("/", ".", "~")) and not Path(name_or_path).expanduser().exists():
-        raise ValueError(f"model.name_or_path={name_or_path!r}: no such folder; give an existing Hugging Face "
-                         f"model folder, a hub name (org/model) or one of {choices}")
+        raise ValueError(
+            f"model.name_or_path={name_or_path!r}: no such folder; give an existing Hugging Face "
+            f"model folder, a hub name (org/model) or one of {choices}"
+        )
 
 
 def _atomic_build(target: Path, builder) -> None:
@@ -117,9 +121,17 @@ def _build_tiny(out: Path, arch: str) -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(BUILTIN_PREFIX + _SMOLLM2))
     common = dict(
-        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, rms_norm_eps=1e-5,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, torch_dtype="float32",
+        vocab_size=len(tokenizer),
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-5,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        torch_dtype="float32",
     )
     if arch == "llama":
         config = LlamaConfig(**common, tie_word_embeddings=True, rope_theta=10000.0)

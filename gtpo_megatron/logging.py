@@ -24,8 +24,14 @@ from gtpo_megatron.config import LoggingConfig
 from gtpo_megatron.run_dir import metrics_path
 
 LOGGER_NAME = "gtpo_megatron"
-PROGRESS_KEYS = (("reward/mean", "reward"), ("accuracy", "acc"), ("entropy/mean", "H"),
-                 ("time/rollout_s", "roll_s"), ("time/train_s", "train_s"), ("time/sync_s", "sync_s"))
+PROGRESS_KEYS = (
+    ("reward/mean", "reward"),
+    ("accuracy", "acc"),
+    ("entropy/mean", "H"),
+    ("time/rollout_s", "roll_s"),
+    ("time/train_s", "train_s"),
+    ("time/sync_s", "sync_s"),
+)
 CURVES = (("reward/mean", "reward (mean)"), ("accuracy", "accuracy"), ("entropy/mean", "entropy (nats)"))
 logger = logging.getLogger(__name__)
 
@@ -55,8 +61,16 @@ class MetricSink:
         enabled: False on ranks other than 0 (every method is then a no-op).
     """
 
-    def __init__(self, output_dir: str | Path, *, cfg: LoggingConfig, run_config: dict[str, Any], max_steps: int,
-                 start_step: int = 0, enabled: bool = True) -> None:
+    def __init__(
+        self,
+        output_dir: str | Path,
+        *,
+        cfg: LoggingConfig,
+        run_config: dict[str, Any],
+        max_steps: int,
+        start_step: int = 0,
+        enabled: bool = True,
+    ) -> None:
         self.enabled = enabled
         self.path = metrics_path(output_dir)
         self._wandb_run = None
@@ -105,8 +119,17 @@ class MetricSink:
 
 def format_step_line(step: int, metrics: dict[str, float]) -> str:
     """One human-readable summary line of a step (the log line printed every ``trainer.log_every`` steps)."""
-    keys = ("reward/mean", "accuracy", "format_rate", "entropy/mean", "gtpo/filtered_frac", "gtpo/conflict_frac",
-            "response/length_mean", "train/grad_norm", "time/step_s")
+    keys = (
+        "reward/mean",
+        "accuracy",
+        "format_rate",
+        "entropy/mean",
+        "gtpo/filtered_frac",
+        "gtpo/conflict_frac",
+        "response/length_mean",
+        "train/grad_norm",
+        "time/step_s",
+    )
     parts = [f"{k}={metrics[k]:.4g}" for k in keys if k in metrics]
     return f"step {step}: " + " ".join(parts)
 
@@ -149,8 +172,9 @@ def _truncate_after(path: Path, start_step: int) -> None:
     """Keep only the records of steps ``<= start_step`` (all of them gone when starting from step 0)."""
     if not path.exists():
         return
-    kept = [line for line in path.read_text().splitlines()
-            if line.strip() and json.loads(line).get("step", 0) <= start_step]
+    kept = [
+        line for line in path.read_text().splitlines() if line.strip() and json.loads(line).get("step", 0) <= start_step
+    ]
     path.write_text("".join(line + "\n" for line in kept))
 
 
@@ -162,8 +186,7 @@ def _init_wandb(cfg: LoggingConfig, run_config: dict[str, Any], run_dir: Path) -
     try:
         import wandb
 
-        return wandb.init(project=cfg.wandb_project, config=run_config, dir=str(run_dir), mode=mode,
-                          name=run_dir.name)
+        return wandb.init(project=cfg.wandb_project, config=run_config, dir=str(run_dir), mode=mode, name=run_dir.name)
     except Exception as exc:  # noqa: BLE001 - metrics still go to jsonl; wandb is a mirror
         logger.warning("wandb.init failed in mode %r (%s); continuing with metrics.jsonl only", mode, exc)
         return None

@@ -60,7 +60,7 @@ def checkpoint_step(folder: str | Path) -> int:
         ValueError: the name is not ``step_`` followed by digits.
     """
     name = Path(folder).name
-    digits = name[len(CHECKPOINT_PREFIX):]
+    digits = name[len(CHECKPOINT_PREFIX) :]
     if not name.startswith(CHECKPOINT_PREFIX) or not digits.isdigit():
         raise ValueError(f"checkpoint folder {name!r} is not named {CHECKPOINT_PREFIX}<step>, e.g. step_000010")
     return int(digits)
@@ -77,8 +77,11 @@ def list_checkpoints(folder: str | Path) -> list[Path]:
     folder = Path(folder)
     if not folder.is_dir():
         return []
-    return sorted(p for p in folder.iterdir() if p.is_dir() and p.name.startswith(CHECKPOINT_PREFIX)
-                  and p.name[len(CHECKPOINT_PREFIX):].isdigit())
+    return sorted(
+        p
+        for p in folder.iterdir()
+        if p.is_dir() and p.name.startswith(CHECKPOINT_PREFIX) and p.name[len(CHECKPOINT_PREFIX) :].isdigit()
+    )
 
 
 def check_fresh_run(output_dir: str | Path, *, resume: bool) -> None:
@@ -122,8 +125,12 @@ def is_megatron_checkpoint(path: str | Path) -> bool:
     path = Path(path)
     if not path.is_dir():
         return False
-    return ((path / "common.pt").exists() or (path / "metadata.json").exists() or (path / LATEST_FILE).exists()
-            or ((path / CONFIG_FILE).exists() and (path / CHECKPOINTS_DIR / LATEST_FILE).exists()))
+    return (
+        (path / "common.pt").exists()
+        or (path / "metadata.json").exists()
+        or (path / LATEST_FILE).exists()
+        or ((path / CONFIG_FILE).exists() and (path / CHECKPOINTS_DIR / LATEST_FILE).exists())
+    )
 
 
 def resolve_step_dir(path: str | Path) -> Path:
@@ -149,7 +156,8 @@ def run_config_path(step_dir: str | Path) -> Path:
     if not config.is_file():
         raise FileNotFoundError(
             f"{config} not found: the checkpoint {step_dir} must sit at RUN_DIR/checkpoints/<step>/ next to the "
-            f"run's {CONFIG_FILE} (it names the base model); copy the run's {CONFIG_FILE} there")
+            f"run's {CONFIG_FILE} (it names the base model); copy the run's {CONFIG_FILE} there"
+        )
     return config
 
 

@@ -68,8 +68,14 @@ def main(argv: list[str] | None = None) -> int:
     logger = setup_logging(groups.rank)
     if groups.rank == 0:
         save_config(cfg, config_path(cfg.output_dir))
-        logger.info("config written to %s (world %d: tp=%d pp=%d dp=%d)", config_path(cfg.output_dir),
-                    groups.world_size, groups.tp_size, groups.pp_size, groups.dp_size)
+        logger.info(
+            "config written to %s (world %d: tp=%d pp=%d dp=%d)",
+            config_path(cfg.output_dir),
+            groups.world_size,
+            groups.tp_size,
+            groups.pp_size,
+            groups.dp_size,
+        )
     torch.manual_seed(cfg.trainer.seed)
     trainer = build_trainer(cfg, groups)
     try:

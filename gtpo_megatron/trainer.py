@@ -77,8 +77,16 @@ class Trainer:
         sink: the metric sink (enabled on rank 0 only).
     """
 
-    def __init__(self, cfg: GTPOConfig, *, groups: ParallelGroups, policy: Policy,
-                 collector: RolloutCollector | None, pad_token_id: int, sink: MetricSink) -> None:
+    def __init__(
+        self,
+        cfg: GTPOConfig,
+        *,
+        groups: ParallelGroups,
+        policy: Policy,
+        collector: RolloutCollector | None,
+        pad_token_id: int,
+        sink: MetricSink,
+    ) -> None:
         self.cfg = cfg
         self.groups = groups
         self.policy = policy
@@ -94,8 +102,10 @@ class Trainer:
         self._stop_requested = False
         self._offload_enabled = cfg.rollout.offload_train_state and _cuda_available()
         if cfg.rollout.offload_train_state and not self._offload_enabled:
-            logger.warning("rollout.offload_train_state=true has no effect without CUDA: the training state "
-                           "already lives in host memory")
+            logger.warning(
+                "rollout.offload_train_state=true has no effect without CUDA: the training state "
+                "already lives in host memory"
+            )
 
     # ------------------------------------------------------------------------------------------------ the step
     def step(self, step: int) -> dict[str, float]:
@@ -113,8 +123,13 @@ class Trainer:
                 local_seq_entropy = sequence_mean_entropy(entropy, local.response_mask)
                 seq_entropy = all_gather_rows(local_seq_entropy, group=self._dp_group)
                 self._measure_initial_entropy(local_seq_entropy, local.response_mask)
-                weights = compute_step_weights(batch, torch.tensor(rollout.rewards), seq_entropy, self.cfg.algorithm,
-                                               initial_entropy=self.initial_entropy)
+                weights = compute_step_weights(
+                    batch,
+                    torch.tensor(rollout.rewards),
+                    seq_entropy,
+                    self.cfg.algorithm,
+                    initial_entropy=self.initial_entropy,
+                )
                 train_batch = self._train_batch(local, weights, rows, old_logprobs)
             with timer.phase("train"):
                 train_metrics = self._train(train_batch)
@@ -157,11 +172,13 @@ class Trainer:
     def _measure_initial_entropy(self, local_seq_entropy: torch.Tensor, response_mask: torch.Tensor) -> None:
         """<H>_ini of the ``paper`` filter: the first step's mean <H>_i over completions with a response token."""
         if self.cfg.algorithm.entropy_filter == "paper" and self.initial_entropy is None:
-            self.initial_entropy = float(global_mean(local_seq_entropy, group=self._dp_group,
-                                                     mask=response_mask.any(dim=-1)))
+            self.initial_entropy = float(
+                global_mean(local_seq_entropy, group=self._dp_group, mask=response_mask.any(dim=-1))
+            )
 
-    def _train_batch(self, local: TrainBatch, weights: StepWeights, rows: slice,
-                     old_logprobs: torch.Tensor) -> TrainBatch:
+    def _train_batch(
+        self, local: TrainBatch, weights: StepWeights, rows: slice, old_logprobs: torch.Tensor
+    ) -> TrainBatch:
         local.advantages = weights.advantages[rows]
         local.token_weights = weights.token_weights[rows]
         # One update per batch: r = exp(logp - stopgrad(logp)) = 1 with gradient (GTPO_SPEC section 1).
@@ -179,25 +196,38 @@ class Trainer:
         if self.collector is not None:
             self.collector.engine.wake_up()
             bucket_bytes = self.cfg.rollout.weight_sync_bucket_mb * 2**20
-            return push_weights(self.collector.engine, self.policy.iter_hf_weights(),
-                                bucket_bytes=bucket_bytes).as_metrics()
+            return push_weights(
+                self.collector.engine, self.policy.iter_hf_weights(), bucket_bytes=bucket_bytes
+            ).as_metrics()
         if self.groups.dp_rank == 0:
             for _ in self.policy.iter_hf_weights():
                 pass
         return {}
 
-    def _step_metrics(self, rollout: StepRollout, batch: TrainBatch, weights: StepWeights, seq_entropy: torch.Tensor,
-                      old_logprobs: torch.Tensor, local: TrainBatch) -> dict[str, float]:
+    def _step_metrics(
+        self,
+        rollout: StepRollout,
+        batch: TrainBatch,
+        weights: StepWeights,
+        seq_entropy: torch.Tensor,
+        old_logprobs: torch.Tensor,
+        local: TrainBatch,
+    ) -> dict[str, float]:
         """Rollout, GTPO-weight, entropy and train/rollout mismatch metrics of the step (mismatch reduced over dp)."""
-        metrics = rollout_metrics(batch, torch.tensor(rollout.scores), torch.tensor(rollout.correct),
-                                  torch.tensor(rollout.format_ok))
+        metrics = rollout_metrics(
+            batch, torch.tensor(rollout.scores), torch.tensor(rollout.correct), torch.tensor(rollout.format_ok)
+        )
         metrics.update(weight_metrics(weights, batch.response_mask))
         sums = mismatch_sums(old_logprobs, local.extras["rollout_logprobs"], local.response_mask)
         sums = reduce_metric_sums(sums, group=self._dp_group)
         count = max(float(sums["count"]), 1.0)
-        metrics.update({"entropy/mean": float(seq_entropy.mean()),
-                        "mismatch/abs_logprob_diff": float(sums["abs_logprob_diff"]) / count,
-                        "mismatch/prob_ratio_err": float(sums["prob_ratio_err"]) / count})
+        metrics.update(
+            {
+                "entropy/mean": float(seq_entropy.mean()),
+                "mismatch/abs_logprob_diff": float(sums["abs_logprob_diff"]) / count,
+                "mismatch/prob_ratio_err": float(sums["prob_ratio_err"]) / count,
+            }
+        )
         if self.initial_entropy is not None:
             metrics["entropy/initial"] = self.initial_entropy
         return metrics
@@ -239,7 +269,7 @@ class Trainer:
         self.policy.save_checkpoint(str(run_dir.checkpoint_dir(self.cfg.output_dir, step)), state)
         barrier(group=self._world)
         if self.groups.rank == 0:
-            for old in run_dir.list_checkpoints(self.checkpoint_dir)[:-self.cfg.checkpoint.keep_last]:
+            for old in run_dir.list_checkpoints(self.checkpoint_dir)[: -self.cfg.checkpoint.keep_last]:
                 shutil.rmtree(old, ignore_errors=True)
         barrier(group=self._world)
 
@@ -270,4 +300,3 @@ class Trainer:
 def _cuda_available() -> bool:
     """Whether this process trains on CUDA (a function so that CPU tests can pretend)."""
     return torch.cuda.is_available()
-

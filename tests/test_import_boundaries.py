@@ -31,8 +31,13 @@ for module in {modules!r}:
 
 def _probe(modules: list[str]) -> subprocess.CompletedProcess:
     """Import ``modules`` in order in one fresh interpreter with megatron and vllm blocked."""
-    return subprocess.run([sys.executable, "-c", _PROBE.format(modules=modules)], cwd=REPO_ROOT,
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-c", _PROBE.format(modules=modules)],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_every_module_imports_without_megatron_or_vllm():

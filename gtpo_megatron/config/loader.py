@@ -28,18 +28,54 @@ import yaml
 from gtpo_megatron.config.sections import GTPOConfig, RolloutConfig
 
 PRESETS: dict[str, dict[str, object]] = {
-    "gtpo": dict(advantage_estimator="group_mean", conflict_mode="prefix_suffix", entropy_filter="paper",
-                 entropy_penalty=0.1, aggregation="seq-mean-token-mean", clip_eps_low=0.2, clip_eps_high=0.2,
-                 kl_coef=0.0, dynamic_sampling=False, overlong_buffer_len=0),
-    "grpo": dict(advantage_estimator="group_mean_std", conflict_mode="off", entropy_filter="off",
-                 entropy_penalty=0.0, aggregation="seq-mean-token-mean", clip_eps_low=0.2, clip_eps_high=0.2,
-                 kl_coef=0.0, dynamic_sampling=False, overlong_buffer_len=0),
-    "dapo": dict(advantage_estimator="group_mean_std", conflict_mode="off", entropy_filter="off",
-                 entropy_penalty=0.0, aggregation="token-mean", clip_eps_low=0.2, clip_eps_high=0.28,
-                 kl_coef=0.0, dynamic_sampling=True, overlong_buffer_len="max_tokens/5"),
-    "dr_grpo": dict(advantage_estimator="group_mean", conflict_mode="off", entropy_filter="off",
-                    entropy_penalty=0.0, aggregation="seq-mean-token-sum", clip_eps_low=0.2, clip_eps_high=0.2,
-                    kl_coef=0.0, dynamic_sampling=False, overlong_buffer_len=0),
+    "gtpo": dict(
+        advantage_estimator="group_mean",
+        conflict_mode="prefix_suffix",
+        entropy_filter="paper",
+        entropy_penalty=0.1,
+        aggregation="seq-mean-token-mean",
+        clip_eps_low=0.2,
+        clip_eps_high=0.2,
+        kl_coef=0.0,
+        dynamic_sampling=False,
+        overlong_buffer_len=0,
+    ),
+    "grpo": dict(
+        advantage_estimator="group_mean_std",
+        conflict_mode="off",
+        entropy_filter="off",
+        entropy_penalty=0.0,
+        aggregation="seq-mean-token-mean",
+        clip_eps_low=0.2,
+        clip_eps_high=0.2,
+        kl_coef=0.0,
+        dynamic_sampling=False,
+        overlong_buffer_len=0,
+    ),
+    "dapo": dict(
+        advantage_estimator="group_mean_std",
+        conflict_mode="off",
+        entropy_filter="off",
+        entropy_penalty=0.0,
+        aggregation="token-mean",
+        clip_eps_low=0.2,
+        clip_eps_high=0.28,
+        kl_coef=0.0,
+        dynamic_sampling=True,
+        overlong_buffer_len="max_tokens/5",
+    ),
+    "dr_grpo": dict(
+        advantage_estimator="group_mean",
+        conflict_mode="off",
+        entropy_filter="off",
+        entropy_penalty=0.0,
+        aggregation="seq-mean-token-sum",
+        clip_eps_low=0.2,
+        clip_eps_high=0.2,
+        kl_coef=0.0,
+        dynamic_sampling=False,
+        overlong_buffer_len=0,
+    ),
 }
 """Per-algorithm values of ``PRESET_FIELDS`` (GTPO_SPEC sections 1-5). DAPO's overlong buffer is a fifth of
 ``rollout.max_tokens`` (DAPO: 4096 of 20480)."""
@@ -72,9 +108,11 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
         for key in dropped:
             del algorithm[key]
         if dropped:
-            warnings.warn(f"algorithm.name={name!r} (was {yaml_name!r} in the YAML): the YAML's {dropped} are "
-                          f"replaced by the {name} preset; override them on the command line to keep them",
-                          stacklevel=2)
+            warnings.warn(
+                f"algorithm.name={name!r} (was {yaml_name!r} in the YAML): the YAML's {dropped} are "
+                f"replaced by the {name} preset; override them on the command line to keep them",
+                stacklevel=2,
+            )
     raw["algorithm"] = {**_preset(name, raw), **algorithm}
     return _build(GTPOConfig, raw, "")
 
@@ -96,14 +134,17 @@ def _read_yaml(path: str | Path) -> dict:
     except FileNotFoundError:
         raise ValueError(f"--config {str(path)!r}: file not found; give a path such as configs/cpu_demo.yaml") from None
     except IsADirectoryError:
-        raise ValueError(f"--config {str(path)!r}: is a folder; give a YAML file such as configs/cpu_demo.yaml") \
-            from None
+        raise ValueError(
+            f"--config {str(path)!r}: is a folder; give a YAML file such as configs/cpu_demo.yaml"
+        ) from None
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(err, "problem", None) or str(err).splitlines()[0]
-        raise ValueError(f"--config {str(path)!r}: invalid YAML{where} ({problem}); fix the syntax there, "
-                         "see configs/cpu_demo.yaml for the layout") from None
+        raise ValueError(
+            f"--config {str(path)!r}: invalid YAML{where} ({problem}); fix the syntax there, "
+            "see configs/cpu_demo.yaml for the layout"
+        ) from None
     if not isinstance(data, dict):
         raise ValueError(f"--config {str(path)!r}: top level must be a mapping of sections; see configs/cpu_demo.yaml")
     return data
@@ -118,8 +159,10 @@ def _expand_shorthands(raw: dict) -> None:
 def _parse_override(item: str) -> tuple[tuple[str, ...], object]:
     name, sep, text = item.partition("=")
     if not sep or not name:
-        raise ValueError(f"override {item!r}: expected key=value (e.g. trainer.max_steps=5); "
-                         "dotted keys address sections: optim.lr=2e-6")
+        raise ValueError(
+            f"override {item!r}: expected key=value (e.g. trainer.max_steps=5); "
+            "dotted keys address sections: optim.lr=2e-6"
+        )
     keys = tuple(name.strip().split("."))
     if len(keys) == 1 and keys[0] in SHORTHANDS:
         keys = (keys[0], SHORTHANDS[keys[0]])
@@ -135,8 +178,10 @@ def _set_path(raw: dict, keys: tuple[str, ...], value: object) -> None:
     for i, key in enumerate(keys[:-1]):
         child = node.setdefault(key, {})
         if not isinstance(child, dict):
-            raise ValueError(f"override {'.'.join(keys)}: {'.'.join(keys[:i + 1])} is a value, not a section; "
-                             f"use {'.'.join(keys[:i + 1])}=VALUE")
+            raise ValueError(
+                f"override {'.'.join(keys)}: {'.'.join(keys[: i + 1])} is a value, not a section; "
+                f"use {'.'.join(keys[: i + 1])}=VALUE"
+            )
         node = child
     node[keys[-1]] = value
 
@@ -146,8 +191,9 @@ def _preset(name: object, raw: dict) -> dict[str, object]:
         return {}  # the Literal check on algorithm.name reports the bad value with the choices
     preset = dict(PRESETS[name])
     if preset["overlong_buffer_len"] == "max_tokens/5":
-        max_tokens = _coerce(raw.get("rollout", {}).get("max_tokens", RolloutConfig().max_tokens), int,
-                             "rollout.max_tokens")
+        max_tokens = _coerce(
+            raw.get("rollout", {}).get("max_tokens", RolloutConfig().max_tokens), int, "rollout.max_tokens"
+        )
         preset["overlong_buffer_len"] = max(1, max_tokens // 5)
     return preset
 
@@ -186,13 +232,17 @@ def _build(cls: type, data: object, prefix: str) -> Any:
         if f.name in data:
             hint = hints[f.name]
             sub = hint if isinstance(hint, type) and hasattr(hint, "__dataclass_fields__") else None
-            kwargs[f.name] = (_build(sub, data[f.name], f"{prefix}{f.name}.") if sub
-                              else _coerce(data[f.name], hint, prefix + f.name))
-    missing = [f.name for f in fields(cls)
-               if f.name not in kwargs and f.default is MISSING and f.default_factory is MISSING]
+            kwargs[f.name] = (
+                _build(sub, data[f.name], f"{prefix}{f.name}.") if sub else _coerce(data[f.name], hint, prefix + f.name)
+            )
+    missing = [
+        f.name for f in fields(cls) if f.name not in kwargs and f.default is MISSING and f.default_factory is MISSING
+    ]
     if missing:
-        raise ValueError(f"missing required config field(s) {[prefix + m for m in missing]}; give them in the YAML "
-                         f"or on the command line, e.g. {prefix + missing[0]}=VALUE")
+        raise ValueError(
+            f"missing required config field(s) {[prefix + m for m in missing]}; give them in the YAML "
+            f"or on the command line, e.g. {prefix + missing[0]}=VALUE"
+        )
     return cls(**kwargs)
 
 

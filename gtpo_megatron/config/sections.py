@@ -47,10 +47,20 @@ class ModelConfig:
     """Extra ``TransformerConfig`` fields (checked against Megatron's dataclass in ``GTPOConfig.validate``)."""
 
     def __post_init__(self) -> None:
-        _require(bool(self.name_or_path), "model.name_or_path", self.name_or_path, "must not be empty",
-                 "give a local HF folder or builtin:smollm2-135m-instruct")
-        _require(self.make_vocab_size_divisible_by >= 1, "model.make_vocab_size_divisible_by",
-                 self.make_vocab_size_divisible_by, "must be >= 1", "use 128 (Megatron's default)")
+        _require(
+            bool(self.name_or_path),
+            "model.name_or_path",
+            self.name_or_path,
+            "must not be empty",
+            "give a local HF folder or builtin:smollm2-135m-instruct",
+        )
+        _require(
+            self.make_vocab_size_divisible_by >= 1,
+            "model.make_vocab_size_divisible_by",
+            self.make_vocab_size_divisible_by,
+            "must be >= 1",
+            "use 128 (Megatron's default)",
+        )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -71,8 +81,13 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         for name in ("tp_size", "pp_size"):
             _require(getattr(self, name) >= 1, f"parallel.{name}", getattr(self, name), "must be >= 1", "use 1")
-        _require(not self.sequence_parallel or self.tp_size > 1, "parallel.sequence_parallel",
-                 self.sequence_parallel, "needs parallel.tp_size > 1", "set parallel.sequence_parallel=false")
+        _require(
+            not self.sequence_parallel or self.tp_size > 1,
+            "parallel.sequence_parallel",
+            self.sequence_parallel,
+            "needs parallel.tp_size > 1",
+            "set parallel.sequence_parallel=false",
+        )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -118,23 +133,35 @@ class RolloutConfig:
 
     def __post_init__(self) -> None:
         _require(self.num_prompts >= 1, "rollout.num_prompts", self.num_prompts, "must be >= 1", "use 1 or more")
-        _require(self.temperature > 0, "rollout.temperature", self.temperature, "must be > 0",
-                 "use 0.9 (paper) or 1.0")
+        _require(self.temperature > 0, "rollout.temperature", self.temperature, "must be > 0", "use 0.9 (paper) or 1.0")
         _require(0 < self.top_p <= 1, "rollout.top_p", self.top_p, "must be in (0, 1]", "use 1.0")
         _require(self.max_tokens >= 1, "rollout.max_tokens", self.max_tokens, "must be >= 1", "use e.g. 1500")
-        _require(self.max_prompt_len >= 1, "rollout.max_prompt_len", self.max_prompt_len, "must be >= 1",
-                 "use e.g. 512")
+        _require(
+            self.max_prompt_len >= 1, "rollout.max_prompt_len", self.max_prompt_len, "must be >= 1", "use e.g. 512"
+        )
         _require(self.engine_tp_size >= 1, "rollout.engine_tp_size", self.engine_tp_size, "must be >= 1", "use 1")
-        _require(0 < self.gpu_memory_utilization <= 1, "rollout.gpu_memory_utilization",
-                 self.gpu_memory_utilization, "must be in (0, 1]", "use 0.5 when colocated")
-        _require(self.cpu_kv_cache_gib > 0, "rollout.cpu_kv_cache_gib", self.cpu_kv_cache_gib, "must be > 0",
-                 "use 1")
-        _require(self.weight_sync_bucket_mb >= 1, "rollout.weight_sync_bucket_mb", self.weight_sync_bucket_mb,
-                 "must be >= 1", "use 512")
-        _require(not self.offload_train_state or self.placement == "colocated",
-                 "rollout.offload_train_state/rollout.placement", (self.offload_train_state, self.placement),
-                 "offloading the training state only frees memory for an engine on the same devices (colocated)",
-                 "set rollout.offload_train_state=false, or rollout.placement=colocated")
+        _require(
+            0 < self.gpu_memory_utilization <= 1,
+            "rollout.gpu_memory_utilization",
+            self.gpu_memory_utilization,
+            "must be in (0, 1]",
+            "use 0.5 when colocated",
+        )
+        _require(self.cpu_kv_cache_gib > 0, "rollout.cpu_kv_cache_gib", self.cpu_kv_cache_gib, "must be > 0", "use 1")
+        _require(
+            self.weight_sync_bucket_mb >= 1,
+            "rollout.weight_sync_bucket_mb",
+            self.weight_sync_bucket_mb,
+            "must be >= 1",
+            "use 512",
+        )
+        _require(
+            not self.offload_train_state or self.placement == "colocated",
+            "rollout.offload_train_state/rollout.placement",
+            (self.offload_train_state, self.placement),
+            "offloading the training state only frees memory for an engine on the same devices (colocated)",
+            "set rollout.offload_train_state=false, or rollout.placement=colocated",
+        )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -198,32 +225,79 @@ class AlgorithmConfig:
     """Tokens per chunk in the vocab-parallel log-prob/entropy op (None = unchunked)."""
 
     def __post_init__(self) -> None:
-        _require(self.group_size >= 2, "algorithm.group_size", self.group_size,
-                 "must be >= 2 (group-relative advantages are 0 for a group of one)", "use 8 (paper) or 4")
-        _require(self.conflict_amplification >= 1, "algorithm.conflict_amplification", self.conflict_amplification,
-                 "must be >= 1", "use 2.0 (GTPO_SPEC section 3)")
-        _require(self.entropy_threshold > 0, "algorithm.entropy_threshold", self.entropy_threshold, "must be > 0",
-                 "use ln 2 = 0.693 or 0.7")
-        _require(self.entropy_penalty >= 0, "algorithm.entropy_penalty", self.entropy_penalty, "must be >= 0",
-                 "use 0.1 (GTPO_SPEC section 4) or 0")
-        _require(self.entropy_temperature > 0, "algorithm.entropy_temperature", self.entropy_temperature,
-                 "must be > 0", "use 1.0")
-        _require(0 <= self.clip_eps_low <= self.clip_eps_high, "algorithm.clip_eps_low/clip_eps_high",
-                 (self.clip_eps_low, self.clip_eps_high), "need 0 <= clip_eps_low <= clip_eps_high",
-                 "use 0.2/0.2 (GRPO) or 0.2/0.28 (DAPO)")
-        _require(self.kl_coef == 0, "algorithm.kl_coef", self.kl_coef,
-                 "the KL term needs a frozen reference policy, which the trainer does not build",
-                 "use 0 (the paper's GRPO runs use 0 or 1e-6; GTPO and DAPO have no KL term)")
+        _require(
+            self.group_size >= 2,
+            "algorithm.group_size",
+            self.group_size,
+            "must be >= 2 (group-relative advantages are 0 for a group of one)",
+            "use 8 (paper) or 4",
+        )
+        _require(
+            self.conflict_amplification >= 1,
+            "algorithm.conflict_amplification",
+            self.conflict_amplification,
+            "must be >= 1",
+            "use 2.0 (GTPO_SPEC section 3)",
+        )
+        _require(
+            self.entropy_threshold > 0,
+            "algorithm.entropy_threshold",
+            self.entropy_threshold,
+            "must be > 0",
+            "use ln 2 = 0.693 or 0.7",
+        )
+        _require(
+            self.entropy_penalty >= 0,
+            "algorithm.entropy_penalty",
+            self.entropy_penalty,
+            "must be >= 0",
+            "use 0.1 (GTPO_SPEC section 4) or 0",
+        )
+        _require(
+            self.entropy_temperature > 0,
+            "algorithm.entropy_temperature",
+            self.entropy_temperature,
+            "must be > 0",
+            "use 1.0",
+        )
+        _require(
+            0 <= self.clip_eps_low <= self.clip_eps_high,
+            "algorithm.clip_eps_low/clip_eps_high",
+            (self.clip_eps_low, self.clip_eps_high),
+            "need 0 <= clip_eps_low <= clip_eps_high",
+            "use 0.2/0.2 (GRPO) or 0.2/0.28 (DAPO)",
+        )
+        _require(
+            self.kl_coef == 0,
+            "algorithm.kl_coef",
+            self.kl_coef,
+            "the KL term needs a frozen reference policy, which the trainer does not build",
+            "use 0 (the paper's GRPO runs use 0 or 1e-6; GTPO and DAPO have no KL term)",
+        )
         required = {"dapo": "token-mean", "dr_grpo": "seq-mean-token-sum"}.get(self.name)
-        _require(required is None or self.aggregation == required, "algorithm.aggregation", self.aggregation,
-                 f"the {self.name} loss is defined with aggregation {required!r} (GTPO_SPEC section 5)",
-                 f"set algorithm.aggregation={required} or drop the override")
+        _require(
+            required is None or self.aggregation == required,
+            "algorithm.aggregation",
+            self.aggregation,
+            f"the {self.name} loss is defined with aggregation {required!r} (GTPO_SPEC section 5)",
+            f"set algorithm.aggregation={required} or drop the override",
+        )
         for name in ("num_updates_per_batch", "dynamic_sampling_max_rounds"):
             _require(getattr(self, name) >= 1, f"algorithm.{name}", getattr(self, name), "must be >= 1", "use 1")
-        _require(self.overlong_buffer_len >= 0, "algorithm.overlong_buffer_len", self.overlong_buffer_len,
-                 "must be >= 0", "use 0 (off)")
-        _require(self.logprob_chunk_size is None or self.logprob_chunk_size >= 1, "algorithm.logprob_chunk_size",
-                 self.logprob_chunk_size, "must be >= 1 or null", "use null or 4096")
+        _require(
+            self.overlong_buffer_len >= 0,
+            "algorithm.overlong_buffer_len",
+            self.overlong_buffer_len,
+            "must be >= 0",
+            "use 0 (off)",
+        )
+        _require(
+            self.logprob_chunk_size is None or self.logprob_chunk_size >= 1,
+            "algorithm.logprob_chunk_size",
+            self.logprob_chunk_size,
+            "must be >= 1 or null",
+            "use null or 4096",
+        )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -247,15 +321,20 @@ class OptimConfig:
 
     def __post_init__(self) -> None:
         _require(self.lr > 0, "optim.lr", self.lr, "must be > 0", "use 1e-6 (paper)")
-        _require(0 <= self.min_lr <= self.lr, "optim.min_lr", self.min_lr, "must be in [0, optim.lr]",
-                 "use 0 or optim.lr")
+        _require(
+            0 <= self.min_lr <= self.lr, "optim.min_lr", self.min_lr, "must be in [0, optim.lr]", "use 0 or optim.lr"
+        )
         _require(self.warmup_steps >= 0, "optim.warmup_steps", self.warmup_steps, "must be >= 0", "use 0")
         for name in ("adam_beta1", "adam_beta2"):
-            _require(0 <= getattr(self, name) < 1, f"optim.{name}", getattr(self, name), "must be in [0, 1)",
-                     "use 0.9 / 0.999")
+            _require(
+                0 <= getattr(self, name) < 1,
+                f"optim.{name}",
+                getattr(self, name),
+                "must be in [0, 1)",
+                "use 0.9 / 0.999",
+            )
         _require(self.clip_grad >= 0, "optim.clip_grad", self.clip_grad, "must be >= 0", "use 0.1 (paper)")
-        _require(self.micro_batch_size >= 1, "optim.micro_batch_size", self.micro_batch_size, "must be >= 1",
-                 "use 1")
+        _require(self.micro_batch_size >= 1, "optim.micro_batch_size", self.micro_batch_size, "must be >= 1", "use 1")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -277,8 +356,13 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         _require(bool(self.source), "data.source", self.source, "must not be empty", "use synthetic or gsm8k")
-        _require(self.limit is None or self.limit >= 1, "data.limit", self.limit, "must be >= 1 or null",
-                 "use null for all problems")
+        _require(
+            self.limit is None or self.limit >= 1,
+            "data.limit",
+            self.limit,
+            "must be >= 1 or null",
+            "use null for all problems",
+        )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -374,15 +458,25 @@ class GTPOConfig:
         """
         tp, pp = self.parallel.tp_size, self.parallel.pp_size
         dp = max(world_size // (tp * pp), 1)
-        problems = layout.world_problems(world_size, tp_size=tp, pp_size=pp, described=f"the world size {world_size}",
-                                         launch=f"a multiple of {tp * pp} ranks")
-        problems += layout.batch_problems(num_prompts=self.rollout.num_prompts, group_size=self.algorithm.group_size,
-                                          dp_size=dp, micro_batch_size=self.optim.micro_batch_size)
+        problems = layout.world_problems(
+            world_size,
+            tp_size=tp,
+            pp_size=pp,
+            described=f"the world size {world_size}",
+            launch=f"a multiple of {tp * pp} ranks",
+        )
+        problems += layout.batch_problems(
+            num_prompts=self.rollout.num_prompts,
+            group_size=self.algorithm.group_size,
+            dp_size=dp,
+            micro_batch_size=self.optim.micro_batch_size,
+        )
         hf = read_hf_config(self.model.name_or_path)
         if hf is not None:
             arch = architecture_from_hf_config(hf, name=self.model.name_or_path)
-            problems += layout.model_problems(arch, tp_size=tp, pp_size=pp,
-                                              pad_attention_heads=self.model.pad_attention_heads)
+            problems += layout.model_problems(
+                arch, tp_size=tp, pp_size=pp, pad_attention_heads=self.model.pad_attention_heads
+            )
         layout.raise_problems(problems)
         if hf is not None:
             self._validate_sequence_length(hf.get("max_position_embeddings"))
@@ -391,16 +485,26 @@ class GTPOConfig:
 
     def _validate_sequence_length(self, max_pos: int | None) -> None:
         total = self.rollout.max_prompt_len + self.rollout.max_tokens
-        _require(max_pos is None or total <= max_pos, "rollout.max_prompt_len+rollout.max_tokens", total,
-                 f"must not exceed the model's max_position_embeddings={max_pos}", "shorten prompts or completions")
+        _require(
+            max_pos is None or total <= max_pos,
+            "rollout.max_prompt_len+rollout.max_tokens",
+            total,
+            f"must not exceed the model's max_position_embeddings={max_pos}",
+            "shorten prompts or completions",
+        )
 
     def _validate_registries(self) -> None:
         from megatron.core.transformer import TransformerConfig
 
         known = {f.name for f in fields(TransformerConfig)}
         for key in self.model.megatron_overrides:
-            _require(key in known, "model.megatron_overrides", key, "is not a field of megatron TransformerConfig",
-                     f"use one of its fields, e.g. {sorted(known)[:5]}")
+            _require(
+                key in known,
+                "model.megatron_overrides",
+                key,
+                "is not a field of megatron TransformerConfig",
+                f"use one of its fields, e.g. {sorted(known)[:5]}",
+            )
         from gtpo_megatron.ops import advantages
         from gtpo_megatron.rewards import registry
 

@@ -105,8 +105,9 @@ def read_jsonl(path: str | Path, *, source: str, limit: int | None = None) -> li
                 record = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise ValueError(f"{where}: malformed JSON ({exc.msg} at column {exc.colno})") from exc
-            problem = _record_to_problem(record, source=source, default_id=f"{source}-{path.stem}-{line_no - 1}",
-                                         where=where)
+            problem = _record_to_problem(
+                record, source=source, default_id=f"{source}-{path.stem}-{line_no - 1}", where=where
+            )
             if problem.id in seen_ids:
                 raise ValueError(f"{where}: duplicate id {problem.id!r}; ids must be unique within a file")
             seen_ids.add(problem.id)
@@ -137,8 +138,9 @@ def _load_hf(name: str, *, split: str, limit: int | None) -> list[Problem]:
     ]
 
 
-def check_source(source: str, *, path: str | None = None, split: str | None = None, data_dir: str | None = None,
-                 prefix: str = "") -> None:
+def check_source(
+    source: str, *, path: str | None = None, split: str | None = None, data_dir: str | None = None, prefix: str = ""
+) -> None:
     """Fails fast, without reading any data, when ``load_problems`` with these arguments cannot find its data.
 
     Checks that ``path`` exists, that a local benchmark has ``split`` and its file, and that any other source is a
@@ -150,8 +152,10 @@ def check_source(source: str, *, path: str | None = None, split: str | None = No
     """
     if path is not None:
         if not Path(path).is_file():
-            raise ValueError(f"{prefix}path={str(path)!r}: no such file; give an existing jsonl file or "
-                             f"{prefix}path=null to use the {prefix}source's default data")
+            raise ValueError(
+                f"{prefix}path={str(path)!r}: no such file; give an existing jsonl file or "
+                f"{prefix}path=null to use the {prefix}source's default data"
+            )
         return
     if source == "synthetic":
         return
@@ -159,22 +163,28 @@ def check_source(source: str, *, path: str | None = None, split: str | None = No
         folder, splits = _LOCAL_FILES[source]
         split = split or splits[0]
         if split not in splits:
-            raise ValueError(f"{prefix}split={split!r}: {source!r} has only the split(s) {list(splits)}; "
-                             f"use {prefix}split={splits[0]}")
+            raise ValueError(
+                f"{prefix}split={split!r}: {source!r} has only the split(s) {list(splits)}; "
+                f"use {prefix}split={splits[0]}"
+            )
         file = (Path(data_dir) if data_dir else default_data_dir()) / folder / f"{split}.jsonl"
         if not file.is_file():
-            raise ValueError(f"{prefix}source={source!r}: {file} does not exist; point GTPO_DATA_DIR (gtpo-eval: "
-                             "--data-dir) at the folder that holds gsm8k/, math500/, aime24/, aime25/, amc2023/, or "
-                             f"give {prefix}path=FILE.jsonl")
+            raise ValueError(
+                f"{prefix}source={source!r}: {file} does not exist; point GTPO_DATA_DIR (gtpo-eval: "
+                "--data-dir) at the folder that holds gsm8k/, math500/, aime24/, aime25/, amc2023/, or "
+                f"give {prefix}path=FILE.jsonl"
+            )
         return
     if importlib.util.find_spec("datasets") is None:
         known = ["synthetic", *_LOCAL_FILES]
         near = difflib.get_close_matches(source, known, n=1) if source not in _HF_ALIASES else []
         fix = f"did you mean {near[0]!r}? Otherwise" if near else f"use one of {known} or"
         what = f"the Hugging Face dataset {_HF_ALIASES[source]!r}" if source in _HF_ALIASES else "not a local source"
-        raise ValueError(f"{prefix}source={source!r}: {what}, and loading it from Hugging Face needs the `datasets` "
-                         f"package, which is not installed (pip install datasets); {fix} give a local jsonl with "
-                         f"{prefix}path=FILE.jsonl")
+        raise ValueError(
+            f"{prefix}source={source!r}: {what}, and loading it from Hugging Face needs the `datasets` "
+            f"package, which is not installed (pip install datasets); {fix} give a local jsonl with "
+            f"{prefix}path=FILE.jsonl"
+        )
 
 
 def load_problems(

@@ -88,8 +88,13 @@ class PromptLoader:
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-serialisable position: ``{"epoch", "position", "seed", "shuffle", "num_problems"}``."""
-        return {"epoch": self._epoch, "position": self._position, "seed": self._seed, "shuffle": self._shuffle,
-                "num_problems": len(self._problems)}
+        return {
+            "epoch": self._epoch,
+            "position": self._position,
+            "seed": self._seed,
+            "shuffle": self._shuffle,
+            "num_problems": len(self._problems),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restores a position saved by :meth:`state_dict`.

@@ -94,8 +94,9 @@ def overlong_filter_mask(finish_reasons: Sequence[str]) -> torch.Tensor:
     return torch.tensor([reason != "length" for reason in finish_reasons], dtype=torch.bool)
 
 
-def shape_rewards(scores: torch.Tensor, response_lengths: torch.Tensor, cfg: AlgorithmConfig,
-                  *, max_tokens: int) -> torch.Tensor:
+def shape_rewards(
+    scores: torch.Tensor, response_lengths: torch.Tensor, cfg: AlgorithmConfig, *, max_tokens: int
+) -> torch.Tensor:
     """Task scores plus DAPO's overlong penalty when ``cfg.overlong_buffer_len > 0`` (GTPO_SPEC section 5).
 
     Args:

@@ -23,16 +23,34 @@ from dataclasses import dataclass
 
 from gtpo_megatron.data.types import Problem
 
-_NAMES = (("Mia", "She"), ("Noah", "He"), ("Ava", "She"), ("Liam", "He"), ("Zoe", "She"), ("Omar", "He"),
-          ("Lena", "She"), ("Ravi", "He"))
+_NAMES = (
+    ("Mia", "She"),
+    ("Noah", "He"),
+    ("Ava", "She"),
+    ("Liam", "He"),
+    ("Zoe", "She"),
+    ("Omar", "He"),
+    ("Lena", "She"),
+    ("Ravi", "He"),
+)
 _ITEMS = ("apples", "marbles", "stickers", "books", "pencils", "cookies", "shells", "coins", "cards", "stamps")
 _FRIENDS = ("a friend", "a cousin", "a neighbour", "a classmate", "a teacher")
-_ADD = ("{pronoun} buys {n} more {item}.", "{pronoun} finds {n} more {item}.",
-        "{friend_cap} gives {name} {n} more {item}.", "{pronoun} gets {n} more {item} as a gift.")
-_SUB = ("{pronoun} gives {n} {item} to {friend}.", "{pronoun} loses {n} {item}.",
-        "{pronoun} sells {n} {item}.", "{pronoun} uses {n} of the {item}.")
-_MUL = ("Then the number of {item} {name} has becomes {n} times as large.",
-        "{pronoun} collects more until {pronoun_lower} has {n} times as many {item} as before.")
+_ADD = (
+    "{pronoun} buys {n} more {item}.",
+    "{pronoun} finds {n} more {item}.",
+    "{friend_cap} gives {name} {n} more {item}.",
+    "{pronoun} gets {n} more {item} as a gift.",
+)
+_SUB = (
+    "{pronoun} gives {n} {item} to {friend}.",
+    "{pronoun} loses {n} {item}.",
+    "{pronoun} sells {n} {item}.",
+    "{pronoun} uses {n} of the {item}.",
+)
+_MUL = (
+    "Then the number of {item} {name} has becomes {n} times as large.",
+    "{pronoun} collects more until {pronoun_lower} has {n} times as many {item} as before.",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,16 +103,26 @@ def make_problem(index: int, *, seed: int, split: str, level: SyntheticLevel, le
     rng = random.Random(f"gtpo-synthetic/{level_name}/{split}/{seed}/{index}")
     name, pronoun = rng.choice(_NAMES)
     friend = rng.choice(_FRIENDS)
-    words = {"name": name, "pronoun": pronoun, "pronoun_lower": pronoun.lower(), "item": rng.choice(_ITEMS),
-             "friend": friend, "friend_cap": friend[0].upper() + friend[1:]}
+    words = {
+        "name": name,
+        "pronoun": pronoun,
+        "pronoun_lower": pronoun.lower(),
+        "item": rng.choice(_ITEMS),
+        "friend": friend,
+        "friend_cap": friend[0].upper() + friend[1:],
+    }
     total = rng.randint(min(2, level.max_value), level.max_value)
     sentences = [f"{name} has {total} {words['item']}."]
     for _ in range(level.num_steps):
         sentence, total = _step(rng, level, total, words)
         sentences.append(sentence)
     sentences.append(f"How many {words['item']} does {name} have now?")
-    return Problem(id=f"synthetic-{level_name}-{split}-{seed}-{index}", question=" ".join(sentences),
-                   answer=str(total), source="synthetic")
+    return Problem(
+        id=f"synthetic-{level_name}-{split}-{seed}-{index}",
+        question=" ".join(sentences),
+        answer=str(total),
+        source="synthetic",
+    )
 
 
 def generate_problems(
@@ -110,8 +138,10 @@ def generate_problems(
     if split not in ("train", "test"):
         raise ValueError(f"split={split!r} must be 'train' or 'test' for the synthetic task")
     if isinstance(difficulty, SyntheticLevel):
-        level, level_name = difficulty, "custom-{}-{}-{}".format(
-            difficulty.num_steps, difficulty.max_value, "".join(difficulty.operations))
+        level, level_name = (
+            difficulty,
+            "custom-{}-{}-{}".format(difficulty.num_steps, difficulty.max_value, "".join(difficulty.operations)),
+        )
     elif difficulty in SYNTHETIC_LEVELS:
         level, level_name = SYNTHETIC_LEVELS[difficulty], difficulty
     else:

@@ -69,16 +69,20 @@ def _build_export_policy(cfg, groups):
     from gtpo_megatron.builtin_models import resolve_model_path
 
     run_tp_size = cfg.parallel.tp_size
-    cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, tp_size=1, pp_size=1,
-                                                                sequence_parallel=False,
-                                                                use_distributed_optimizer=False))
+    cfg = dataclasses.replace(
+        cfg,
+        parallel=dataclasses.replace(
+            cfg.parallel, tp_size=1, pp_size=1, sequence_parallel=False, use_distributed_optimizer=False
+        ),
+    )
     return build_policy(cfg, resolve_model_path(cfg.model.name_or_path), groups, padding_tp_size=run_tp_size)
 
 
 @contextlib.contextmanager
 def _single_rank_world():
-    """Init a 1-rank gloo world + Megatron TP = PP = 1 (free local port unless MASTER_ADDR/PORT are set); yields
-    the ``ParallelGroups`` and tears the world down afterwards if it created it.
+    """Init a 1-rank gloo world with Megatron TP = PP = 1 and yield its ``ParallelGroups``.
+
+    Uses a free local port unless MASTER_ADDR/PORT are set, and tears the world down afterwards if it created it.
 
     Raises:
         ValueError: a process group with more than one rank already exists.
@@ -89,8 +93,10 @@ def _single_rank_world():
 
     owned = not dist.is_initialized()
     if not owned and dist.get_world_size() != 1:
-        raise ValueError(f"export_checkpoint_to_hf runs in one process; the current process group has "
-                         f"{dist.get_world_size()} ranks. Call it before init_process_group or in a 1-rank job")
+        raise ValueError(
+            f"export_checkpoint_to_hf runs in one process; the current process group has "
+            f"{dist.get_world_size()} ranks. Call it before init_process_group or in a 1-rank job"
+        )
     saved_env = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
     if owned:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")

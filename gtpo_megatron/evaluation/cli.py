@@ -36,14 +36,24 @@ def _name_list(text: str) -> tuple[str, ...]:
 def build_parser() -> argparse.ArgumentParser:
     """The ``gtpo-eval`` argument parser."""
     p = argparse.ArgumentParser(prog="gtpo-eval", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True,
-                   help="HF model folder, hub name, builtin:NAME, or a gtpo-train run dir / its checkpoints/ folder "
-                        "/ a checkpoints/step_NNNNNN folder (exported once to <step dir>/hf and reused)")
-    p.add_argument("--benchmarks", type=_name_list, default=BENCHMARKS,
-                   help=f"comma-separated: {','.join(BENCHMARKS)} (or Hugging Face dataset names)")
-    p.add_argument("--data-dir", default=None,
-                   help="folder holding gsm8k/, math500/, aime24/, aime25/, amc2023/ (default: $GTPO_DATA_DIR, "
-                        "else ../shared/data next to the repository)")
+    p.add_argument(
+        "--model",
+        required=True,
+        help="HF model folder, hub name, builtin:NAME, or a gtpo-train run dir / its checkpoints/ folder "
+        "/ a checkpoints/step_NNNNNN folder (exported once to <step dir>/hf and reused)",
+    )
+    p.add_argument(
+        "--benchmarks",
+        type=_name_list,
+        default=BENCHMARKS,
+        help=f"comma-separated: {','.join(BENCHMARKS)} (or Hugging Face dataset names)",
+    )
+    p.add_argument(
+        "--data-dir",
+        default=None,
+        help="folder holding gsm8k/, math500/, aime24/, aime25/, amc2023/ (default: $GTPO_DATA_DIR, "
+        "else ../shared/data next to the repository)",
+    )
     p.add_argument("--limit", type=int, default=None, help="first N problems of each benchmark")
     p.add_argument("--n", type=int, default=64, help="completions sampled per problem")
     p.add_argument("--k", type=_int_list, default=(1, 8, 16, 32, 64), help="comma-separated k values (<= n)")
@@ -53,17 +63,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="sampling seed; the same seed gives the same numbers")
     p.add_argument("--output", required=True, help="output folder (created)")
     p.add_argument("--reward", default="math_verify", help="registered reward whose `correct` verdict is scored")
-    p.add_argument("--extraction", choices=EXTRACTION_MODES, default=None,
-                   help="answer extraction for every benchmark: strict needs \\boxed{}, <answer> or a 'final answer' "
-                        "statement, lenient also takes the last number (default: lenient for gsm8k, strict for the "
-                        "others)")
+    p.add_argument(
+        "--extraction",
+        choices=EXTRACTION_MODES,
+        default=None,
+        help="answer extraction for every benchmark: strict needs \\boxed{}, <answer> or a 'final answer' "
+        "statement, lenient also takes the last number (default: lenient for gsm8k, strict for the "
+        "others)",
+    )
     p.add_argument("--reward-workers", type=int, default=2)
     p.add_argument("--reward-timeout", type=float, default=5.0, help="seconds per answer before it scores 0")
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
-    p.add_argument("--max-model-len", type=int, default=None,
-                   help="vLLM context length (default: longest prompt + max tokens)")
-    p.add_argument("--in-process", action="store_true",
-                   help="run vLLM's engine core in this process (faster start; single-process use only)")
+    p.add_argument(
+        "--max-model-len", type=int, default=None, help="vLLM context length (default: longest prompt + max tokens)"
+    )
+    p.add_argument(
+        "--in-process",
+        action="store_true",
+        help="run vLLM's engine core in this process (faster start; single-process use only)",
+    )
     p.add_argument("--label", default=None, help="row label in results.md (default: the model name)")
     return p
 
@@ -71,11 +89,25 @@ def build_parser() -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace) -> EvalConfig:
     """Map parsed flags onto ``EvalConfig`` (which validates them)."""
     return EvalConfig(
-        model=args.model, output_dir=args.output, benchmarks=args.benchmarks, data_dir=args.data_dir,
-        limit=args.limit, n=args.n, ks=args.k, temperature=args.temperature, top_p=args.top_p,
-        max_tokens=args.max_tokens, seed=args.seed, reward=args.reward, extraction=args.extraction,
-        reward_workers=args.reward_workers, reward_timeout_s=args.reward_timeout, dtype=args.dtype,
-        max_model_len=args.max_model_len, in_process=args.in_process, label=args.label,
+        model=args.model,
+        output_dir=args.output,
+        benchmarks=args.benchmarks,
+        data_dir=args.data_dir,
+        limit=args.limit,
+        n=args.n,
+        ks=args.k,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        max_tokens=args.max_tokens,
+        seed=args.seed,
+        reward=args.reward,
+        extraction=args.extraction,
+        reward_workers=args.reward_workers,
+        reward_timeout_s=args.reward_timeout,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        in_process=args.in_process,
+        label=args.label,
     )
 
 

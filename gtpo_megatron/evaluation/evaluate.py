@@ -85,8 +85,10 @@ class EvalConfig:
         if self.limit is not None and self.limit < 1:
             raise ValueError(f"limit={self.limit} must be >= 1 problems per benchmark; omit --limit for all")
         if self.model.startswith(("/", ".", "~")) and not Path(self.model).expanduser().exists():
-            raise ValueError(f"--model {self.model}: no such folder; pass a Hugging Face model folder, a gtpo-train "
-                             "run dir or checkpoint, a hub name (org/model) or a builtin: name")
+            raise ValueError(
+                f"--model {self.model}: no such folder; pass a Hugging Face model folder, a gtpo-train "
+                "run dir or checkpoint, a hub name (org/model) or a builtin: name"
+            )
         sampling = SamplingConfig(
             temperature=self.temperature, top_p=self.top_p, max_tokens=self.max_tokens, seed=self.seed
         )
@@ -122,9 +124,12 @@ def resolve_hf_model(model: str) -> str:
         raise ValueError(
             f"--model {model} looks like a Megatron checkpoint of another trainer (Megatron-LM iter_* layout); "
             "only checkpoints written by gtpo-train (RUN_DIR/checkpoints/step_NNNNNN) are converted. Pass a "
-            "Hugging Face folder instead")
-    raise ValueError(f"--model {model} is a folder without config.json; pass a Hugging Face model folder, a "
-                     "gtpo-train run dir or one of its checkpoints/step_NNNNNN folders")
+            "Hugging Face folder instead"
+        )
+    raise ValueError(
+        f"--model {model} is a folder without config.json; pass a Hugging Face model folder, a "
+        "gtpo-train run dir or one of its checkpoints/step_NNNNNN folders"
+    )
 
 
 def _to_samples(out, results) -> list[SampleRecord]:
@@ -165,27 +170,51 @@ def answer_equivalences(pool: RewardPool, problems: list[list[SampleRecord]]) ->
 
 def _problem_record(problem: Problem, out, results, samples, metrics) -> dict[str, Any]:
     completions = [
-        {"text": c.text, "extracted": r.extracted, "correct": r.correct, "format_ok": r.format_ok, "score": r.score,
-         "num_tokens": s.num_tokens, "finish_reason": c.finish_reason}
+        {
+            "text": c.text,
+            "extracted": r.extracted,
+            "correct": r.correct,
+            "format_ok": r.format_ok,
+            "score": r.score,
+            "num_tokens": s.num_tokens,
+            "finish_reason": c.finish_reason,
+        }
         for c, r, s in zip(out.completions, results, samples, strict=True)
     ]
-    return {"id": problem.id, "reference": problem.answer, "num_correct": sum(s.correct for s in samples),
-            **metrics, "completions": completions}
+    return {
+        "id": problem.id,
+        "reference": problem.answer,
+        "num_correct": sum(s.correct for s in samples),
+        **metrics,
+        "completions": completions,
+    }
 
 
 def _grader_failures(name: str, *stats: dict) -> dict[str, float]:
     """``reward/num_timeouts`` and ``reward/num_errors`` of a benchmark's pool calls, logged when not zero."""
-    counts = {"reward/num_timeouts": float(sum(s["num_timeouts"] for s in stats)),
-              "reward/num_errors": float(sum(s["num_errors"] for s in stats))}
+    counts = {
+        "reward/num_timeouts": float(sum(s["num_timeouts"] for s in stats)),
+        "reward/num_errors": float(sum(s["num_errors"] for s in stats)),
+    }
     if any(counts.values()):
         examples = [e for s in stats for e in s["errors"]][:3]
-        logger.warning("%s: the grader failed on %d answers (%d timeouts, %d errors), scored 0; e.g. %s", name,
-                       sum(counts.values()), counts["reward/num_timeouts"], counts["reward/num_errors"], examples)
+        logger.warning(
+            "%s: the grader failed on %d answers (%d timeouts, %d errors), scored 0; e.g. %s",
+            name,
+            sum(counts.values()),
+            counts["reward/num_timeouts"],
+            counts["reward/num_errors"],
+            examples,
+        )
     return counts
 
 
 def evaluate_benchmark(
-    engine: RolloutEngine, pool: RewardPool, name: str, problems: list[Problem], prompts: list[list[int]],
+    engine: RolloutEngine,
+    pool: RewardPool,
+    name: str,
+    problems: list[Problem],
+    prompts: list[list[int]],
     config: EvalConfig,
 ) -> tuple[dict[str, float], list[dict[str, Any]]]:
     """Sample, score and aggregate benchmark ``name``; returns ``(summary, per-problem records)``."""
@@ -196,8 +225,10 @@ def evaluate_benchmark(
     chunks = [results[i * config.n : (i + 1) * config.n] for i in range(len(problems))]
     samples = [_to_samples(out, chunk) for out, chunk in zip(outputs, chunks, strict=True)]
     same, vote_stats = answer_equivalences(pool, samples)
-    records = [_problem_record(problem, out, chunk, s, problem_metrics(s, config.ks, eq))
-               for problem, out, chunk, s, eq in zip(problems, outputs, chunks, samples, same, strict=True)]
+    records = [
+        _problem_record(problem, out, chunk, s, problem_metrics(s, config.ks, eq))
+        for problem, out, chunk, s, eq in zip(problems, outputs, chunks, samples, same, strict=True)
+    ]
     summary = aggregate(samples, config.ks, same) | _grader_failures(name, score_stats, vote_stats)
     return summary, records
 
@@ -205,18 +236,26 @@ def evaluate_benchmark(
 def markdown_report(label: str, results: dict[str, dict[str, float]], ks: tuple[int, ...]) -> str:
     """Table 1 layout (percent): one row per model, p@k columns per benchmark and maj@max(k); then sample rates."""
     k_max = max(ks)
-    cols = [(b, f"pass@{k}", f"p@{k}") for b in results for k in ks] + [(b, f"maj@{k_max}", f"maj@{k_max}")
-                                                                       for b in results]
+    cols = [(b, f"pass@{k}", f"p@{k}") for b in results for k in ks] + [
+        (b, f"maj@{k_max}", f"maj@{k_max}") for b in results
+    ]
     cols.sort(key=lambda c: list(results).index(c[0]))
     head = "| model | " + " | ".join(f"{DISPLAY_NAMES.get(b, b)} {name}" for b, _, name in cols) + " |"
     row = f"| {label} | " + " | ".join(f"{100 * results[b][key]:.1f}" for b, key, _ in cols) + " |"
-    lines = [head, "|" + "---|" * (len(cols) + 1), row, "",
-             "| benchmark | problems | n | accuracy | format rate | truncated | mean length | grader timeouts/errors |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        head,
+        "|" + "---|" * (len(cols) + 1),
+        row,
+        "",
+        "| benchmark | problems | n | accuracy | format rate | truncated | mean length | grader timeouts/errors |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for b, r in results.items():
-        lines.append(f"| {DISPLAY_NAMES.get(b, b)} | {r['num_problems']:.0f} | {r['num_samples']:.0f} | "
-                     f"{100 * r['accuracy']:.1f} | {100 * r['format_rate']:.1f} | {100 * r['truncation_rate']:.1f} "
-                     f"| {r['mean_length']:.1f} | {r['reward/num_timeouts']:.0f}/{r['reward/num_errors']:.0f} |")
+        lines.append(
+            f"| {DISPLAY_NAMES.get(b, b)} | {r['num_problems']:.0f} | {r['num_samples']:.0f} | "
+            f"{100 * r['accuracy']:.1f} | {100 * r['format_rate']:.1f} | {100 * r['truncation_rate']:.1f} "
+            f"| {r['mean_length']:.1f} | {r['reward/num_timeouts']:.0f}/{r['reward/num_errors']:.0f} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -232,8 +271,9 @@ def _build_engine(config: EvalConfig, model_path: str, max_prompt_len: int) -> R
     from gtpo_megatron.rollout.vllm_engine import VLLMEngine
 
     max_model_len = config.max_model_len or max_prompt_len + config.max_tokens
-    return VLLMEngine(model_path, dtype=config.dtype, max_model_len=max_model_len, seed=config.seed,
-                      in_process=config.in_process)
+    return VLLMEngine(
+        model_path, dtype=config.dtype, max_model_len=max_model_len, seed=config.seed, in_process=config.in_process
+    )
 
 
 def run_evaluation(config: EvalConfig, *, engine: RolloutEngine | None = None) -> dict[str, Any]:
@@ -272,9 +312,13 @@ def run_evaluation(config: EvalConfig, *, engine: RolloutEngine | None = None) -
         if own_engine:
             engine.close()
     settings = {k: v for k, v in asdict(config).items() if k != "sampling"}
-    payload = {"model": config.model, "config": settings,
-               "extraction": {name: config.extraction_for(name) for name in results}, "results": results,
-               "seconds": time.perf_counter() - start}
+    payload = {
+        "model": config.model,
+        "config": settings,
+        "extraction": {name: config.extraction_for(name) for name in results},
+        "results": results,
+        "seconds": time.perf_counter() - start,
+    }
     (out_dir / "results.json").write_text(json.dumps(payload, indent=2) + "\n")
     label = config.label or Path(config.model).name
     (out_dir / "results.md").write_text(markdown_report(label, results, config.ks))

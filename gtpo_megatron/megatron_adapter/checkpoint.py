@@ -48,7 +48,9 @@ def _rng_state() -> dict:
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
     return {
-        "python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
         "tracker": get_cuda_rng_tracker().get_states(),
     }
@@ -98,8 +100,11 @@ def _sharded_state_dict(policy, *, is_loading: bool, rng: dict | None) -> dict:
     }
     if rng is not None:
         state["rng"] = ShardedObject(
-            "rng_state", rng, (groups.pp_size, groups.tp_size, groups.dp_size),
-            (groups.pp_rank, groups.tp_rank, groups.dp_rank), replica_id=0,
+            "rng_state",
+            rng,
+            (groups.pp_size, groups.tp_size, groups.dp_size),
+            (groups.pp_rank, groups.tp_rank, groups.dp_rank),
+            replica_id=0,
         )
     return state
 
@@ -127,8 +132,9 @@ def save_checkpoint(path: str | Path, policy, trainer_state: dict) -> Path:
     dist.barrier(group=world)
     with cuda_to_cpu_mode():
         state = _sharded_state_dict(policy, is_loading=False, rng=_rng_state())
-        state.update(scheduler=policy.scheduler.state_dict(), trainer_state=trainer_state,
-                     layout=_layout(policy.groups))
+        state.update(
+            scheduler=policy.scheduler.state_dict(), trainer_state=trainer_state, layout=_layout(policy.groups)
+        )
         dist_checkpointing.save(state, str(tmp))
     dist.barrier(group=world)
     if policy.groups.rank == 0:
@@ -157,8 +163,11 @@ def load_checkpoint(path: str | Path, policy) -> dict:
     common = dist_checkpointing.load_common_state_dict(str(folder))
     same_layout = common["layout"] == _layout(policy.groups)
     if not same_layout:
-        logger.warning("checkpoint layout %s differs from %s: RNG states are not restored",
-                       common["layout"], _layout(policy.groups))
+        logger.warning(
+            "checkpoint layout %s differs from %s: RNG states are not restored",
+            common["layout"],
+            _layout(policy.groups),
+        )
     _check_loadable(policy.optimizer)
     with cuda_to_cpu_mode():
         template = _sharded_state_dict(policy, is_loading=True, rng=_rng_state() if same_layout else None)

@@ -72,8 +72,9 @@ class LossSettings:
     loss_scale: float = 1.0
 
 
-def token_logprobs_entropy(logits: torch.Tensor, batch: MicroBatch,
-                           settings: LossSettings) -> tuple[torch.Tensor, torch.Tensor]:
+def token_logprobs_entropy(
+    logits: torch.Tensor, batch: MicroBatch, settings: LossSettings
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token log-probs and entropy in the ``TrainBatch`` column convention.
 
     Args:
@@ -91,8 +92,13 @@ def token_logprobs_entropy(logits: torch.Tensor, batch: MicroBatch,
     # dropped by the shift below, so it never reaches the result or the gradient.
     targets = torch.nn.functional.pad(batch.input_ids[:, 1:], (0, 1))
     logprobs, entropy = vocab_parallel_logprobs_entropy(
-        logits, targets, tp_group=settings.tp_group, vocab_size=settings.vocab_size,
-        temperature=settings.temperature, chunk_size=settings.chunk_size, with_entropy=True,
+        logits,
+        targets,
+        tp_group=settings.tp_group,
+        vocab_size=settings.vocab_size,
+        temperature=settings.temperature,
+        chunk_size=settings.chunk_size,
+        with_entropy=True,
     )
     logprobs = torch.nn.functional.pad(logprobs[:, :-1], (1, 0))
     entropy = torch.nn.functional.pad(entropy[:, :-1], (1, 0))
@@ -123,10 +129,18 @@ def policy_loss_closure(logits: torch.Tensor, batch: MicroBatch, settings: LossS
     if token_weights is None:
         token_weights = batch.response_mask.float()
     loss, metrics = get_policy_loss(spec.loss_name)(
-        policy_logprobs=logprobs, old_logprobs=batch.old_logprobs, advantages=batch.advantages,
-        token_weights=token_weights, response_mask=batch.response_mask, normalizer=settings.normalizer,
-        aggregation=spec.aggregation, clip_eps_low=spec.clip_eps_low, clip_eps_high=spec.clip_eps_high,
-        ref_logprobs=batch.ref_logprobs, kl_coef=spec.kl_coef, kl_estimator=spec.kl_estimator,
+        policy_logprobs=logprobs,
+        old_logprobs=batch.old_logprobs,
+        advantages=batch.advantages,
+        token_weights=token_weights,
+        response_mask=batch.response_mask,
+        normalizer=settings.normalizer,
+        aggregation=spec.aggregation,
+        clip_eps_low=spec.clip_eps_low,
+        clip_eps_high=spec.clip_eps_high,
+        ref_logprobs=batch.ref_logprobs,
+        kl_coef=spec.kl_coef,
+        kl_estimator=spec.kl_estimator,
         entropy=entropy,
     )
     metrics = dict(metrics, loss=loss.detach().float())

@@ -47,8 +47,14 @@ def valid_tp_sizes(num_query_groups: int) -> list[int]:
     return [size for size in range(1, num_query_groups + 1) if num_query_groups % size == 0]
 
 
-def padded_num_query_groups(*, num_heads: int, num_query_groups: int, tp_size: int,
-                            pad_attention_heads: bool, padding_tp_size: int | None = None) -> int:
+def padded_num_query_groups(
+    *,
+    num_heads: int,
+    num_query_groups: int,
+    tp_size: int,
+    pad_attention_heads: bool,
+    padding_tp_size: int | None = None,
+) -> int:
     """Number of KV groups ``G_pad`` of the Megatron model for an HF model with ``Q`` heads and ``G`` groups.
 
     Args:
@@ -67,8 +73,10 @@ def padded_num_query_groups(*, num_heads: int, num_query_groups: int, tp_size: i
         ValueError: ``Q`` is not a multiple of ``G``, or padding is needed and ``pad_attention_heads`` is False.
     """
     if num_query_groups < 1 or num_heads % num_query_groups:
-        raise ValueError(f"num_attention_heads={num_heads} is not a multiple of num_key_value_heads="
-                         f"{num_query_groups}; grouped-query attention needs equal groups")
+        raise ValueError(
+            f"num_attention_heads={num_heads} is not a multiple of num_key_value_heads="
+            f"{num_query_groups}; grouped-query attention needs equal groups"
+        )
     multiple = math.lcm(tp_size, padding_tp_size or tp_size) if pad_attention_heads else tp_size
     if num_query_groups % multiple == 0:  # then num_heads, a multiple of num_query_groups, divides too
         return num_query_groups

@@ -1,5 +1,6 @@
-"""Hugging Face <-> Megatron-Core weight layout for Llama / Mistral / Qwen2 / Qwen3 decoders (pure tensor code, no I/O
-except ``HFCheckpointReader``).
+"""Hugging Face <-> Megatron-Core weight layout for Llama / Mistral / Qwen2 / Qwen3 decoders.
+
+Pure tensor code, no I/O except ``HFCheckpointReader``.
 
 Megatron parameter names below are *global*: ``decoder.layers.{i}`` uses the global layer index ``i``
 (``global_param_name`` converts a pipeline stage's local names). Layouts, for TP rank ``r`` of ``tp``:
@@ -38,10 +39,14 @@ _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _LAYER_MAP = {
     "input_layernorm.weight": (REPLICATED, ("input_layernorm.weight",)),
     "self_attention.linear_qkv.layer_norm_weight": (REPLICATED, ("input_layernorm.weight",)),
-    "self_attention.linear_qkv.weight": (QKV, ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
-                                               "self_attn.v_proj.weight")),
-    "self_attention.linear_qkv.bias": (QKV, ("self_attn.q_proj.bias", "self_attn.k_proj.bias",
-                                             "self_attn.v_proj.bias")),
+    "self_attention.linear_qkv.weight": (
+        QKV,
+        ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+    ),
+    "self_attention.linear_qkv.bias": (
+        QKV,
+        ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
+    ),
     "self_attention.linear_proj.weight": (PROJ, ("self_attn.o_proj.weight",)),
     "self_attention.linear_proj.bias": (REPLICATED, ("self_attn.o_proj.bias",)),
     "self_attention.q_layernorm.weight": (REPLICATED, ("self_attn.q_norm.weight",)),
@@ -88,15 +93,28 @@ class ModelGeometry:
         return self.padded_num_query_groups * self.heads_per_group
 
     @classmethod
-    def from_hf(cls, hf_config, *, padded_vocab_size: int, tp_size: int, pad_attention_heads: bool = False,
-                padding_tp_size: int | None = None) -> ModelGeometry:
-        """Geometry of ``hf_config`` at ``tp_size``; see ``head_padding.padded_num_query_groups`` (and its
-        ValueError) for ``pad_attention_heads``."""
+    def from_hf(
+        cls,
+        hf_config,
+        *,
+        padded_vocab_size: int,
+        tp_size: int,
+        pad_attention_heads: bool = False,
+        padding_tp_size: int | None = None,
+    ) -> ModelGeometry:
+        """Geometry of ``hf_config`` at ``tp_size``.
+
+        See ``head_padding.padded_num_query_groups`` (and its ValueError) for ``pad_attention_heads``.
+        """
         heads = hf_config.num_attention_heads
         groups = getattr(hf_config, "num_key_value_heads", None) or heads
-        padded_groups = padded_num_query_groups(num_heads=heads, num_query_groups=groups, tp_size=tp_size,
-                                                pad_attention_heads=pad_attention_heads,
-                                                padding_tp_size=padding_tp_size)
+        padded_groups = padded_num_query_groups(
+            num_heads=heads,
+            num_query_groups=groups,
+            tp_size=tp_size,
+            pad_attention_heads=pad_attention_heads,
+            padding_tp_size=padding_tp_size,
+        )
         return cls(
             num_heads=heads,
             num_query_groups=groups,
@@ -163,8 +181,10 @@ class HFCheckpointReader:
         else:
             single = folder / "model.safetensors"
             if not single.exists():
-                raise ValueError(f"hf_path={str(folder)!r} has no model.safetensors(.index.json); "
-                                 "save the model with safe_serialization=True")
+                raise ValueError(
+                    f"hf_path={str(folder)!r} has no model.safetensors(.index.json); "
+                    "save the model with safe_serialization=True"
+                )
             with safe_open(single, "pt") as handle:
                 weight_map = {key: single.name for key in handle.keys()}
         handles = {file: safe_open(folder / file, "pt") for file in set(weight_map.values())}
@@ -202,8 +222,9 @@ def _padded_slice(reader: HFCheckpointReader, name: str, dim: int, start: int, s
     return _zero_padded(real, dim, size)
 
 
-def _qkv_shard(reader: HFCheckpointReader, names: tuple[str, ...], geometry: ModelGeometry,
-               tp_rank: int) -> torch.Tensor:
+def _qkv_shard(
+    reader: HFCheckpointReader, names: tuple[str, ...], geometry: ModelGeometry, tp_rank: int
+) -> torch.Tensor:
     """This rank's ``G_pad/tp`` groups: the HF groups among them fused, then zero rows for padded groups."""
     groups = geometry.padded_num_query_groups // geometry.tp_size
     per_group, d = geometry.heads_per_group, geometry.head_dim
@@ -213,13 +234,15 @@ def _qkv_shard(reader: HFCheckpointReader, names: tuple[str, ...], geometry: Mod
     k = reader.read(names[1], 0, g0 * d, (g0 + real) * d)
     v = reader.read(names[2], 0, g0 * d, (g0 + real) * d)
     tail = q.shape[1:]
-    fused = torch.cat([q.reshape(real, per_group * d, *tail), k.reshape(real, d, *tail),
-                       v.reshape(real, d, *tail)], dim=1)
+    fused = torch.cat(
+        [q.reshape(real, per_group * d, *tail), k.reshape(real, d, *tail), v.reshape(real, d, *tail)], dim=1
+    )
     return _zero_padded(fused.reshape(real * (per_group + 2) * d, *tail), 0, groups * (per_group + 2) * d)
 
 
-def shard_from_hf(mapping: ParamMapping, reader: HFCheckpointReader, geometry: ModelGeometry,
-                  tp_rank: int) -> torch.Tensor:
+def shard_from_hf(
+    mapping: ParamMapping, reader: HFCheckpointReader, geometry: ModelGeometry, tp_rank: int
+) -> torch.Tensor:
     """This TP rank's Megatron shard of one parameter, read from the HF checkpoint (HF dtype, CPU)."""
     tp = geometry.tp_size
     if mapping.kind == VOCAB:
@@ -240,8 +263,9 @@ def shard_from_hf(mapping: ParamMapping, reader: HFCheckpointReader, geometry: M
     return reader.read(mapping.hf_names[0], 1, tp_rank * cols, (tp_rank + 1) * cols)
 
 
-def hf_from_shards(mapping: ParamMapping, shards: list[torch.Tensor],
-                   geometry: ModelGeometry) -> list[tuple[str, torch.Tensor]]:
+def hf_from_shards(
+    mapping: ParamMapping, shards: list[torch.Tensor], geometry: ModelGeometry
+) -> list[tuple[str, torch.Tensor]]:
     """Inverse of ``shard_from_hf``: the TP shards (in TP-rank order) of one parameter -> full HF tensors.
 
     Padded vocabulary rows and padded attention heads are dropped, fused QKV and gate/up are split. Returns

@@ -28,8 +28,15 @@ def _flush(buffer: dict[str, torch.Tensor], folder: Path, index: int, weight_map
     buffer.clear()
 
 
-def write_hf_folder(weights: Iterable[tuple[str, torch.Tensor]], out_dir: str | Path, *, hf_config,
-                    tokenizer_source: str | None, write: bool, max_shard_bytes: int = 2 * 1024**3) -> None:
+def write_hf_folder(
+    weights: Iterable[tuple[str, torch.Tensor]],
+    out_dir: str | Path,
+    *,
+    hf_config,
+    tokenizer_source: str | None,
+    write: bool,
+    max_shard_bytes: int = 2 * 1024**3,
+) -> None:
     """Drain ``weights``; when ``write`` is True save them as an HF folder at ``out_dir`` (replacing it).
 
     Args:

@@ -1,6 +1,7 @@
-"""What each Hugging Face config field of the accepted decoders does to the math, and how the Megatron model
-reproduces it; or the ValueError, at load, that refuses the checkpoint (issue 12 item 8: nothing is dropped
-silently, so the trainer never trains another model than the one ``transformers`` and vLLM run).
+"""What each Hugging Face config field of the accepted decoders does to the math, and how Megatron reproduces it.
+
+Or the ValueError, at load, that refuses the checkpoint: nothing is dropped silently, so the trainer never trains
+another model than the one ``transformers`` and vLLM run.
 
 The fields are those that the ``transformers`` modeling code of the accepted model types reads
 (``modeling_{llama,mistral,qwen2,qwen3}.py``, transformers 5.x); any other key of a config.json is ignored by
@@ -48,8 +49,10 @@ _LLAMA3_CONSTANTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_
 
 @dataclass(frozen=True)
 class LinearBiases:
-    """Which linear layers of a decoder layer have biases: fused q/k/v, the attention output projection (o_proj),
-    and the MLP (gate/up and down)."""
+    """Which linear layers of a decoder layer have biases.
+
+    The fused q/k/v, the attention output projection (o_proj), and the MLP (gate/up and down).
+    """
 
     qkv: bool
     proj: bool
@@ -83,8 +86,10 @@ def sliding_window_settings(hf_config) -> dict:
         layer_types = list(getattr(hf_config, "layer_types", None) or [])
         unknown = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
         if unknown:
-            raise ValueError(f"layer_types contains {unknown}: only full_attention and sliding_attention layers "
-                             "can be built; use a checkpoint without them")
+            raise ValueError(
+                f"layer_types contains {unknown}: only full_attention and sliding_attention layers "
+                "can be built; use a checkpoint without them"
+            )
         windowed = [window is not None and kind == "sliding_attention" for kind in layer_types]
     else:
         windowed = []
@@ -113,9 +118,11 @@ def rope_settings(hf_config) -> dict:
     params = _rope_parameters(hf_config)
     partial = params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0))
     if float(partial) != 1.0:
-        raise ValueError(f"partial_rotary_factor={partial} is not supported for model_type="
-                         f"{hf_config.model_type!r} (RoPE covers every head dimension here); use a checkpoint "
-                         "without it")
+        raise ValueError(
+            f"partial_rotary_factor={partial} is not supported for model_type="
+            f"{hf_config.model_type!r} (RoPE covers every head dimension here); use a checkpoint "
+            "without it"
+        )
     base = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
     rope_type = params.get("rope_type", params.get("type", "default"))
     settings = {"rotary_base": base, "rope_scaling": False}
@@ -124,12 +131,16 @@ def rope_settings(hf_config) -> dict:
     if rope_type == "linear":
         return {**settings, "seq_len_interpolation_factor": float(params["factor"])}
     if rope_type != "llama3":
-        raise ValueError(f"rope_parameters.rope_type={rope_type!r} is not supported by Megatron's GPTModel here "
-                         "(default, linear and llama3 are); use a checkpoint with one of those")
+        raise ValueError(
+            f"rope_parameters.rope_type={rope_type!r} is not supported by Megatron's GPTModel here "
+            "(default, linear and llama3 are); use a checkpoint with one of those"
+        )
     for key, expected in _LLAMA3_CONSTANTS.items():
         if float(params.get(key, expected)) != expected:
-            raise ValueError(f"rope_parameters.{key}={params[key]} differs from Megatron's fixed {expected} for "
-                             "llama3 RoPE; such a checkpoint cannot be built exactly")
+            raise ValueError(
+                f"rope_parameters.{key}={params[key]} differs from Megatron's fixed {expected} for "
+                "llama3 RoPE; such a checkpoint cannot be built exactly"
+            )
     return {**settings, "rope_scaling": True, "rope_scaling_factor": float(params.get("factor", 8.0))}
 
 
@@ -144,11 +155,16 @@ def check_hf_config(hf_config) -> None:
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"model_type={model_type!r} is not supported; expected one of {SUPPORTED_MODEL_TYPES}")
     if getattr(hf_config, "hidden_act", "silu") != "silu":
-        raise ValueError(f"hidden_act={hf_config.hidden_act!r}: only SiLU-gated MLPs (SwiGLU) are supported; "
-                         "use a checkpoint with hidden_act='silu'")
+        raise ValueError(
+            f"hidden_act={hf_config.hidden_act!r}: only SiLU-gated MLPs (SwiGLU) are supported; "
+            "use a checkpoint with hidden_act='silu'"
+        )
     rope_settings(hf_config)
     sliding_window_settings(hf_config)
     dropout = float(getattr(hf_config, "attention_dropout", 0.0) or 0.0)
     if dropout > 0:
-        logger.warning("attention_dropout=%s in the HF config has no effect: the policy trains without dropout "
-                       "(as transformers and vLLM evaluate)", dropout)
+        logger.warning(
+            "attention_dropout=%s in the HF config has no effect: the policy trains without dropout "
+            "(as transformers and vLLM evaluate)",
+            dropout,
+        )

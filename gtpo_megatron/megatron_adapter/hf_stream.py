@@ -93,8 +93,9 @@ def _emit(name, shard_shape, dtype, stage, by_global, geometry, groups: Parallel
         tensors = hf_from_shards(mapping, _gather_tp(by_global[name], mapping, groups.tp, groups.tp_size), geometry)
     else:  # shapes from the same conversion run on meta tensors, then filled by the broadcast
         meta = [torch.empty(shard_shape, dtype=dtype, device="meta")] * geometry.tp_size
-        tensors = [(n, torch.empty(t.shape, dtype=dtype, device=device)) for n, t in
-                   hf_from_shards(mapping, meta, geometry)]
+        tensors = [
+            (n, torch.empty(t.shape, dtype=dtype, device=device)) for n, t in hf_from_shards(mapping, meta, geometry)
+        ]
     for hf_name, tensor in tensors:
         if groups.pp_size > 1:
             tensor = tensor.contiguous()

@@ -54,8 +54,11 @@ def transformer_engine_available() -> bool:
 
 @functools.cache
 def _with_bias(linear_cls: type) -> type:
-    """``linear_cls`` built with a bias whatever Megatron's global ``add_bias_linear`` says (HF models whose o_proj
-    or MLP have biases while their other linear layers have none). Same parameters and sharding, plus ``bias``."""
+    """``linear_cls`` built with a bias whatever Megatron's global ``add_bias_linear`` says.
+
+    For HF models whose o_proj or MLP have biases while their other linear layers have none. Same parameters and
+    sharding, plus ``bias``.
+    """
 
     def __init__(self, *args, bias, **kwargs):
         linear_cls.__init__(self, *args, bias=True, **kwargs)
@@ -71,11 +74,17 @@ def _add_biases(spec, biases: LinearBiases):
     if biases.proj:
         linear_proj = _with_bias(attention.submodules.linear_proj)
         attention = dataclasses.replace(
-            attention, submodules=dataclasses.replace(attention.submodules, linear_proj=linear_proj))
+            attention, submodules=dataclasses.replace(attention.submodules, linear_proj=linear_proj)
+        )
     if biases.mlp:
-        mlp = dataclasses.replace(mlp, submodules=dataclasses.replace(
-            mlp.submodules, linear_fc1=_with_bias(mlp.submodules.linear_fc1),
-            linear_fc2=_with_bias(mlp.submodules.linear_fc2)))
+        mlp = dataclasses.replace(
+            mlp,
+            submodules=dataclasses.replace(
+                mlp.submodules,
+                linear_fc1=_with_bias(mlp.submodules.linear_fc1),
+                linear_fc2=_with_bias(mlp.submodules.linear_fc2),
+            ),
+        )
     return dataclasses.replace(spec, submodules=dataclasses.replace(layer, self_attention=attention, mlp=mlp))
 
 
@@ -96,10 +105,18 @@ def select_layer_spec(*, qk_layernorm: bool, biases: LinearBiases):
     return _add_biases(spec, biases), backend
 
 
-def transformer_config_from_hf(hf_config, *, tp_size: int, pp_size: int, params_dtype: torch.dtype,
-                               recompute_granularity: str | None = None, recompute_method: str | None = None,
-                               recompute_num_layers: int | None = None, pad_attention_heads: bool = False,
-                               padding_tp_size: int | None = None):
+def transformer_config_from_hf(
+    hf_config,
+    *,
+    tp_size: int,
+    pp_size: int,
+    params_dtype: torch.dtype,
+    recompute_granularity: str | None = None,
+    recompute_method: str | None = None,
+    recompute_num_layers: int | None = None,
+    pad_attention_heads: bool = False,
+    padding_tp_size: int | None = None,
+):
     """Translate an HF decoder config into a Megatron ``TransformerConfig`` for a TP x PP layout.
 
     ``params_dtype`` is the parameter dtype (fp32 or bf16; bf16 also sets ``bf16=True`` so Megatron's optimizer
@@ -119,12 +136,15 @@ def transformer_config_from_hf(hf_config, *, tp_size: int, pp_size: int, params_
     check_hf_config(hf_config)
     num_heads = hf_config.num_attention_heads
     num_groups = getattr(hf_config, "num_key_value_heads", None) or num_heads
-    padded_groups = padded_num_query_groups(num_heads=num_heads, num_query_groups=num_groups, tp_size=tp_size,
-                                            pad_attention_heads=pad_attention_heads, padding_tp_size=padding_tp_size)
+    padded_groups = padded_num_query_groups(
+        num_heads=num_heads,
+        num_query_groups=num_groups,
+        tp_size=tp_size,
+        pad_attention_heads=pad_attention_heads,
+        padding_tp_size=padding_tp_size,
+    )
     if hf_config.num_hidden_layers % pp_size:
-        raise ValueError(
-            f"num_hidden_layers={hf_config.num_hidden_layers} is not divisible by pp_size={pp_size}"
-        )
+        raise ValueError(f"num_hidden_layers={hf_config.num_hidden_layers} is not divisible by pp_size={pp_size}")
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
     on_cpu = not torch.cuda.is_available()
     return TransformerConfig(
@@ -168,15 +188,17 @@ def transformer_config_from_hf(hf_config, *, tp_size: int, pp_size: int, params_
     )
 
 
-def build_gpt_model(hf_config, config, *, padded_vocab_size: int, pre_process: bool, post_process: bool,
-                    fp32_output_layer: bool = False):
+def build_gpt_model(
+    hf_config, config, *, padded_vocab_size: int, pre_process: bool, post_process: bool, fp32_output_layer: bool = False
+):
     """Instantiate this rank's ``GPTModel`` stage (TP-sharded, random/zero weights; load them afterwards).
 
     Args:
         hf_config: the HF ``PretrainedConfig`` ``config`` was made from (RoPE, tying, max positions).
         config: ``TransformerConfig`` from ``transformer_config_from_hf``.
         padded_vocab_size: ``V``, see ``plan.layout.padded_vocab_size``.
-        pre_process / post_process: this rank holds the first / last pipeline stage.
+        pre_process: this rank holds the first pipeline stage (the embedding).
+        post_process: this rank holds the last pipeline stage (the output layer).
         fp32_output_layer: with 16-bit parameters, compute the logits in fp32 (``output_layer``: precision and
             memory cost); no effect with fp32 parameters or without ``post_process``.
 

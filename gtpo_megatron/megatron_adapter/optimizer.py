@@ -85,9 +85,16 @@ def build_optimizer(ddp_model, *, settings: OptimSettings, params_dtype: torch.d
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     config = OptimizerConfig(
-        optimizer="adam", lr=settings.lr, min_lr=settings.min_lr, weight_decay=settings.weight_decay,
-        adam_beta1=settings.adam_beta1, adam_beta2=settings.adam_beta2, adam_eps=settings.adam_eps,
-        clip_grad=settings.clip_grad, bf16=params_dtype == torch.bfloat16, params_dtype=params_dtype,
+        optimizer="adam",
+        lr=settings.lr,
+        min_lr=settings.min_lr,
+        weight_decay=settings.weight_decay,
+        adam_beta1=settings.adam_beta1,
+        adam_beta2=settings.adam_beta2,
+        adam_eps=settings.adam_eps,
+        clip_grad=settings.clip_grad,
+        bf16=params_dtype == torch.bfloat16,
+        params_dtype=params_dtype,
         use_distributed_optimizer=settings.distributed(),
     )
     if cpu_compat_needed() and not settings.distributed():
@@ -95,17 +102,27 @@ def build_optimizer(ddp_model, *, settings: OptimSettings, params_dtype: torch.d
     with cuda_to_cpu_mode():
         optimizer = get_megatron_optimizer(config, [ddp_model])
     scheduler = OptimizerParamScheduler(
-        optimizer, init_lr=0.0 if settings.warmup_steps else settings.lr, max_lr=settings.lr,
-        min_lr=settings.min_lr, lr_warmup_steps=settings.warmup_steps, lr_decay_steps=settings.total_steps,
-        lr_decay_style=settings.decay_style, start_wd=settings.weight_decay, end_wd=settings.weight_decay,
-        wd_incr_steps=settings.total_steps, wd_incr_style="constant",
+        optimizer,
+        init_lr=0.0 if settings.warmup_steps else settings.lr,
+        max_lr=settings.lr,
+        min_lr=settings.min_lr,
+        lr_warmup_steps=settings.warmup_steps,
+        lr_decay_steps=settings.total_steps,
+        lr_decay_style=settings.decay_style,
+        start_wd=settings.weight_decay,
+        end_wd=settings.weight_decay,
+        wd_incr_steps=settings.total_steps,
+        wd_incr_style="constant",
     )
     return optimizer, scheduler
 
 
 def global_grad_norm(optimizer) -> float:
-    """L2 norm of the whole model's gradient (Megatron's: TP duplicates counted once, all-reduced over the
-    model-parallel group and, for the distributed optimizer, the DP group). Prepares the main grads."""
+    """L2 norm of the whole model's gradient; prepares the main grads.
+
+    Megatron's norm: TP duplicates counted once, all-reduced over the model-parallel group and, for the
+    distributed optimizer, the DP group.
+    """
     with cuda_to_cpu_mode():
         optimizer.prepare_grads()
         return float(optimizer.get_grad_norm())
@@ -126,7 +143,7 @@ def optimizer_step(optimizer, scheduler, ddp_model) -> dict[str, float]:
     with cuda_to_cpu_mode():
         skipped = not math.isfinite(grad_norm)
         if skipped:
-            warnings.warn(f"non-finite gradient norm {grad_norm}: optimizer step skipped", RuntimeWarning)
+            warnings.warn(f"non-finite gradient norm {grad_norm}: optimizer step skipped", RuntimeWarning, stacklevel=2)
         else:
             scheduler.step(increment=1)  # step k (1-based) uses the schedule's lr(k): no zero-lr first step
             optimizer.step()

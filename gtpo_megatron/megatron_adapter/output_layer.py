@@ -38,9 +38,11 @@ import torch
 
 
 def _fp32_linear(linear_impl, input: torch.Tensor, weight: torch.Tensor, *args, **kwargs):  # noqa: A002
-    """``linear_impl`` (Megatron's linear autograd function) on fp32 casts of ``input`` and ``weight`` (Megatron
-    passes both by keyword); the tensors it saves for backward are stored as the 16-bit originals and re-cast on
-    use. Returns its fp32 output."""
+    """``linear_impl`` (Megatron's linear autograd function) on fp32 casts of ``input`` and ``weight``; fp32 out.
+
+    Megatron passes both by keyword; the tensors it saves for backward are stored as the 16-bit originals and
+    re-cast on use.
+    """
     casts = {}  # id of an fp32 cast -> its 16-bit original; only this call's casts are replaced
 
     def cast(tensor: torch.Tensor) -> torch.Tensor:
@@ -69,8 +71,11 @@ def _fp32_output_class(layer_cls: type) -> type:
         return _fp32_linear(super(fp32_cls, self)._forward_impl, input, weight, *args, **kwargs)
 
     doc = f"{layer_cls.__name__} computing its output in fp32 (megatron_adapter.output_layer)."
-    fp32_cls = type(f"Fp32{layer_cls.__name__}", (layer_cls,),
-                    {"_forward_impl": _forward_impl, "__doc__": doc, "computes_in_fp32": True})
+    fp32_cls = type(
+        f"Fp32{layer_cls.__name__}",
+        (layer_cls,),
+        {"_forward_impl": _forward_impl, "__doc__": doc, "computes_in_fp32": True},
+    )
     return fp32_cls
 
 
@@ -93,7 +98,9 @@ def use_fp32_output_layer(output_layer) -> None:
         ValueError: the layer's config has ``gradient_accumulation_fusion`` on.
     """
     if output_layer.config.gradient_accumulation_fusion:
-        raise ValueError("fp32_output_layer=True cannot be combined with gradient_accumulation_fusion=True (the "
-                         "fused kernel accumulates into weight.main_grad, which the fp32 cast lacks); turn one off")
+        raise ValueError(
+            "fp32_output_layer=True cannot be combined with gradient_accumulation_fusion=True (the "
+            "fused kernel accumulates into weight.main_grad, which the fp32 cast lacks); turn one off"
+        )
     if not getattr(output_layer, "computes_in_fp32", False):
         output_layer.__class__ = _fp32_output_class(type(output_layer))

@@ -38,18 +38,29 @@ _PARAMS_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 def _log_head_padding(geometry: hf_conversion.ModelGeometry, pad_attention_heads: bool) -> None:
     if geometry.num_pad_groups:
-        logger.info("head padding: %d -> %d KV groups, %d -> %d attention heads (tp_size=%d); padded heads are "
-                    "zero and stay zero", geometry.num_query_groups, geometry.padded_num_query_groups,
-                    geometry.num_heads, geometry.padded_num_heads, geometry.tp_size)
+        logger.info(
+            "head padding: %d -> %d KV groups, %d -> %d attention heads (tp_size=%d); padded heads are "
+            "zero and stay zero",
+            geometry.num_query_groups,
+            geometry.padded_num_query_groups,
+            geometry.num_heads,
+            geometry.padded_num_heads,
+            geometry.tp_size,
+        )
     elif pad_attention_heads:
-        logger.warning("pad_attention_heads=True has no effect: num_key_value_heads=%d is divisible by tp_size=%d",
-                       geometry.num_query_groups, geometry.tp_size)
+        logger.warning(
+            "pad_attention_heads=True has no effect: num_key_value_heads=%d is divisible by tp_size=%d",
+            geometry.num_query_groups,
+            geometry.tp_size,
+        )
 
 
 def _params_dtype(model: ModelConfig) -> torch.dtype:
     if model.params_dtype not in _PARAMS_DTYPES:
-        raise ValueError(f"model.params_dtype={model.params_dtype!r}: the Megatron policy trains in "
-                         f"{sorted(_PARAMS_DTYPES)}; set model.params_dtype=bfloat16 (or float32)")
+        raise ValueError(
+            f"model.params_dtype={model.params_dtype!r}: the Megatron policy trains in "
+            f"{sorted(_PARAMS_DTYPES)}; set model.params_dtype=bfloat16 (or float32)"
+        )
     return _PARAMS_DTYPES[model.params_dtype]
 
 
@@ -58,8 +69,11 @@ def _recompute_settings(model: ModelConfig) -> dict:
     if model.recompute == "none":
         return {}
     full = model.recompute == "full"
-    return {"recompute_granularity": model.recompute, "recompute_method": "uniform" if full else None,
-            "recompute_num_layers": 1 if full else None}
+    return {
+        "recompute_granularity": model.recompute,
+        "recompute_method": "uniform" if full else None,
+        "recompute_num_layers": 1 if full else None,
+    }
 
 
 def _build_stage(hf_config, config, groups: ParallelGroups, *, padded_vocab_size: int, seed: int):
@@ -69,15 +83,31 @@ def _build_stage(hf_config, config, groups: ParallelGroups, *, padded_vocab_size
     torch.manual_seed(seed)
     with cuda_to_cpu_mode():
         model_parallel_cuda_manual_seed(seed)
-        return model_lib.build_gpt_model(hf_config, config, padded_vocab_size=padded_vocab_size,
-                                         pre_process=groups.is_first_pp_stage, post_process=groups.is_last_pp_stage)
+        return model_lib.build_gpt_model(
+            hf_config,
+            config,
+            padded_vocab_size=padded_vocab_size,
+            pre_process=groups.is_first_pp_stage,
+            post_process=groups.is_last_pp_stage,
+        )
 
 
 class MegatronPolicy:
     """A Megatron-Core policy loaded from an HF checkpoint; see ``from_pretrained``."""
 
-    def __init__(self, *, ddp_model, optimizer, scheduler, groups: ParallelGroups, hf_config, geometry,
-                 hf_path: str, micro_batch_size: int, logprob_chunk_size: int | None):
+    def __init__(
+        self,
+        *,
+        ddp_model,
+        optimizer,
+        scheduler,
+        groups: ParallelGroups,
+        hf_config,
+        geometry,
+        hf_path: str,
+        micro_batch_size: int,
+        logprob_chunk_size: int | None,
+    ):
         self.ddp_model = ddp_model
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -95,9 +125,17 @@ class MegatronPolicy:
         return self.ddp_model.module
 
     @classmethod
-    def from_pretrained(cls, model: ModelConfig, *, groups: ParallelGroups, optim: OptimSettings | None = None,
-                        micro_batch_size: int = 1, logprob_chunk_size: int | None = None, seed: int = 1234,
-                        padding_tp_size: int | None = None) -> MegatronPolicy:
+    def from_pretrained(
+        cls,
+        model: ModelConfig,
+        *,
+        groups: ParallelGroups,
+        optim: OptimSettings | None = None,
+        micro_batch_size: int = 1,
+        logprob_chunk_size: int | None = None,
+        seed: int = 1234,
+        padding_tp_size: int | None = None,
+    ) -> MegatronPolicy:
         """Build this rank's stage and load its shard of the HF checkpoint ``model.name_or_path``.
 
         Args:
@@ -133,16 +171,26 @@ class MegatronPolicy:
         install_cpu_compat()
         hf_config = AutoConfig.from_pretrained(hf_path)
         config = model_lib.transformer_config_from_hf(
-            hf_config, tp_size=groups.tp_size, pp_size=groups.pp_size, params_dtype=params_dtype,
-            pad_attention_heads=model.pad_attention_heads, padding_tp_size=padding_tp_size,
+            hf_config,
+            tp_size=groups.tp_size,
+            pp_size=groups.pp_size,
+            params_dtype=params_dtype,
+            pad_attention_heads=model.pad_attention_heads,
+            padding_tp_size=padding_tp_size,
             **_recompute_settings(model),
         )
         vocab_size = padded_vocab_size(
-            hf_config.vocab_size, make_vocab_size_divisible_by=model.make_vocab_size_divisible_by,
-            tp_size=math.lcm(groups.tp_size, padding_tp_size or groups.tp_size))
+            hf_config.vocab_size,
+            make_vocab_size_divisible_by=model.make_vocab_size_divisible_by,
+            tp_size=math.lcm(groups.tp_size, padding_tp_size or groups.tp_size),
+        )
         geometry = hf_conversion.ModelGeometry.from_hf(
-            hf_config, padded_vocab_size=vocab_size, tp_size=groups.tp_size,
-            pad_attention_heads=model.pad_attention_heads, padding_tp_size=padding_tp_size)
+            hf_config,
+            padded_vocab_size=vocab_size,
+            tp_size=groups.tp_size,
+            pad_attention_heads=model.pad_attention_heads,
+            padding_tp_size=padding_tp_size,
+        )
         _log_head_padding(geometry, model.pad_attention_heads)
         gpt_model = _build_stage(hf_config, config, groups, padded_vocab_size=vocab_size, seed=seed)
         hf_conversion.load_hf_weights(gpt_model, hf_path, geometry, tp_rank=groups.tp_rank)
@@ -150,9 +198,17 @@ class MegatronPolicy:
         config.finalize_model_grads_func = finalize_model_grads
         config.no_sync_func = ddp_model.no_sync
         optimizer, scheduler = build_optimizer(ddp_model, settings=optim, params_dtype=params_dtype)
-        return cls(ddp_model=ddp_model, optimizer=optimizer, scheduler=scheduler, groups=groups,
-                   hf_config=hf_config, geometry=geometry, hf_path=hf_path, micro_batch_size=micro_batch_size,
-                   logprob_chunk_size=logprob_chunk_size)
+        return cls(
+            ddp_model=ddp_model,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            groups=groups,
+            hf_config=hf_config,
+            geometry=geometry,
+            hf_path=hf_path,
+            micro_batch_size=micro_batch_size,
+            logprob_chunk_size=logprob_chunk_size,
+        )
 
     # ----------------------------------------------------------------------------------------- micro-batches
     def _micro_batches(self, batch: TrainBatch) -> list[MicroBatch]:
@@ -166,14 +222,16 @@ class MegatronPolicy:
             t = torch.cat([t, t.new_zeros((pad, *t.shape[1:]))]) if pad else t
             return t.to(self.device)
 
-        tensors = {k: prepare(getattr(batch, k)) for k in ("input_ids", "response_mask", "token_weights",
-                                                             "advantages", "old_logprobs", "ref_logprobs")}
+        tensors = {
+            k: prepare(getattr(batch, k))
+            for k in ("input_ids", "response_mask", "token_weights", "advantages", "old_logprobs", "ref_logprobs")
+        }
         positions = torch.arange(seq_len, device=self.device).expand(self.micro_batch_size, -1)
         mask = model_lib.causal_attention_mask(seq_len, self.model.layer_spec_backend)
         mask = None if mask is None else mask.to(self.device)
         out = []
         for start in range(0, rows + pad, self.micro_batch_size):
-            part = {k: None if v is None else v[start:start + self.micro_batch_size] for k, v in tensors.items()}
+            part = {k: None if v is None else v[start : start + self.micro_batch_size] for k, v in tensors.items()}
             out.append(MicroBatch(position_ids=positions, attention_mask=mask, **part))
         return out
 
@@ -182,16 +240,23 @@ class MegatronPolicy:
 
         with cuda_to_cpu_mode():
             return get_forward_backward_func()(
-                forward_step_func=partial(forward_step, settings=settings), data_iterator=iter(micro_batches),
-                model=[self.ddp_model], num_microbatches=len(micro_batches),
-                seq_length=micro_batches[0].input_ids.shape[1], micro_batch_size=self.micro_batch_size,
+                forward_step_func=partial(forward_step, settings=settings),
+                data_iterator=iter(micro_batches),
+                model=[self.ddp_model],
+                num_microbatches=len(micro_batches),
+                seq_length=micro_batches[0].input_ids.shape[1],
+                micro_batch_size=self.micro_batch_size,
                 forward_only=forward_only,
             )
 
     def _settings(self, temperature: float, **loss_fields) -> LossSettings:
-        return LossSettings(tp_group=self.groups.tp if self.groups.tp_size > 1 else None,
-                            vocab_size=self.geometry.vocab_size, temperature=temperature,
-                            chunk_size=self.logprob_chunk_size, **loss_fields)
+        return LossSettings(
+            tp_group=self.groups.tp if self.groups.tp_size > 1 else None,
+            vocab_size=self.geometry.vocab_size,
+            temperature=temperature,
+            chunk_size=self.logprob_chunk_size,
+            **loss_fields,
+        )
 
     # ---------------------------------------------------------------------------------------------- passes
     @torch.no_grad()
@@ -257,14 +322,19 @@ class MegatronPolicy:
         """
         if batch.advantages is None:
             raise ValueError("batch.advantages is None; fill TrainBatch.advantages before train_step")
-        normalizer = global_normalizer([batch.response_mask], loss.aggregation, group=self.groups.dp,
-                                       max_response_length=loss.max_response_length).to(self.device)
+        normalizer = global_normalizer(
+            [batch.response_mask], loss.aggregation, group=self.groups.dp, max_response_length=loss.max_response_length
+        ).to(self.device)
         if float(normalizer) <= 0:
             logger.warning("train_step: no response tokens on any DP rank; step skipped")
             return {"normalizer": 0.0}
         micro_batches = self._micro_batches(batch)
-        settings = self._settings(loss.temperature, loss=loss, normalizer=normalizer,
-                                  loss_scale=float(len(micro_batches) * self.groups.dp_size))
+        settings = self._settings(
+            loss.temperature,
+            loss=loss,
+            normalizer=normalizer,
+            loss_scale=float(len(micro_batches) * self.groups.dp_size),
+        )
         store = self._run_schedule(micro_batches, settings, forward_only=False)
         metrics = reduce_step_metrics(store, self.groups, device=self.device)
         metrics["normalizer"] = float(normalizer)
@@ -315,8 +385,13 @@ class MegatronPolicy:
         """
         from gtpo_megatron.megatron_adapter.hf_export import write_hf_folder
 
-        write_hf_folder(self.iter_hf_weights(), out_dir, hf_config=self.hf_config, tokenizer_source=self.hf_path,
-                        write=self.groups.rank == 0)
+        write_hf_folder(
+            self.iter_hf_weights(),
+            out_dir,
+            hf_config=self.hf_config,
+            tokenizer_source=self.hf_path,
+            write=self.groups.rank == 0,
+        )
         dist.barrier(group=self.groups.mp)
 
     def save_checkpoint(self, path: str, trainer_state: dict) -> None:

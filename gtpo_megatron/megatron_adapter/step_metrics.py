@@ -19,8 +19,7 @@ import torch.distributed as dist
 if TYPE_CHECKING:
     from gtpo_megatron.parallel.groups import ParallelGroups
 
-_MEANS = {"clip_frac": "clipped_tokens", "ratio_mean": "ratio_sum", "entropy_mean": "entropy_sum",
-          "kl_mean": "kl_sum"}
+_MEANS = {"clip_frac": "clipped_tokens", "ratio_mean": "ratio_sum", "entropy_mean": "entropy_sum", "kl_mean": "kl_sum"}
 
 
 def _local_totals(store: list[dict[str, torch.Tensor]], keys: list[str]) -> torch.Tensor:
@@ -31,8 +30,9 @@ def _local_totals(store: list[dict[str, torch.Tensor]], keys: list[str]) -> torc
     return torch.stack(values)
 
 
-def reduce_step_metrics(store: list[dict[str, torch.Tensor]], groups: ParallelGroups, *,
-                        device: torch.device) -> dict[str, float]:
+def reduce_step_metrics(
+    store: list[dict[str, torch.Tensor]], groups: ParallelGroups, *, device: torch.device
+) -> dict[str, float]:
     """Global step metrics (see module docstring); every rank returns the same dict.
 
     Args:

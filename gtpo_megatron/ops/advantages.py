@@ -58,9 +58,7 @@ def get_advantage_estimator(name: str) -> AdvantageEstimator:
         ValueError: for an unknown name, listing the available ones.
     """
     if name not in ADVANTAGE_ESTIMATOR_REGISTRY:
-        raise ValueError(
-            f"unknown advantage estimator {name!r}; choose one of {sorted(ADVANTAGE_ESTIMATOR_REGISTRY)}"
-        )
+        raise ValueError(f"unknown advantage estimator {name!r}; choose one of {sorted(ADVANTAGE_ESTIMATOR_REGISTRY)}")
     return ADVANTAGE_ESTIMATOR_REGISTRY[name]
 
 
@@ -111,4 +109,3 @@ def compute_group_advantages(
     rewards_PG = _grouped(rewards, group_size)
     centred_PG = rewards_PG - rewards_PG[:, :1]
     return fn(rewards=centred_PG, eps=eps).reshape(-1).to(torch.float32)
-

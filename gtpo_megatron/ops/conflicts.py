@@ -20,8 +20,10 @@ OVERLAP_MODES = ("once", "multiply")
 
 def _validate(response_ids, response_mask, advantages, group_size, mode, overlap) -> None:
     if response_ids.dim() != 2 or tuple(response_mask.shape) != tuple(response_ids.shape):
-        raise ValueError(f"response_ids {tuple(response_ids.shape)} and response_mask "
-                         f"{tuple(response_mask.shape)} must both be [B, T]")
+        raise ValueError(
+            f"response_ids {tuple(response_ids.shape)} and response_mask "
+            f"{tuple(response_mask.shape)} must both be [B, T]"
+        )
     if response_mask.dtype != torch.bool:
         raise ValueError(f"response_mask must be bool (True = response token); got {response_mask.dtype}")
     num_rows = response_ids.shape[0]
@@ -68,7 +70,7 @@ def _conflict_runs(response_ids, response_mask, advantages, group_size, mode):
     """Per-column conflict masks ``(front [B, T], back [B, T])`` and run lengths ``(front [B], back [B])``."""
     positive_B, negative_B = advantages > 0, advantages < 0
     masks, lengths = [], []
-    for from_end in ((False,) if mode == "any_position" else (False, True)):
+    for from_end in (False,) if mode == "any_position" else (False, True):
         ids_BK, valid_BK, position_BT = _aligned(response_ids, response_mask, from_end)
         conflict_BK = _raw_conflicts(ids_BK, valid_BK, positive_B, negative_B, group_size)
         if mode == "prefix_suffix":
@@ -141,7 +143,11 @@ def conflict_normalizers(
     Divide completion i's per-token weights (or its loss) by the result.
 
     Args:
-        response_ids, response_mask, advantages, group_size, mode: as :func:`build_conflict_weights`.
+        response_ids: ``[B, T]`` token ids, as :func:`build_conflict_weights`.
+        response_mask: ``[B, T]`` bool, True on response tokens.
+        advantages: ``[B]`` raw advantages A_i (their signs split P+ and P-).
+        group_size: ``G``; rows ``g*G .. g*G+G-1`` form one group.
+        mode: ``prefix_suffix`` or ``any_position``.
 
     Returns:
         ``[B]`` fp32 divisors >= 1.

@@ -32,8 +32,9 @@ def sequence_mean_entropy(entropy: torch.Tensor, response_mask: torch.Tensor) ->
         ValueError: shape mismatch or non-bool mask.
     """
     if tuple(entropy.shape) != tuple(response_mask.shape) or entropy.dim() != 2:
-        raise ValueError(f"entropy {tuple(entropy.shape)} and response_mask {tuple(response_mask.shape)} "
-                         "must both be [B, T]")
+        raise ValueError(
+            f"entropy {tuple(entropy.shape)} and response_mask {tuple(response_mask.shape)} must both be [B, T]"
+        )
     if response_mask.dtype != torch.bool:
         raise ValueError(f"response_mask must be bool (True = response token); got {response_mask.dtype}")
     total_B = torch.where(response_mask, entropy.detach().float(), 0.0).sum(dim=-1)
@@ -81,14 +82,18 @@ def entropy_keep_mask(
         keep_B = torch.ones_like(keep_B)
     elif mode == "paper":
         if initial_entropy is None:
-            raise ValueError("entropy filter mode 'paper' needs initial_entropy (<H>_ini of the first step); "
-                             "compute it with gtpo_megatron.parallel.global_mean and pass it")
+            raise ValueError(
+                "entropy filter mode 'paper' needs initial_entropy (<H>_ini of the first step); "
+                "compute it with gtpo_megatron.parallel.global_mean and pass it"
+            )
         initial = torch.as_tensor(initial_entropy, dtype=torch.float32, device=seq_entropy.device)
         keep_B = keep_B | (initial > threshold)
     if only_negative:
         if advantages is None or tuple(advantages.shape) != tuple(seq_entropy.shape):
-            raise ValueError("only_negative=True needs advantages [B] matching seq_entropy "
-                             f"{tuple(seq_entropy.shape)}; got {None if advantages is None else advantages.shape}")
+            raise ValueError(
+                "only_negative=True needs advantages [B] matching seq_entropy "
+                f"{tuple(seq_entropy.shape)}; got {None if advantages is None else advantages.shape}"
+            )
         keep_B = keep_B | (advantages >= 0)
     return keep_B
 
@@ -108,8 +113,9 @@ def apply_entropy_penalty(advantages: torch.Tensor, seq_entropy: torch.Tensor, g
         ValueError: shape mismatch or ``gamma < 0``.
     """
     if tuple(advantages.shape) != tuple(seq_entropy.shape) or advantages.dim() != 1:
-        raise ValueError(f"advantages {tuple(advantages.shape)} and seq_entropy {tuple(seq_entropy.shape)} "
-                         "must both be [B]")
+        raise ValueError(
+            f"advantages {tuple(advantages.shape)} and seq_entropy {tuple(seq_entropy.shape)} must both be [B]"
+        )
     if gamma < 0:
         raise ValueError(f"gamma={gamma} must be >= 0 (the paper ablates 0.1 .. 1e-6)")
     return advantages.float() - gamma * seq_entropy.detach().float()

@@ -120,26 +120,35 @@ def _refuse_bad_rows(max_N: torch.Tensor, target_ids: torch.Tensor, settings: _O
     bad_ids_N = (target_ids < 0) | (target_ids >= settings.vocab_size)
     any_bad_row, any_bad_id = torch.stack([bad_rows_N.any(), bad_ids_N.any()]).tolist()
     if any_bad_id:
-        raise ValueError(f"target_ids contain ids outside [0, vocab_size={settings.vocab_size}) e.g. "
-                         f"{target_ids[bad_ids_N][:4].tolist()}; padded-vocabulary columns are never targets: map "
-                         "padding to a real id and mask it out")
+        raise ValueError(
+            f"target_ids contain ids outside [0, vocab_size={settings.vocab_size}) e.g. "
+            f"{target_ids[bad_ids_N][:4].tolist()}; padded-vocabulary columns are never targets: map "
+            "padding to a real id and mask it out"
+        )
     if not any_bad_row:
         return
     flat = int(bad_rows_N.nonzero()[0])
     row = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), settings.batch_shape))
     where = f"logits row {row} (of target_ids shape {settings.batch_shape})"
     if float(max_N[flat]) == float("-inf"):
-        raise ValueError(f"{where} is -inf in all {settings.vocab_size} real vocabulary columns: every token is "
-                         "masked, so the row has no softmax; leave at least one token unmasked, or drop that "
-                         "position from the batch before computing log-probs")
-    raise ValueError(f"{where} holds +inf or NaN in its real vocabulary columns (< vocab_size="
-                     f"{settings.vocab_size}): the log-softmax is undefined; check the model output for overflow "
-                     "(e.g. fp16 logits) or a NaN activation")
+        raise ValueError(
+            f"{where} is -inf in all {settings.vocab_size} real vocabulary columns: every token is "
+            "masked, so the row has no softmax; leave at least one token unmasked, or drop that "
+            "position from the batch before computing log-probs"
+        )
+    raise ValueError(
+        f"{where} holds +inf or NaN in its real vocabulary columns (< vocab_size="
+        f"{settings.vocab_size}): the log-softmax is undefined; check the model output for overflow "
+        "(e.g. fp16 logits) or a NaN activation"
+    )
 
 
 def _global_statistics(local, target_ids, local_ids, in_shard, tp_group, settings: _OpSettings):
-    """Global max ``M`` ``[N]`` and the all-reduced fp32 ``[k, N]`` statistics, rows: ``Z_T``, the target's
-    ``(z_target - M) / T``, ``sum exp(s_H) s_H``, and ``Z_H`` (only with a separate entropy temperature)."""
+    """Global max ``M`` ``[N]`` and the all-reduced fp32 ``[k, N]`` statistics.
+
+    Rows: ``Z_T``, the target's ``(z_target - M) / T``, ``sum exp(s_H) s_H``, and ``Z_H`` (only with a separate
+    entropy temperature).
+    """
     num_tokens, device = target_ids.numel(), local.device
     num_sums = 3 if settings.separate_entropy else 2
     if settings.valid_width > 0 and num_tokens > 0:
@@ -205,8 +214,10 @@ def _grad_chunk(rows, out, scratch, saved, g_lp, g_h, settings: _OpSettings) -> 
 
 
 class _LogprobsEntropy(torch.autograd.Function):
-    """Autograd function over ``[O, I, V/tp]`` logits (flat token index ``o * I + i``); see
-    :func:`vocab_parallel_logprobs_entropy`."""
+    """Autograd function over ``[O, I, V/tp]`` logits (flat token index ``o * I + i``).
+
+    See :func:`vocab_parallel_logprobs_entropy`.
+    """
 
     @staticmethod
     def forward(ctx, logits, target_ids, tp_group, settings: _OpSettings, entropy_requires_grad: bool):
@@ -247,8 +258,15 @@ class _LogprobsEntropy(torch.autograd.Function):
             flat = slice(f, f + b - a)
             out = grad_logits[o, a:b, :width] if in_place else buffers[-1][: b - a]
             scratch = buffers[0][: b - a] if g_h is not None else None
-            _grad_chunk(logits[o, a:b, :width], out, scratch, [t[flat] for t in saved], g_lp[flat],
-                        None if g_h is None else g_h[flat], settings)
+            _grad_chunk(
+                logits[o, a:b, :width],
+                out,
+                scratch,
+                [t[flat] for t in saved],
+                g_lp[flat],
+                None if g_h is None else g_h[flat],
+                settings,
+            )
             out.scatter_add_(1, target_cols[flat], target_grad[flat])
             if not in_place:
                 grad_logits[o, a:b, :width].copy_(out)
@@ -267,8 +285,9 @@ def _validate(logits, target_ids, tp_size, vocab_size, padded_vocab_size, temper
     if not 1 <= vocab <= full_width:
         raise ValueError(f"vocab_size={vocab_size} must be in [1, {full_width}] (local width {local_width} * tp)")
     if tuple(target_ids.shape) != tuple(logits.shape[:-1]):
-        raise ValueError(f"target_ids shape {tuple(target_ids.shape)} must equal logits.shape[:-1] "
-                         f"{tuple(logits.shape[:-1])}")
+        raise ValueError(
+            f"target_ids shape {tuple(target_ids.shape)} must equal logits.shape[:-1] {tuple(logits.shape[:-1])}"
+        )
     if target_ids.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"target_ids must be int64 (or int32) global token ids; got {target_ids.dtype}")
     for name, value in temperatures.items():
@@ -340,20 +359,34 @@ def vocab_parallel_logprobs_entropy(
     if entropy_temperature is None or not with_entropy:
         entropy_temperature = temperature
     tp_size, tp_rank = _tp_size_rank(tp_group)
-    vocab = _validate(logits, target_ids, tp_size, vocab_size, padded_vocab_size,
-                      {"temperature": temperature, "entropy_temperature": entropy_temperature}, chunk_size)
+    vocab = _validate(
+        logits,
+        target_ids,
+        tp_size,
+        vocab_size,
+        padded_vocab_size,
+        {"temperature": temperature, "entropy_temperature": entropy_temperature},
+        chunk_size,
+    )
     local_width = logits.shape[-1]
     vocab_start = tp_rank * local_width
     batch_shape = tuple(target_ids.shape)
-    settings = _OpSettings(vocab_start=vocab_start, valid_width=max(0, min(local_width, vocab - vocab_start)),
-                           vocab_size=vocab, temperature=float(temperature),
-                           entropy_temperature=float(entropy_temperature), chunk_size=chunk_size,
-                           check_inputs=check_inputs, batch_shape=batch_shape)
+    settings = _OpSettings(
+        vocab_start=vocab_start,
+        valid_width=max(0, min(local_width, vocab - vocab_start)),
+        vocab_size=vocab,
+        temperature=float(temperature),
+        entropy_temperature=float(entropy_temperature),
+        chunk_size=chunk_size,
+        check_inputs=check_inputs,
+        batch_shape=batch_shape,
+    )
     if logits.dim() <= 2 or logits.is_contiguous():
         logits_OIV = logits.reshape(1, -1, local_width)  # a view: one flat run of tokens
     else:  # e.g. logits[:, :-1] of [B, S, V/tp]: chunk within each sequence instead of copying the logits
         logits_OIV = logits.flatten(0, -3)
-    logprobs, entropy = _LogprobsEntropy.apply(logits_OIV, target_ids.reshape(-1).long(), tp_group, settings,
-                                               with_entropy and entropy_requires_grad)
+    logprobs, entropy = _LogprobsEntropy.apply(
+        logits_OIV, target_ids.reshape(-1).long(), tp_group, settings, with_entropy and entropy_requires_grad
+    )
     logprobs = logprobs.view(batch_shape)
     return logprobs, (entropy.view(batch_shape) if with_entropy else None)

@@ -262,8 +262,14 @@ def clipped_surrogate_loss(
         token_loss_BT = token_loss_BT + kl_coef * kl_BT
     loss = _aggregate(token_loss_BT, mask_BT, aggregation, normalizer)
     metrics = policy_loss_metrics(
-        ratio=ratio_BT, clipped_mask=clipped_BT < unclipped_BT, advantages=advantages, token_weights=token_weights,
-        response_mask=mask_BT, kl=kl_BT, entropy=entropy, entropy_keep_mask=entropy_keep_mask,
+        ratio=ratio_BT,
+        clipped_mask=clipped_BT < unclipped_BT,
+        advantages=advantages,
+        token_weights=token_weights,
+        response_mask=mask_BT,
+        kl=kl_BT,
+        entropy=entropy,
+        entropy_keep_mask=entropy_keep_mask,
     )
     return loss, metrics
 
@@ -297,8 +303,10 @@ def dapo_loss(**kwargs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     Raises:
         ValueError: ``aggregation != "token-mean"`` or ``kl_coef > 0``.
     """
-    _require(kwargs.get("aggregation") == "token-mean",
-             f"dapo uses aggregation='token-mean'; got {kwargs.get('aggregation')!r}")
+    _require(
+        kwargs.get("aggregation") == "token-mean",
+        f"dapo uses aggregation='token-mean'; got {kwargs.get('aggregation')!r}",
+    )
     _require(kwargs.get("kl_coef", 0.0) == 0.0, f"dapo has no KL term; got kl_coef={kwargs.get('kl_coef')}, set 0")
     return clipped_surrogate_loss(**kwargs)
 
@@ -313,6 +321,8 @@ def dr_grpo_loss(**kwargs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     Raises:
         ValueError: ``aggregation != "seq-mean-token-sum"``.
     """
-    _require(kwargs.get("aggregation") == "seq-mean-token-sum",
-             f"dr_grpo uses aggregation='seq-mean-token-sum'; got {kwargs.get('aggregation')!r}")
+    _require(
+        kwargs.get("aggregation") == "seq-mean-token-sum",
+        f"dr_grpo uses aggregation='seq-mean-token-sum'; got {kwargs.get('aggregation')!r}",
+    )
     return clipped_surrogate_loss(**kwargs)

@@ -65,8 +65,9 @@ class ParallelGroups:
         return dist.get_global_rank(self.pp, stage)
 
 
-def init_distributed(*, tp_size: int = 1, pp_size: int = 1, backend: str | None = None,
-                     timeout_minutes: int = 30) -> ParallelGroups:
+def init_distributed(
+    *, tp_size: int = 1, pp_size: int = 1, backend: str | None = None, timeout_minutes: int = 30
+) -> ParallelGroups:
     """Initialise ``torch.distributed`` (if needed) and Megatron model parallelism; return the groups.
 
     Reads ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` (torchrun) when the default process group does

@@ -37,6 +37,8 @@ from gtpo_megatron.plan.memory import (
 
 GIB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class EngineMemory:
     """Bytes on one GPU of a vLLM engine: its memory budget, weights, KV capacity and the batch's KV demand."""
@@ -54,10 +56,18 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--gpus", type=int, required=True, help="world size: GPUs of the whole job")
     parser.add_argument("--gpu-mem", type=float, default=80.0, help="memory of one GPU in GiB (default 80)")
     parser.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
-    parser.add_argument("--reserve-gib", type=float, default=4.0,
-                        help="GiB per GPU kept for CUDA context, NCCL and fragmentation (default 4)")
-    parser.add_argument("--sync-bandwidth-gbps", type=float, default=400.0,
-                        help="link bandwidth of one weight sync in gigabit/s (default 400: one NDR InfiniBand port)")
+    parser.add_argument(
+        "--reserve-gib",
+        type=float,
+        default=4.0,
+        help="GiB per GPU kept for CUDA context, NCCL and fragmentation (default 4)",
+    )
+    parser.add_argument(
+        "--sync-bandwidth-gbps",
+        type=float,
+        default=400.0,
+        help="link bandwidth of one weight sync in gigabit/s (default 400: one NDR InfiniBand port)",
+    )
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. parallel.tp_size=8")
     return parser.parse_intermixed_args(argv)
 
@@ -68,10 +78,20 @@ def _check_args(args: argparse.Namespace) -> None:
         (args.gpus >= 1, "--gpus", args.gpus, "must be >= 1", "give the job's total GPU count, e.g. --gpus 8"),
         (args.gpu_mem > 0, "--gpu-mem", args.gpu_mem, "must be > 0 GiB", "e.g. --gpu-mem 80 (A100/H100) or 141 (H200)"),
         (args.gpus_per_node >= 1, "--gpus-per-node", args.gpus_per_node, "must be >= 1", "e.g. --gpus-per-node 8"),
-        (0 <= args.reserve_gib < args.gpu_mem, "--reserve-gib", args.reserve_gib,
-         f"must be in [0, --gpu-mem={args.gpu_mem:g})", "keep the default 4"),
-        (args.sync_bandwidth_gbps > 0, "--sync-bandwidth-gbps", args.sync_bandwidth_gbps, "must be > 0",
-         "keep the default 400 (one NDR InfiniBand port)"),
+        (
+            0 <= args.reserve_gib < args.gpu_mem,
+            "--reserve-gib",
+            args.reserve_gib,
+            f"must be in [0, --gpu-mem={args.gpu_mem:g})",
+            "keep the default 4",
+        ),
+        (
+            args.sync_bandwidth_gbps > 0,
+            "--sync-bandwidth-gbps",
+            args.sync_bandwidth_gbps,
+            "must be > 0",
+            "keep the default 400 (one NDR InfiniBand port)",
+        ),
     ]
     for ok, flag, value, rule, fix in checks:
         if not ok:
@@ -143,24 +163,27 @@ def rollout_resident(stage: StageMemory, offload: bool) -> int:
 
 
 def fit_problems(
-    cfg: GTPOConfig, shape: TrainingShape, stages: list[StageMemory], engine: EngineMemory, *, gpu_mem: int,
-    usable: int
+    cfg: GTPOConfig, shape: TrainingShape, stages: list[StageMemory], engine: EngineMemory, *, gpu_mem: int, usable: int
 ) -> list[str]:
     """Reasons the run does not fit in ``usable`` of ``gpu_mem`` bytes per GPU (empty when it fits)."""
     problems = []
     worst = max(stages, key=lambda m: m.total)
     if worst.total > usable:
-        problems.append(f"training phase needs {worst.total / GIB:.1f} GiB on pipeline stage {worst.stage} > "
-                        f"{usable / GIB:.1f} GiB usable; {training_fixes(shape)}")
+        problems.append(
+            f"training phase needs {worst.total / GIB:.1f} GiB on pipeline stage {worst.stage} > "
+            f"{usable / GIB:.1f} GiB usable; {training_fixes(shape)}"
+        )
     util = cfg.rollout.gpu_memory_utilization
     seq_length = shape.seq_length
     one_sequence = seq_length * engine.kv_per_token
     resident = max(rollout_resident(m, offload_train_state(cfg)) for m in stages)
     if cfg.rollout.placement == "colocated" and resident + engine.budget > usable:
         if usable - resident < engine.weights + one_sequence:
-            fix = ("vLLM's weights and one sequence's KV cache do not fit next to it: set "
-                   "rollout.offload_train_state=true (grads and optimizer states leave the GPU while vLLM "
-                   "generates), use more GPUs or raise rollout.engine_tp_size")
+            fix = (
+                "vLLM's weights and one sequence's KV cache do not fit next to it: set "
+                "rollout.offload_train_state=true (grads and optimizer states leave the GPU while vLLM "
+                "generates), use more GPUs or raise rollout.engine_tp_size"
+            )
         else:
             fix = f"lower rollout.gpu_memory_utilization to <= {(usable - resident) / gpu_mem:.2f}"
         problems.append(
@@ -168,8 +191,10 @@ def fit_problems(
             f"{util} ({engine.budget / GIB:.1f} GiB) > {usable / GIB:.1f} GiB usable; {fix}"
         )
     if cfg.rollout.placement == "separate" and engine.budget > usable:
-        problems.append(f"rollout.gpu_memory_utilization={util} gives vLLM {engine.budget / GIB:.1f} GiB > "
-                        f"{usable / GIB:.1f} GiB usable; use <= {usable / gpu_mem:.2f}")
+        problems.append(
+            f"rollout.gpu_memory_utilization={util} gives vLLM {engine.budget / GIB:.1f} GiB > "
+            f"{usable / GIB:.1f} GiB usable; use <= {usable / gpu_mem:.2f}"
+        )
     if engine.weights + one_sequence > engine.budget:
         problems.append(
             f"vLLM: weights {engine.weights / GIB:.1f} GiB + KV cache of one {seq_length}-token sequence "

@@ -179,8 +179,13 @@ def check_layout(
     need = f"{model_parallel}*k" + (f" + {engine_tp_size}" if placement == "separate" else "")
     problems = model_problems(arch, tp_size=tp_size, pp_size=pp_size, pad_attention_heads=pad_attention_heads)
     problems += engine_problems(arch, engine_tp_size=engine_tp_size)
-    problems += world_problems(train_world, tp_size=tp_size, pp_size=pp_size, launch=f"{need} GPUs",
-                               described=f"--gpus={world_size} leaves {train_world} training ranks")
+    problems += world_problems(
+        train_world,
+        tp_size=tp_size,
+        pp_size=pp_size,
+        launch=f"{need} GPUs",
+        described=f"--gpus={world_size} leaves {train_world} training ranks",
+    )
     if engine_tp_size > min(gpus_per_node, world_size):
         problems.append(
             f"rollout.engine_tp_size={engine_tp_size} exceeds the {min(gpus_per_node, world_size)} GPUs the engine can "
@@ -188,8 +193,9 @@ def check_layout(
         )
     dp = max(train_world // model_parallel, 1)
     batch = num_prompts * group_size
-    problems += batch_problems(num_prompts=num_prompts, group_size=group_size, dp_size=dp,
-                               micro_batch_size=micro_batch_size)
+    problems += batch_problems(
+        num_prompts=num_prompts, group_size=group_size, dp_size=dp, micro_batch_size=micro_batch_size
+    )
     raise_problems(problems)
     num_engines = 1
     return Layout(

@@ -50,14 +50,19 @@ def collate_completions(groups: list[PromptCompletions], *, pad_token_id: int) -
         if completion.rollout_logprobs:
             rollout_logprobs[row, start:end] = torch.tensor(completion.rollout_logprobs, dtype=torch.float32)
     return TrainBatch(
-        input_ids=input_ids, attention_mask=attention_mask, response_mask=response_mask,
-        extras={"rollout_logprobs": rollout_logprobs,
-                "truncated": ~overlong_filter_mask([c.finish_reason for _, c in rows])},
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        response_mask=response_mask,
+        extras={
+            "rollout_logprobs": rollout_logprobs,
+            "truncated": ~overlong_filter_mask([c.finish_reason for _, c in rows]),
+        },
     )
 
 
-def mismatch_sums(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
-                  response_mask: torch.Tensor) -> dict[str, torch.Tensor]:
+def mismatch_sums(
+    old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, response_mask: torch.Tensor
+) -> dict[str, torch.Tensor]:
     """Sums for the train/rollout mismatch on local rows (divide by ``count`` after reducing over dp).
 
     ``abs_logprob_diff``: sum of |log pi_train - log pi_rollout|; ``prob_ratio_err``: sum of
@@ -65,15 +70,24 @@ def mismatch_sums(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
     """
     delta = torch.where(response_mask, old_logprobs.float() - rollout_logprobs.float(), 0.0)
     ratio_err = torch.where(response_mask, torch.expm1(delta).abs(), 0.0)
-    return {"abs_logprob_diff": delta.abs().sum(), "prob_ratio_err": ratio_err.sum(),
-            "count": response_mask.sum().float()}
+    return {
+        "abs_logprob_diff": delta.abs().sum(),
+        "prob_ratio_err": ratio_err.sum(),
+        "count": response_mask.sum().float(),
+    }
 
 
-def rollout_metrics(batch: TrainBatch, scores: torch.Tensor, correct: torch.Tensor,
-                    format_ok: torch.Tensor) -> dict[str, float]:
+def rollout_metrics(
+    batch: TrainBatch, scores: torch.Tensor, correct: torch.Tensor, format_ok: torch.Tensor
+) -> dict[str, float]:
     """Reward, accuracy, format rate and response-length statistics of the full batch (``[B]`` inputs)."""
     lengths = batch.response_mask.sum(dim=-1).float()
-    return {"reward/mean": float(scores.float().mean()), "reward/std": float(scores.float().std(unbiased=False)),
-            "accuracy": float(correct.float().mean()), "format_rate": float(format_ok.float().mean()),
-            "response/length_mean": float(lengths.mean()), "response/length_max": float(lengths.max()),
-            "response/truncated_frac": float(batch.extras["truncated"].float().mean())}
+    return {
+        "reward/mean": float(scores.float().mean()),
+        "reward/std": float(scores.float().std(unbiased=False)),
+        "accuracy": float(correct.float().mean()),
+        "format_rate": float(format_ok.float().mean()),
+        "response/length_mean": float(lengths.mean()),
+        "response/length_max": float(lengths.max()),
+        "response/truncated_frac": float(batch.extras["truncated"].float().mean()),
+    }

@@ -57,8 +57,16 @@ class RolloutCollector:
         rollout_cfg, algorithm_cfg: their config sections.
     """
 
-    def __init__(self, *, engine: RolloutEngine, reward_pool, tokenizer, loader: PromptLoader,
-                 rollout_cfg: RolloutConfig, algorithm_cfg: AlgorithmConfig) -> None:
+    def __init__(
+        self,
+        *,
+        engine: RolloutEngine,
+        reward_pool,
+        tokenizer,
+        loader: PromptLoader,
+        rollout_cfg: RolloutConfig,
+        algorithm_cfg: AlgorithmConfig,
+    ) -> None:
         self.engine = engine
         self.reward_pool = reward_pool
         self.tokenizer = tokenizer
@@ -68,8 +76,14 @@ class RolloutCollector:
 
     def _sampling(self, step: int, round_index: int) -> SamplingConfig:
         cfg = self.rollout_cfg
-        return SamplingConfig(temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=cfg.max_tokens,
-                              stop=cfg.stop, seed=cfg.seed + _SEEDS_PER_STEP * step + round_index, logprobs=True)
+        return SamplingConfig(
+            temperature=cfg.temperature,
+            top_p=cfg.top_p,
+            max_tokens=cfg.max_tokens,
+            stop=cfg.stop,
+            seed=cfg.seed + _SEEDS_PER_STEP * step + round_index,
+            logprobs=True,
+        )
 
     def _one_round(self, step: int, round_index: int, stats: dict[str, float]):
         problems = self.loader.next_batch()
@@ -103,14 +117,19 @@ class RolloutCollector:
                 break
         stats["rollout/num_rounds"] = float(round_index + 1)
         stats["rollout/varied_group_frac"] = float(filter_uniform_groups(rewards, group_size).float().mean())
-        chosen = (choose_groups(varied, self.rollout_cfg.num_prompts) if cfg.dynamic_sampling
-                  else list(range(len(groups))))
+        chosen = (
+            choose_groups(varied, self.rollout_cfg.num_prompts) if cfg.dynamic_sampling else list(range(len(groups)))
+        )
         rows = [p * group_size + g for p in chosen for g in range(group_size)]
         return StepRollout(
-            groups=[groups[p] for p in chosen], references=[references[r] for r in rows],
-            scores=[results[r].score for r in rows], rewards=[float(rewards[r]) for r in rows],
-            correct=[results[r].correct for r in rows], format_ok=[results[r].format_ok for r in rows],
-            loader_state=self.loader.state_dict(), stats=stats,
+            groups=[groups[p] for p in chosen],
+            references=[references[r] for r in rows],
+            scores=[results[r].score for r in rows],
+            rewards=[float(rewards[r]) for r in rows],
+            correct=[results[r].correct for r in rows],
+            format_ok=[results[r].format_ok for r in rows],
+            loader_state=self.loader.state_dict(),
+            stats=stats,
         )
 
     def _shaped(self, groups: list[PromptCompletions], results) -> torch.Tensor:

@@ -81,7 +81,8 @@ def check_prompt_indices(prompt_indices: Sequence[int] | None, num_prompts: int)
     if len(indices) != num_prompts or min(indices, default=0) < 0 or len(set(indices)) != num_prompts:
         raise ValueError(
             f"prompt_indices={indices} must hold {num_prompts} distinct indices >= 0 (one global index per prompt of "
-            "the batch); pass None for 0..P-1")
+            "the batch); pass None for 0..P-1"
+        )
     return indices
 
 
@@ -244,8 +245,11 @@ class VLLMEngine:
                 max_num_seqs=max_num_seqs,
                 # vLLM's CPU sampler cannot resume a seeded request whose prompt was split across scheduler
                 # steps ("CPU Generator does not use offset"), so on CPU no prompt is ever chunked.
-                **({"enable_chunked_prefill": False, "max_num_batched_tokens": max(max_model_len, 8192)}
-                   if current_platform.is_cpu() else {}),
+                **(
+                    {"enable_chunked_prefill": False, "max_num_batched_tokens": max(max_model_len, 8192)}
+                    if current_platform.is_cpu()
+                    else {}
+                ),
                 logprobs_mode="processed_logprobs",
                 use_tqdm_on_load=False,
                 worker_extension_cls=f"{__name__}.WeightReloadExtension",

@@ -25,8 +25,9 @@ def model_section(path: str, **fields) -> ModelConfig:
     return ModelConfig(**{"name_or_path": path, "params_dtype": "float32", **fields})
 
 
-def make_batch(*, rows: int = 4, seq_len: int = 12, vocab_size: int = 49152, seed: int = 0,
-               prompt_len: int = 3) -> TrainBatch:
+def make_batch(
+    *, rows: int = 4, seq_len: int = 12, vocab_size: int = 49152, seed: int = 0, prompt_len: int = 3
+) -> TrainBatch:
     """Right-padded random batch: varied lengths (one row fully padded after its prompt: no response tokens),
     random advantages of both signs and per-token weights in {0, 0.5..2} on the response."""
     gen = torch.Generator().manual_seed(seed)
@@ -39,8 +40,11 @@ def make_batch(*, rows: int = 4, seq_len: int = 12, vocab_size: int = 49152, see
     weights = torch.rand(rows, seq_len, generator=gen) * 2
     weights[weights < 0.3] = 0.0
     return TrainBatch(
-        input_ids=input_ids, attention_mask=attention_mask, response_mask=response_mask,
-        advantages=torch.randn(rows, generator=gen), token_weights=weights * response_mask,
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        response_mask=response_mask,
+        advantages=torch.randn(rows, generator=gen),
+        token_weights=weights * response_mask,
     )
 
 
@@ -97,18 +101,24 @@ def reference_token_logprobs(hf_model, batch: TrainBatch, *, temperature: float 
     return pad(torch.where(mask, logprobs, 0.0), (1, 0)), pad(torch.where(mask, entropy, 0.0), (1, 0))
 
 
-def reference_grads(hf_model, batch: TrainBatch, *, loss_name: str, aggregation: str,
-                    clip_eps: float = 0.2) -> tuple[float, dict[str, torch.Tensor]]:
+def reference_grads(
+    hf_model, batch: TrainBatch, *, loss_name: str, aggregation: str, clip_eps: float = 0.2
+) -> tuple[float, dict[str, torch.Tensor]]:
     """Single-process loss and gradient of every HF parameter for the whole ``batch`` (one micro-batch)."""
     from gtpo_megatron.ops import compute_normalizer, get_policy_loss
 
     hf_model.zero_grad(set_to_none=True)
     logprobs, _ = reference_token_logprobs(hf_model, batch)
     loss, _ = get_policy_loss(loss_name)(
-        policy_logprobs=logprobs.float(), old_logprobs=batch.old_logprobs, advantages=batch.advantages,
-        token_weights=batch.token_weights, response_mask=batch.response_mask,
-        normalizer=compute_normalizer(batch.response_mask, aggregation), aggregation=aggregation,
-        clip_eps_low=clip_eps, clip_eps_high=clip_eps,
+        policy_logprobs=logprobs.float(),
+        old_logprobs=batch.old_logprobs,
+        advantages=batch.advantages,
+        token_weights=batch.token_weights,
+        response_mask=batch.response_mask,
+        normalizer=compute_normalizer(batch.response_mask, aggregation),
+        aggregation=aggregation,
+        clip_eps_low=clip_eps,
+        clip_eps_high=clip_eps,
     )
     loss.backward()
     # With tied embeddings the single HF parameter's gradient already sums both uses.
@@ -141,8 +151,14 @@ def megatron_logits(policy, input_ids: torch.Tensor) -> torch.Tensor | None:
 
     with cuda_to_cpu_mode(), torch.no_grad():
         store = get_forward_backward_func()(
-            forward_step_func=step, data_iterator=iter([input_ids]), model=[policy.ddp_model], num_microbatches=1,
-            seq_length=seq_len, micro_batch_size=rows, forward_only=True)
+            forward_step_func=step,
+            data_iterator=iter([input_ids]),
+            model=[policy.ddp_model],
+            num_microbatches=1,
+            seq_length=seq_len,
+            micro_batch_size=rows,
+            forward_only=True,
+        )
     return store[0]["logits"] if policy.groups.is_last_pp_stage else None
 
 
@@ -158,7 +174,7 @@ def check_logits(policy, hf_model, label: str) -> None:
     width, vocab = logits.shape[-1], hf_model.config.vocab_size
     start = policy.groups.tp_rank * width
     real = max(0, min(width, vocab - start))
-    diff = (logits[..., :real] - reference[..., start:start + real]).abs().max().item() if real else 0.0
+    diff = (logits[..., :real] - reference[..., start : start + real]).abs().max().item() if real else 0.0
     assert diff <= LOGITS_ATOL, f"{label}: logits differ by {diff}"
     assert bool((logits[..., real:] == 0).all()), f"{label}: padded vocabulary logits are not 0"
     print(f"[logits parity] {label}: max |logits diff| = {diff:.3e} (padded columns on this rank: {width - real})")

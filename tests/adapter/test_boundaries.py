@@ -31,8 +31,11 @@ def _imports(path: Path) -> set[str]:
 
 
 def _offenders(rule, allowed: set[Path]) -> list[str]:
-    return sorted(str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")
-                  if p not in allowed and any(rule(name) for name in _imports(p)))
+    return sorted(
+        str(p.relative_to(PACKAGE))
+        for p in PACKAGE.rglob("*.py")
+        if p not in allowed and any(rule(name) for name in _imports(p))
+    )
 
 
 def test_only_groups_module_touches_parallel_state():
@@ -62,8 +65,10 @@ def _heavy(found: import_graph.Imports, banned: tuple[str, ...]) -> set[str]:
 
 def test_rewards_and_data_stay_light():
     imports = import_graph.read_imports(ROOT)
-    for package, banned in (("gtpo_megatron.rewards", ("torch", "megatron", "vllm")),
-                            ("gtpo_megatron.data", ("torch.distributed", "megatron", "vllm"))):
+    for package, banned in (
+        ("gtpo_megatron.rewards", ("torch", "megatron", "vllm")),
+        ("gtpo_megatron.data", ("torch.distributed", "megatron", "vllm")),
+    ):
         for module in (m for m in imports if m == package or m.startswith(package + ".")):
             heavy = {(m, n) for m in import_graph.closure(imports, module) for n in _heavy(imports[m], banned)}
             assert heavy == set(), f"{module} reaches {sorted(heavy)} through its imports"

@@ -32,8 +32,12 @@ def _inputs():
     response_mask = (columns[None] < lengths[:, None]) & (columns[None] >= 2)
     weights = torch.rand(ROWS, SEQ, generator=gen) * 2 * response_mask
     return logits, MicroBatch(
-        input_ids=input_ids, position_ids=columns.expand(ROWS, -1), attention_mask=None,
-        response_mask=response_mask, token_weights=weights, advantages=torch.randn(ROWS, generator=gen),
+        input_ids=input_ids,
+        position_ids=columns.expand(ROWS, -1),
+        attention_mask=None,
+        response_mask=response_mask,
+        token_weights=weights,
+        advantages=torch.randn(ROWS, generator=gen),
     )
 
 

@@ -24,13 +24,20 @@ def _hf_tensors(tied: bool, heads: int = Q, groups: int = G) -> dict[str, torch.
 
     layer = "model.layers.1."
     tensors = {
-        "model.embed_tokens.weight": rand(VOCAB, H), "model.norm.weight": rand(H),
-        layer + "input_layernorm.weight": rand(H), layer + "post_attention_layernorm.weight": rand(H),
-        layer + "self_attn.q_proj.weight": rand(heads * D, H), layer + "self_attn.k_proj.weight": rand(groups * D, H),
-        layer + "self_attn.v_proj.weight": rand(groups * D, H), layer + "self_attn.q_proj.bias": rand(heads * D),
-        layer + "self_attn.k_proj.bias": rand(groups * D), layer + "self_attn.v_proj.bias": rand(groups * D),
-        layer + "self_attn.o_proj.weight": rand(H, heads * D), layer + "mlp.gate_proj.weight": rand(F, H),
-        layer + "mlp.up_proj.weight": rand(F, H), layer + "mlp.down_proj.weight": rand(H, F),
+        "model.embed_tokens.weight": rand(VOCAB, H),
+        "model.norm.weight": rand(H),
+        layer + "input_layernorm.weight": rand(H),
+        layer + "post_attention_layernorm.weight": rand(H),
+        layer + "self_attn.q_proj.weight": rand(heads * D, H),
+        layer + "self_attn.k_proj.weight": rand(groups * D, H),
+        layer + "self_attn.v_proj.weight": rand(groups * D, H),
+        layer + "self_attn.q_proj.bias": rand(heads * D),
+        layer + "self_attn.k_proj.bias": rand(groups * D),
+        layer + "self_attn.v_proj.bias": rand(groups * D),
+        layer + "self_attn.o_proj.weight": rand(H, heads * D),
+        layer + "mlp.gate_proj.weight": rand(F, H),
+        layer + "mlp.up_proj.weight": rand(F, H),
+        layer + "mlp.down_proj.weight": rand(H, F),
     }
     if not tied:
         tensors["lm_head.weight"] = rand(VOCAB, H)
@@ -38,17 +45,29 @@ def _hf_tensors(tied: bool, heads: int = Q, groups: int = G) -> dict[str, torch.
 
 
 MEGATRON_NAMES = [
-    "embedding.word_embeddings.weight", "output_layer.weight", "decoder.final_layernorm.weight",
-    "decoder.layers.1.input_layernorm.weight", "decoder.layers.1.self_attention.linear_qkv.weight",
-    "decoder.layers.1.self_attention.linear_qkv.bias", "decoder.layers.1.self_attention.linear_proj.weight",
-    "decoder.layers.1.pre_mlp_layernorm.weight", "decoder.layers.1.mlp.linear_fc1.weight",
+    "embedding.word_embeddings.weight",
+    "output_layer.weight",
+    "decoder.final_layernorm.weight",
+    "decoder.layers.1.input_layernorm.weight",
+    "decoder.layers.1.self_attention.linear_qkv.weight",
+    "decoder.layers.1.self_attention.linear_qkv.bias",
+    "decoder.layers.1.self_attention.linear_proj.weight",
+    "decoder.layers.1.pre_mlp_layernorm.weight",
+    "decoder.layers.1.mlp.linear_fc1.weight",
     "decoder.layers.1.mlp.linear_fc2.weight",
 ]
 
 
 def _geometry(tp: int, tied: bool = False) -> hc.ModelGeometry:
-    return hc.ModelGeometry(num_heads=Q, num_query_groups=G, head_dim=D, vocab_size=VOCAB,
-                            padded_vocab_size=PADDED, tie_word_embeddings=tied, tp_size=tp)
+    return hc.ModelGeometry(
+        num_heads=Q,
+        num_query_groups=G,
+        head_dim=D,
+        vocab_size=VOCAB,
+        padded_vocab_size=PADDED,
+        tie_word_embeddings=tied,
+        tp_size=tp,
+    )
 
 
 @pytest.fixture(params=[False, True], ids=["untied", "tied"])
@@ -68,8 +87,8 @@ def _fused_qkv_rows(q, k, v, heads: int, groups: int, tp: int, rank: int) -> tor
     per_group, rows = heads // groups, []
     for g in range(rank * groups // tp, (rank + 1) * groups // tp):
         for h in range(g * per_group, (g + 1) * per_group):
-            rows.append(q[h * D:(h + 1) * D])
-        rows += [k[g * D:(g + 1) * D], v[g * D:(g + 1) * D]]
+            rows.append(q[h * D : (h + 1) * D])
+        rows += [k[g * D : (g + 1) * D], v[g * D : (g + 1) * D]]
     return torch.cat(rows)
 
 
@@ -79,20 +98,21 @@ def test_shards_follow_megatron_layout(checkpoint, tp):
     geometry = _geometry(tp, tied)
     rows, ffn = PADDED // tp, F // tp
     for rank in range(tp):
-        def shard(name):
+
+        def shard(name, rank=rank):
             return hc.shard_from_hf(hc.param_mapping(name, geometry), reader, geometry, rank)
 
         for suffix in ("weight", "bias"):
             got = shard(f"decoder.layers.1.self_attention.linear_qkv.{suffix}")
             assert torch.equal(got, _expected_qkv(tensors, suffix, tp, rank))
         gate, up = tensors["model.layers.1.mlp.gate_proj.weight"], tensors["model.layers.1.mlp.up_proj.weight"]
-        expected_fc1 = torch.cat([gate[rank * ffn:(rank + 1) * ffn], up[rank * ffn:(rank + 1) * ffn]])
+        expected_fc1 = torch.cat([gate[rank * ffn : (rank + 1) * ffn], up[rank * ffn : (rank + 1) * ffn]])
         assert torch.equal(shard("decoder.layers.1.mlp.linear_fc1.weight"), expected_fc1)
         down = tensors["model.layers.1.mlp.down_proj.weight"]
-        assert torch.equal(shard("decoder.layers.1.mlp.linear_fc2.weight"), down[:, rank * ffn:(rank + 1) * ffn])
+        assert torch.equal(shard("decoder.layers.1.mlp.linear_fc2.weight"), down[:, rank * ffn : (rank + 1) * ffn])
         head = tensors["model.embed_tokens.weight" if tied else "lm_head.weight"]
         padded_head = torch.cat([head, torch.zeros(PADDED - VOCAB, H)])
-        assert torch.equal(shard("output_layer.weight"), padded_head[rank * rows:(rank + 1) * rows])
+        assert torch.equal(shard("output_layer.weight"), padded_head[rank * rows : (rank + 1) * rows])
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
@@ -119,15 +139,24 @@ def test_head_padding_layout_and_round_trip(tmp_path, heads, groups, tp, padded)
     tensors = _hf_tensors(tied=True, heads=heads, groups=groups)
     save_file(tensors, str(tmp_path / "model.safetensors"))
     reader = hc.HFCheckpointReader(tmp_path)
-    geometry = hc.ModelGeometry(num_heads=heads, num_query_groups=groups, head_dim=D, vocab_size=VOCAB,
-                                padded_vocab_size=PADDED, tie_word_embeddings=True, tp_size=tp,
-                                num_pad_groups=padded - groups)
+    geometry = hc.ModelGeometry(
+        num_heads=heads,
+        num_query_groups=groups,
+        head_dim=D,
+        vocab_size=VOCAB,
+        padded_vocab_size=PADDED,
+        tie_word_embeddings=True,
+        tp_size=tp,
+        num_pad_groups=padded - groups,
+    )
     padded_heads = padded * heads // groups
     layer = "model.layers.1.self_attn."
     for suffix in ("weight", "bias"):
         q, k, v = (tensors[f"{layer}{p}_proj.{suffix}"] for p in "qkv")
-        q, k, v = (torch.cat([t, t.new_zeros(n * D, *t.shape[1:])])
-                   for t, n in ((q, padded_heads - heads), (k, padded - groups), (v, padded - groups)))
+        q, k, v = (
+            torch.cat([t, t.new_zeros(n * D, *t.shape[1:])])
+            for t, n in ((q, padded_heads - heads), (k, padded - groups), (v, padded - groups))
+        )
         for rank in range(tp):
             mapping = hc.param_mapping(f"decoder.layers.1.self_attention.linear_qkv.{suffix}", geometry)
             expected = _fused_qkv_rows(q, k, v, padded_heads, padded, tp, rank)
@@ -136,7 +165,7 @@ def test_head_padding_layout_and_round_trip(tmp_path, heads, groups, tp, padded)
     cols = padded_heads * D // tp
     proj = hc.param_mapping("decoder.layers.1.self_attention.linear_proj.weight", geometry)
     for rank in range(tp):
-        expected = o_proj[:, rank * cols:(rank + 1) * cols]
+        expected = o_proj[:, rank * cols : (rank + 1) * cols]
         assert torch.equal(hc.shard_from_hf(proj, reader, geometry, rank), expected)
     rebuilt = {}
     for name in MEGATRON_NAMES:
@@ -169,8 +198,9 @@ def test_sharded_export_reads_back(tmp_path):
 
     tensors = _hf_tensors(tied=False)
     out = tmp_path / "export"
-    write_hf_folder(iter(tensors.items()), out, hf_config=LlamaConfig(), tokenizer_source=None, write=True,
-                    max_shard_bytes=400)
+    write_hf_folder(
+        iter(tensors.items()), out, hf_config=LlamaConfig(), tokenizer_source=None, write=True, max_shard_bytes=400
+    )
     assert len(list(out.glob("model-*.safetensors"))) > 1 and (out / "model.safetensors.index.json").exists()
     assert (out / "config.json").exists() and not list(tmp_path.glob(".export-*"))
     reader = hc.HFCheckpointReader(out)

@@ -20,8 +20,14 @@ from gtpo_megatron.megatron_adapter.hf_features import (
 )
 from gtpo_megatron.megatron_adapter.model import transformer_config_from_hf
 
-SMALL = dict(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-             num_key_value_heads=2)
+SMALL = dict(
+    vocab_size=1000,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
 
 
 def test_linear_biases_follow_the_transformers_classes():
@@ -41,14 +47,16 @@ def test_sliding_window_settings():
     assert sliding_window_settings(MistralConfig(**SMALL, sliding_window=4096)) == {"window_size": (4095, 0)}
     assert sliding_window_settings(MistralConfig(**SMALL, sliding_window=None)) == {}
     assert sliding_window_settings(Qwen2Config(**SMALL, sliding_window=4096)) == {}  # use_sliding_window=False
-    assert sliding_window_settings(Qwen2Config(**SMALL, use_sliding_window=True, sliding_window=64,
-                                               max_window_layers=2)) == {
-        "window_size": (63, 0), "window_attn_skip_freq": [0, 0, 1, 1]}
-    assert sliding_window_settings(Qwen3Config(**SMALL, use_sliding_window=True, sliding_window=8,
-                                               max_window_layers=0)) == {"window_size": (7, 0)}
+    assert sliding_window_settings(
+        Qwen2Config(**SMALL, use_sliding_window=True, sliding_window=64, max_window_layers=2)
+    ) == {"window_size": (63, 0), "window_attn_skip_freq": [0, 0, 1, 1]}
+    assert sliding_window_settings(
+        Qwen3Config(**SMALL, use_sliding_window=True, sliding_window=8, max_window_layers=0)
+    ) == {"window_size": (7, 0)}
     assert sliding_window_settings(LlamaConfig(**SMALL)) == {}
-    chunked = SimpleNamespace(model_type="qwen2", sliding_window=8, num_hidden_layers=2,
-                              layer_types=["full_attention", "chunked_attention"])
+    chunked = SimpleNamespace(
+        model_type="qwen2", sliding_window=8, num_hidden_layers=2, layer_types=["full_attention", "chunked_attention"]
+    )
     with pytest.raises(ValueError, match=r"layer_types contains \['chunked_attention'\]"):
         sliding_window_settings(chunked)
 
@@ -85,8 +93,9 @@ def test_rope_variants():
         config = SimpleNamespace(model_type="llama", rope_parameters={"rope_type": rope_type, "factor": 2.0})
         with pytest.raises(ValueError, match=f"rope_type='{rope_type}' is not supported"):
             rope_settings(config)
-    partial = SimpleNamespace(model_type="llama", rope_parameters={"rope_type": "default", "rope_theta": 1e4,
-                                                                   "partial_rotary_factor": 0.5})
+    partial = SimpleNamespace(
+        model_type="llama", rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}
+    )
     with pytest.raises(ValueError, match="partial_rotary_factor=0.5 is not supported for model_type='llama'"):
         check_hf_config(SimpleNamespace(**vars(partial), hidden_act="silu"))
 

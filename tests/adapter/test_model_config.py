@@ -10,8 +10,15 @@ from gtpo_megatron.megatron_adapter import cpu_compat
 from gtpo_megatron.megatron_adapter.hf_features import rope_settings
 from gtpo_megatron.megatron_adapter.model import transformer_config_from_hf
 
-SMALL = dict(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-             num_key_value_heads=2, rms_norm_eps=1e-6)
+SMALL = dict(
+    vocab_size=1000,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    rms_norm_eps=1e-6,
+)
 
 
 def test_architecture_flags():
@@ -34,8 +41,9 @@ def test_invalid_layouts_name_the_field():
     with pytest.raises(ValueError, match="num_hidden_layers=4 is not divisible by pp_size=3"):
         transformer_config_from_hf(LlamaConfig(**SMALL), tp_size=1, pp_size=3, params_dtype=torch.float32)
     with pytest.raises(ValueError, match="hidden_act='gelu'"):
-        transformer_config_from_hf(LlamaConfig(**SMALL, hidden_act="gelu"), tp_size=1, pp_size=1,
-                                   params_dtype=torch.float32)
+        transformer_config_from_hf(
+            LlamaConfig(**SMALL, hidden_act="gelu"), tp_size=1, pp_size=1, params_dtype=torch.float32
+        )
 
 
 def test_head_padding_config_and_error():
@@ -46,22 +54,33 @@ def test_head_padding_config_and_error():
     smollm2 = LlamaConfig(**{**SMALL, "hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3})
     with pytest.raises(ValueError) as error:
         transformer_config_from_hf(smollm2, tp_size=2, pp_size=1, params_dtype=torch.float32)
-    for part in ("num_attention_heads=9", "num_key_value_heads=3", "tp_size=2", "model.pad_attention_heads=true",
-                 "4 KV groups (12 heads)", "[1, 3]"):
+    for part in (
+        "num_attention_heads=9",
+        "num_key_value_heads=3",
+        "tp_size=2",
+        "model.pad_attention_heads=true",
+        "4 KV groups (12 heads)",
+        "[1, 3]",
+    ):
         assert part in str(error.value), (part, str(error.value))
-    config = transformer_config_from_hf(smollm2, tp_size=2, pp_size=1, params_dtype=torch.float32,
-                                        pad_attention_heads=True)
+    config = transformer_config_from_hf(
+        smollm2, tp_size=2, pp_size=1, params_dtype=torch.float32, pad_attention_heads=True
+    )
     assert (config.num_attention_heads, config.num_query_groups, config.kv_channels) == (12, 4, 64)
     geometry = ModelGeometry.from_hf(smollm2, padded_vocab_size=1024, tp_size=2, pad_attention_heads=True)
     assert (geometry.num_heads, geometry.num_query_groups, geometry.num_pad_groups) == (9, 3, 1)
     assert (geometry.padded_num_heads, geometry.padded_num_query_groups) == (12, 4)
     for tp in (1, 3):  # divisible: padding is a no-op
-        same = transformer_config_from_hf(smollm2, tp_size=tp, pp_size=1, params_dtype=torch.float32,
-                                          pad_attention_heads=True)
+        same = transformer_config_from_hf(
+            smollm2, tp_size=tp, pp_size=1, params_dtype=torch.float32, pad_attention_heads=True
+        )
         assert (same.num_attention_heads, same.num_query_groups) == (9, 3)
-    mha = ModelGeometry.from_hf(LlamaConfig(**{**SMALL, "num_attention_heads": 5, "num_key_value_heads": 5,
-                                               "hidden_size": 80}),
-                                padded_vocab_size=1024, tp_size=4, pad_attention_heads=True)
+    mha = ModelGeometry.from_hf(
+        LlamaConfig(**{**SMALL, "num_attention_heads": 5, "num_key_value_heads": 5, "hidden_size": 80}),
+        padded_vocab_size=1024,
+        tp_size=4,
+        pad_attention_heads=True,
+    )
     assert (mha.padded_num_query_groups, mha.padded_num_heads) == (8, 8)
 
 
@@ -71,8 +90,13 @@ def test_head_padding_of_another_tp_layout():
     from gtpo_megatron.megatron_adapter.head_padding import padded_num_query_groups
 
     def groups(tp, padding_tp, pad=True, num_groups=3):
-        return padded_num_query_groups(num_heads=3 * num_groups, num_query_groups=num_groups, tp_size=tp,
-                                       pad_attention_heads=pad, padding_tp_size=padding_tp)
+        return padded_num_query_groups(
+            num_heads=3 * num_groups,
+            num_query_groups=num_groups,
+            tp_size=tp,
+            pad_attention_heads=pad,
+            padding_tp_size=padding_tp,
+        )
 
     assert [groups(1, 2), groups(2, 2), groups(4, 2), groups(1, None), groups(3, 2)] == [4, 4, 4, 3, 6]
     assert groups(1, 2, pad=False) == 3 and groups(2, 2, num_groups=4) == 4
@@ -80,10 +104,19 @@ def test_head_padding_of_another_tp_layout():
 
 def test_rope_settings():
     assert rope_settings(Qwen2Config(**SMALL, rope_theta=1e6)) == {"rotary_base": 1e6, "rope_scaling": False}
-    llama3 = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 32.0, "low_freq_factor": 1.0,
-              "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    llama3 = {
+        "rope_type": "llama3",
+        "rope_theta": 5e5,
+        "factor": 32.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
     assert rope_settings(LlamaConfig(**SMALL, rope_parameters=llama3)) == {
-        "rotary_base": 5e5, "rope_scaling": True, "rope_scaling_factor": 32.0}
+        "rotary_base": 5e5,
+        "rope_scaling": True,
+        "rope_scaling_factor": 32.0,
+    }
     with pytest.raises(ValueError, match="original_max_position_embeddings"):
         rope_settings(LlamaConfig(**SMALL, rope_parameters={**llama3, "original_max_position_embeddings": 4096}))
     with pytest.raises(ValueError, match="rope_type='yarn'"):
@@ -96,8 +129,14 @@ def test_llama3_rope_frequencies_match_transformers():
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    llama3 = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 32.0, "low_freq_factor": 1.0,
-              "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    llama3 = {
+        "rope_type": "llama3",
+        "rope_theta": 5e5,
+        "factor": 32.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
     config = LlamaConfig(**{**SMALL, "hidden_size": 256}, max_position_embeddings=131072, rope_parameters=llama3)
     expected, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
     rotary = RotaryEmbedding(kv_channels=64, rotary_percent=1.0, use_cpu_initialization=True, **rope_settings(config))
@@ -109,8 +148,16 @@ def test_cpu_shim_redirects_cuda_only_inside_the_mode(monkeypatch):
     from megatron.core.tensor_parallel import random as megatron_random
 
     # restore every patched attribute after the test so other tests in this process see stock torch.cuda
-    for attr in ("current_stream", "default_stream", "current_device", "synchronize", "empty_cache",
-                 "get_rng_state", "set_rng_state", "manual_seed"):
+    for attr in (
+        "current_stream",
+        "default_stream",
+        "current_device",
+        "synchronize",
+        "empty_cache",
+        "get_rng_state",
+        "set_rng_state",
+        "manual_seed",
+    ):
         monkeypatch.setattr(torch.cuda, attr, getattr(torch.cuda, attr))
     for attr in ("_get_cuda_rng_state", "_set_cuda_rng_state"):
         monkeypatch.setattr(megatron_random, attr, getattr(megatron_random, attr))

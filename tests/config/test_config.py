@@ -23,9 +23,19 @@ def test_defaults_from_overrides_only():
 
 
 def test_values_are_coerced_to_annotated_types():
-    cfg = load_config(None, [*BASE, "optim.lr=1e-6", "trainer.max_steps=7.0", "parallel.sequence_parallel=false",
-                             "data.limit=null", "rollout.stop=a", "algorithm.logprob_chunk_size=128",
-                             "reward.timeout_s=3"])
+    cfg = load_config(
+        None,
+        [
+            *BASE,
+            "optim.lr=1e-6",
+            "trainer.max_steps=7.0",
+            "parallel.sequence_parallel=false",
+            "data.limit=null",
+            "rollout.stop=a",
+            "algorithm.logprob_chunk_size=128",
+            "reward.timeout_s=3",
+        ],
+    )
     assert cfg.optim.lr == 1e-6 and isinstance(cfg.optim.lr, float)
     assert cfg.trainer.max_steps == 7 and isinstance(cfg.trainer.max_steps, int)
     assert cfg.parallel.sequence_parallel is False and cfg.data.limit is None
@@ -33,18 +43,21 @@ def test_values_are_coerced_to_annotated_types():
     assert cfg.algorithm.logprob_chunk_size == 128 and isinstance(cfg.reward.timeout_s, float)
 
 
-@pytest.mark.parametrize("override, fragment", [
-    ("trainer.max_step=3", "did you mean 'trainer.max_steps'"),
-    ("rollout.lr=3", "did you mean 'optim.lr'"),
-    ("algorithm.name=gtp0", "did you mean 'gtpo'"),
-    ("trainer.max_steps=2.5", "trainer.max_steps=2.5: must be an integer"),
-    ("optim.lr=fast", "optim.lr='fast': must be a number"),
-    ("parallel.sequence_parallel=maybe", "must be a boolean"),
-    ("algorithm.group_size=1", "algorithm.group_size=1: must be >= 2"),
-    ("algorithm.clip_eps_high=0.1", "clip_eps_low <= clip_eps_high"),
-    ("trainer=3", "trainer=3: must be a mapping"),
-    ("no_equals_sign", "expected key=value"),
-])
+@pytest.mark.parametrize(
+    "override, fragment",
+    [
+        ("trainer.max_step=3", "did you mean 'trainer.max_steps'"),
+        ("rollout.lr=3", "did you mean 'optim.lr'"),
+        ("algorithm.name=gtp0", "did you mean 'gtpo'"),
+        ("trainer.max_steps=2.5", "trainer.max_steps=2.5: must be an integer"),
+        ("optim.lr=fast", "optim.lr='fast': must be a number"),
+        ("parallel.sequence_parallel=maybe", "must be a boolean"),
+        ("algorithm.group_size=1", "algorithm.group_size=1: must be >= 2"),
+        ("algorithm.clip_eps_high=0.1", "clip_eps_low <= clip_eps_high"),
+        ("trainer=3", "trainer=3: must be a mapping"),
+        ("no_equals_sign", "expected key=value"),
+    ],
+)
 def test_errors_name_field_value_and_fix(override, fragment):
     with pytest.raises(ValueError) as err:
         load_config(None, [*BASE, override])
@@ -73,8 +86,7 @@ def test_unknown_algorithm_name_does_not_warn_about_a_preset(recwarn):
 
 def test_unknown_yaml_key_in_file(tmp_path):
     path = tmp_path / "c.yaml"
-    path.write_text(yaml.safe_dump({"output_dir": "x", "model": {"name_or_path": "m"},
-                                    "algorithm": {"group_sise": 4}}))
+    path.write_text(yaml.safe_dump({"output_dir": "x", "model": {"name_or_path": "m"}, "algorithm": {"group_sise": 4}}))
     with pytest.raises(ValueError, match="did you mean 'algorithm.group_size'"):
         load_config(path)
 
@@ -100,8 +112,11 @@ def test_explicit_override_wins_over_preset():
 
 def test_yaml_fields_win_over_preset_of_same_name(tmp_path):
     path = tmp_path / "c.yaml"
-    path.write_text(yaml.safe_dump({"output_dir": "x", "model": "m",
-                                    "algorithm": {"name": "grpo", "conflict_mode": "prefix_suffix"}}))
+    path.write_text(
+        yaml.safe_dump(
+            {"output_dir": "x", "model": "m", "algorithm": {"name": "grpo", "conflict_mode": "prefix_suffix"}}
+        )
+    )
     cfg = load_config(path)
     assert cfg.algorithm.conflict_mode == "prefix_suffix"  # set in the YAML
     assert cfg.algorithm.advantage_estimator == "group_mean_std"  # from the grpo preset
@@ -135,11 +150,18 @@ def _cfg(*overrides: str) -> GTPOConfig:
     return load_config(None, [*BASE, *overrides])
 
 
-@pytest.mark.parametrize("overrides, world, fragment", [
-    (["parallel.tp_size=2", "parallel.pp_size=2"], 6, "tp_size*pp_size must divide the world size"),
-    (["rollout.num_prompts=3", "algorithm.group_size=2"], 4, "use rollout.num_prompts=4"),
-    (["algorithm.group_size=4", "optim.micro_batch_size=3"], 2, "must divide the 2 sequences per data-parallel rank"),
-])
+@pytest.mark.parametrize(
+    "overrides, world, fragment",
+    [
+        (["parallel.tp_size=2", "parallel.pp_size=2"], 6, "tp_size*pp_size must divide the world size"),
+        (["rollout.num_prompts=3", "algorithm.group_size=2"], 4, "use rollout.num_prompts=4"),
+        (
+            ["algorithm.group_size=4", "optim.micro_batch_size=3"],
+            2,
+            "must divide the 2 sequences per data-parallel rank",
+        ),
+    ],
+)
 def test_validate_world_arithmetic(overrides, world, fragment):
     with pytest.raises(ValueError) as err:
         _cfg(*overrides).validate(world, check_registries=False)
@@ -180,10 +202,13 @@ def test_dapo_overlong_buffer_is_a_fifth_of_max_tokens():
     assert load_config(None, [*BASE, "algorithm=dapo", "rollout.max_tokens=50"]).algorithm.overlong_buffer_len == 10
 
 
-@pytest.mark.parametrize("override, fragment", [
-    ("algorithm.kl_coef=1e-6", "needs a frozen reference policy"),
-    ("algorithm.aggregation=seq-mean-token-mean", "the dapo loss is defined with aggregation 'token-mean'"),
-])
+@pytest.mark.parametrize(
+    "override, fragment",
+    [
+        ("algorithm.kl_coef=1e-6", "needs a frozen reference policy"),
+        ("algorithm.aggregation=seq-mean-token-mean", "the dapo loss is defined with aggregation 'token-mean'"),
+    ],
+)
 def test_algorithm_combinations_rejected_at_load_time(override, fragment):
     with pytest.raises(ValueError, match=fragment):
         load_config(None, [*BASE, "algorithm=dapo", override])

@@ -11,8 +11,12 @@ from gtpo_megatron.config import PRESETS, load_config
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 PAPER_MODELS = ("qwen2.5-3b-instruct", "llama3.1-8b-instruct")  # GTPO_SPEC section 6
-PAPER_RECIPES = [CONFIGS / f"{model}_{data}_{algorithm}.yaml" for model in PAPER_MODELS for data in ("gsm8k", "math")
-                 for algorithm in ("gtpo", "grpo", "dapo")]
+PAPER_RECIPES = [
+    CONFIGS / f"{model}_{data}_{algorithm}.yaml"
+    for model in PAPER_MODELS
+    for data in ("gsm8k", "math")
+    for algorithm in ("gtpo", "grpo", "dapo")
+]
 
 
 def test_twelve_paper_recipes_exist():
@@ -26,8 +30,11 @@ def test_paper_recipe_loads_validates_and_follows_preset(path):
     cfg.validate(gpus, check_registries=False)
     algorithm = path.stem.split("_")[-1]
     assert cfg.algorithm.name == algorithm and cfg.data.source == path.stem.split("_")[1]
-    preset = dict(PRESETS[algorithm], overlong_buffer_len=cfg.rollout.max_tokens // 5) if algorithm == "dapo" \
+    preset = (
+        dict(PRESETS[algorithm], overlong_buffer_len=cfg.rollout.max_tokens // 5)
+        if algorithm == "dapo"
         else dict(PRESETS[algorithm])
+    )
     if algorithm == "gtpo":  # the recipes pick the paper rule or the authors' fixed 0.7 (GTPO_SPEC section 4)
         assert cfg.algorithm.entropy_filter in ("paper", "fixed")
         del preset["entropy_filter"]

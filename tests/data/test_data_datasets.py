@@ -75,10 +75,13 @@ def test_missing_field_names_file_line_and_field(tmp_path: Path) -> None:
 
 
 def test_custom_file_reduces_solutions_to_final_answers(tmp_path: Path) -> None:
-    path = _write(tmp_path, [
-        '{"question": "a?", "answer": "so 1,000 + 234 = 1,234\\n#### 1,234"}',
-        '{"problem": "b?", "solution": "thus $\\\\boxed{\\\\frac{1}{2}}$.", "id": "b-7"}',
-    ])
+    path = _write(
+        tmp_path,
+        [
+            '{"question": "a?", "answer": "so 1,000 + 234 = 1,234\\n#### 1,234"}',
+            '{"problem": "b?", "solution": "thus $\\\\boxed{\\\\frac{1}{2}}$.", "id": "b-7"}',
+        ],
+    )
     problems = read_jsonl(path, source="mine")
     assert [(p.id, p.answer) for p in problems] == [("mine-bad-0", "1234"), ("b-7", "\\frac{1}{2}")]
 
@@ -116,8 +119,10 @@ def test_hugging_face_rows_are_read_with_the_same_rules(monkeypatch: pytest.Monk
 
     def load_dataset(name: str, split: str) -> list[dict[str, str]]:
         calls.append((name, split))
-        return [{"problem": "p0?", "solution": "so $\\boxed{\\frac{1}{2}}$"},
-                {"problem": "p1?", "solution": "\\boxed{3}"}]
+        return [
+            {"problem": "p0?", "solution": "so $\\boxed{\\frac{1}{2}}$"},
+            {"problem": "p1?", "solution": "\\boxed{3}"},
+        ]
 
     monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
     problems = load_problems("math", limit=1)

@@ -29,7 +29,9 @@ def test_each_epoch_is_a_permutation_with_a_new_order() -> None:
 def test_no_shuffle_is_file_order_and_batches_cross_epochs() -> None:
     loader = PromptLoader(PROBLEMS, batch_size=4, shuffle=False)
     assert ids([loader.next_batch() for _ in range(3)]) == [
-        ["p0", "p1", "p2", "p3"], ["p4", "p5", "p6", "p7"], ["p8", "p9", "p0", "p1"]
+        ["p0", "p1", "p2", "p3"],
+        ["p4", "p5", "p6", "p7"],
+        ["p8", "p9", "p0", "p1"],
     ]
     assert loader.epoch == 1
 

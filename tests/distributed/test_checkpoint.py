@@ -33,10 +33,12 @@ def _policy(tp: int, pp: int, distributed_optimizer: bool):
     from gtpo_megatron.parallel.groups import init_distributed
 
     groups = init_distributed(tp_size=tp, pp_size=pp)
-    optim = OptimSettings(lr=1e-3, warmup_steps=1, total_steps=10, decay_style="cosine",
-                          use_distributed_optimizer=distributed_optimizer)
-    return MegatronPolicy.from_pretrained(model_section(TINY_QWEN2), groups=groups, optim=optim, micro_batch_size=2,
-                                          seed=7)
+    optim = OptimSettings(
+        lr=1e-3, warmup_steps=1, total_steps=10, decay_style="cosine", use_distributed_optimizer=distributed_optimizer
+    )
+    return MegatronPolicy.from_pretrained(
+        model_section(TINY_QWEN2), groups=groups, optim=optim, micro_batch_size=2, seed=7
+    )
 
 
 def _batch():
@@ -51,8 +53,7 @@ def _continue(policy) -> dict:
     logprobs, _ = policy.compute_logprobs(batch)
     draw = torch.rand(4)
     steps = [policy.train_step(batch, LOSS) for _ in range(2)]
-    return {"logprobs": logprobs, "draw": draw,
-            "steps": [(m["loss"], m["grad_norm"], m["lr"]) for m in steps]}
+    return {"logprobs": logprobs, "draw": draw, "steps": [(m["loss"], m["grad_norm"], m["lr"]) for m in steps]}
 
 
 def _first_run(rank: int, world_size: int, root: str) -> None:

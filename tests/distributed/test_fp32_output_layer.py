@@ -30,16 +30,30 @@ def _check_layer(groups) -> None:
     from gtpo_megatron.megatron_adapter.cpu_compat import cuda_to_cpu_mode
     from gtpo_megatron.megatron_adapter.output_layer import use_fp32_output_layer
 
-    config = TransformerConfig(num_layers=1, hidden_size=HIDDEN, num_attention_heads=4, params_dtype=torch.bfloat16,
-                               bf16=True, use_cpu_initialization=True, tensor_model_parallel_size=groups.tp_size)
+    config = TransformerConfig(
+        num_layers=1,
+        hidden_size=HIDDEN,
+        num_attention_heads=4,
+        params_dtype=torch.bfloat16,
+        bf16=True,
+        use_cpu_initialization=True,
+        tensor_model_parallel_size=groups.tp_size,
+    )
     gen = torch.Generator().manual_seed(1)
     weight = torch.randn(VOCAB, HIDDEN, generator=gen).bfloat16()
     x_full = torch.randn(5, 2, HIDDEN, generator=gen).bfloat16()
     g_full = torch.randn(5, 2, VOCAB, generator=gen)
     rows = slice(groups.tp_rank * VOCAB // groups.tp_size, (groups.tp_rank + 1) * VOCAB // groups.tp_size)
     with cuda_to_cpu_mode():
-        layer = ColumnParallelLinear(HIDDEN, VOCAB, config=config, init_method=torch.nn.init.zeros_, bias=False,
-                                     gather_output=False, tp_group=groups.tp)
+        layer = ColumnParallelLinear(
+            HIDDEN,
+            VOCAB,
+            config=config,
+            init_method=torch.nn.init.zeros_,
+            bias=False,
+            gather_output=False,
+            tp_group=groups.tp,
+        )
     layer.weight.data.copy_(weight[rows])
     use_fp32_output_layer(layer)
     use_fp32_output_layer(layer)  # idempotent
@@ -62,18 +76,26 @@ def _build(path: str, groups, params_dtype: torch.dtype, fp32_output_layer: bool
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
     from transformers import AutoConfig
 
-    from gtpo_megatron.megatron_adapter import hf_conversion, model as model_lib
+    from gtpo_megatron.megatron_adapter import hf_conversion
+    from gtpo_megatron.megatron_adapter import model as model_lib
     from gtpo_megatron.megatron_adapter.cpu_compat import cuda_to_cpu_mode
     from gtpo_megatron.plan.layout import padded_vocab_size
 
     hf_config = AutoConfig.from_pretrained(path)
-    config = model_lib.transformer_config_from_hf(hf_config, tp_size=groups.tp_size, pp_size=1,
-                                                  params_dtype=params_dtype)
+    config = model_lib.transformer_config_from_hf(
+        hf_config, tp_size=groups.tp_size, pp_size=1, params_dtype=params_dtype
+    )
     padded = padded_vocab_size(VOCAB, make_vocab_size_divisible_by=128, tp_size=groups.tp_size)
     with cuda_to_cpu_mode():
         model_parallel_cuda_manual_seed(0)
-        model = model_lib.build_gpt_model(hf_config, config, padded_vocab_size=padded, pre_process=True,
-                                          post_process=True, fp32_output_layer=fp32_output_layer)
+        model = model_lib.build_gpt_model(
+            hf_config,
+            config,
+            padded_vocab_size=padded,
+            pre_process=True,
+            post_process=True,
+            fp32_output_layer=fp32_output_layer,
+        )
     geometry = hf_conversion.ModelGeometry.from_hf(hf_config, padded_vocab_size=padded, tp_size=groups.tp_size)
     hf_conversion.load_hf_weights(model, path, geometry, tp_rank=groups.tp_rank)
     return model, padded // groups.tp_size
@@ -94,8 +116,7 @@ def _model_error(path: str, groups, params_dtype: torch.dtype, fp32_output_layer
     with cuda_to_cpu_mode():
         logits = model(ids, torch.arange(12).expand(2, -1), causal_attention_mask(12, model.layer_spec_backend))
         assert logits.dtype == (torch.float32 if fp32_output_layer else params_dtype)
-        logprobs, _ = vocab_parallel_logprobs_entropy(logits[:, :-1], ids[:, 1:], tp_group=groups.tp,
-                                                      vocab_size=VOCAB)
+        logprobs, _ = vocab_parallel_logprobs_entropy(logits[:, :-1], ids[:, 1:], tp_group=groups.tp, vocab_size=VOCAB)
         logprobs.sum().backward()
     weight = load_file(f"{path}/model.safetensors")["model.embed_tokens.weight"].to(params_dtype).double()
     h = hidden[0].transpose(0, 1).double()[:, :-1]  # [b, S-1, H], the bf16 values the layer read
@@ -118,9 +139,18 @@ def _worker(rank: int, world_size: int, out_root: str) -> None:
 
     path = f"{out_root}/tiny-llama-tied"
     if rank == 0:
-        save_random_hf_model(path, LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=128,
-                                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                               tie_word_embeddings=True))
+        save_random_hf_model(
+            path,
+            LlamaConfig(
+                vocab_size=VOCAB,
+                hidden_size=HIDDEN,
+                intermediate_size=128,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                tie_word_embeddings=True,
+            ),
+        )
     dist.barrier()
     _check_layer(init_distributed(tp_size=2))
     for tp in (1, 2):
@@ -128,8 +158,10 @@ def _worker(rank: int, world_size: int, out_root: str) -> None:
         fp32_error = _model_error(path, groups, torch.bfloat16, True)
         bf16_error = _model_error(path, groups, torch.bfloat16, False)
         fp32_params_error = _model_error(path, groups, torch.float32, False)
-        print(f"[fp32 output layer] tp={tp} rank={rank}: max |logprob - float64|, bf16 params: bf16 layer "
-              f"{bf16_error:.2e}, fp32 layer {fp32_error:.2e}; fp32 params: {fp32_params_error:.2e}")
+        print(
+            f"[fp32 output layer] tp={tp} rank={rank}: max |logprob - float64|, bf16 params: bf16 layer "
+            f"{bf16_error:.2e}, fp32 layer {fp32_error:.2e}; fp32 params: {fp32_params_error:.2e}"
+        )
         assert fp32_params_error < 1e-5, fp32_params_error
         assert fp32_error < 1e-5, fp32_error  # fp32 softmax of fp32 logits of bf16 operands: about 1e-7
         assert bf16_error > 10 * fp32_error and bf16_error > 1e-4, bf16_error  # the rounding this layer removes

@@ -47,8 +47,9 @@ def _build(path: str, tp: int, *, optim: dict | None = None, **model_fields):
     from gtpo_megatron.parallel.groups import init_distributed
 
     groups = init_distributed(tp_size=tp, pp_size=1)
-    return MegatronPolicy.from_pretrained(model_section(path, **model_fields), groups=groups,
-                                          optim=OptimSettings(**(optim or {})))
+    return MegatronPolicy.from_pretrained(
+        model_section(path, **model_fields), groups=groups, optim=OptimSettings(**(optim or {}))
+    )
 
 
 def _save_three_group_llama(out_dir: str) -> None:
@@ -58,8 +59,16 @@ def _save_three_group_llama(out_dir: str) -> None:
 
     from gtpo_megatron.builtin_models import resolve_model_path
 
-    config = LlamaConfig(vocab_size=49152, hidden_size=96, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=6, num_key_value_heads=3, head_dim=32, tie_word_embeddings=True)
+    config = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=96,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=3,
+        head_dim=32,
+        tie_word_embeddings=True,
+    )
     save_random_hf_model(out_dir, config, tokenizer_from=resolve_model_path(TINY_LLAMA))
 
 

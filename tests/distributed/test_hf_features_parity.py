@@ -21,8 +21,14 @@ from tests.helpers.dist_harness import run_distributed
 
 pytestmark = pytest.mark.distributed
 
-SIZES = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2)
+SIZES = dict(
+    vocab_size=300,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
 
 
 def _configs() -> dict:
@@ -33,13 +39,26 @@ def _configs() -> dict:
     return {
         "llama-attention-bias": (LlamaConfig(**SIZES, attention_bias=True), tp_only),
         "llama-mlp-bias-tied": (LlamaConfig(**SIZES, mlp_bias=True, tie_word_embeddings=True), with_pp),
-        "llama-linear-rope": (LlamaConfig(**SIZES, rope_parameters={"rope_type": "linear", "factor": 4.0,
-                                                                     "rope_theta": 10000.0}), tp_only),
+        "llama-linear-rope": (
+            LlamaConfig(**SIZES, rope_parameters={"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}),
+            tp_only,
+        ),
         "mistral-window-4": (MistralConfig(**SIZES, sliding_window=4, head_dim=16), tp_only),
-        "qwen2-window-5-last-layer": (Qwen2Config(**SIZES, use_sliding_window=True, sliding_window=5,
-                                                  max_window_layers=1), with_pp),
-        "qwen3-bias-window-3": (Qwen3Config(**SIZES, head_dim=32, attention_bias=True, use_sliding_window=True,
-                                            sliding_window=3, max_window_layers=0), tp_only),
+        "qwen2-window-5-last-layer": (
+            Qwen2Config(**SIZES, use_sliding_window=True, sliding_window=5, max_window_layers=1),
+            with_pp,
+        ),
+        "qwen3-bias-window-3": (
+            Qwen3Config(
+                **SIZES,
+                head_dim=32,
+                attention_bias=True,
+                use_sliding_window=True,
+                sliding_window=3,
+                max_window_layers=0,
+            ),
+            tp_only,
+        ),
     }
 
 
@@ -56,8 +75,15 @@ def _check_refusal(out_root: str, rank: int) -> None:
 
     path = f"{out_root}/llama-yarn"
     if rank == 0:
-        LlamaConfig(**SIZES, rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
-                                              "original_max_position_embeddings": 512}).save_pretrained(path)
+        LlamaConfig(
+            **SIZES,
+            rope_parameters={
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "rope_theta": 10000.0,
+                "original_max_position_embeddings": 512,
+            },
+        ).save_pretrained(path)
     dist.barrier()
     with pytest.raises(ValueError, match="rope_parameters.rope_type='yarn' is not supported"):
         _build(path, 1, 1)

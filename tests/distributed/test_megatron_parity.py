@@ -64,8 +64,16 @@ def _save_tiny_qwen3(out_dir: str) -> None:
     """Random 2-layer Qwen3 (q/k norms, head_dim 32 != hidden/heads, tied embeddings, perturbed norm weights)."""
     from transformers import Qwen3Config
 
-    config = Qwen3Config(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True)
+    config = Qwen3Config(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        tie_word_embeddings=True,
+    )
     save_random_hf_model(out_dir, config)
 
 

@@ -77,8 +77,9 @@ def _run_layout(path: str, tp: int, pp: int, aggregation: str) -> None:
     ref_loss, ref_grads = reference_grads(hf_model, batch, loss_name="gtpo", aggregation=aggregation)
     local = _local_rows(batch, groups)
     label = f"{path} tp={tp} pp={pp} dp={groups.dp_size}"
-    policy = MegatronPolicy.from_pretrained(model_section(path, make_vocab_size_divisible_by=1000), groups=groups,
-                                            optim=OptimSettings(lr=1e-3))
+    policy = MegatronPolicy.from_pretrained(
+        model_section(path, make_vocab_size_divisible_by=1000), groups=groups, optim=OptimSettings(lr=1e-3)
+    )
     for micro_batch_size in (len(local.input_ids), len(local.input_ids) // 4):  # 1 vs 4 micro-batches
         policy.micro_batch_size = micro_batch_size
         policy.zero_grad()
@@ -102,8 +103,8 @@ def _check_logprob_pass(policy, local, ref_logprobs, ref_entropy, groups, label)
     logprobs, entropy = policy.compute_logprobs(local)
     rows = local.input_ids.shape[0]
     start = groups.dp_rank * rows  # this rank's rows of the full-batch reference
-    lp_diff = (logprobs.double() - ref_logprobs[start:start + rows]).abs().max().item()
-    ent_diff = (entropy.double() - ref_entropy[start:start + rows]).abs().max().item()
+    lp_diff = (logprobs.double() - ref_logprobs[start : start + rows]).abs().max().item()
+    ent_diff = (entropy.double() - ref_entropy[start : start + rows]).abs().max().item()
     assert lp_diff <= LOGPROB_ATOL and ent_diff <= ENTROPY_ATOL, (label, lp_diff, ent_diff)
     assert bool((logprobs[~local.response_mask] == 0).all()) and bool((entropy[~local.response_mask] == 0).all())
     padded = local.select(slice(None))
@@ -146,14 +147,16 @@ def _check_recompute_and_bf16(path, groups, local) -> None:
     loss = _loss("seq-mean-token-mean")
     grads = []
     for recompute in ("none", "full"):
-        policy = MegatronPolicy.from_pretrained(model_section(path, recompute=recompute), groups=groups,
-                                                micro_batch_size=2)
+        policy = MegatronPolicy.from_pretrained(
+            model_section(path, recompute=recompute), groups=groups, micro_batch_size=2
+        )
         policy.forward_backward(local, loss)
         grads.append([p.main_grad.clone() for p in policy.model.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*grads)), "activation recompute changed the gradient"
     fp32_logprobs, _ = policy.compute_logprobs(local)
-    bf16 = MegatronPolicy.from_pretrained(model_section(path, params_dtype="bfloat16"), groups=groups,
-                                          micro_batch_size=2)
+    bf16 = MegatronPolicy.from_pretrained(
+        model_section(path, params_dtype="bfloat16"), groups=groups, micro_batch_size=2
+    )
     logprobs, _ = bf16.compute_logprobs(local)
     assert logprobs.dtype == torch.float32
     assert (logprobs - fp32_logprobs).abs().max().item() < 0.05  # bf16 weights/activations, fp32 softmax
@@ -168,8 +171,9 @@ def _check_distributed_optimizer(path, groups, local) -> None:
     runs = []
     for distributed in (False, True):
         optim = OptimSettings(lr=1e-3, use_distributed_optimizer=distributed)
-        policy = MegatronPolicy.from_pretrained(model_section(TINY_QWEN2), groups=groups, optim=optim,
-                                                micro_batch_size=2)
+        policy = MegatronPolicy.from_pretrained(
+            model_section(TINY_QWEN2), groups=groups, optim=optim, micro_batch_size=2
+        )
         steps = [policy.train_step(local, _loss("seq-mean-token-mean")) for _ in range(2)]
         runs.append([(m["loss"], m["grad_norm"]) for m in steps])
     for (loss, norm), (loss_d, norm_d) in zip(*runs):

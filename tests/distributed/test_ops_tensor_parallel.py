@@ -34,7 +34,7 @@ def _literal_split(rank: int, group) -> None:
     # 10-token vocabulary split 5/5; p = w / 30; targets 4 (last column of shard 0) and 5 (first of shard 1),
     # both w = 5: logprob = ln(5/30) = -1.791759469; entropy = 2.182897521 nats (see tests/ops).
     full = torch.log(torch.tensor([[1.0, 2.0, 3.0, 4.0, 5.0, 5.0, 4.0, 3.0, 2.0, 1.0]] * 2))
-    shard = full[:, rank * 5:(rank + 1) * 5].clone()
+    shard = full[:, rank * 5 : (rank + 1) * 5].clone()
     logprobs, entropy = vocab_parallel_logprobs_entropy(shard, torch.tensor([4, 5]), tp_group=group)
     torch.testing.assert_close(logprobs, torch.full((2,), -1.791759469), atol=1e-6, rtol=0)
     torch.testing.assert_close(entropy, torch.full((2,), 2.182897521), atol=1e-6, rtol=0)
@@ -46,18 +46,36 @@ def _random_logits(world: int, vocab_size: int):
     full = 3 * torch.randn(3, 5, LOCAL_WIDTH * world, generator=gen)
     targets = torch.randint(0, vocab_size, (3, 5), generator=gen)
     boundaries = [min(b, vocab_size - 1) for r in range(1, world) for b in (r * LOCAL_WIDTH - 1, r * LOCAL_WIDTH)]
-    targets.view(-1)[:len(boundaries)] = torch.tensor(boundaries)  # labels on both sides of shard boundaries
+    targets.view(-1)[: len(boundaries)] = torch.tensor(boundaries)  # labels on both sides of shard boundaries
     return full, targets, torch.randn(3, 5, generator=gen), torch.randn(3, 5, generator=gen)
 
 
-def _check_against_reference(rank, group, full, targets, g_lp, g_h, *, vocab_size, temperature, chunk_size,
-                             entropy_temperature=None, entropy_requires_grad=True):
+def _check_against_reference(
+    rank,
+    group,
+    full,
+    targets,
+    g_lp,
+    g_h,
+    *,
+    vocab_size,
+    temperature,
+    chunk_size,
+    entropy_temperature=None,
+    entropy_requires_grad=True,
+):
     """This rank's op outputs and gradient shard vs the float64 full-vocabulary reference; returns them."""
     cols = slice(rank * LOCAL_WIDTH, (rank + 1) * LOCAL_WIDTH)
     shard = full[..., cols].clone().requires_grad_()
     logprobs, entropy = vocab_parallel_logprobs_entropy(
-        shard, targets, tp_group=group, vocab_size=vocab_size, temperature=temperature, chunk_size=chunk_size,
-        entropy_temperature=entropy_temperature, entropy_requires_grad=entropy_requires_grad,
+        shard,
+        targets,
+        tp_group=group,
+        vocab_size=vocab_size,
+        temperature=temperature,
+        chunk_size=chunk_size,
+        entropy_temperature=entropy_temperature,
+        entropy_requires_grad=entropy_requires_grad,
         padded_vocab_size=full.shape[-1],
     )
     g_h = g_h if entropy_requires_grad else torch.zeros_like(g_h)
@@ -65,8 +83,9 @@ def _check_against_reference(rank, group, full, targets, g_lp, g_h, *, vocab_siz
     torch.testing.assert_close(shard.detach(), full[..., cols], rtol=0, atol=0, equal_nan=True)  # unmodified
     ref_full = full.double().requires_grad_()
     ref_lp, _ = ref_logprobs_entropy(ref_full, targets, vocab_size=vocab_size, temperature=temperature)
-    _, ref_h = ref_logprobs_entropy(ref_full, targets, vocab_size=vocab_size,
-                                    temperature=entropy_temperature or temperature)
+    _, ref_h = ref_logprobs_entropy(
+        ref_full, targets, vocab_size=vocab_size, temperature=entropy_temperature or temperature
+    )
     (ref_lp * g_lp.double() + ref_h * g_h.double()).sum().backward()
     # float32 vs float64 reference; values are O(10) nats, so allow 1e-6 relative on top of 1e-6 absolute.
     torch.testing.assert_close(logprobs.double(), ref_lp.detach(), atol=1e-6, rtol=1e-6)
@@ -77,9 +96,18 @@ def _check_against_reference(rank, group, full, targets, g_lp, g_h, *, vocab_siz
 
 def _random_case(rank, world, group, vocab_size, temperature, chunk_size, entropy_temperature=None):
     full, targets, g_lp, g_h = _random_logits(world, vocab_size)
-    return _check_against_reference(rank, group, full, targets, g_lp, g_h, vocab_size=vocab_size,
-                                    temperature=temperature, chunk_size=chunk_size,
-                                    entropy_temperature=entropy_temperature)
+    return _check_against_reference(
+        rank,
+        group,
+        full,
+        targets,
+        g_lp,
+        g_h,
+        vocab_size=vocab_size,
+        temperature=temperature,
+        chunk_size=chunk_size,
+        entropy_temperature=entropy_temperature,
+    )
 
 
 def _masked_case(rank, world, group) -> None:
@@ -90,35 +118,52 @@ def _masked_case(rank, world, group) -> None:
     vocab_size = LOCAL_WIDTH * world - 2
     full, targets, g_lp, g_h = _random_logits(world, vocab_size)
     full[torch.rand(full.shape, generator=torch.Generator().manual_seed(4)) < 0.2] = float("-inf")
-    full[0, 0, LOCAL_WIDTH:2 * LOCAL_WIDTH] = float("-inf")
-    full[0, 1, :(world - 1) * LOCAL_WIDTH] = float("-inf")
+    full[0, 0, LOCAL_WIDTH : 2 * LOCAL_WIDTH] = float("-inf")
+    full[0, 1, : (world - 1) * LOCAL_WIDTH] = float("-inf")
     full[..., vocab_size], full[..., vocab_size + 1] = float("inf"), float("nan")
     targets = full[..., :vocab_size].argmax(dim=-1)  # finite target logits
     cols = slice(rank * LOCAL_WIDTH, (rank + 1) * LOCAL_WIDTH)
-    cases = ((1.0, None, None, True), (0.5, 2, None, True), (0.9, 4, 1.4, True), (1.0, 3, None, False),
-             (0.9, None, 1.0, False))  # (temperature, chunk_size, entropy_temperature, entropy_requires_grad)
+    cases = (
+        (1.0, None, None, True),
+        (0.5, 2, None, True),
+        (0.9, 4, 1.4, True),
+        (1.0, 3, None, False),
+        (0.9, None, 1.0, False),
+    )  # (temperature, chunk_size, entropy_temperature, entropy_requires_grad)
     for temperature, chunk_size, entropy_temperature, entropy_requires_grad in cases:
-        _, _, grad = _check_against_reference(rank, group, full, targets, g_lp, g_h, vocab_size=vocab_size,
-                                              temperature=temperature, chunk_size=chunk_size,
-                                              entropy_temperature=entropy_temperature,
-                                              entropy_requires_grad=entropy_requires_grad)
+        _, _, grad = _check_against_reference(
+            rank,
+            group,
+            full,
+            targets,
+            g_lp,
+            g_h,
+            vocab_size=vocab_size,
+            temperature=temperature,
+            chunk_size=chunk_size,
+            entropy_temperature=entropy_temperature,
+            entropy_requires_grad=entropy_requires_grad,
+        )
         assert bool((grad[torch.isinf(full[..., cols]) | torch.isnan(full[..., cols])] == 0).all())
 
 
 def _refusals(rank, world, group) -> None:
     """Rows without a softmax are refused on EVERY rank (the decision follows the all-reduced max), also when
     only one rank holds the +inf/NaN; afterwards the group still works (no rank left waiting in a collective)."""
-    cases = [((0, 1), slice(None), float("-inf"), r"row \(0, 1\) .* is -inf in all"),
-             ((1, 0), slice(0, 1), float("inf"), r"row \(1, 0\) .* holds \+inf or NaN"),
-             ((1, 1), slice((world - 1) * LOCAL_WIDTH, None), float("nan"), r"row \(1, 1\) .* holds \+inf or NaN")]
+    cases = [
+        ((0, 1), slice(None), float("-inf"), r"row \(0, 1\) .* is -inf in all"),
+        ((1, 0), slice(0, 1), float("inf"), r"row \(1, 0\) .* holds \+inf or NaN"),
+        ((1, 1), slice((world - 1) * LOCAL_WIDTH, None), float("nan"), r"row \(1, 1\) .* holds \+inf or NaN"),
+    ]
     for row, columns, value, message in cases:
         full = torch.randn(2, 2, LOCAL_WIDTH * world)
         full[row + (columns,)] = value
-        shard = full[..., rank * LOCAL_WIDTH:(rank + 1) * LOCAL_WIDTH]
+        shard = full[..., rank * LOCAL_WIDTH : (rank + 1) * LOCAL_WIDTH]
         with pytest.raises(ValueError, match=message):
             vocab_parallel_logprobs_entropy(shard, torch.zeros(2, 2, dtype=torch.long), tp_group=group)
-    uniform, _ = vocab_parallel_logprobs_entropy(torch.zeros(1, LOCAL_WIDTH), torch.zeros(1, dtype=torch.long),
-                                                 tp_group=group)
+    uniform, _ = vocab_parallel_logprobs_entropy(
+        torch.zeros(1, LOCAL_WIDTH), torch.zeros(1, dtype=torch.long), tp_group=group
+    )
     assert uniform.item() == pytest.approx(-math.log(LOCAL_WIDTH * world), abs=1e-6)
 
 
@@ -133,13 +178,22 @@ def _dp_invariance(rank, world, group) -> None:
     mine = slice(rank * 4, rank * 4 + 4)
     for aggregation in ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum"):
         outputs = []
-        for part, normalizer in ((slice(None), compute_normalizer(mask, aggregation)),
-                                 (mine, global_normalizer([mask[mine][:2], mask[mine][2:]], aggregation, group=group))):
+        for part, normalizer in (
+            (slice(None), compute_normalizer(mask, aggregation)),
+            (mine, global_normalizer([mask[mine][:2], mask[mine][2:]], aggregation, group=group)),
+        ):
             leaf = policy[part].clone().requires_grad_()
             loss, metrics = get_policy_loss("gtpo")(
-                policy_logprobs=leaf, old_logprobs=old[part], advantages=adv[part], token_weights=weights[part],
-                response_mask=mask[part], normalizer=normalizer, aggregation=aggregation, clip_eps_low=0.2,
-                clip_eps_high=0.2)
+                policy_logprobs=leaf,
+                old_logprobs=old[part],
+                advantages=adv[part],
+                token_weights=weights[part],
+                response_mask=mask[part],
+                normalizer=normalizer,
+                aggregation=aggregation,
+                clip_eps_low=0.2,
+                clip_eps_high=0.2,
+            )
             loss.backward()
             outputs.append((loss.detach(), metrics, leaf.grad))
         (full_loss, full_metrics, full_grad), (loss, metrics, grad) = outputs

@@ -29,8 +29,18 @@ def _train_and_save(rank: int, world_size: int, run_dir: str) -> None:
     from gtpo_megatron.ops import LossSpec
     from gtpo_megatron.parallel.groups import init_distributed
 
-    cfg = load_config(None, [f"model={TINY_LLAMA}", f"output_dir={run_dir}", "model.params_dtype=float32",
-                             "parallel.tp_size=2", "optim.lr=1e-2", "optim.min_lr=1e-2", "optim.clip_grad=0"])
+    cfg = load_config(
+        None,
+        [
+            f"model={TINY_LLAMA}",
+            f"output_dir={run_dir}",
+            "model.params_dtype=float32",
+            "parallel.tp_size=2",
+            "optim.lr=1e-2",
+            "optim.min_lr=1e-2",
+            "optim.clip_grad=0",
+        ],
+    )
     if rank == 0:
         save_config(cfg, Path(run_dir) / "config.yaml")
     policy = build_policy(cfg, cfg.model.name_or_path, init_distributed(tp_size=2))
@@ -44,10 +54,17 @@ def _train_and_save(rank: int, world_size: int, run_dir: str) -> None:
 
 
 def _resolve_in_fresh_process(model: str) -> str:
-    code = ("import sys; from gtpo_megatron.evaluation.evaluate import resolve_hf_model; "
-            "print(resolve_hf_model(sys.argv[1]))")
-    out = subprocess.run([sys.executable, "-c", code, model], capture_output=True, text=True, timeout=240,
-                         cwd=Path(__file__).resolve().parents[2])
+    code = (
+        "import sys; from gtpo_megatron.evaluation.evaluate import resolve_hf_model; "
+        "print(resolve_hf_model(sys.argv[1]))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, model],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=Path(__file__).resolve().parents[2],
+    )
     assert out.returncode == 0, out.stderr[-4000:]
     return out.stdout.strip().splitlines()[-1]
 
@@ -74,8 +91,9 @@ def test_export_run_checkpoint_to_hf(tmp_path):
     for name, tensor in expected.items():
         assert torch.equal(exported[name], tensor), name
     base = load_file(str(Path(resolve_model_path(TINY_LLAMA)) / "model.safetensors"))
-    assert not torch.equal(base["model.layers.0.mlp.down_proj.weight"],
-                           exported["model.layers.0.mlp.down_proj.weight"]), "the step did not change the weights"
+    assert not torch.equal(
+        base["model.layers.0.mlp.down_proj.weight"], exported["model.layers.0.mlp.down_proj.weight"]
+    ), "the step did not change the weights"
 
     model = AutoModelForCausalLM.from_pretrained(hf_dir)
     logits = model(torch.tensor([[1, 5, 9]])).logits

@@ -32,8 +32,11 @@ def test_generate_chat_prompts_matches_hf(engine):
     path = resolve_model_path(MODEL)
     tokenizer = AutoTokenizer.from_pretrained(path)
     prompts = [
-        list(tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                           return_dict=True)["input_ids"])
+        list(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": q}], add_generation_prompt=True, return_dict=True
+            )["input_ids"]
+        )
         for q in ("What is 12+7?", "Name a prime number.")
     ]
     outputs = engine.generate(prompts, 4, SamplingConfig(temperature=1.0, max_tokens=12, seed=0))
@@ -47,11 +50,29 @@ def test_gsm8k_five_problems_is_reproducible(engine, tmp_path):
     data_dir = default_data_dir()
     if not (data_dir / "gsm8k" / "test.jsonl").exists():
         pytest.skip(f"no GSM8K test file under {data_dir}")
-    argv = ["--model", MODEL, "--benchmarks", "gsm8k", "--data-dir", str(data_dir), "--limit", "5", "--n", "4",
-            "--k", "1,4", "--max-tokens", "32", "--reward-workers", "1", "--in-process"]
+    argv = [
+        "--model",
+        MODEL,
+        "--benchmarks",
+        "gsm8k",
+        "--data-dir",
+        str(data_dir),
+        "--limit",
+        "5",
+        "--n",
+        "4",
+        "--k",
+        "1,4",
+        "--max-tokens",
+        "32",
+        "--reward-workers",
+        "1",
+        "--in-process",
+    ]
     for out in ("a", "b"):  # same seed twice
-        run_evaluation(config_from_args(build_parser().parse_args([*argv, "--output", str(tmp_path / out)])),
-                       engine=engine)
+        run_evaluation(
+            config_from_args(build_parser().parse_args([*argv, "--output", str(tmp_path / out)])), engine=engine
+        )
 
     results = json.loads((tmp_path / "a" / "results.json").read_text())["results"]["gsm8k"]
     for key in ("pass@1", "pass@4", "maj@4", "maj@1", "format_rate", "accuracy"):

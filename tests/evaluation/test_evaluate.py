@@ -36,8 +36,10 @@ class ScriptedEngine:
 def data_dir(tmp_path):
     folder = tmp_path / "data" / "gsm8k"
     folder.mkdir(parents=True)
-    rows = [{"question": "What is 2+3?", "answer": "2+3=5\n#### 5"},
-            {"question": "What is 10*10?", "answer": "#### 100"}]
+    rows = [
+        {"question": "What is 2+3?", "answer": "2+3=5\n#### 5"},
+        {"question": "What is 10*10?", "answer": "#### 100"},
+    ]
     (folder / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return str(tmp_path / "data")
 
@@ -51,7 +53,12 @@ def test_contract_flags_parse():
     assert (config.n, config.ks, config.output_dir) == (4, (1, 4), "OUT")
     assert config.sampling.seed == 0 and config.sampling.temperature == 0.9
     assert [config.extraction_for(b) for b in ("gsm8k", "math500", "aime24", "aime25", "amc23")] == [
-        "lenient", "strict", "strict", "strict", "strict"]
+        "lenient",
+        "strict",
+        "strict",
+        "strict",
+        "strict",
+    ]
     strict = config_from_args(build_parser().parse_args("--model M --output O --extraction strict".split()))
     assert strict.extraction_for("gsm8k") == "strict"
 
@@ -70,10 +77,13 @@ def test_k_larger_than_n_is_a_usage_error(capsys):
     assert "k values [1, 8]" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("flags, fragment", [
-    ("--model M --n 4 --k 1 --limit 0", "limit=0 must be >= 1"),
-    ("--model /no/such/model --n 4 --k 1", "--model /no/such/model: no such folder"),
-])
+@pytest.mark.parametrize(
+    "flags, fragment",
+    [
+        ("--model M --n 4 --k 1 --limit 0", "limit=0 must be >= 1"),
+        ("--model /no/such/model --n 4 --k 1", "--model /no/such/model: no such folder"),
+    ],
+)
 def test_bad_limit_and_missing_model_folder_are_usage_errors(flags, fragment, capsys):
     from gtpo_megatron.evaluation.cli import main
 
@@ -82,13 +92,17 @@ def test_bad_limit_and_missing_model_folder_are_usage_errors(flags, fragment, ca
     assert exit_info.value.code == 2 and fragment in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("benchmark, content, fragment", [
-    ("gsm9k", None, "did you mean 'gsm8k'"),
-    ("gsm8k", None, "test.jsonl does not exist"),
-    ("gsm8k", '{"question": "1+1?", "answer": "#### 2"}\n{"question": "broken\n', "test.jsonl:2: malformed JSON"),
-])
-def test_benchmark_errors_are_usage_errors_before_the_model_loads(benchmark, content, fragment, tmp_path, capsys,
-                                                                  monkeypatch):
+@pytest.mark.parametrize(
+    "benchmark, content, fragment",
+    [
+        ("gsm9k", None, "did you mean 'gsm8k'"),
+        ("gsm8k", None, "test.jsonl does not exist"),
+        ("gsm8k", '{"question": "1+1?", "answer": "#### 2"}\n{"question": "broken\n', "test.jsonl:2: malformed JSON"),
+    ],
+)
+def test_benchmark_errors_are_usage_errors_before_the_model_loads(
+    benchmark, content, fragment, tmp_path, capsys, monkeypatch
+):
     from gtpo_megatron.evaluation import cli
 
     if content is not None:
@@ -123,8 +137,25 @@ def test_model_folder_detection(tmp_path):
 
 def _evaluate(tmp_path, data_dir, *flags, script=SCRIPT):
     args = build_parser().parse_args(
-        ["--model", "builtin:tiny-llama", "--benchmarks", "gsm8k", "--data-dir", data_dir, "--n", "4",
-         "--k", "1,4", "--output", str(tmp_path / "out"), "--reward-workers", "1", "--label", "tiny", *flags]
+        [
+            "--model",
+            "builtin:tiny-llama",
+            "--benchmarks",
+            "gsm8k",
+            "--data-dir",
+            data_dir,
+            "--n",
+            "4",
+            "--k",
+            "1,4",
+            "--output",
+            str(tmp_path / "out"),
+            "--reward-workers",
+            "1",
+            "--label",
+            "tiny",
+            *flags,
+        ]
     )
     engine = ScriptedEngine(script)
     return run_evaluation(config_from_args(args), engine=engine), engine
@@ -167,9 +198,21 @@ def test_extraction_flag_and_grader_failures_reach_the_results(tmp_path, data_di
 
 
 def test_markdown_report_matches_table1_layout():
-    res = {b: {"pass@64": 0.3, "maj@64": 0.425, "accuracy": 0.1, "format_rate": 1.0, "truncation_rate": 0.0,
-               "mean_length": 100.0, "num_problems": 30.0, "num_samples": 64.0, "reward/num_timeouts": 2.0,
-               "reward/num_errors": 0.0} for b in ("aime24", "amc23")}
+    res = {
+        b: {
+            "pass@64": 0.3,
+            "maj@64": 0.425,
+            "accuracy": 0.1,
+            "format_rate": 1.0,
+            "truncation_rate": 0.0,
+            "mean_length": 100.0,
+            "num_problems": 30.0,
+            "num_samples": 64.0,
+            "reward/num_timeouts": 2.0,
+            "reward/num_errors": 0.0,
+        }
+        for b in ("aime24", "amc23")
+    }
     lines = markdown_report("Qwen GTPO", res, (64,)).splitlines()
     assert lines[0] == "| model | AIME24 p@64 | AIME24 maj@64 | AMC23 p@64 | AMC23 maj@64 |"
     assert lines[2] == "| Qwen GTPO | 30.0 | 42.5 | 30.0 | 42.5 |"
@@ -182,12 +225,27 @@ def _write_run(folder, rows):
 
 
 def test_compare_runs(tmp_path):
-    _write_run(tmp_path / "gtpo", [
-        {"step": 1, "reward/mean": 0.0, "accuracy": 0.1, "entropy/mean": 1.0, "gtpo/filtered_frac": 0.5,
-         "gtpo/conflict_frac": 0.2},
-        {"step": 2, "reward/mean": 1.0, "accuracy": 0.3, "entropy/mean": 0.5, "gtpo/filtered_frac": 0.0,
-         "gtpo/conflict_frac": 0.4},
-    ])
+    _write_run(
+        tmp_path / "gtpo",
+        [
+            {
+                "step": 1,
+                "reward/mean": 0.0,
+                "accuracy": 0.1,
+                "entropy/mean": 1.0,
+                "gtpo/filtered_frac": 0.5,
+                "gtpo/conflict_frac": 0.2,
+            },
+            {
+                "step": 2,
+                "reward/mean": 1.0,
+                "accuracy": 0.3,
+                "entropy/mean": 0.5,
+                "gtpo/filtered_frac": 0.0,
+                "gtpo/conflict_frac": 0.4,
+            },
+        ],
+    )
     _write_run(tmp_path / "grpo", [{"step": 1, "reward/mean": 2.0, "accuracy": 0.2, "entropy/mean": 2.0}])
     png, md = compare_runs([str(tmp_path / "gtpo"), str(tmp_path / "grpo")], tmp_path / "cmp")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -19,16 +19,16 @@ def exact_pass_at_k(n: int, c: int, k: int) -> Fraction:
 @pytest.mark.parametrize(
     ("n", "c", "k", "expected"),
     [
-        (4, 1, 1, 0.25),          # c / n
-        (4, 1, 2, 0.5),           # 1 - C(3,2)/C(4,2) = 1 - 3/6
-        (5, 2, 3, 0.9),           # 1 - C(3,3)/C(5,3) = 1 - 1/10
-        (10, 3, 2, 8 / 15),       # 1 - C(7,2)/C(10,2) = 1 - 21/45
-        (4, 1, 4, 1.0),           # n = k with one correct
-        (4, 0, 4, 0.0),           # n = k, none correct
-        (64, 0, 1, 0.0),          # c = 0
+        (4, 1, 1, 0.25),  # c / n
+        (4, 1, 2, 0.5),  # 1 - C(3,2)/C(4,2) = 1 - 3/6
+        (5, 2, 3, 0.9),  # 1 - C(3,3)/C(5,3) = 1 - 1/10
+        (10, 3, 2, 8 / 15),  # 1 - C(7,2)/C(10,2) = 1 - 21/45
+        (4, 1, 4, 1.0),  # n = k with one correct
+        (4, 0, 4, 0.0),  # n = k, none correct
+        (64, 0, 1, 0.0),  # c = 0
         (64, 0, 64, 0.0),
-        (8, 8, 1, 1.0),           # all correct
-        (8, 5, 4, 1.0),           # n - c < k: every k-subset holds a correct one
+        (8, 8, 1, 1.0),  # all correct
+        (8, 5, 4, 1.0),  # n - c < k: every k-subset holds a correct one
     ],
 )
 def test_pass_at_k_hand_values(n, c, k, expected):

@@ -135,12 +135,20 @@ def test_megatron_train_step(policy, rollout_batch: TrainBatch) -> None:
     def packed(t: torch.Tensor) -> torch.Tensor:  # response tokens moved to the left, as the reference expects
         out = torch.zeros(t.shape[0], max(lengths), dtype=torch.float64)
         for i, (a, n) in enumerate(zip(starts, lengths, strict=True)):
-            out[i, :n] = t[i, a:a + n].double()
+            out[i, :n] = t[i, a : a + n].double()
         return out
 
-    expected = ref_policy_loss(packed(logprobs), packed(batch.old_logprobs), batch.advantages.double(),
-                               packed(batch.token_weights), lengths, aggregation="seq-mean-token-mean",
-                               normalizer=float(sum(n > 0 for n in lengths)), clip_low=0.2, clip_high=0.2).item()
+    expected = ref_policy_loss(
+        packed(logprobs),
+        packed(batch.old_logprobs),
+        batch.advantages.double(),
+        packed(batch.token_weights),
+        lengths,
+        aggregation="seq-mean-token-mean",
+        normalizer=float(sum(n > 0 for n in lengths)),
+        clip_low=0.2,
+        clip_high=0.2,
+    ).item()
     check = "test_megatron_train_step"
     # the training pass recomputes the no-grad pass's log-probs with the same bf16 weights, so only kernel-level
     # differences remain; a wrong normaliser or sign would be off by a factor, far above 1 %

@@ -12,9 +12,13 @@ EOS = 2
 def make_group(prompt: list[int], responses: list[list[int]], finish: list[str] | None = None) -> PromptCompletions:
     """One prompt's completions with rollout log-probs -0.5 per token (finish reason ``stop`` unless given)."""
     finish = finish or ["stop"] * len(responses)
-    return PromptCompletions(prompt_ids=prompt, completions=[
-        Completion(token_ids=r, rollout_logprobs=[-0.5] * len(r), text="", finish_reason=f)
-        for r, f in zip(responses, finish)])
+    return PromptCompletions(
+        prompt_ids=prompt,
+        completions=[
+            Completion(token_ids=r, rollout_logprobs=[-0.5] * len(r), text="", finish_reason=f)
+            for r, f in zip(responses, finish)
+        ],
+    )
 
 
 def conflict_batch() -> TrainBatch:

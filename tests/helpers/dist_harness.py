@@ -34,7 +34,10 @@ def _entry(rank: int, fn, world_size: int, port: int, threads: int, args: tuple)
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     torch.set_num_threads(threads)
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
         timeout=timedelta(seconds=120),
     )
     try:

@@ -17,14 +17,25 @@ PACKAGE = "gtpo_megatron"
 # Each layer lists module prefixes; the longest matching prefix decides.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("ops: torch math", ("gtpo_megatron.ops",)),
-    ("torch-free helpers", ("gtpo_megatron.builtin_models", "gtpo_megatron.run_dir", "gtpo_megatron.plan.architectures",
-                            "gtpo_megatron.plan.layout", "gtpo_megatron.plan.memory", "gtpo_megatron.plan")),
+    (
+        "torch-free helpers",
+        (
+            "gtpo_megatron.builtin_models",
+            "gtpo_megatron.run_dir",
+            "gtpo_megatron.plan.architectures",
+            "gtpo_megatron.plan.layout",
+            "gtpo_megatron.plan.memory",
+            "gtpo_megatron.plan",
+        ),
+    ),
     ("parallel", ("gtpo_megatron.parallel",)),
     ("rewards", ("gtpo_megatron.rewards",)),
     ("config", ("gtpo_megatron.config",)),
     ("data", ("gtpo_megatron.data",)),
-    ("rollout, megatron_adapter, policy contract, logging",
-     ("gtpo_megatron.rollout", "gtpo_megatron.megatron_adapter", "gtpo_megatron.policy", "gtpo_megatron.logging")),
+    (
+        "rollout, megatron_adapter, policy contract, logging",
+        ("gtpo_megatron.rollout", "gtpo_megatron.megatron_adapter", "gtpo_megatron.policy", "gtpo_megatron.logging"),
+    ),
     ("algorithm", ("gtpo_megatron.algorithm",)),
     ("trainer", ("gtpo_megatron.trainer", "gtpo_megatron.build")),
     ("entry points", ("gtpo_megatron.train", "gtpo_megatron.evaluation", "gtpo_megatron.plan.cli")),

@@ -11,6 +11,8 @@ import statistics
 
 import torch
 
+LN2 = math.log(2)
+
 
 def ref_logprobs_entropy(full_logits, target_ids, *, vocab_size=None, temperature=1.0):
     """float64 ``(logprobs, entropy)`` from the FULL ``[..., V]`` logits; differentiable if the input is.
@@ -29,7 +31,7 @@ def ref_group_advantages(rewards: list[float], group_size: int, estimator: str, 
     """Per-group mean-centred (optionally std-normalised, unbiased std) advantages, in Python floats."""
     out = []
     for start in range(0, len(rewards), group_size):
-        group = rewards[start:start + group_size]
+        group = rewards[start : start + group_size]
         if len(set(group)) == 1:
             out += [0.0] * len(group)
             continue
@@ -48,16 +50,17 @@ def _run_length(flags: list[bool]) -> int:
     return n
 
 
-def ref_conflict_weights(completions, advantages, group_size, *, amplification=2.0, mode="prefix_suffix",
-                         overlap="once"):
+def ref_conflict_weights(
+    completions, advantages, group_size, *, amplification=2.0, mode="prefix_suffix", overlap="once"
+):
     """Per-completion weight lists (one float per response token) with Python loops (GTPO_SPEC section 3).
 
     ``completions`` is a list of unpadded response-token lists, group by group.
     """
     weights = []
     for start in range(0, len(completions), group_size):
-        group = completions[start:start + group_size]
-        signs = advantages[start:start + group_size]
+        group = completions[start : start + group_size]
+        signs = advantages[start : start + group_size]
         for seq, adv in zip(group, signs):
             front = [_raw(group, signs, seq[t], t, from_end=False) for t in range(len(seq))]
             back = [_raw(group, signs, seq[-1 - k], k, from_end=True) for k in range(len(seq))]
@@ -92,8 +95,7 @@ def _raw(group, signs, token, k, *, from_end):
     return in_pos and in_neg
 
 
-def ref_keep(seq_entropy, *, mode, threshold=math.log(2), initial_entropy=None, advantages=None,
-             only_negative=False):
+def ref_keep(seq_entropy, *, mode, threshold=LN2, initial_entropy=None, advantages=None, only_negative=False):
     """Entropy-filter decisions (list of bool, True = keep) written as the spec's if/else."""
     keep = []
     for i, h in enumerate(seq_entropy):
@@ -109,8 +111,21 @@ def ref_keep(seq_entropy, *, mode, threshold=math.log(2), initial_entropy=None, 
     return keep
 
 
-def ref_policy_loss(policy_logprobs, old_logprobs, advantages, token_weights, lengths, *, aggregation, normalizer,
-                    clip_low, clip_high, ref_logprobs=None, kl_coef=0.0, kl_estimator="k3"):
+def ref_policy_loss(
+    policy_logprobs,
+    old_logprobs,
+    advantages,
+    token_weights,
+    lengths,
+    *,
+    aggregation,
+    normalizer,
+    clip_low,
+    clip_high,
+    ref_logprobs=None,
+    kl_coef=0.0,
+    kl_estimator="k3",
+):
     """float64 loss as a token loop over unpadded rows (``lengths[i]`` leading tokens of row i are the response).
 
     ``policy_logprobs`` may require grad (float64 tensor ``[B, T]``); returns a float64 scalar tensor.

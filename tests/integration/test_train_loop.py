@@ -20,8 +20,15 @@ import yaml
 pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[2]
-REQUIRED = ("step", "reward/mean", "accuracy", "entropy/mean", "gtpo/filtered_frac", "gtpo/conflict_frac",
-            "time/step_s")
+REQUIRED = (
+    "step",
+    "reward/mean",
+    "accuracy",
+    "entropy/mean",
+    "gtpo/filtered_frac",
+    "gtpo/conflict_frac",
+    "time/step_s",
+)
 
 
 def _free_port() -> int:
@@ -34,10 +41,22 @@ def _free_port() -> int:
 def run_dir(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("run")
     torchrun = Path(sys.executable).with_name("torchrun")
-    cmd = [str(torchrun), "--nproc_per_node=2", f"--master_port={_free_port()}", "-m", "gtpo_megatron.train",
-           "--config", str(REPO / "configs" / "cpu_demo.yaml"), "model=builtin:tiny-qwen2", "parallel.tp_size=2",
-           "trainer.max_steps=2", "rollout.max_tokens=16", "algorithm.group_size=4", "checkpoint.every_n_steps=1",
-           f"output_dir={out}"]
+    cmd = [
+        str(torchrun),
+        "--nproc_per_node=2",
+        f"--master_port={_free_port()}",
+        "-m",
+        "gtpo_megatron.train",
+        "--config",
+        str(REPO / "configs" / "cpu_demo.yaml"),
+        "model=builtin:tiny-qwen2",
+        "parallel.tp_size=2",
+        "trainer.max_steps=2",
+        "rollout.max_tokens=16",
+        "algorithm.group_size=4",
+        "checkpoint.every_n_steps=1",
+        f"output_dir={out}",
+    ]
     env = {**os.environ, "WANDB_MODE": "offline"}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=540)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]

@@ -184,7 +184,10 @@ class TestTinyLlama:
         with pytest.raises(ValueError, match="appears twice"):
             engine.update_weights([("model.norm.weight", w * 2), ("model.norm.weight", w)])
         k = weights["model.layers.1.self_attn.k_proj.weight"]
-        with pytest.raises(ValueError, match=r"missing \['model.layers.1.self_attn.q_proj.weight', "
-                                             r"'model.layers.1.self_attn.v_proj.weight'\]"):
+        with pytest.raises(
+            ValueError,
+            match=r"missing \['model.layers.1.self_attn.q_proj.weight', "
+            r"'model.layers.1.self_attn.v_proj.weight'\]",
+        ):
             engine.update_weights([("model.layers.1.self_attn.k_proj.weight", k * 2)])
         assert engine.score(self.PROMPTS[:1], [[5, 6, 7]]) == before

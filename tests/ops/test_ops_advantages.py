@@ -28,10 +28,8 @@ def test_literal_group_mean_and_group_mean_std():
 @pytest.mark.parametrize("estimator", ["group_mean", "group_mean_std"])
 def test_degenerate_groups_give_exact_zero(estimator):
     assert torch.equal(compute_group_advantages(torch.full((7,), 0.35), 7, estimator=estimator), torch.zeros(7))
-    assert torch.equal(compute_group_advantages(torch.tensor([0.1 + 0.2] * 3), 3, estimator=estimator),
-                       torch.zeros(3))
-    assert torch.equal(compute_group_advantages(torch.tensor([3.0, -1.0, 7.0]), 1, estimator=estimator),
-                       torch.zeros(3))
+    assert torch.equal(compute_group_advantages(torch.tensor([0.1 + 0.2] * 3), 3, estimator=estimator), torch.zeros(3))
+    assert torch.equal(compute_group_advantages(torch.tensor([3.0, -1.0, 7.0]), 1, estimator=estimator), torch.zeros(3))
     near = compute_group_advantages(torch.tensor([0.1 + 0.2, 0.3], dtype=torch.float64), 2, estimator=estimator)
     assert torch.isfinite(near).all() and near.abs().max() < 1e-9  # 5.6e-17 apart: no blow-up
 
@@ -40,8 +38,12 @@ def test_degenerate_groups_give_exact_zero(estimator):
 def test_random_matches_reference(estimator):
     rewards = torch.randint(0, 3, (24,)).double() * 10 + torch.rand(24).double()
     expected = ref_group_advantages(rewards.tolist(), 6, estimator)
-    torch.testing.assert_close(compute_group_advantages(rewards, 6, estimator=estimator).double(),
-                               torch.tensor(expected, dtype=torch.float64), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(
+        compute_group_advantages(rewards, 6, estimator=estimator).double(),
+        torch.tensor(expected, dtype=torch.float64),
+        atol=1e-6,
+        rtol=1e-6,
+    )
 
 
 def test_registry_rules_and_errors():

@@ -28,8 +28,12 @@ def test_paper_mode_literal():
     # <H>_ini = 0.8 > ln 2: keep everything.
     assert entropy_keep_mask(h, mode="paper", initial_entropy=torch.tensor(0.8)).all()
     adv = torch.tensor([1.0, -1.0, 2.0, -2.0])
-    assert entropy_keep_mask(h, mode="paper", initial_entropy=0.5, advantages=adv,
-                             only_negative=True).tolist() == [True, True, True, False]
+    assert entropy_keep_mask(h, mode="paper", initial_entropy=0.5, advantages=adv, only_negative=True).tolist() == [
+        True,
+        True,
+        True,
+        False,
+    ]
 
 
 @pytest.mark.parametrize("mode", ["paper", "fixed", "off"])
@@ -38,10 +42,22 @@ def test_paper_mode_literal():
 def test_matches_reference(mode, only_negative, initial):
     h = torch.rand(40) * 1.5
     adv = torch.randn(40)
-    got = entropy_keep_mask(h, mode=mode, threshold=0.7 if mode == "fixed" else LN2, initial_entropy=initial,
-                            advantages=adv, only_negative=only_negative)
-    want = ref_keep(h.tolist(), mode=mode, threshold=0.7 if mode == "fixed" else LN2, initial_entropy=initial,
-                    advantages=adv.tolist(), only_negative=only_negative)
+    got = entropy_keep_mask(
+        h,
+        mode=mode,
+        threshold=0.7 if mode == "fixed" else LN2,
+        initial_entropy=initial,
+        advantages=adv,
+        only_negative=only_negative,
+    )
+    want = ref_keep(
+        h.tolist(),
+        mode=mode,
+        threshold=0.7 if mode == "fixed" else LN2,
+        initial_entropy=initial,
+        advantages=adv.tolist(),
+        only_negative=only_negative,
+    )
     assert got.tolist() == want
 
 

@@ -39,8 +39,9 @@ def test_literal_temperature_half():
 def test_padded_vocabulary_columns_take_no_mass_and_no_gradient():
     # Two padded columns with huge logits must not change the literal 10-token answer.
     logits = torch.cat([_literal_logits(), torch.tensor([[50.0, 80.0]])], dim=-1).requires_grad_()
-    logprobs, entropy = vocab_parallel_logprobs_entropy(logits, torch.tensor([4]), vocab_size=10,
-                                                        entropy_requires_grad=True)
+    logprobs, entropy = vocab_parallel_logprobs_entropy(
+        logits, torch.tensor([4]), vocab_size=10, entropy_requires_grad=True
+    )
     assert logprobs.item() == pytest.approx(-1.791759469, abs=1e-6)
     assert entropy.item() == pytest.approx(2.182897521, abs=1e-6)
     (logprobs + entropy).sum().backward()
@@ -51,12 +52,14 @@ def test_padded_vocabulary_columns_take_no_mass_and_no_gradient():
 
 def test_literal_logprobs_and_entropy_at_two_temperatures():
     # One call, one read of the logits: log-probs at one temperature, entropy at the other (values above).
-    logprobs, entropy = vocab_parallel_logprobs_entropy(_literal_logits(), torch.tensor([4]), temperature=1.0,
-                                                        entropy_temperature=0.5)
+    logprobs, entropy = vocab_parallel_logprobs_entropy(
+        _literal_logits(), torch.tensor([4]), temperature=1.0, entropy_temperature=0.5
+    )
     assert logprobs.item() == pytest.approx(-1.791759469, abs=1e-6)
     assert entropy.item() == pytest.approx(1.970416478, abs=1e-6)
-    logprobs, entropy = vocab_parallel_logprobs_entropy(_literal_logits(), torch.tensor([4]), temperature=0.5,
-                                                        entropy_temperature=1.0, chunk_size=1)
+    logprobs, entropy = vocab_parallel_logprobs_entropy(
+        _literal_logits(), torch.tensor([4]), temperature=0.5, entropy_temperature=1.0, chunk_size=1
+    )
     assert logprobs.item() == pytest.approx(-1.481604541, abs=1e-6)
     assert entropy.item() == pytest.approx(2.182897521, abs=1e-6)
 
@@ -64,13 +67,20 @@ def test_literal_logprobs_and_entropy_at_two_temperatures():
 @pytest.mark.parametrize("entropy_requires_grad", [False, True])
 @pytest.mark.parametrize(("temperature", "entropy_temperature"), [(0.9, 1.0), (1.0, 0.6), (1.7, 0.8)])
 @pytest.mark.parametrize("chunk_size", [None, 3])
-def test_separate_entropy_temperature_matches_float64(chunk_size, temperature, entropy_temperature,
-                                                      entropy_requires_grad):
+def test_separate_entropy_temperature_matches_float64(
+    chunk_size, temperature, entropy_temperature, entropy_requires_grad
+):
     logits = (3 * torch.randn(4, 7, 33)).requires_grad_()
     targets = torch.randint(0, 30, (4, 7))
     logprobs, entropy = vocab_parallel_logprobs_entropy(
-        logits, targets, vocab_size=30, temperature=temperature, entropy_temperature=entropy_temperature,
-        chunk_size=chunk_size, entropy_requires_grad=entropy_requires_grad)
+        logits,
+        targets,
+        vocab_size=30,
+        temperature=temperature,
+        entropy_temperature=entropy_temperature,
+        chunk_size=chunk_size,
+        entropy_requires_grad=entropy_requires_grad,
+    )
     assert entropy.requires_grad == entropy_requires_grad
     ref_input = logits.detach().double().requires_grad_()
     ref_lp, _ = ref_logprobs_entropy(ref_input, targets, vocab_size=30, temperature=temperature)
@@ -94,8 +104,9 @@ def test_entropy_temperature_equal_to_temperature_is_the_default_path():
     same = vocab_parallel_logprobs_entropy(logits, targets, temperature=0.7, entropy_temperature=0.7, chunk_size=4)
     for a, b in zip(default, same):
         assert torch.equal(a, b)
-    lp, none = vocab_parallel_logprobs_entropy(logits, targets, temperature=0.7, entropy_temperature=1.0,
-                                               with_entropy=False)
+    lp, none = vocab_parallel_logprobs_entropy(
+        logits, targets, temperature=0.7, entropy_temperature=1.0, with_entropy=False
+    )
     assert none is None and torch.equal(lp, default[0])
 
 

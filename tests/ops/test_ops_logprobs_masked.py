@@ -35,8 +35,9 @@ def test_literal_masked_token_at_temperature_half():
     # z / 0.5 = [0, 2, -inf]: logprob(0) = -ln(1 + e^2) = -2.126928011; entropy = 0.365333855 nats.
     logits = torch.tensor([[0.0, 1.0, -INF]])
     for chunk_size in (None, 1):
-        logprobs, entropy = vocab_parallel_logprobs_entropy(logits, torch.tensor([0]), temperature=0.5,
-                                                            chunk_size=chunk_size)
+        logprobs, entropy = vocab_parallel_logprobs_entropy(
+            logits, torch.tensor([0]), temperature=0.5, chunk_size=chunk_size
+        )
         assert logprobs.item() == pytest.approx(-2.126928011, abs=1e-6)
         assert entropy.item() == pytest.approx(0.365333855, abs=1e-6)
 
@@ -76,12 +77,17 @@ def test_masked_logits_match_float64_reference(chunk_size, temperature, entropy_
     targets = _finite_targets(full)
     logits = full.clone().requires_grad_()
     logprobs, entropy = vocab_parallel_logprobs_entropy(
-        logits, targets, vocab_size=30, temperature=temperature, entropy_temperature=entropy_temperature,
-        chunk_size=chunk_size, entropy_requires_grad=True)
+        logits,
+        targets,
+        vocab_size=30,
+        temperature=temperature,
+        entropy_temperature=entropy_temperature,
+        chunk_size=chunk_size,
+        entropy_requires_grad=True,
+    )
     ref_input = full.double().requires_grad_()
     ref_lp, _ = ref_logprobs_entropy(ref_input, targets, vocab_size=30, temperature=temperature)
-    _, ref_h = ref_logprobs_entropy(ref_input, targets, vocab_size=30,
-                                    temperature=entropy_temperature or temperature)
+    _, ref_h = ref_logprobs_entropy(ref_input, targets, vocab_size=30, temperature=entropy_temperature or temperature)
     # float32 computation vs float64 reference: a few ulps of values ~O(10).
     torch.testing.assert_close(logprobs.double(), ref_lp.detach(), atol=1e-5, rtol=1e-6)
     torch.testing.assert_close(entropy.double(), ref_h.detach(), atol=1e-5, rtol=1e-6)
@@ -99,8 +105,9 @@ def test_masked_bfloat16_logits(entropy_requires_grad):
     full = _masked_logits(torch.bfloat16)
     targets = _finite_targets(full)
     logits = full.clone().requires_grad_()
-    logprobs, entropy = vocab_parallel_logprobs_entropy(logits, targets, vocab_size=30, chunk_size=5,
-                                                        entropy_requires_grad=entropy_requires_grad)
+    logprobs, entropy = vocab_parallel_logprobs_entropy(
+        logits, targets, vocab_size=30, chunk_size=5, entropy_requires_grad=entropy_requires_grad
+    )
     ref_input = full.double().requires_grad_()
     ref_lp, ref_h = ref_logprobs_entropy(ref_input, targets, vocab_size=30)
     # bf16 inputs are exact in fp32, so only fp32 arithmetic error remains.
@@ -118,8 +125,11 @@ def test_masked_bfloat16_logits(entropy_requires_grad):
 
 @pytest.mark.parametrize(
     ("value", "message"),
-    [(-INF, r"row \(1, 2\) .* is -inf in all 4 real vocabulary columns"),
-     (INF, r"row \(1, 2\) .* holds \+inf or NaN"), (float("nan"), r"row \(1, 2\) .* holds \+inf or NaN")],
+    [
+        (-INF, r"row \(1, 2\) .* is -inf in all 4 real vocabulary columns"),
+        (INF, r"row \(1, 2\) .* holds \+inf or NaN"),
+        (float("nan"), r"row \(1, 2\) .* holds \+inf or NaN"),
+    ],
     ids=["all-minus-inf", "plus-inf", "nan"],
 )
 @pytest.mark.parametrize("chunk_size", [None, 2])
@@ -127,8 +137,9 @@ def test_rows_without_a_softmax_are_refused(value, message, chunk_size):
     logits = torch.randn(2, 3, 5)
     logits[1, 2, :4] = value if value == -INF else torch.tensor([0.0, value, 1.0, 2.0])
     with pytest.raises(ValueError, match=message):
-        vocab_parallel_logprobs_entropy(logits, torch.zeros(2, 3, dtype=torch.long), vocab_size=4,
-                                        chunk_size=chunk_size)
+        vocab_parallel_logprobs_entropy(
+            logits, torch.zeros(2, 3, dtype=torch.long), vocab_size=4, chunk_size=chunk_size
+        )
 
 
 def test_unchecked_rows_without_a_softmax_give_nan():

@@ -30,17 +30,30 @@ def _batch(seed=0, extra_pad=0):
 def _call(name, b, normalizer, aggregation, *, rows=slice(None), kl_coef=0.0, old=True, dtype=torch.float32):
     policy = b["policy"][rows].to(dtype).requires_grad_()
     loss, metrics = get_policy_loss(name)(
-        policy_logprobs=policy, old_logprobs=b["old"][rows].to(dtype) if old else None,
-        advantages=b["adv"][rows].to(dtype), token_weights=b["weights"][rows].to(dtype),
-        response_mask=b["mask"][rows], normalizer=normalizer, aggregation=aggregation, clip_eps_low=0.2,
-        clip_eps_high=0.28, ref_logprobs=b["ref"][rows].to(dtype), kl_coef=kl_coef, kl_estimator="k3",
+        policy_logprobs=policy,
+        old_logprobs=b["old"][rows].to(dtype) if old else None,
+        advantages=b["adv"][rows].to(dtype),
+        token_weights=b["weights"][rows].to(dtype),
+        response_mask=b["mask"][rows],
+        normalizer=normalizer,
+        aggregation=aggregation,
+        clip_eps_low=0.2,
+        clip_eps_high=0.28,
+        ref_logprobs=b["ref"][rows].to(dtype),
+        kl_coef=kl_coef,
+        kl_estimator="k3",
     )
     loss.backward()
     return loss, metrics, policy.grad
 
 
-CASES = [("gtpo", "seq-mean-token-mean", 0.0), ("gtpo", "token-mean", 0.0), ("grpo", "seq-mean-token-mean", 0.05),
-         ("dapo", "token-mean", 0.0), ("dr_grpo", "seq-mean-token-sum", 0.0)]
+CASES = [
+    ("gtpo", "seq-mean-token-mean", 0.0),
+    ("gtpo", "token-mean", 0.0),
+    ("grpo", "seq-mean-token-mean", 0.05),
+    ("dapo", "token-mean", 0.0),
+    ("dr_grpo", "seq-mean-token-sum", 0.0),
+]
 
 
 @pytest.mark.parametrize("name,aggregation,kl_coef", CASES)
@@ -50,9 +63,19 @@ def test_matches_reference_loss_and_gradient(name, aggregation, kl_coef, old):
     normalizer = compute_normalizer(b["mask"], aggregation) * 1.5  # as if other ranks held more data
     loss, _, grad = _call(name, b, normalizer, aggregation, kl_coef=kl_coef, old=old)
     policy64 = b["policy"].clone().requires_grad_()
-    want = ref_policy_loss(policy64, b["old"] if old else None, b["adv"], b["weights"], b["lengths"],
-                           aggregation=aggregation, normalizer=float(normalizer), clip_low=0.2, clip_high=0.28,
-                           ref_logprobs=b["ref"], kl_coef=kl_coef)
+    want = ref_policy_loss(
+        policy64,
+        b["old"] if old else None,
+        b["adv"],
+        b["weights"],
+        b["lengths"],
+        aggregation=aggregation,
+        normalizer=float(normalizer),
+        clip_low=0.2,
+        clip_high=0.28,
+        ref_logprobs=b["ref"],
+        kl_coef=kl_coef,
+    )
     want.backward()
     torch.testing.assert_close(loss.double(), want.detach(), atol=1e-6, rtol=1e-6)  # fp32 vs fp64
     torch.testing.assert_close(grad.double(), policy64.grad, atol=1e-6, rtol=1e-6)
@@ -71,7 +94,7 @@ def test_every_registered_loss_with_canonical_kwargs(name):
 def test_one_micro_batch_equals_four_and_extra_padding(aggregation):
     b = _batch()
     normalizer = compute_normalizer(b["mask"], aggregation)
-    split = sum(compute_normalizer(b["mask"][i:i + 2], aggregation) for i in range(0, B, 2))
+    split = sum(compute_normalizer(b["mask"][i : i + 2], aggregation) for i in range(0, B, 2))
     assert torch.equal(split, normalizer)
     whole, whole_metrics, whole_grad = _call("grpo", b, normalizer, aggregation, kl_coef=0.1)
     parts = [_call("grpo", b, normalizer, aggregation, rows=slice(i, i + 2), kl_coef=0.1) for i in range(0, B, 2)]
@@ -80,8 +103,9 @@ def test_one_micro_batch_equals_four_and_extra_padding(aggregation):
     for key, value in whole_metrics.items():
         torch.testing.assert_close(sum(p[1][key] for p in parts), value, atol=1e-5, rtol=1e-6)
     padded = _batch(extra_pad=3)
-    pad_loss, _, pad_grad = _call("grpo", padded, compute_normalizer(padded["mask"], aggregation), aggregation,
-                                  kl_coef=0.1)
+    pad_loss, _, pad_grad = _call(
+        "grpo", padded, compute_normalizer(padded["mask"], aggregation), aggregation, kl_coef=0.1
+    )
     torch.testing.assert_close(pad_loss, whole, atol=0, rtol=1e-6)
     torch.testing.assert_close(pad_grad[:, :T], whole_grad, atol=0, rtol=1e-6)
     assert torch.equal(pad_grad[:, T:], torch.zeros(B, 3))
@@ -93,13 +117,32 @@ def test_metrics_literal():
     policy = torch.zeros(3, 3, requires_grad=True)
     old = torch.tensor([[0.0, -1.0, 0.0], [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]])  # ratio e at (0,1): clipped for A>0
     _, m = get_policy_loss("gtpo")(
-        policy_logprobs=policy, old_logprobs=old, advantages=torch.tensor([1.0, -1.0, 0.0]), token_weights=weights,
-        response_mask=mask, normalizer=torch.tensor(2.0), aggregation="seq-mean-token-mean", clip_eps_low=0.2,
-        clip_eps_high=0.2, entropy=torch.full((3, 3), 0.5), entropy_keep_mask=torch.tensor([True, False, True]),
+        policy_logprobs=policy,
+        old_logprobs=old,
+        advantages=torch.tensor([1.0, -1.0, 0.0]),
+        token_weights=weights,
+        response_mask=mask,
+        normalizer=torch.tensor(2.0),
+        aggregation="seq-mean-token-mean",
+        clip_eps_low=0.2,
+        clip_eps_high=0.2,
+        entropy=torch.full((3, 3), 0.5),
+        entropy_keep_mask=torch.tensor([True, False, True]),
     )
-    expected = {"num_tokens": 5, "num_sequences": 2, "clipped_tokens": 1, "positive_tokens": 3, "negative_tokens": 2,
-                "amplified_tokens": 1, "zero_weight_tokens": 3, "zero_weight_sequences": 1, "kl_sum": 0,
-                "entropy_sum": 2.5, "filtered_sequences": 1, "negative_conflict_tokens": 1}
+    expected = {
+        "num_tokens": 5,
+        "num_sequences": 2,
+        "clipped_tokens": 1,
+        "positive_tokens": 3,
+        "negative_tokens": 2,
+        "amplified_tokens": 1,
+        "zero_weight_tokens": 3,
+        "zero_weight_sequences": 1,
+        "kl_sum": 0,
+        "entropy_sum": 2.5,
+        "filtered_sequences": 1,
+        "negative_conflict_tokens": 1,
+    }
     assert {k: m[k].item() for k in expected} == pytest.approx(expected)
     assert m["ratio_sum"].item() == pytest.approx(4 + torch.e)
 

@@ -135,13 +135,16 @@ def test_train_state_offload_leaves_only_weights_during_rollout() -> None:
         "parallel.tp_size*parallel.pp_size")  # fmt: skip
 
 
-@pytest.mark.parametrize("flags, fragment", [
-    (["--gpus", "0"], "--gpus=0: must be >= 1"),
-    (["--gpus", "32", "--gpu-mem", "-1"], "--gpu-mem=-1: must be > 0 GiB"),
-    (["--gpus", "32", "--gpus-per-node", "0"], "--gpus-per-node=0: must be >= 1"),
-    (["--gpus", "32", "--reserve-gib", "100"], "--reserve-gib=100: must be in [0, --gpu-mem=80)"),
-    (["--gpus", "32", "--sync-bandwidth-gbps", "0"], "--sync-bandwidth-gbps=0: must be > 0"),
-])
+@pytest.mark.parametrize(
+    "flags, fragment",
+    [
+        (["--gpus", "0"], "--gpus=0: must be >= 1"),
+        (["--gpus", "32", "--gpu-mem", "-1"], "--gpu-mem=-1: must be > 0 GiB"),
+        (["--gpus", "32", "--gpus-per-node", "0"], "--gpus-per-node=0: must be >= 1"),
+        (["--gpus", "32", "--reserve-gib", "100"], "--reserve-gib=100: must be in [0, --gpu-mem=80)"),
+        (["--gpus", "32", "--sync-bandwidth-gbps", "0"], "--sync-bandwidth-gbps=0: must be > 0"),
+    ],
+)
 def test_bad_flags_exit_2_naming_the_flag(flags, fragment) -> None:
     status, text = run(["--config", str(CONFIGS / "qwen2.5-32b_gsm8k_gtpo_32gpu.yaml"), *flags])
     assert status == 2 and fragment in text, text

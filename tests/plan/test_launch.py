@@ -63,8 +63,15 @@ def test_run_local_knobs(tmp_path: Path) -> None:
 
 
 def test_submit_sbatch_one_torchrun_per_node_at_the_head_node(tmp_path: Path) -> None:
-    env = {**_fake_bin(tmp_path), "SLURM_SUBMIT_DIR": str(REPO), "SLURM_NNODES": "2", "SLURM_JOB_ID": "4242",
-           "SLURM_JOB_NODELIST": "gpu-node-[07-08]", "SLURM_GPUS_ON_NODE": "8", "LOG_DIR": str(tmp_path / "l")}
+    env = {
+        **_fake_bin(tmp_path),
+        "SLURM_SUBMIT_DIR": str(REPO),
+        "SLURM_NNODES": "2",
+        "SLURM_JOB_ID": "4242",
+        "SLURM_JOB_NODELIST": "gpu-node-[07-08]",
+        "SLURM_GPUS_ON_NODE": "8",
+        "LOG_DIR": str(tmp_path / "l"),
+    }
     # sbatch runs a spooled copy of the script from elsewhere; SLURM_SUBMIT_DIR is the repository root
     script = tmp_path / "spooled.sbatch"
     script.write_text((REPO / "launch" / "submit.sbatch").read_text())

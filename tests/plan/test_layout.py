@@ -53,20 +53,33 @@ def test_separate_layout_gives_the_engine_its_own_ranks() -> None:
 @pytest.mark.parametrize(
     ("arch", "changes", "message"),
     [
-        (LLAMA70B, {"tp_size": 16, "world_size": 64}, r"parallel.tp_size=16 must divide num_attention_heads=64 "
-         r"and num_query_groups=8 .*use one of \[1, 2, 4, 8\]"),
+        (
+            LLAMA70B,
+            {"tp_size": 16, "world_size": 64},
+            r"parallel.tp_size=16 must divide num_attention_heads=64 "
+            r"and num_query_groups=8 .*use one of \[1, 2, 4, 8\]",
+        ),
         (QWEN25_32B, {"tp_size": 16, "pp_size": 4}, r"num_attention_heads=40 .*use one of \[1, 2, 4, 8\]"),
         (LLAMA70B, {"pp_size": 3, "world_size": 48}, r"parallel.pp_size=3 must divide num_layers=80"),
         (LLAMA70B, {"engine_tp_size": 3, "world_size": 96}, r"rollout.engine_tp_size=3 must divide"),
         (LLAMA70B, {"engine_tp_size": 16}, r"rollout.engine_tp_size=16 exceeds the 8 GPUs the engine can use"),
         (LLAMA70B, {"world_size": 60}, r"--gpus=60 leaves 60 training ranks, not a multiple of .*=8\*4"),
-        (LLAMA70B, {"world_size": 36, "placement": "separate", "engine_tp_size": 8},
-         r"--gpus=36 leaves 28 training ranks.*launch 32\*k \+ 8 GPUs"),
-        (QWEN25_32B, {"tp_size": 4, "pp_size": 1, "num_prompts": 3},
-         r"rollout.num_prompts\*algorithm.group_size=3\*8=24 must split evenly over dp_size=16; "
-         r"use rollout.num_prompts=4"),
-        (LLAMA70B, {"num_prompts": 3, "micro_batch_size": 8},
-         r"optim.micro_batch_size=8 must divide the 12 sequences per data-parallel rank"),
+        (
+            LLAMA70B,
+            {"world_size": 36, "placement": "separate", "engine_tp_size": 8},
+            r"--gpus=36 leaves 28 training ranks.*launch 32\*k \+ 8 GPUs",
+        ),
+        (
+            QWEN25_32B,
+            {"tp_size": 4, "pp_size": 1, "num_prompts": 3},
+            r"rollout.num_prompts\*algorithm.group_size=3\*8=24 must split evenly over dp_size=16; "
+            r"use rollout.num_prompts=4",
+        ),
+        (
+            LLAMA70B,
+            {"num_prompts": 3, "micro_batch_size": 8},
+            r"optim.micro_batch_size=8 must divide the 12 sequences per data-parallel rank",
+        ),
     ],  # fmt: skip
 )
 def test_broken_rules_name_field_value_and_fix(arch, changes, message) -> None:

@@ -12,8 +12,9 @@ from tests.helpers.batches import EOS, conflict_batch, make_group
 
 
 def test_collate_right_pads_and_builds_masks_from_lengths():
-    batch = collate_completions([make_group([7, 8], [[5, EOS], [6]], ["stop", "length"]),
-                                 make_group([9], [[4, 4, EOS], []])], pad_token_id=EOS)
+    batch = collate_completions(
+        [make_group([7, 8], [[5, EOS], [6]], ["stop", "length"]), make_group([9], [[4, 4, EOS], []])], pad_token_id=EOS
+    )
     assert batch.input_ids.tolist() == [[7, 8, 5, EOS], [7, 8, 6, EOS], [9, 4, 4, EOS], [9, EOS, EOS, EOS]]
     assert batch.attention_mask.int().tolist() == [[1, 1, 1, 1], [1, 1, 1, 0], [1, 1, 1, 1], [1, 0, 0, 0]]
     assert batch.response_mask.int().tolist() == [[0, 0, 1, 1], [0, 0, 1, 0], [0, 1, 1, 1], [0, 0, 0, 0]]
@@ -36,7 +37,11 @@ def test_mismatch_sums():
 
 def test_rollout_metrics():
     batch = conflict_batch()
-    m = rollout_metrics(batch, torch.tensor([20.0, 10.0, 0.0, 0.0]), torch.tensor([True, False, False, False]),
-                        torch.tensor([True, True, False, False]))
+    m = rollout_metrics(
+        batch,
+        torch.tensor([20.0, 10.0, 0.0, 0.0]),
+        torch.tensor([True, False, False, False]),
+        torch.tensor([True, True, False, False]),
+    )
     assert (m["reward/mean"], m["accuracy"], m["format_rate"]) == (7.5, 0.25, 0.5)
     assert m["response/length_mean"] == 3.75 and m["response/length_max"] == 4

@@ -51,7 +51,15 @@ def test_prompt_indices():
 
 
 def test_vllm_engine_satisfies_protocol_structurally():
-    for name in ("generate", "update_weights", "begin_weight_update", "load_weight_bucket",
-                 "finish_weight_update", "sleep", "wake_up", "close"):
+    for name in (
+        "generate",
+        "update_weights",
+        "begin_weight_update",
+        "load_weight_bucket",
+        "finish_weight_update",
+        "sleep",
+        "wake_up",
+        "close",
+    ):
         assert callable(getattr(VLLMEngine, name)), name
     assert {"generate", "update_weights", "sleep", "wake_up", "close"} <= set(dir(RolloutEngine))

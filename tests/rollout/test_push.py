@@ -68,7 +68,11 @@ def test_push_protocol_and_stats():
     engine = RecordingEngine()
     stats = push_weights(engine, _stream([40, 40, 40, 200]), bucket_bytes=100)
     assert engine.calls == [
-        ("begin", []), ("bucket", ["w0", "w1"]), ("bucket", ["w2"]), ("bucket", ["w3"]), ("finish", []),
+        ("begin", []),
+        ("bucket", ["w0", "w1"]),
+        ("bucket", ["w2"]),
+        ("bucket", ["w3"]),
+        ("finish", []),
     ]
     assert isinstance(stats, PushStats)
     assert (stats.num_tensors, stats.num_bytes, stats.num_buckets, stats.max_bucket_bytes) == (4, 320, 3, 200)

@@ -38,10 +38,21 @@ class FakeEngine:
     def generate(self, prompt_ids, n, sampling):
         self.calls.append(([list(p) for p in prompt_ids], n, sampling))
         uniform = len(self.calls) <= self.uniform_rounds
-        return [PromptCompletions(prompt_ids=list(p), completions=[
-            Completion(token_ids=[10 + j % 3, EOS], rollout_logprobs=[-1.0, -0.5],
-                       text="9" if (j % 2 == 0 or uniform) else "0", finish_reason="stop")
-            for j in range(n)]) for p in prompt_ids]
+        return [
+            PromptCompletions(
+                prompt_ids=list(p),
+                completions=[
+                    Completion(
+                        token_ids=[10 + j % 3, EOS],
+                        rollout_logprobs=[-1.0, -0.5],
+                        text="9" if (j % 2 == 0 or uniform) else "0",
+                        finish_reason="stop",
+                    )
+                    for j in range(n)
+                ],
+            )
+            for p in prompt_ids
+        ]
 
     def begin_weight_update(self):
         self.pushed.append([])
@@ -66,8 +77,9 @@ class FakeRewardPool:
     """Score 1.0 when the text equals the last character of the reference... i.e. correct iff text == "9"."""
 
     def score(self, completions, references):
-        results = [RewardResult(score=float(c == "9"), correct=c == "9", format_ok=False, extracted=c)
-                   for c in completions]
+        results = [
+            RewardResult(score=float(c == "9"), correct=c == "9", format_ok=False, extracted=c) for c in completions
+        ]
         return results, {"num_timeouts": 0, "num_errors": 0, "seconds": 0.0}
 
     def close(self):
@@ -113,5 +125,17 @@ class FakePolicy:
 
 def single_rank_groups():
     """``ParallelGroups``-like handle of a one-process world (dp group None: no data parallelism)."""
-    return SimpleNamespace(rank=0, world_size=1, tp_size=1, pp_size=1, dp_size=1, dp_rank=0, tp_rank=0, pp_rank=0,
-                           dp=None, tp=None, pp=None, mp=None)
+    return SimpleNamespace(
+        rank=0,
+        world_size=1,
+        tp_size=1,
+        pp_size=1,
+        dp_size=1,
+        dp_rank=0,
+        tp_rank=0,
+        pp_rank=0,
+        dp=None,
+        tp=None,
+        pp=None,
+        mp=None,
+    )

@@ -25,12 +25,15 @@ def test_gtpo_weights_hand_computed():
     # Section 3, prefix_suffix, columns = [prompt, prompt, r0, r1, r2, r3]: prefix run = position 0 (token 11);
     # suffix runs aligned at each end: EOS is shared by P+ and P- at the last position; "12" one before it in
     # completions 0 (P+) and 2 (P-) only -> conflict; completion 1's "21" vs P- "32"/"12": no.
-    expected = torch.tensor([
-        [0, 0, 2, 1, 2, 2],
-        [0, 0, 2, 1, 2, 0],
-        [0, 0, 0, 1, 0, 0],
-        [0, 0, 0, 1, 1, 0],
-    ], dtype=torch.float32)
+    expected = torch.tensor(
+        [
+            [0, 0, 2, 1, 2, 2],
+            [0, 0, 2, 1, 2, 0],
+            [0, 0, 0, 1, 0, 0],
+            [0, 0, 0, 1, 1, 0],
+        ],
+        dtype=torch.float32,
+    )
     torch.testing.assert_close(weights.token_weights, expected)
     metrics = weight_metrics(weights, batch.response_mask)
     # positive conflict tokens: 3 + 2 = 5 of 15 response tokens; negative: 3 + 2 = 5.
@@ -47,8 +50,9 @@ def test_paper_filter_drops_high_entropy_and_still_defines_conflicts():
     assert weights.keep_mask.tolist() == [True, False, True, True]  # ties count as below (section 4)
     assert weights.token_weights[1].abs().sum() == 0
     assert weights.token_weights[0, 2].item() == 2.0  # conflicts still use the filtered completion
-    excluded = compute_step_weights(batch, rewards, entropy, algorithm_section(exclude_filtered_from_conflicts=True),
-                                    initial_entropy=0.5)
+    excluded = compute_step_weights(
+        batch, rewards, entropy, algorithm_section(exclude_filtered_from_conflicts=True), initial_entropy=0.5
+    )
     # Without completion 1, completion 0 still shares token 11 and "12 EOS" with completion 2.
     assert excluded.token_weights[0].tolist() == [0, 0, 2, 1, 2, 2]
     assert weight_metrics(weights, batch.response_mask)["gtpo/filtered_frac"] == 0.25
@@ -57,17 +61,20 @@ def test_paper_filter_drops_high_entropy_and_still_defines_conflicts():
 def test_grpo_preset_gives_std_advantages_and_plain_weights():
     batch = conflict_batch()
     rewards = torch.tensor([1.0, 1.0, 0.0, 0.0])
-    weights = compute_step_weights(batch, rewards, torch.full((4,), 5.0), algorithm_section("grpo"),
-                                   initial_entropy=None)
+    weights = compute_step_weights(
+        batch, rewards, torch.full((4,), 5.0), algorithm_section("grpo"), initial_entropy=None
+    )
     std = torch.tensor([1.0, 1.0, 0.0, 0.0], dtype=torch.float64).std()
-    torch.testing.assert_close(weights.advantages, (torch.tensor([0.5, 0.5, -0.5, -0.5]) / std).float(),
-                               atol=1e-5, rtol=0)  # eps=1e-6 in the denominator
+    torch.testing.assert_close(
+        weights.advantages, (torch.tensor([0.5, 0.5, -0.5, -0.5]) / std).float(), atol=1e-5, rtol=0
+    )  # eps=1e-6 in the denominator
     torch.testing.assert_close(weights.token_weights, batch.response_mask.float())
 
 
 def test_uniform_group_skip_and_overlong_filter():
-    batch = collate_completions([make_group([1], [[5, EOS], [6, EOS]]),
-                                 make_group([1], [[5, EOS], [6]], ["stop", "length"])], pad_token_id=EOS)
+    batch = collate_completions(
+        [make_group([1], [[5, EOS], [6, EOS]]), make_group([1], [[5, EOS], [6]], ["stop", "length"])], pad_token_id=EOS
+    )
     rewards = torch.tensor([1.0, 1.0, 1.0, 0.0])
     cfg = algorithm_section(group_size=2, skip_uniform_groups=True, overlong_filter=True)
     weights = compute_step_weights(batch, rewards, torch.zeros(4), cfg, initial_entropy=1.0)

@@ -25,8 +25,10 @@ def test_jsonl_one_object_per_step_and_nan_as_null(tmp_path):
     sink.log(1, {"reward/mean": 0.5, "entropy/mean": math.nan})
     sink.log(2, {"reward/mean": 1.0, "entropy/mean": 0.3})
     sink.close()
-    assert _records(tmp_path) == [{"step": 1, "reward/mean": 0.5, "entropy/mean": None},
-                                  {"step": 2, "reward/mean": 1.0, "entropy/mean": 0.3}]
+    assert _records(tmp_path) == [
+        {"step": 1, "reward/mean": 0.5, "entropy/mean": None},
+        {"step": 2, "reward/mean": 1.0, "entropy/mean": 0.3},
+    ]
 
 
 def test_disabled_rank_writes_nothing(tmp_path):

@@ -12,8 +12,15 @@ METHODS = [name for name in vars(Policy) if not name.startswith("_")]
 
 
 def test_protocol_lists_what_the_trainer_calls():
-    assert sorted(METHODS) == ["compute_logprobs", "iter_hf_weights", "load_checkpoint", "offload_train_state",
-                               "restore_train_state", "save_checkpoint", "train_step"]
+    assert sorted(METHODS) == [
+        "compute_logprobs",
+        "iter_hf_weights",
+        "load_checkpoint",
+        "offload_train_state",
+        "restore_train_state",
+        "save_checkpoint",
+        "train_step",
+    ]
 
 
 def test_megatron_policy_and_fake_follow_the_protocol():

@@ -38,8 +38,11 @@ def test_fresh_run_guard(tmp_path):
     run_dir.check_fresh_run(tmp_path, resume=False)  # an interrupted save is not a checkpoint
     _make(run_dir.checkpoints_dir(tmp_path), "step_000003")
     run_dir.check_fresh_run(tmp_path, resume=True)
-    with pytest.raises(ValueError, match=r"holds checkpoints of an earlier run \(last: step_000003\); pass "
-                                         r"resume=true to continue it or output_dir=<new folder>"):
+    with pytest.raises(
+        ValueError,
+        match=r"holds checkpoints of an earlier run \(last: step_000003\); pass "
+        r"resume=true to continue it or output_dir=<new folder>",
+    ):
         run_dir.check_fresh_run(tmp_path, resume=False)
 
 

@@ -16,10 +16,13 @@ def test_parse_args_splits_config_and_overrides():
     assert args.config == DEMO and args.overrides == ["trainer.max_steps=3", "algorithm=grpo"]
 
 
-@pytest.mark.parametrize("override, fragment", [
-    ("trainer.max_step=3", "did you mean 'trainer.max_steps'"),
-    ("parallel.pp_size=2", "tp_size*pp_size must divide the world size"),
-])
+@pytest.mark.parametrize(
+    "override, fragment",
+    [
+        ("trainer.max_step=3", "did you mean 'trainer.max_steps'"),
+        ("parallel.pp_size=2", "tp_size*pp_size must divide the world size"),
+    ],
+)
 def test_config_errors_exit_2(override, fragment, monkeypatch, capsys):
     for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}.items():
         monkeypatch.setenv(key, value)
@@ -27,12 +30,15 @@ def test_config_errors_exit_2(override, fragment, monkeypatch, capsys):
     assert fragment in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("override, fragment", [
-    ("data.path=/no/such/file.jsonl", "data.path='/no/such/file.jsonl': no such file"),
-    ("data=math500", "data.split='train': 'math500' has only the split(s) ['test']; use data.split=test"),
-    ("model=builtin:nope", "model.name_or_path='builtin:nope' is not a built-in model"),
-    ("model=/no/such/model", "model.name_or_path='/no/such/model': no such folder"),
-])
+@pytest.mark.parametrize(
+    "override, fragment",
+    [
+        ("data.path=/no/such/file.jsonl", "data.path='/no/such/file.jsonl': no such file"),
+        ("data=math500", "data.split='train': 'math500' has only the split(s) ['test']; use data.split=test"),
+        ("model=builtin:nope", "model.name_or_path='builtin:nope' is not a built-in model"),
+        ("model=/no/such/model", "model.name_or_path='/no/such/model': no such folder"),
+    ],
+)
 def test_missing_model_or_data_fails_before_model_loading(override, fragment, monkeypatch, capsys):
     for key, value in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}.items():
         monkeypatch.setenv(key, value)

@@ -19,11 +19,28 @@ from gtpo_megatron.run_dir import list_checkpoints
 from gtpo_megatron.trainer import Trainer
 from tests.trainer.fakes import FakeEngine, FakePolicy, FakeRewardPool, FakeTokenizer, single_rank_groups
 
-CONTRACT_KEYS = {"reward/mean", "accuracy", "entropy/mean", "gtpo/filtered_frac", "gtpo/conflict_frac",
-                 "time/step_s", "reward/std", "format_rate", "response/length_mean", "gtpo/conflict_frac_pos",
-                 "gtpo/conflict_frac_neg", "train/clip_frac", "train/grad_norm", "train/lr", "time/rollout_s",
-                 "time/train_s", "time/sync_s", "perf/tokens_per_s", "mismatch/abs_logprob_diff",
-                 "mismatch/prob_ratio_err"}
+CONTRACT_KEYS = {
+    "reward/mean",
+    "accuracy",
+    "entropy/mean",
+    "gtpo/filtered_frac",
+    "gtpo/conflict_frac",
+    "time/step_s",
+    "reward/std",
+    "format_rate",
+    "response/length_mean",
+    "gtpo/conflict_frac_pos",
+    "gtpo/conflict_frac_neg",
+    "train/clip_frac",
+    "train/grad_norm",
+    "train/lr",
+    "time/rollout_s",
+    "time/train_s",
+    "time/sync_s",
+    "perf/tokens_per_s",
+    "mismatch/abs_logprob_diff",
+    "mismatch/prob_ratio_err",
+}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -38,19 +55,41 @@ def one_rank_world():
 
 
 def _trainer(tmp_path, *overrides, engine=None, policy=None):
-    cfg = load_config(None, ["model=builtin:tiny-qwen2", f"output_dir={tmp_path}", "rollout.num_prompts=2",
-                             "algorithm.group_size=4", "trainer.max_steps=4", "checkpoint.every_n_steps=2",
-                             "checkpoint.keep_last=1", "logging.wandb_mode=disabled", "logging.progress=false",
-                             *overrides])
+    cfg = load_config(
+        None,
+        [
+            "model=builtin:tiny-qwen2",
+            f"output_dir={tmp_path}",
+            "rollout.num_prompts=2",
+            "algorithm.group_size=4",
+            "trainer.max_steps=4",
+            "checkpoint.every_n_steps=2",
+            "checkpoint.keep_last=1",
+            "logging.wandb_mode=disabled",
+            "logging.progress=false",
+            *overrides,
+        ],
+    )
     loader = PromptLoader(load_problems("synthetic", limit=50), batch_size=2, seed=0)
-    collector = RolloutCollector(engine=engine or FakeEngine(), reward_pool=FakeRewardPool(),
-                                 tokenizer=FakeTokenizer(), loader=loader, rollout_cfg=cfg.rollout,
-                                 algorithm_cfg=cfg.algorithm)
+    collector = RolloutCollector(
+        engine=engine or FakeEngine(),
+        reward_pool=FakeRewardPool(),
+        tokenizer=FakeTokenizer(),
+        loader=loader,
+        rollout_cfg=cfg.rollout,
+        algorithm_cfg=cfg.algorithm,
+    )
     start = max([int(p.name[5:]) for p in list_checkpoints(tmp_path / "checkpoints")] + [0]) if cfg.resume else 0
-    sink = MetricSink(tmp_path, cfg=LoggingConfig(wandb_mode="disabled", progress=False), run_config={},
-                      max_steps=cfg.trainer.max_steps, start_step=start)
-    return Trainer(cfg, groups=single_rank_groups(), policy=policy or FakePolicy(), collector=collector,
-                   pad_token_id=0, sink=sink)
+    sink = MetricSink(
+        tmp_path,
+        cfg=LoggingConfig(wandb_mode="disabled", progress=False),
+        run_config={},
+        max_steps=cfg.trainer.max_steps,
+        start_step=start,
+    )
+    return Trainer(
+        cfg, groups=single_rank_groups(), policy=policy or FakePolicy(), collector=collector, pad_token_id=0, sink=sink
+    )
 
 
 def test_step_phases_feed_the_policy_and_engine(tmp_path):
@@ -150,8 +189,17 @@ def test_train_state_is_offloaded_around_the_rollout(tmp_path, monkeypatch):
     trainer = _trainer(tmp_path, "rollout.offload_train_state=true", engine=engine, policy=policy)
     trainer.step(1)
     trainer.step(2)
-    one_step = ["offload_train_state", "generate", "sleep", "restore_train_state", "compute_logprobs",
-                "compute_logprobs", "train_step", "wake_up", "synced"]  # entropy at temperature 1 != 0.9: 2 passes
+    one_step = [
+        "offload_train_state",
+        "generate",
+        "sleep",
+        "restore_train_state",
+        "compute_logprobs",
+        "compute_logprobs",
+        "train_step",
+        "wake_up",
+        "synced",
+    ]  # entropy at temperature 1 != 0.9: 2 passes
     assert engine.events == one_step * 2
 
 
