@@ -77,7 +77,7 @@ def build_collector(cfg: GTPOConfig, model_path: str, tokenizer):
     from gtpo_megatron.data.datasets import load_problems
     from gtpo_megatron.data.loader import PromptLoader
     from gtpo_megatron.data.prompts import build_prompt_ids
-    from gtpo_megatron.rewards.pool import RewardPool
+    from gtpo_megatron.rewards import RewardPool, default_extraction
     from gtpo_megatron.rollout.collector import RolloutCollector
     from gtpo_megatron.rollout.vllm_engine import VLLMEngine
 
@@ -112,6 +112,8 @@ def build_collector(cfg: GTPOConfig, model_path: str, tokenizer):
         loader=loader,
         rollout_cfg=rollout,
         algorithm_cfg=cfg.algorithm,
+        reward_cfg=cfg.reward,
+        extraction=cfg.reward.extraction or default_extraction(data.source),
     )
 
 

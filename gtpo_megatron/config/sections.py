@@ -111,8 +111,9 @@ class RolloutConfig:
     """Extra stop strings (EOS always stops)."""
     seed: int = 0
     """Base sampling seed. Rollout round r of step s (r > 0 only with dynamic sampling) samples with
-    ``seed + 1000 * s + r``, and request i of that round with a seed derived from that value and i
-    (``rollout.vllm_engine.request_seed``); it is also the engine's own seed. A resumed run therefore samples exactly
+    ``seed + 1000 * s + r``, and sample j of the prompt at global index i of that round with
+    ``rollout.vllm_engine.request_seed(seed + 1000 * s + r, i, j)`` (no two (prompt, sample) pairs share a random
+    stream); it is also the engine's own seed. A resumed run therefore samples exactly
     as the original run did, given the same weights."""
     engine_tp_size: int = 1
     """vLLM tensor-parallel size."""
@@ -374,11 +375,23 @@ class RewardConfig:
     num_workers: int = 2
     """Worker processes that score answers."""
     timeout_s: float = 5.0
-    """Seconds per answer; a timeout or a crash scores 0 and is counted."""
+    """Seconds per answer; a timeout or a crash scores 0 and is counted (``reward/num_timeouts``,
+    ``reward/num_errors``)."""
+    extraction: Literal["strict", "lenient"] | None = None
+    """How an answer is found in a completion (``rewards.answer_text``): ``strict`` needs ``\\boxed{}``,
+    ``<answer>``, ``####`` or a "final answer is" statement (MATH, AIME, AMC); ``lenient`` also takes the last
+    number or expression (GSM8K). ``null`` follows ``data.source`` (``rewards.default_extraction``: lenient for
+    gsm8k and synthetic, strict otherwise)."""
+    max_error_frac: float = 0.5
+    """Stop the run when more than this fraction of one scoring round's answers time out or fail in the grader
+    (``rewards.check_grader_failures``); in (0, 1]."""
 
     def __post_init__(self) -> None:
         _require(self.num_workers >= 1, "reward.num_workers", self.num_workers, "must be >= 1", "use 2")
         _require(self.timeout_s > 0, "reward.timeout_s", self.timeout_s, "must be > 0", "use 5")
+        _require(
+            0 < self.max_error_frac <= 1, "reward.max_error_frac", self.max_error_frac, "must be in (0, 1]", "use 0.5"
+        )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

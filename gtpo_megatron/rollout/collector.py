@@ -18,10 +18,11 @@ from typing import Any
 
 import torch
 
-from gtpo_megatron.config import AlgorithmConfig, RolloutConfig
+from gtpo_megatron.config import AlgorithmConfig, RewardConfig, RolloutConfig
 from gtpo_megatron.data.loader import PromptLoader
 from gtpo_megatron.data.prompts import build_prompt_ids
 from gtpo_megatron.data.sampling import choose_groups, filter_uniform_groups, shape_rewards
+from gtpo_megatron.rewards.pool import check_grader_failures
 from gtpo_megatron.rollout.engine import RolloutEngine, SamplingConfig
 from gtpo_megatron.rollout.types import PromptCompletions
 
@@ -51,10 +52,12 @@ class RolloutCollector:
 
     Args:
         engine: the rollout engine (``RolloutEngine`` protocol).
-        reward_pool: object with ``score(completions, references) -> (results, stats)`` (``rewards.pool``).
+        reward_pool: object with ``score(completions, references, extraction=...) -> (results, stats)``
+            (``rewards.RewardPool``).
         tokenizer: HF tokenizer used for the chat-templated prompts.
         loader: ``PromptLoader`` yielding ``num_prompts`` problems per call.
-        rollout_cfg, algorithm_cfg: their config sections.
+        rollout_cfg, algorithm_cfg, reward_cfg: their config sections.
+        extraction: the answer-extraction mode (``reward.extraction`` resolved for ``data.source``).
     """
 
     def __init__(
@@ -66,6 +69,8 @@ class RolloutCollector:
         loader: PromptLoader,
         rollout_cfg: RolloutConfig,
         algorithm_cfg: AlgorithmConfig,
+        reward_cfg: RewardConfig,
+        extraction: str,
     ) -> None:
         self.engine = engine
         self.reward_pool = reward_pool
@@ -73,6 +78,8 @@ class RolloutCollector:
         self.loader = loader
         self.rollout_cfg = rollout_cfg
         self.algorithm_cfg = algorithm_cfg
+        self.reward_cfg = reward_cfg
+        self.extraction = extraction
 
     def _sampling(self, step: int, round_index: int) -> SamplingConfig:
         cfg = self.rollout_cfg
@@ -94,7 +101,8 @@ class RolloutCollector:
         stats["time/generate_s"] += time.perf_counter() - start
         texts = [c.text for g in groups for c in g.completions]
         references = [p.answer for p in problems for _ in range(group_size)]
-        results, reward_stats = self.reward_pool.score(texts, references)
+        results, reward_stats = self.reward_pool.score(texts, references, extraction=self.extraction)
+        check_grader_failures(reward_stats, max_error_frac=self.reward_cfg.max_error_frac)
         stats["time/reward_s"] += reward_stats["seconds"]
         stats["reward/num_timeouts"] += reward_stats["num_timeouts"]
         stats["reward/num_errors"] += reward_stats["num_errors"]

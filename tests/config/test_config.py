@@ -222,3 +222,22 @@ def test_offload_train_state_needs_colocated_placement():
     message = str(err.value)
     assert "rollout.offload_train_state/rollout.placement=(True, 'separate')" in message
     assert "set rollout.offload_train_state=false, or rollout.placement=colocated" in message
+
+
+def test_reward_extraction_choices_match_the_rewards_owner():
+    """The config's Literal lists exactly the modes ``rewards.answer_text`` implements."""
+    from typing import get_args, get_type_hints
+
+    from gtpo_megatron.config.sections import RewardConfig
+    from gtpo_megatron.rewards import EXTRACTION_MODES
+
+    literal = get_args(get_type_hints(RewardConfig)["extraction"])[0]
+    assert set(get_args(literal)) == set(EXTRACTION_MODES)
+
+
+@pytest.mark.parametrize("value", [0.0, 1.5])
+def test_reward_max_error_frac_out_of_range_is_refused(value):
+    from gtpo_megatron.config.sections import RewardConfig
+
+    with pytest.raises(ValueError, match=r"reward.max_error_frac.*must be in \(0, 1\]"):
+        RewardConfig(max_error_frac=value)

@@ -76,11 +76,12 @@ class FakeEngine:
 class FakeRewardPool:
     """Score 1.0 when the text equals the last character of the reference... i.e. correct iff text == "9"."""
 
-    def score(self, completions, references):
+    def score(self, completions, references, *, extraction="strict"):
         results = [
             RewardResult(score=float(c == "9"), correct=c == "9", format_ok=False, extracted=c) for c in completions
         ]
-        return results, {"num_timeouts": 0, "num_errors": 0, "seconds": 0.0}
+        stats = {"reward": "fake", "num_scored": len(completions), "num_timeouts": 0, "num_errors": 0, "errors": []}
+        return results, {**stats, "seconds": 0.0}
 
     def close(self):
         pass

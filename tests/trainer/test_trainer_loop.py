@@ -78,6 +78,8 @@ def _trainer(tmp_path, *overrides, engine=None, policy=None):
         loader=loader,
         rollout_cfg=cfg.rollout,
         algorithm_cfg=cfg.algorithm,
+        reward_cfg=cfg.reward,
+        extraction="strict",
     )
     start = max([int(p.name[5:]) for p in list_checkpoints(tmp_path / "checkpoints")] + [0]) if cfg.resume else 0
     sink = MetricSink(
@@ -214,3 +216,22 @@ def test_train_state_offload_is_off_by_default_and_warns_without_cuda(tmp_path, 
     assert "rollout.offload_train_state=true has no effect without CUDA" in caplog.text
     trainer.step(1)
     assert "offload_train_state" not in policy.events
+
+
+class _FailingRewardPool(FakeRewardPool):
+    """A grader that times out on 3 answers of every 8."""
+
+    def score(self, completions, references, *, extraction="strict"):
+        results, stats = super().score(completions, references, extraction=extraction)
+        return results, {**stats, "num_timeouts": 3, "errors": ["timeout after 5.0 s on '...\\boxed{9^{9^9}}'"]}
+
+
+@pytest.mark.parametrize(("max_error_frac", "stops"), [(0.5, False), (0.25, True)])
+def test_grader_failures_above_reward_max_error_frac_stop_the_step(tmp_path, max_error_frac, stops):
+    trainer = _trainer(tmp_path, f"reward.max_error_frac={max_error_frac}")
+    trainer.collector.reward_pool = _FailingRewardPool()
+    if stops:
+        with pytest.raises(RuntimeError, match=r"reward 'fake' failed to grade 3 of 8 answers.*boxed"):
+            trainer.step(1)
+    else:
+        assert trainer.step(1)["reward/num_timeouts"] == 3
