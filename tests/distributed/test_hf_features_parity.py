@@ -65,8 +65,9 @@ def _configs() -> dict:
 def _build(path: str, tp: int, pp: int):
     from gtpo_megatron.megatron_adapter.policy import MegatronPolicy
     from gtpo_megatron.parallel.groups import init_distributed
+    from tests.adapter.megatron_helpers import model_section
 
-    return MegatronPolicy.from_pretrained(path, groups=init_distributed(tp_size=tp, pp_size=pp))
+    return MegatronPolicy.from_pretrained(model_section(path), groups=init_distributed(tp_size=tp, pp_size=pp))
 
 
 def _check_refusal(out_root: str, rank: int) -> None:
