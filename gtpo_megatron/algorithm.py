@@ -54,7 +54,7 @@ def compute_step_weights(
     *,
     initial_entropy: float | None,
 ) -> StepWeights:
-    """Advantages, the entropy filter and conflict weights of the full batch (GTPO_SPEC sections 2-4).
+    """:func:`compute_weights` of a ``TrainBatch`` (its ``input_ids``, ``response_mask`` and ``truncated`` extra).
 
     Args:
         batch: the full (unsharded) step batch from ``collate_completions``.
@@ -62,6 +62,42 @@ def compute_step_weights(
         seq_entropy: ``[B]`` per-completion mean entropy <H>_i in nats (global, gathered over data-parallel ranks).
         cfg: algorithm section.
         initial_entropy: <H>_ini for the ``paper`` filter (None for the other modes).
+    """
+    return compute_weights(
+        batch.input_ids,
+        batch.response_mask,
+        rewards,
+        seq_entropy,
+        cfg,
+        initial_entropy=initial_entropy,
+        truncated=batch.extras.get("truncated"),
+    )
+
+
+def compute_weights(
+    input_ids: torch.Tensor,
+    response_mask: torch.Tensor,
+    rewards: torch.Tensor,
+    seq_entropy: torch.Tensor,
+    cfg: AlgorithmConfig,
+    *,
+    initial_entropy: float | None,
+    truncated: torch.Tensor | None = None,
+) -> StepWeights:
+    """Advantages, the entropy filter and conflict weights of a whole step (GTPO_SPEC sections 2-4).
+
+    Args:
+        input_ids: ``[B, S]`` int token ids, rows group by group (``cfg.group_size`` consecutive rows per prompt);
+            only the columns where ``response_mask`` is True are read (any padding side, any pad id).
+        response_mask: ``[B, S]`` bool, True on response tokens.
+        rewards: ``[B]`` rewards.
+        seq_entropy: ``[B]`` per-completion mean entropy <H>_i in nats.
+        cfg: algorithm section.
+        initial_entropy: <H>_ini for the ``paper`` filter (None for the other modes).
+        truncated: ``[B]`` bool, completions cut at the token limit; required by ``cfg.overlong_filter``.
+
+    Raises:
+        ValueError: ``cfg.overlong_filter`` without ``truncated``, and the checks of the ``ops`` functions.
     """
     group_size = cfg.group_size
     raw_B = compute_group_advantages(rewards, group_size, estimator=cfg.advantage_estimator)
@@ -76,7 +112,7 @@ def compute_step_weights(
     if cfg.skip_uniform_groups:
         keep_B = keep_B & filter_uniform_groups(rewards, group_size).repeat_interleave(group_size)
     conflict_adv_B = raw_B * keep_B if cfg.exclude_filtered_from_conflicts else raw_B
-    ids, mask = batch.input_ids, batch.response_mask
+    ids, mask = input_ids, response_mask
     if cfg.conflict_mode == "off":
         lambda_BS = mask.float()
     else:
@@ -93,7 +129,12 @@ def compute_step_weights(
             lambda_BS = lambda_BS / conflict_normalizers(
                 ids, mask, conflict_adv_B, group_size, mode=cfg.conflict_mode
             ).unsqueeze(-1)
-    row_keep_B = keep_B & ~batch.extras["truncated"] if cfg.overlong_filter else keep_B
+    if cfg.overlong_filter and truncated is None:
+        raise ValueError(
+            "algorithm.overlong_filter=true needs truncated ([B] bool: finish_reason == 'length'); pass it or "
+            "set algorithm.overlong_filter=false"
+        )
+    row_keep_B = keep_B & ~truncated if cfg.overlong_filter else keep_B
     advantages_B = apply_entropy_penalty(raw_B, seq_entropy, cfg.entropy_penalty)
     return StepWeights(
         raw_advantages=raw_B,
