@@ -90,20 +90,23 @@ def load_model_weights(model, path: str | Path) -> None:
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.core import CheckpointingException
     from megatron.core.dist_checkpointing.validation import StrictHandling
+    from torch.distributed.checkpoint.api import CheckpointException  # torch's wrapper around a rank's error
 
     folder = resolve_megatron_lm_checkpoint(path)
     with cuda_to_cpu_mode():
         try:
-            loaded, missing, _ = dist_checkpointing.load(
+            # Megatron's "unexpected" keys: requested by the model, absent from the checkpoint (its extra tensors,
+            # such as the optimizer's, are "missing" keys and are ignored).
+            loaded, _, unexpected = dist_checkpointing.load(
                 model.sharded_state_dict(),
                 str(folder),
                 common_strategy=_weights_only_common_strategy(),
-                strict=StrictHandling.RETURN_ALL,
+                strict=StrictHandling.RETURN_UNEXPECTED,
             )
-        except CheckpointingException as err:
-            raise ValueError(_mismatch(path, err)) from err
-    if missing:
-        raise ValueError(_mismatch(path, f"missing tensors {sorted(missing)[:8]}"))
+        except (CheckpointingException, CheckpointException) as err:  # the last line names key and shapes
+            raise ValueError(_mismatch(path, str(err).strip().splitlines()[-1])) from err
+    if unexpected:
+        raise ValueError(_mismatch(path, f"the checkpoint has no {sorted(unexpected)[:8]}"))
     model.load_state_dict(loaded)
 
 
