@@ -28,17 +28,18 @@ ROLLOUT = plugin.RolloutConfig(temperature=1.0, max_tokens=16)
 MICRO_BATCH_SIZE = 4
 
 
-def model_provider(hf) -> GPTModel:
+def model_provider(hf, tp_size: int = 1, padded_vocab_size: int | None = None) -> GPTModel:
     """Your model: a Megatron-Core GPTModel with the tiny Llama's shapes (parallel_output=True keeps V/tp logits)."""
     config = TransformerConfig(
         num_layers=hf.num_hidden_layers, hidden_size=hf.hidden_size, ffn_hidden_size=hf.intermediate_size,
         num_attention_heads=hf.num_attention_heads, num_query_groups=hf.num_key_value_heads, kv_channels=hf.head_dim,
         normalization="RMSNorm", layernorm_epsilon=hf.rms_norm_eps, gated_linear_unit=True,
         activation_func=torch.nn.functional.silu, add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
-        use_cpu_initialization=True, bias_activation_fusion=False, masked_softmax_fusion=False,
+        tensor_model_parallel_size=tp_size, use_cpu_initialization=True, bias_activation_fusion=False,
+        masked_softmax_fusion=False,
     )  # fmt: skip
     return GPTModel(
-        config, get_gpt_layer_local_spec(normalization="RMSNorm"), vocab_size=hf.vocab_size,
+        config, get_gpt_layer_local_spec(normalization="RMSNorm"), vocab_size=padded_vocab_size or hf.vocab_size,
         max_sequence_length=hf.max_position_embeddings, parallel_output=True, position_embedding_type="rope",
         share_embeddings_and_output_weights=hf.tie_word_embeddings, rotary_base=hf.rope_parameters["rope_theta"],
     )  # fmt: skip
@@ -49,20 +50,18 @@ def reward(text: str) -> float:
     return sum(ch.isalpha() for ch in text) / max(len(text), 1)
 
 
-def micro_batches(batch, weights=None) -> list[plugin.MicroBatch]:
+def micro_batches(batch) -> list[plugin.MicroBatch]:
     """The step's rows cut into plugin.MicroBatch es (the local layer spec needs an explicit causal mask)."""
     seq_len = batch.input_ids.shape[1]
     mask = torch.triu(torch.ones(seq_len, seq_len, dtype=torch.bool), diagonal=1)[None, None]
     positions = torch.arange(seq_len).expand(MICRO_BATCH_SIZE, -1)
-    cuts = [slice(i, i + MICRO_BATCH_SIZE) for i in range(0, batch.num_sequences, MICRO_BATCH_SIZE)]
-    return [
-        plugin.MicroBatch(
-            input_ids=batch.input_ids[c], position_ids=positions, attention_mask=mask,
-            response_mask=batch.response_mask[c], advantages=None if weights is None else weights.advantages[c],
-            token_weights=None if weights is None else weights.token_weights[c],
-        )  # fmt: skip
-        for c in cuts
-    ]
+    parts = []
+    for i in range(0, batch.num_sequences, MICRO_BATCH_SIZE):
+        rows = batch.select(slice(i, i + MICRO_BATCH_SIZE))  # advantages/token_weights: None before the weights
+        parts.append(plugin.MicroBatch(input_ids=rows.input_ids, position_ids=positions, attention_mask=mask,
+                                       response_mask=rows.response_mask, advantages=rows.advantages,
+                                       token_weights=rows.token_weights))  # fmt: skip
+    return parts
 
 
 def policy_logprobs(model, batch, settings) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,6 +73,7 @@ def policy_logprobs(model, batch, settings) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def main() -> None:
+    """Set up the model, optimizer and engine, then run two GTPO steps."""
     with socket.socket() as sock:  # a one-process torch.distributed world (torchrun sets these for you)
         sock.bind(("127.0.0.1", 0))
         os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(sock.getsockname()[1]))
@@ -104,7 +104,8 @@ def main() -> None:
         weights = plugin.compute_gtpo_weights(
             batch.input_ids, batch.response_mask, rewards, seq_entropy, ALGORITHM, initial_entropy=initial_entropy
         )
-        parts = micro_batches(batch, weights)
+        batch.advantages, batch.token_weights = weights.advantages, weights.token_weights
+        parts = micro_batches(batch)
         settings = plugin.loss_settings(  # legacy loss form: the step's normaliser N and M micro-batches
             spec, vocab_size=hf.vocab_size, num_microbatches=len(parts),
             normalizer=plugin.loss_normalizer([batch.response_mask], spec, group=None),

@@ -36,6 +36,7 @@ from gtpo_megatron.config import AlgorithmConfig, RolloutConfig
 from gtpo_megatron.megatron_adapter.cpu_compat import cuda_to_cpu_mode, install_cpu_compat
 from gtpo_megatron.megatron_adapter.external_model import model_geometry, unwrap_model
 from gtpo_megatron.megatron_adapter.forward_step import LossSettings, MicroBatch, token_logprobs_entropy
+from gtpo_megatron.megatron_adapter.hf_stream import iter_hf_weights
 from gtpo_megatron.megatron_adapter.loss_forms import (
     legacy_loss,
     legacy_loss_from_logprobs,
@@ -193,8 +194,6 @@ def sync_weights(
         ValueError: a model or HF config the converter cannot map (names the parameters and the converter module),
             or sizes that differ between the model and ``hf_config``.
     """
-    from gtpo_megatron.megatron_adapter.hf_stream import iter_hf_weights
-
     inner = unwrap_model(model)
     geometry = model_geometry(inner, hf_config, tp_size=groups.tp_size)
     if groups.dp_rank != 0:

@@ -40,6 +40,7 @@ from functools import partial
 
 import torch
 
+from gtpo_megatron.megatron_adapter.external_model import unwrap_model
 from gtpo_megatron.megatron_adapter.forward_step import (
     LossSettings,
     MicroBatch,
@@ -48,7 +49,7 @@ from gtpo_megatron.megatron_adapter.forward_step import (
     token_logprobs_entropy,
 )
 from gtpo_megatron.ops import LossSpec, PackedLayout, compute_normalizer
-from gtpo_megatron.parallel.collectives import reduce_metric_sums
+from gtpo_megatron.parallel.collectives import all_reduce_sum
 
 _REPORTED = {  # reported name: (numerator, denominator) among the ops metric sums
     "clip_frac": ("clipped_tokens", "num_tokens"),
@@ -100,18 +101,53 @@ def loss_settings(
 
 
 def per_token_loss(logits: torch.Tensor, batch: MicroBatch, settings: LossSettings, packed: PackedLayout | None = None):
-    """Per-token form ``(loss_sum, count, metrics)`` from vocab-parallel logits ``[b, S, V/tp]`` (module docstring).
+    """Per-token form ``(loss_sum, count, metrics)`` of one micro-batch from its vocab-parallel logits.
 
-    Collectives: two all-reduces on ``settings.tp_group`` (the fused op).
+    Args:
+        logits: ``[b, S, V/tp]`` this TP rank's vocabulary shard (``parallel_output=True``), any float dtype;
+            ``[1, N, V/tp]`` for a packed row. Position ``s`` predicts token ``s + 1``. Not modified.
+        batch: the micro-batch, per-token tensors ``[b, S]`` (``[1, N]`` packed) in the ``TrainBatch`` column
+            convention: ``input_ids`` (int64, the targets), ``response_mask`` (bool, True on response tokens),
+            ``token_weights`` (fp32 lambda * delta; None = 1 on every response token), ``old_logprobs`` (nats; None =
+            one update per batch, ratio 1 with gradient), ``ref_logprobs`` (nats, for ``spec.kl_coef > 0``);
+            ``advantages`` ``[b]`` (``[n]`` packed) fp32.
+        settings: from :func:`loss_settings` (``settings.loss`` is the objective).
+        packed: the packed row's layout, or None for one sequence per row.
+
+    Returns:
+        ``(loss_sum, count, metrics)``: ``loss_sum`` fp32 scalar ``S`` (un-normalised, differentiable w.r.t.
+        ``logits``; the log-prob computation runs in fp32), ``count`` int32 scalar (the micro-batch's normaliser
+        count for ``spec.aggregation``), ``metrics`` the detached ``[numerator, denominator]`` pairs of the module
+        docstring.
+
+    Collectives: two all-reduces on ``settings.tp_group`` in forward (the fused log-prob/entropy op).
+
+    Raises:
+        ValueError: ``settings.loss`` is None, shape/dtype mismatches, target ids outside ``[0, vocab_size)``, a
+            logits width inconsistent with the TP group, a bad ``packed`` layout, or what the registered loss
+            refuses (e.g. ``kl_coef > 0`` for ``gtpo``, or without ``ref_logprobs``).
     """
     logprobs, entropy = token_logprobs_entropy(logits, batch, settings)
     return per_token_loss_from_logprobs(logprobs, batch, settings, entropy=entropy, packed=packed)
 
 
 def legacy_loss(logits: torch.Tensor, batch: MicroBatch, settings: LossSettings, packed: PackedLayout | None = None):
-    """Legacy form ``(loss, metrics)`` from vocab-parallel logits ``[b, S, V/tp]`` (module docstring).
+    """Legacy form ``(loss, metrics)`` of one micro-batch from its vocab-parallel logits.
 
-    Collectives: two all-reduces on ``settings.tp_group`` (the fused op).
+    Args:
+        logits: as :func:`per_token_loss`.
+        batch: as :func:`per_token_loss`.
+        settings: from :func:`loss_settings` with ``normalizer`` (the step's global ``N``), ``num_microbatches``
+            and ``dp_size``.
+        packed: as :func:`per_token_loss`.
+
+    Returns:
+        ``(S / N * M * D, metrics)``: fp32 scalar differentiable w.r.t. ``logits``, and the metric pairs.
+
+    Collectives: two all-reduces on ``settings.tp_group`` in forward (the fused log-prob/entropy op).
+
+    Raises:
+        ValueError: ``settings.normalizer`` is None, and the errors of :func:`per_token_loss`.
     """
     logprobs, entropy = token_logprobs_entropy(logits, batch, settings)
     return legacy_loss_from_logprobs(logprobs, batch, settings, entropy=entropy, packed=packed)
@@ -125,9 +161,24 @@ def per_token_loss_from_logprobs(
     entropy: torch.Tensor | None = None,
     packed: PackedLayout | None = None,
 ):
-    """Per-token form from the caller's log-probs ``[b, S]`` (``[1, N]`` packed): ``(S, count, metrics)``.
+    """:func:`per_token_loss` from log-probs the caller already has.
 
-    ``S`` is an fp32 scalar differentiable w.r.t. ``logprobs``; ``count`` an int32 scalar. No collectives.
+    Args:
+        logprobs: ``[b, S]`` (``[1, N]`` packed) fp32 log pi_theta in nats, ``TrainBatch`` columns (a Megatron-LM
+            ``[b, S-1]`` tensor becomes this with ``F.pad(x, (1, 0))``), differentiable; off-response values are
+            ignored.
+        batch: as :func:`per_token_loss` (``input_ids`` is not read).
+        settings: from :func:`loss_settings` (only ``settings.loss`` is read).
+        entropy: optional ``[b, S]`` detached token entropy in nats, for the ``gtpo/entropy_mean`` metric.
+        packed: as :func:`per_token_loss`.
+
+    Returns:
+        ``(loss_sum, count, metrics)`` as :func:`per_token_loss`, differentiable w.r.t. ``logprobs``.
+
+    Collectives: none.
+
+    Raises:
+        ValueError: the errors of :func:`per_token_loss` that concern the loss.
     """
     loss_sum, count, metrics = _summed(logprobs, entropy, batch, settings, packed)
     return loss_sum, count.to(torch.int), metrics
@@ -141,10 +192,23 @@ def legacy_loss_from_logprobs(
     entropy: torch.Tensor | None = None,
     packed: PackedLayout | None = None,
 ):
-    """Legacy form from the caller's log-probs: ``(S / N * loss_scale, metrics)``. No collectives.
+    """:func:`legacy_loss` from log-probs the caller already has.
+
+    Args:
+        logprobs: as :func:`per_token_loss_from_logprobs`.
+        batch: as :func:`per_token_loss`.
+        settings: as :func:`legacy_loss`.
+        entropy: as :func:`per_token_loss_from_logprobs`.
+        packed: as :func:`per_token_loss`.
+
+    Returns:
+        ``(S / N * M * D, metrics)`` as :func:`legacy_loss`, differentiable w.r.t. ``logprobs``.
+
+    Collectives: none.
 
     Raises:
-        ValueError: ``settings.normalizer`` is None (the legacy form needs the step's global normaliser).
+        ValueError: ``settings.normalizer`` is None (the legacy form needs the step's global normaliser), and the
+            errors of :func:`per_token_loss_from_logprobs`.
     """
     if settings.normalizer is None:
         raise ValueError(
@@ -196,32 +260,38 @@ def reduce_loss_metrics(store: list[dict[str, torch.Tensor]], *, group) -> dict[
     Returns:
         Plain floats (0 where a denominator is 0), identical on every rank of ``group``.
 
-    Collectives: one SUM all-reduce on ``group`` (``parallel.reduce_metric_sums``).
+    Collectives: one SUM all-reduce of a ``[K, 2]`` tensor on ``group`` (``parallel.all_reduce_sum``).
     """
     if not store:
         return {}
-    totals = {name: torch.stack([d[name] for d in store]).sum(dim=0) for name in store[0]}
-    flat = {f"{name}\0{i}": total[i] for name, total in totals.items() for i in (0, 1)}
-    summed = reduce_metric_sums(flat, group=group)
-    return {name: float(summed[f"{name}\0{0}"] / summed[f"{name}\0{1}"].clamp(min=1e-30)) for name in totals}
+    names = sorted(store[0])
+    totals = torch.stack([torch.stack([d[name] for d in store]).sum(dim=0) for name in names])  # [K, 2]
+    totals = all_reduce_sum(totals, group=group)
+    ratios = torch.where(totals[:, 1] > 0, totals[:, 0] / totals[:, 1].clamp(min=1e-30), 0.0)
+    return dict(zip(names, ratios.tolist()))
 
 
 def make_forward_step(settings: LossSettings, *, per_token: bool = True):
-    """Megatron ``forward_step_func(data_iterator, model)`` for a caller's ``GPTModel`` (any layer spec).
+    """Megatron's ``forward_step_func(data_iterator, model)`` for a caller's ``GPTModel`` (any layer spec).
 
     Each call takes the next ``MicroBatch`` from the iterator, runs ``model(input_ids, position_ids,
-    attention_mask)`` (the model must be built with ``parallel_output=True``: ``[b, S, V/tp]`` logits) and returns
-    the output with the bound :func:`per_token_loss` (or :func:`legacy_loss`).
+    attention_mask)`` and returns the output with the bound loss (``forward_step.forward_step``).
+
+    Args:
+        settings: from :func:`loss_settings` (with ``normalizer`` for the legacy form).
+        per_token: bind :func:`per_token_loss` (for ``calculate_per_token_loss=True``), else :func:`legacy_loss`.
+
+    Returns:
+        The function to pass as ``get_forward_backward_func()(forward_step_func=...)``. When called it raises
+        ValueError for a model built with ``parallel_output=False`` under tensor parallelism (its logits would hold
+        the gathered vocabulary, which the fused op does not read).
     """
     loss_fn = per_token_loss if per_token else legacy_loss
     return partial(_checked_forward_step, settings=settings, loss_fn=loss_fn)
 
 
 def _checked_forward_step(data_iterator, model, *, settings: LossSettings, loss_fn):
-    inner = model
-    while not hasattr(inner, "parallel_output") and hasattr(inner, "module"):
-        inner = inner.module  # DDP / Float16Module wrappers
-    if getattr(inner, "parallel_output", True) is False and settings.tp_group is not None:
+    if getattr(unwrap_model(model), "parallel_output", True) is False and settings.tp_group is not None:
         raise ValueError(
             "the model was built with parallel_output=False, so its logits hold the gathered vocabulary; build the "
             "GPTModel with parallel_output=True (the fused op reads the [b, S, V/tp] shard on settings.tp_group)"

@@ -1,10 +1,11 @@
 """A Megatron-LM-style checkpoint as the starting policy (``model.megatron_checkpoint``), at another TP/PP layout.
 
-1. Two gloo ranks at TP=2 build a GPTModel with Megatron-Core's own API (random init, vocabulary padded to 49,408
-   rows as another trainer's padding rule might), record the float64 log-probs of a fixed group of completions and
-   the full embedding and one MLP weight, and write ``{"model": sharded_state_dict, "args": Namespace, ...}`` with
-   ``megatron.core.dist_checkpointing.save`` into ``iter_0000003/`` next to ``latest_checkpointed_iteration.txt``,
-   as Megatron-LM does (its ``common.pt`` then holds pickled args that a weights-only ``torch.load`` refuses).
+1. Two gloo ranks at TP=2 build a GPTModel with Megatron-Core's own API (the example's ``model_provider``; random
+   init, vocabulary padded to 49,408 rows as another trainer's padding rule might). They record the float64
+   log-probs of a fixed group of completions, the full embedding and one MLP weight, and write
+   ``{"model": sharded_state_dict, "args": Namespace, ...}`` with ``megatron.core.dist_checkpointing.save`` into
+   ``iter_0000003/`` next to ``latest_checkpointed_iteration.txt``, as Megatron-LM does (its ``common.pt`` then
+   holds pickled args that a weights-only ``torch.load`` refuses).
 2. Two fresh ranks at TP=1, PP=2 build the policy from the config (``build.build_policy``): its log-probs equal the
    recorded ones; a one-step run (``Trainer`` with a fake engine returning that group with the recorded log-probs as
    its rollout log-probs) first pushes the loaded weights to the engine (bit-equal to the recorded tensors), then
@@ -43,30 +44,15 @@ def _group() -> PromptCompletions:
 
 
 def _core_api_model(hf_config, tp_size: int):
-    """The writer's model: Megatron-Core's GPTModel built directly (local spec), random weights."""
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    """The writer's model: the example's own provider (Megatron-Core's API, local spec), random weights."""
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-    from megatron.core.transformer import TransformerConfig
 
+    from examples.megatron_core_loop import model_provider
     from gtpo_megatron.megatron_adapter.cpu_compat import cuda_to_cpu_mode
 
-    config = TransformerConfig(
-        num_layers=hf_config.num_hidden_layers, hidden_size=hf_config.hidden_size,
-        ffn_hidden_size=hf_config.intermediate_size, num_attention_heads=hf_config.num_attention_heads,
-        num_query_groups=hf_config.num_key_value_heads, kv_channels=hf_config.head_dim, normalization="RMSNorm",
-        layernorm_epsilon=hf_config.rms_norm_eps, gated_linear_unit=True, activation_func=torch.nn.functional.silu,
-        add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=tp_size,
-        use_cpu_initialization=True, bias_activation_fusion=False, masked_softmax_fusion=False,
-    )  # fmt: skip
     with cuda_to_cpu_mode():
         model_parallel_cuda_manual_seed(11)
-        return GPTModel(
-            config, get_gpt_layer_local_spec(normalization="RMSNorm"), vocab_size=PADDED_VOCAB,
-            max_sequence_length=hf_config.max_position_embeddings, parallel_output=True,
-            position_embedding_type="rope", share_embeddings_and_output_weights=True,
-            rotary_base=hf_config.rope_parameters["rope_theta"],
-        )  # fmt: skip
+        return model_provider(hf_config, tp_size=tp_size, padded_vocab_size=PADDED_VOCAB)
 
 
 def _gather(tensor: torch.Tensor, group, dim: int) -> torch.Tensor:
