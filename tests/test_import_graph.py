@@ -2,7 +2,8 @@
 
 The layer order is ``tests/helpers/import_graph.LAYERS`` (and ``docs/architecture.md``): ops < torch-free helpers
 (builtin_models, run_dir, the planner's arithmetic) < parallel < rewards < config < data < rollout, megatron_adapter,
-the policy contract, logging < algorithm < trainer, build < entry points (train, evaluation, plan.cli).
+the policy contract, logging < algorithm < plugin < trainer, build < entry points (train, evaluation, plan.cli,
+the package root).
 """
 
 from __future__ import annotations
