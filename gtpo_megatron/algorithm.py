@@ -99,6 +99,11 @@ def compute_weights(
     Raises:
         ValueError: ``cfg.overlong_filter`` without ``truncated``, and the checks of the ``ops`` functions.
     """
+    if cfg.overlong_filter and truncated is None:
+        raise ValueError(
+            "algorithm.overlong_filter=true needs truncated ([B] bool: finish_reason == 'length'); pass it or "
+            "set algorithm.overlong_filter=false"
+        )
     group_size = cfg.group_size
     raw_B = compute_group_advantages(rewards, group_size, estimator=cfg.advantage_estimator)
     keep_B = entropy_keep_mask(
@@ -112,13 +117,12 @@ def compute_weights(
     if cfg.skip_uniform_groups:
         keep_B = keep_B & filter_uniform_groups(rewards, group_size).repeat_interleave(group_size)
     conflict_adv_B = raw_B * keep_B if cfg.exclude_filtered_from_conflicts else raw_B
-    ids, mask = input_ids, response_mask
     if cfg.conflict_mode == "off":
-        lambda_BS = mask.float()
+        lambda_BS = response_mask.float()
     else:
         lambda_BS = build_conflict_weights(
-            ids,
-            mask,
+            input_ids,
+            response_mask,
             conflict_adv_B,
             group_size,
             amplification=cfg.conflict_amplification,
@@ -127,13 +131,8 @@ def compute_weights(
         )
         if cfg.normalize_by_conflicts:
             lambda_BS = lambda_BS / conflict_normalizers(
-                ids, mask, conflict_adv_B, group_size, mode=cfg.conflict_mode
+                input_ids, response_mask, conflict_adv_B, group_size, mode=cfg.conflict_mode
             ).unsqueeze(-1)
-    if cfg.overlong_filter and truncated is None:
-        raise ValueError(
-            "algorithm.overlong_filter=true needs truncated ([B] bool: finish_reason == 'length'); pass it or "
-            "set algorithm.overlong_filter=false"
-        )
     row_keep_B = keep_B & ~truncated if cfg.overlong_filter else keep_B
     advantages_B = apply_entropy_penalty(raw_B, seq_entropy, cfg.entropy_penalty)
     return StepWeights(
