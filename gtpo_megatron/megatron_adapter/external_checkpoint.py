@@ -16,6 +16,9 @@ Columns ``>= vocab_size`` stay excluded from every softmax (``ops``).
 
 from __future__ import annotations
 
+import contextlib
+import inspect
+from collections.abc import Iterator
 from pathlib import Path
 
 from gtpo_megatron.megatron_adapter.cpu_compat import cuda_to_cpu_mode
@@ -24,17 +27,34 @@ from gtpo_megatron.run_dir import resolve_megatron_lm_checkpoint
 _EMBEDDING_KEY = "embedding.word_embeddings.weight"
 
 
-def _weights_only_common_strategy():
-    """Megatron's torch common-load strategy with ``common.pt`` skipped (it holds no model tensor)."""
-    from megatron.core.dist_checkpointing.strategies.common import TorchCommonLoadStrategy
+@contextlib.contextmanager
+def _common_state_skipped(dist_checkpointing) -> Iterator[dict]:
+    """Keyword arguments for ``dist_checkpointing.load`` that skip the common (non-sharded) state.
 
-    class WeightsOnlyCommonLoadStrategy(TorchCommonLoadStrategy):
-        """Loads no common (non-sharded) objects: an external checkpoint contributes its model tensors only."""
+    The common state (``common.pt``, or a ``common_state`` object inside newer checkpoints) holds Megatron-LM's
+    pickled ``args`` and no model tensor. megatron-core 0.16 takes a ``common_strategy`` argument for it; 0.17 and
+    later load it unconditionally through ``serialization.load_common_state_dict``, which is replaced by an empty
+    load for the duration (feature detection on ``load``'s signature, not on version strings).
+    """
+    if "common_strategy" in inspect.signature(dist_checkpointing.load).parameters:
+        from megatron.core.dist_checkpointing.strategies.common import TorchCommonLoadStrategy
 
-        def load_common(self, checkpoint_dir):
-            return {}
+        class WeightsOnlyCommonLoadStrategy(TorchCommonLoadStrategy):
+            """Loads no common objects: an external checkpoint contributes its model tensors only."""
 
-    return WeightsOnlyCommonLoadStrategy()
+            def load_common(self, checkpoint_dir):
+                return {}
+
+        yield {"common_strategy": WeightsOnlyCommonLoadStrategy()}
+        return
+    from megatron.core.dist_checkpointing import serialization
+
+    original = serialization.load_common_state_dict
+    serialization.load_common_state_dict = lambda checkpoint_dir: {}
+    try:
+        yield {}
+    finally:
+        serialization.load_common_state_dict = original
 
 
 def checkpoint_padded_vocab_size(path: str | Path, *, vocab_size: int, tp_size: int) -> int:
@@ -93,15 +113,12 @@ def load_model_weights(model, path: str | Path) -> None:
     from torch.distributed.checkpoint.api import CheckpointException  # torch's wrapper around a rank's error
 
     folder = resolve_megatron_lm_checkpoint(path)
-    with cuda_to_cpu_mode():
+    with cuda_to_cpu_mode(), _common_state_skipped(dist_checkpointing) as skip_common:
         try:
             # Megatron's "unexpected" keys: requested by the model, absent from the checkpoint (its extra tensors,
             # such as the optimizer's, are "missing" keys and are ignored).
             loaded, _, unexpected = dist_checkpointing.load(
-                model.sharded_state_dict(),
-                str(folder),
-                common_strategy=_weights_only_common_strategy(),
-                strict=StrictHandling.RETURN_UNEXPECTED,
+                model.sharded_state_dict(), str(folder), strict=StrictHandling.RETURN_UNEXPECTED, **skip_common
             )
         except (CheckpointingException, CheckpointException) as err:  # the last line names key and shapes
             raise ValueError(_mismatch(path, str(err).strip().splitlines()[-1])) from err
