@@ -76,7 +76,8 @@ class ParallelConfig:
     use_distributed_optimizer: bool = False
     """Shard optimizer states over data-parallel ranks (Megatron distributed optimizer)."""
     backend: Literal["auto", "nccl", "gloo"] = "auto"
-    """torch.distributed backend; ``auto`` is nccl with CUDA and gloo otherwise."""
+    """torch.distributed backend; ``auto`` is ``cpu:gloo,cuda:nccl`` with CUDA (NCCL for CUDA tensors, gloo for CPU
+    tensors and objects; ``parallel.groups.CUDA_BACKEND``) and gloo otherwise; ``nccl`` is NCCL alone."""
 
     def __post_init__(self) -> None:
         for name in ("tp_size", "pp_size"):

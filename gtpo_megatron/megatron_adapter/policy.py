@@ -14,7 +14,6 @@ from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 
 from gtpo_megatron.builtin_models import resolve_model_path
 from gtpo_megatron.megatron_adapter import hf_conversion
@@ -23,8 +22,8 @@ from gtpo_megatron.megatron_adapter.cpu_compat import cuda_to_cpu_mode, install_
 from gtpo_megatron.megatron_adapter.forward_step import LossSettings, MicroBatch, forward_step
 from gtpo_megatron.megatron_adapter.optimizer import OptimSettings, build_optimizer, optimizer_step, wrap_ddp
 from gtpo_megatron.megatron_adapter.step_metrics import reduce_step_metrics
-from gtpo_megatron.ops import LossSpec
-from gtpo_megatron.parallel.collectives import global_normalizer
+from gtpo_megatron.ops import LossSpec, compute_normalizer
+from gtpo_megatron.parallel.collectives import barrier, broadcast_, global_normalizer
 from gtpo_megatron.plan.layout import padded_vocab_size
 from gtpo_megatron.rollout.types import TrainBatch
 
@@ -280,7 +279,7 @@ class MegatronPolicy:
         else:
             both = torch.empty(2, rows, seq_len, dtype=torch.float32, device=self.device)
         if self.groups.pp_size > 1:
-            dist.broadcast(both, src=self.groups.pp_last_global_rank, group=self.groups.pp)
+            broadcast_(both, src=self.groups.pp_last_global_rank, group=self.groups.pp)
         self.ddp_model.train()
         return both[0].cpu(), both[1].cpu()
 
@@ -322,9 +321,8 @@ class MegatronPolicy:
         """
         if batch.advantages is None:
             raise ValueError("batch.advantages is None; fill TrainBatch.advantages before train_step")
-        normalizer = global_normalizer(
-            [batch.response_mask], loss.aggregation, group=self.groups.dp, max_response_length=loss.max_response_length
-        ).to(self.device)
+        local = compute_normalizer(batch.response_mask, loss.aggregation, max_response_length=loss.max_response_length)
+        normalizer = global_normalizer(local, group=self.groups.dp).to(self.device)
         if float(normalizer) <= 0:
             logger.warning("train_step: no response tokens on any DP rank; step skipped")
             return {"normalizer": 0.0}
@@ -392,7 +390,7 @@ class MegatronPolicy:
             tokenizer_source=self.hf_path,
             write=self.groups.rank == 0,
         )
-        dist.barrier(group=self.groups.mp)
+        barrier(group=self.groups.mp)
 
     def save_checkpoint(self, path: str, trainer_state: dict) -> None:
         """``checkpoint.save_checkpoint`` of model, optimizer, LR schedule, RNG and ``trainer_state``."""
