@@ -44,7 +44,8 @@ class ModelConfig:
     when they do not divide it, e.g. SmolLM2-135M's 3 groups x 3 heads at TP=2 (see
     ``megatron_adapter/head_padding.py``). Export and weight sync strip the padding."""
     megatron_overrides: dict[str, object] = field(default_factory=dict)
-    """Extra ``TransformerConfig`` fields (checked against Megatron's dataclass in ``GTPOConfig.validate``)."""
+    """Extra ``TransformerConfig`` fields (checked against Megatron's dataclass in ``GTPOConfig.validate``); the
+    fields a section or the HF config sets are refused (``megatron_adapter.settings.OWNED_FIELDS``)."""
 
     def __post_init__(self) -> None:
         _require(
@@ -72,7 +73,9 @@ class ParallelConfig:
     pp_size: int = 1
     """Pipeline-parallel size (shards layers)."""
     sequence_parallel: bool = False
-    """Megatron sequence parallelism (needs tp_size > 1)."""
+    """Megatron sequence parallelism (needs tp_size > 1): activations outside the tensor-parallel regions are split
+    over the TP ranks along the sequence; with Megatron's local layer specs the norms are
+    ``megatron_adapter.model.SequenceParallelRMSNorm``."""
     use_distributed_optimizer: bool = False
     """Shard optimizer states over data-parallel ranks (Megatron distributed optimizer)."""
     backend: Literal["auto", "nccl", "gloo"] = "auto"
