@@ -5,7 +5,8 @@ torch-free, ``gtpo-plan`` reads it too), ``cpu_compat`` (CPU shim, inert on GPU)
 and GPTModel from the settings and an HF config), ``hf_features``
 (what each HF config field does to the math: mapped or refused), ``hf_conversion``
 (HF <-> Megatron shard layout and sharded loading), ``forward_step`` (schedule hook and loss closure),
-``optimizer`` (DDP and optimizer configs, Megatron Adam, LR schedule, non-finite guard), ``step_metrics`` (metric reduction),
+``optimizer`` (DDP and optimizer configs, Megatron Adam, LR schedule, non-finite guard), ``step_metrics``
+(metric reduction),
 ``hf_stream`` (streams ``(hf_name, full_tensor)`` out of the TP/PP shards: the source of weight export and weight
 sync), ``hf_export`` (HF folder writer), ``checkpoint`` (Megatron dist checkpointing), ``policy``
 (``MegatronPolicy``, the facade the trainer uses).
