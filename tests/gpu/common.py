@@ -44,7 +44,8 @@ def single_rank_world(backend: str | None = None):
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    groups = init_distributed(tp_size=1, pp_size=1, backend="gloo" if DRY_RUN else backend)
     try:
-        yield init_distributed(tp_size=1, pp_size=1, backend="gloo" if DRY_RUN else backend)
+        yield groups
     finally:
         destroy_distributed()

@@ -27,17 +27,21 @@ WHEELS = (
     "math-verify==0.9.0",  # the trainer imports it (rewards); requires latex2sympy2_extended==1.11.0
     "latex2sympy2_extended==1.11.0",  # requires sympy (a torch dependency) and antlr4-python3-runtime<=4.13.2
     "antlr4-python3-runtime==4.13.2",
-    "packaging==26.4",  # installed only when the image's packaging is older than megatron-core's >=24.2
+    "packaging==26.4",  # fallback (see FALLBACKS)
+    "setuptools==84.2.1",  # fallback: torch's Requires-Dist on 3.12; megatron-core imports torch.utils.cpp_extension
 )
 IMAGE = frozenset(
     ("torch", "triton", "numpy", "sympy", "transformers", "tokenizers", "huggingface-hub", "safetensors", "pyyaml",
-     "tqdm", "filelock", "matplotlib", "pytest", "pytest-timeout", "packaging")
+     "tqdm", "filelock", "matplotlib", "pytest", "pytest-timeout", "packaging", "setuptools")
 )  # fmt: skip
 """What the GPU image has (one H200, Python 3.12, torch 2.11 + CUDA 13, Triton 3.6, transformers 5.17; the torch and
 transformers dependencies come with them). No megatron-core, vLLM, math-verify, Transformer Engine, or network."""
 TARGET_PLATFORM = ("--python-version", "3.12", "--implementation", "cp", "--platform", "manylinux_2_28_x86_64")
 LIMIT_MIB = 64
-PACKAGING_FLOOR = (24, 2)
+FALLBACKS = {"packaging": (24, 2), "setuptools": (77, 0)}
+"""Wheels installed only when the interpreter lacks the package or has an older (major, minor) than this:
+megatron-core needs packaging >= 24.2; torch (hence megatron-core's import of ``torch.utils.cpp_extension``) needs
+setuptools >= 77.0.3 on Python 3.12, which an image installed without dependencies may lack."""
 
 
 def _requirements(wheel: Path):
@@ -106,25 +110,30 @@ def prepare(out: Path) -> None:
 
 
 def install(folder: Path, target: Path) -> None:
-    """``pip install --no-index --no-deps --target target`` of the folder's wheels (packaging only when needed)."""
+    """``pip install --no-index --no-deps --target target`` of the folder's wheels (:data:`FALLBACKS` when needed)."""
     wheels = sorted((folder / "wheels").glob("*.whl"))
     if not wheels:
         raise SystemExit(f"install: no wheels in {folder}/wheels; run `run_gpu_checks.sh --prepare {folder}` first")
-    if _image_packaging() >= PACKAGING_FLOOR:
-        wheels = [w for w in wheels if w.name.split("-")[0].lower() != "packaging"]
+
+    def needed(wheel: Path) -> bool:
+        name = wheel.name.split("-")[0].lower()
+        return name not in FALLBACKS or _installed_version(name) < FALLBACKS[name]
+
+    wheels = [w for w in wheels if needed(w)]
     shutil.rmtree(target, ignore_errors=True)
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--target", str(target),
                     *map(str, wheels)], check=True)  # fmt: skip
     print(f"install: {', '.join(w.name.split('-')[0] + ' ' + w.name.split('-')[1] for w in wheels)} -> {target}")
 
 
-def _image_packaging() -> tuple[int, ...]:
-    """The (major, minor) of the interpreter's own ``packaging``; (0,) when it has none."""
+def _installed_version(name: str) -> tuple[int, ...]:
+    """The (major, minor) of the interpreter's own distribution ``name``; (0,) when it has none."""
+    from importlib.metadata import PackageNotFoundError, version
+
     try:
-        import packaging
-    except ImportError:
+        return tuple(int(part) for part in version(name).split(".")[:2])
+    except PackageNotFoundError:
         return (0,)
-    return tuple(int(part) for part in packaging.__version__.split(".")[:2])
 
 
 def main(argv: list[str] | None = None) -> None:

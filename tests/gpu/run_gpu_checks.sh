@@ -24,8 +24,9 @@
 #                 and prints one summary table, also written to $OUT/summary.txt [OUT: /tmp/gtpo_gpu_checks].
 #                 Without --wheels the checks use whatever the interpreter has installed.
 # --dry-run       the same pipeline on the CPU (gloo, fp32, smaller sizes); the CUDA-only checks skip with a reason.
-# Other arguments go to pytest (e.g. -k trainer). Knobs: PYTHON, OUT, GTPO_GPU_SITE, GPU_CHECK_BUDGET [270 s for the
-# groups; the whole script is killed at +30 s]. Exit status 0 when every group finished and no check failed.
+# Other arguments go to pytest (e.g. -k trainer). Knobs: PYTHON, OUT, GTPO_GPU_SITE, GPU_CHECK_BUDGET [seconds for
+# the groups: 270 on a GPU, 900 in a dry run; the whole script is killed 30 s later]. Exit status 0 when every group
+# finished and no check failed.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 if [ -z "${PYTHON:-}" ]; then
@@ -54,6 +55,6 @@ if [ "$dry_run" = 0 ] && ! "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.
   echo "run_gpu_checks.sh: torch sees no CUDA device; run on a GPU machine, or pass --dry-run" >&2
   exit 2
 fi
-budget="${GPU_CHECK_BUDGET:-270}"
+budget="${GPU_CHECK_BUDGET:-$([ "$dry_run" = 1 ] && echo 900 || echo 270)}"
 timeout --kill-after=10 "$((budget + 30))" \
   "$PYTHON" -m tests.gpu.run_checks --out "${OUT:-/tmp/gtpo_gpu_checks}" --budget "$budget" ${args[@]+"${args[@]}"}

@@ -73,8 +73,8 @@ class CollectiveCall:
         name: the ``torch.distributed`` function.
         origin: ``"package"`` (a ``gtpo_megatron`` file), ``"megatron"`` or ``"other"`` (tests, torch itself).
         caller: ``path:line`` of the first frame outside torch (repo-relative for package files).
-        devices: devices of the tensors passed (object collectives and barriers: none).
-        declared: ``parallel.collectives.group_device`` of the call's group for tensor collectives, else None.
+        devices: devices of the tensors the package passed (object collectives, barriers, others' calls: none).
+        declared: ``parallel.collectives.group_device`` of the group of the package's tensor collectives, else None.
     """
 
     name: str
@@ -106,12 +106,13 @@ def _tensors(bound: inspect.BoundArguments) -> list[torch.Tensor]:
 
 
 def _record(name: str, real, args: tuple, kwargs: dict, frame) -> CollectiveCall:
+    """The call's origin; for the package's own calls also its tensors' devices and its group's declared device."""
     origin, caller = _caller(frame)
-    bound = inspect.signature(real).bind(*args, **kwargs)
-    tensor_call = "object" not in name and "barrier" not in name
-    group = bound.arguments.get("group") or dist.group.WORLD
-    devices = tuple(str(t.device) for t in _tensors(bound)) if tensor_call else ()
-    declared = str(group_device(group)) if tensor_call else None
+    devices, declared = (), None
+    if origin == "package" and "object" not in name and "barrier" not in name:
+        bound = inspect.signature(real).bind(*args, **kwargs)
+        devices = tuple(str(t.device) for t in _tensors(bound))
+        declared = str(group_device(bound.arguments.get("group") or dist.group.WORLD))
     return CollectiveCall(name=name, origin=origin, caller=caller, devices=devices, declared=declared)
 
 
