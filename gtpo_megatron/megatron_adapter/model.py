@@ -7,7 +7,11 @@ HF config setting is reproduced or why a checkpoint is refused. Dropout is 0 (RL
 
 Layer specs: Transformer Engine specs when ``transformer_engine`` imports, Megatron's local specs otherwise; the
 choice is logged once. The local spec gets an explicit causal mask from ``forward_step`` (see
-``causal_attention_mask``); TE applies the causal mask itself.
+``causal_attention_mask``); TE applies the causal mask itself. With sequence parallelism the local spec's norms are
+``SequenceParallelRMSNorm`` (Megatron's own torch norm refuses sequence parallelism).
+
+Config: ``transformer_config_from_hf`` builds the ``TransformerConfig`` from ``settings.PolicySettings`` (the
+config sections, resolved once) and the HF config, through pure functions per source of fields.
 
 Vocabulary padding: the embedding and output layer have ``padded_vocab_size`` rows, the tokenizer vocabulary
 rounded up to a multiple of ``make_vocab_size_divisible_by * tp_size`` so that each TP rank holds an equal,
@@ -98,8 +102,8 @@ class SequenceParallelRMSNorm:
     What Megatron's ``WrappedTorchNorm`` builds, plus a tag: under sequence parallelism each TP rank normalises its
     slice of the sequence, so the weight's gradient is a partial sum; the weight carries the ``sequence_parallel``
     tag, the one TE's and Apex's norms set, and Megatron's ``finalize_model_grads`` sums tagged gradients over the TP
-    group. The same class serves the q/k norms, whose
-    gradients Megatron sums over TP anyway (``qk_layernorm``). Same parameters and state-dict names.
+    group. The same class serves the q/k norms, whose gradients Megatron sums over TP anyway (``qk_layernorm``).
+    Same parameters and state-dict names.
     """
 
     def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **unused):  # noqa: D102 (see the class)
