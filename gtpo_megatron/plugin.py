@@ -46,7 +46,7 @@ from gtpo_megatron.megatron_adapter.loss_forms import (
     per_token_loss_from_logprobs,
     reduce_loss_metrics,
 )
-from gtpo_megatron.ops import LossSpec, PackedLayout, sequence_mean_entropy
+from gtpo_megatron.ops import LossSpec, PackedLayout, compute_normalizer, sequence_mean_entropy
 from gtpo_megatron.parallel.collectives import global_normalizer
 from gtpo_megatron.parallel.groups import ParallelGroups, current_groups, init_distributed
 from gtpo_megatron.rollout.engine import RolloutEngine
@@ -157,9 +157,11 @@ def loss_normalizer(
 
     Collectives: one SUM all-reduce on ``group``.
     """
-    return global_normalizer(
-        response_masks, spec.aggregation, group=group, max_response_length=spec.max_response_length
+    local = sum(
+        compute_normalizer(mask, spec.aggregation, max_response_length=spec.max_response_length)
+        for mask in response_masks
     )
+    return global_normalizer(local, group=group)
 
 
 def sync_weights(

@@ -16,6 +16,7 @@ import torch
 
 from gtpo_megatron.config import load_config, save_config
 from gtpo_megatron.logging import setup_logging
+from gtpo_megatron.megatron_adapter.settings import policy_settings
 from gtpo_megatron.run_dir import check_fresh_run, config_path, resolve_megatron_lm_checkpoint
 
 
@@ -56,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         cfg.validate(int(os.environ["WORLD_SIZE"]))
+        policy_settings(cfg)  # refuses what the policy cannot build (e.g. overrides of owned fields) before any init
         _check_inputs(cfg)
         check_fresh_run(cfg.output_dir, resume=cfg.resume)
     except ValueError as err:

@@ -19,6 +19,8 @@ from gtpo_megatron.megatron_adapter.hf_features import (
     sliding_window_settings,
 )
 from gtpo_megatron.megatron_adapter.model import transformer_config_from_hf
+from gtpo_megatron.megatron_adapter.settings import PolicySettings
+from tests.adapter.megatron_helpers import model_section
 
 SMALL = dict(
     vocab_size=1000,
@@ -63,7 +65,7 @@ def test_sliding_window_settings():
 
 def test_transformer_config_carries_biases_and_windows():
     def build(hf):
-        return transformer_config_from_hf(hf, tp_size=2, pp_size=2, params_dtype=torch.float32)
+        return transformer_config_from_hf(hf, PolicySettings(model=model_section("x"), tp_size=2, pp_size=2))
 
     llama = build(LlamaConfig(**SMALL, attention_bias=True, mlp_bias=True))
     # q/k/v through add_qkv_bias; o_proj and MLP biases through per-module classes, never add_bias_linear

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from gtpo_megatron.ops import LossSpec
-from tests.adapter.megatron_helpers import TINY_QWEN2, make_batch, model_section
+from tests.adapter.megatron_helpers import TINY_QWEN2, make_batch, model_section, settings_at
 from tests.helpers.dist_harness import run_distributed
 
 pytestmark = pytest.mark.distributed
@@ -28,17 +28,16 @@ RESHARD_ATOL = 1e-5  # same math, different TP/PP split: fp32 summation-order no
 
 
 def _policy(tp: int, pp: int, distributed_optimizer: bool):
-    from gtpo_megatron.megatron_adapter.optimizer import OptimSettings
     from gtpo_megatron.megatron_adapter.policy import MegatronPolicy
+    from gtpo_megatron.megatron_adapter.settings import OptimSettings
     from gtpo_megatron.parallel.groups import init_distributed
 
     groups = init_distributed(tp_size=tp, pp_size=pp)
     optim = OptimSettings(
         lr=1e-3, warmup_steps=1, total_steps=10, decay_style="cosine", use_distributed_optimizer=distributed_optimizer
     )
-    return MegatronPolicy.from_pretrained(
-        model_section(TINY_QWEN2), groups=groups, optim=optim, micro_batch_size=2, seed=7
-    )
+    settings = settings_at(groups, model_section(TINY_QWEN2), optim=optim, micro_batch_size=2, seed=7)
+    return MegatronPolicy.from_pretrained(settings, groups=groups)
 
 
 def _batch():

@@ -17,6 +17,7 @@ PACKAGE = "gtpo_megatron"
 # Lowest layer first (STYLE.md section 2, refined): a module may import its own layer and the layers below it.
 # Each layer lists module prefixes; the longest matching prefix decides.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("collectives: torch.distributed calls", ("gtpo_megatron.parallel.collectives",)),
     ("ops: torch math", ("gtpo_megatron.ops",)),
     (
         "torch-free helpers",

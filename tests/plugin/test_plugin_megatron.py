@@ -42,12 +42,12 @@ def _caller_model(path: str, groups, *, per_token: bool):
     from gtpo_megatron.builtin_models import resolve_model_path
     from gtpo_megatron.megatron_adapter import hf_conversion, model
     from gtpo_megatron.megatron_adapter.external_model import model_geometry
-    from gtpo_megatron.megatron_adapter.optimizer import OptimSettings, wrap_ddp
+    from gtpo_megatron.megatron_adapter.optimizer import wrap_ddp
+    from tests.adapter.megatron_helpers import model_section, settings_at
 
     hf_config = AutoConfig.from_pretrained(resolve_model_path(path))
-    config = model.transformer_config_from_hf(
-        hf_config, tp_size=groups.tp_size, pp_size=groups.pp_size, params_dtype=torch.float32
-    )
+    settings = settings_at(groups, model_section(path))
+    config = model.transformer_config_from_hf(hf_config, settings)
     config.calculate_per_token_loss = per_token  # before DDP: it fixes DDP's gradient scaling factor
     with plugin.cuda_to_cpu_mode():
         model_parallel_cuda_manual_seed(0)
@@ -57,7 +57,7 @@ def _caller_model(path: str, groups, *, per_token: bool):
         )  # fmt: skip
     geometry = model_geometry(gpt, hf_config, tp_size=groups.tp_size)
     hf_conversion.load_hf_weights(gpt, resolve_model_path(path), geometry, tp_rank=groups.tp_rank)
-    ddp = wrap_ddp(gpt, config, settings=OptimSettings())
+    ddp = wrap_ddp(gpt, config, settings=settings.optim)
     config.finalize_model_grads_func = finalize_model_grads
     config.no_sync_func = ddp.no_sync
     return ddp, geometry, hf_config

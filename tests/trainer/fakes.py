@@ -1,4 +1,5 @@
-"""Small stand-ins for the policy, engine, reward pool and tokenizer (the loop's own logic is what is tested)."""
+"""Small stand-ins for the policy, engine, reward pool and tokenizer (the loop's own logic is what is tested), and
+``fake_rollout_trainer``: a ``Trainer`` whose rollouts come from them, around any policy (a fake or the real one)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,14 @@ from types import SimpleNamespace
 
 import torch
 
+from gtpo_megatron.config import GTPOConfig, LoggingConfig
+from gtpo_megatron.data.datasets import load_problems
+from gtpo_megatron.data.loader import PromptLoader
+from gtpo_megatron.logging import MetricSink
 from gtpo_megatron.rewards.registry import RewardResult
+from gtpo_megatron.rollout.collector import RolloutCollector
 from gtpo_megatron.rollout.types import Completion, PromptCompletions
+from gtpo_megatron.trainer import Trainer
 
 EOS = 2
 
@@ -140,3 +147,31 @@ def single_rank_groups():
         pp=None,
         mp=None,
     )
+
+
+def fake_rollout_trainer(cfg: GTPOConfig, *, groups, policy, engine=None, start_step: int = 0) -> Trainer:
+    """A ``Trainer`` of ``policy`` whose global rank 0 samples with ``engine`` (default ``FakeEngine()``) and scores
+    with ``FakeRewardPool`` on synthetic prompts (``FakeTokenizer``); metrics go to ``cfg.output_dir`` without wandb or
+    a progress bar. ``start_step``: the step a resumed run continues from (the sink drops later records)."""
+    collector = None
+    if groups.rank == 0:
+        loader = PromptLoader(load_problems("synthetic", limit=50), batch_size=cfg.rollout.num_prompts, seed=0)
+        collector = RolloutCollector(
+            engine=engine or FakeEngine(),
+            reward_pool=FakeRewardPool(),
+            tokenizer=FakeTokenizer(),
+            loader=loader,
+            rollout_cfg=cfg.rollout,
+            algorithm_cfg=cfg.algorithm,
+            reward_cfg=cfg.reward,
+            extraction="strict",
+        )
+    sink = MetricSink(
+        cfg.output_dir,
+        cfg=LoggingConfig(wandb_mode="disabled", progress=False),
+        run_config={},
+        max_steps=cfg.trainer.max_steps,
+        start_step=start_step,
+        enabled=groups.rank == 0,
+    )
+    return Trainer(cfg, groups=groups, policy=policy, collector=collector, pad_token_id=0, sink=sink)

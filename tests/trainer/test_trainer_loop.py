@@ -10,14 +10,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from gtpo_megatron.config import LoggingConfig, load_config
-from gtpo_megatron.data.datasets import load_problems
-from gtpo_megatron.data.loader import PromptLoader
-from gtpo_megatron.logging import MetricSink
-from gtpo_megatron.rollout.collector import RolloutCollector
+from gtpo_megatron.config import load_config
 from gtpo_megatron.run_dir import list_checkpoints
-from gtpo_megatron.trainer import Trainer
-from tests.trainer.fakes import FakeEngine, FakePolicy, FakeRewardPool, FakeTokenizer, single_rank_groups
+from tests.trainer.fakes import FakeEngine, FakePolicy, FakeRewardPool, fake_rollout_trainer, single_rank_groups
 
 CONTRACT_KEYS = {
     "reward/mean",
@@ -70,27 +65,9 @@ def _trainer(tmp_path, *overrides, engine=None, policy=None):
             *overrides,
         ],
     )
-    loader = PromptLoader(load_problems("synthetic", limit=50), batch_size=2, seed=0)
-    collector = RolloutCollector(
-        engine=engine or FakeEngine(),
-        reward_pool=FakeRewardPool(),
-        tokenizer=FakeTokenizer(),
-        loader=loader,
-        rollout_cfg=cfg.rollout,
-        algorithm_cfg=cfg.algorithm,
-        reward_cfg=cfg.reward,
-        extraction="strict",
-    )
     start = max([int(p.name[5:]) for p in list_checkpoints(tmp_path / "checkpoints")] + [0]) if cfg.resume else 0
-    sink = MetricSink(
-        tmp_path,
-        cfg=LoggingConfig(wandb_mode="disabled", progress=False),
-        run_config={},
-        max_steps=cfg.trainer.max_steps,
-        start_step=start,
-    )
-    return Trainer(
-        cfg, groups=single_rank_groups(), policy=policy or FakePolicy(), collector=collector, pad_token_id=0, sink=sink
+    return fake_rollout_trainer(
+        cfg, groups=single_rank_groups(), policy=policy or FakePolicy(), engine=engine, start_step=start
     )
 
 
