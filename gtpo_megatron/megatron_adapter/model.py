@@ -314,7 +314,7 @@ def build_gpt_model(
     Returns:
         ``GPTModel`` with ``parallel_output=True`` (logits stay ``[B, S, V/tp]``, fp32 with ``fp32_output_layer``,
         else in the parameter dtype) and attribute ``layer_spec_backend`` set to ``"transformer_engine"`` or
-        ``"local"``.
+        ``"local"``; on the current CUDA device when CUDA is available, else on the CPU.
 
     Collectives: with tied embeddings and PP > 1, one all-reduce on Megatron's embedding group (done inside
     ``GPTModel``); run it under ``cpu_compat.cuda_to_cpu_mode()`` on CPU.
@@ -342,6 +342,10 @@ def build_gpt_model(
     model.layer_spec_backend = backend
     if fp32_output_layer and post_process and config.params_dtype != torch.float32:
         use_fp32_output_layer(model.output_layer)
+    if torch.cuda.is_available():
+        # Megatron's parallel layers allocate on the current device, but plain torch modules of the local spec
+        # (its RMSNorms) are built on the CPU; Megatron-LM's get_model moves the whole stage the same way.
+        model.cuda(torch.cuda.current_device())
     return model
 
 
