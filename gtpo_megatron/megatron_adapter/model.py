@@ -314,7 +314,8 @@ def build_gpt_model(
     Returns:
         ``GPTModel`` with ``parallel_output=True`` (logits stay ``[B, S, V/tp]``, fp32 with ``fp32_output_layer``,
         else in the parameter dtype) and attribute ``layer_spec_backend`` set to ``"transformer_engine"`` or
-        ``"local"``; on the current CUDA device when CUDA is available, else on the CPU.
+        ``"local"``; every parameter in ``config.params_dtype``; on the current CUDA device when CUDA is available,
+        else on the CPU.
 
     Collectives: with tied embeddings and PP > 1, one all-reduce on Megatron's embedding group (done inside
     ``GPTModel``); run it under ``cpu_compat.cuda_to_cpu_mode()`` on CPU.
@@ -342,11 +343,26 @@ def build_gpt_model(
     model.layer_spec_backend = backend
     if fp32_output_layer and post_process and config.params_dtype != torch.float32:
         use_fp32_output_layer(model.output_layer)
+    _to_params_dtype(model, config.params_dtype)
     if torch.cuda.is_available():
         # Megatron's parallel layers allocate on the current device, but plain torch modules of the local spec
         # (its RMSNorms) are built on the CPU; Megatron-LM's get_model moves the whole stage the same way.
         model.cuda(torch.cuda.current_device())
     return model
+
+
+def _to_params_dtype(model, params_dtype: torch.dtype) -> None:
+    """Give every floating-point parameter ``params_dtype``, in place (buffers keep theirs).
+
+    Megatron's parallel layers are built in ``params_dtype``, the local spec's torch RMSNorms in fp32. Megatron's
+    16-bit optimizer (``Float16OptimizerWithFloat16Params``) keeps fp32 parameters in a separate group that its
+    ``sharded_state_dict`` does not map, so a checkpoint save fails on them; Megatron-LM avoids them with
+    ``Float16Module``, which casts the whole stage. The ``.data`` swap keeps each parameter object and its Megatron
+    attributes (tensor-parallel and sequence-parallel tags).
+    """
+    for param in model.parameters():
+        if param.is_floating_point() and param.dtype != params_dtype:
+            param.data = param.data.to(params_dtype)
 
 
 def causal_attention_mask(seq_len: int, backend: str) -> torch.Tensor | None:

@@ -105,3 +105,27 @@ def test_checkpoint_resume_is_exact_and_reshards(tmp_path):
     assert (Path(root) / "latest").read_text() == "step_000001"
     assert sorted(p.name for p in Path(root).iterdir()) == ["expected.pt", "latest", "step_000001"]
     run_distributed(_resume, 2, root)  # fresh processes: nothing survives from the first run but the files
+
+
+def _bf16_round_trip(rank: int, world_size: int, root: str) -> None:
+    from gtpo_megatron.megatron_adapter.policy import MegatronPolicy
+    from gtpo_megatron.megatron_adapter.settings import OptimSettings
+    from gtpo_megatron.parallel.groups import init_distributed
+
+    groups = init_distributed(tp_size=1, pp_size=1)
+    model = model_section(TINY_QWEN2, params_dtype="bfloat16")
+    settings = settings_at(groups, model, optim=OptimSettings(lr=1e-3, total_steps=10), micro_batch_size=2, seed=7)
+    policy = MegatronPolicy.from_pretrained(settings, groups=groups)
+    assert {p.dtype for p in policy.model.parameters()} == {torch.bfloat16}  # the local spec's RMSNorms included
+    policy.train_step(_batch(), LOSS)
+    policy.save_checkpoint(f"{root}/step_000001", {"step": 1})
+    expected, _ = policy.compute_logprobs(_batch())
+    reloaded = MegatronPolicy.from_pretrained(settings, groups=groups)
+    assert reloaded.load_checkpoint(root)["step"] == 1
+    assert torch.equal(reloaded.compute_logprobs(_batch())[0], expected)
+
+
+def test_checkpoint_bf16_params_round_trip(tmp_path):
+    """bf16 parameters: Megatron's 16-bit optimizer maps every parameter in its sharded state (found on an H200:
+    the local spec's fp32 RMSNorms made the save fail with "Param id ... does not match any model sharded param")."""
+    run_distributed(_bf16_round_trip, 1, str(tmp_path / "checkpoints"))
