@@ -29,6 +29,7 @@ from gtpo_megatron.ops.losses import (
     get_policy_loss,
     register_policy_loss,
 )
+from gtpo_megatron.ops.objective import SequenceTerms, policy_objective, sequence_terms
 
 __all__ = [
     "ADVANTAGE_ESTIMATOR_REGISTRY",
@@ -41,6 +42,7 @@ __all__ = [
     "OVERLAP_MODES",
     "POLICY_LOSS_REGISTRY",
     "PolicyLossFn",
+    "SequenceTerms",
     "apply_entropy_penalty",
     "build_conflict_weights",
     "clipped_surrogate_loss",
@@ -51,8 +53,10 @@ __all__ = [
     "get_advantage_estimator",
     "get_policy_loss",
     "policy_loss_metrics",
+    "policy_objective",
     "register_advantage_estimator",
     "register_policy_loss",
     "sequence_mean_entropy",
+    "sequence_terms",
     "vocab_parallel_logprobs_entropy",
 ]
