@@ -76,7 +76,9 @@ def _recompute_settings(model: ModelConfig) -> dict:
     }
 
 
-def _build_stage(hf_config, config, groups: ParallelGroups, *, padded_vocab_size: int, seed: int):
+def _build_stage(
+    hf_config, config, groups: ParallelGroups, *, padded_vocab_size: int, seed: int, fp32_output_layer: bool
+):
     """This rank's ``GPTModel`` stage, initialised from ``seed`` (torch and Megatron's model-parallel RNG)."""
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
@@ -89,11 +91,16 @@ def _build_stage(hf_config, config, groups: ParallelGroups, *, padded_vocab_size
             padded_vocab_size=padded_vocab_size,
             pre_process=groups.is_first_pp_stage,
             post_process=groups.is_last_pp_stage,
+            fp32_output_layer=fp32_output_layer,
         )
 
 
 class MegatronPolicy:
-    """A Megatron-Core policy loaded from an HF checkpoint; see ``from_pretrained``."""
+    """A Megatron-Core policy loaded from an HF checkpoint; see ``from_pretrained``.
+
+    A frozen instance (``trainable=False``: the KL reference policy) has no DDP wrapper, optimizer or gradients;
+    it only runs ``compute_logprobs``.
+    """
 
     def __init__(
         self,
@@ -122,7 +129,7 @@ class MegatronPolicy:
     @property
     def model(self):
         """This rank's unwrapped ``GPTModel`` stage."""
-        return self.ddp_model.module
+        return self.ddp_model if self.optimizer is None else self.ddp_model.module
 
     @classmethod
     def from_pretrained(
@@ -135,6 +142,7 @@ class MegatronPolicy:
         logprob_chunk_size: int | None = None,
         seed: int = 1234,
         padding_tp_size: int | None = None,
+        trainable: bool = True,
     ) -> MegatronPolicy:
         """Build this rank's stage and load its shard of the HF checkpoint ``model.name_or_path``.
 
@@ -145,7 +153,8 @@ class MegatronPolicy:
                 times ``tp_size``), ``recompute`` (Megatron activation recompute) and ``pad_attention_heads``
                 (when the KV groups do not divide ``tp_size``, pad the Megatron model with all-zero KV groups up
                 to the next multiple of ``tp_size``: exact for forward and training; HF export and weight
-                streaming drop them; checkpoints keep them; see ``head_padding``).
+                streaming drop them; checkpoints keep them; see ``head_padding``) and ``fp32_output_layer``
+                (fp32 logits from 16-bit parameters, passed to ``model.build_gpt_model``; see ``output_layer``).
             groups: the ``ParallelGroups`` of ``init_distributed`` (TP/PP sizes come from it).
             optim: Adam and LR-schedule settings (``build.optim_settings`` derives them from the config sections);
                 None: ``OptimSettings()``.
@@ -155,6 +164,8 @@ class MegatronPolicy:
             padding_tp_size: pad the vocabulary (and, with ``pad_attention_heads``, the KV groups) as a run at
                 this TP size did, so that its checkpoint loads at ``groups.tp_size`` (e.g. a TP=2 run exported
                 in one process). Default: ``groups.tp_size``.
+            trainable: False builds a frozen forward-only copy (parameters without gradients, no DDP wrapper, no
+                optimizer state): the reference policy of the KL term.
 
         Raises:
             ValueError: bad ``micro_batch_size``/``params_dtype``, heads or KV groups not divisible by ``tp_size``
@@ -192,14 +203,25 @@ class MegatronPolicy:
             padding_tp_size=padding_tp_size,
         )
         _log_head_padding(geometry, model.pad_attention_heads)
-        gpt_model = _build_stage(hf_config, config, groups, padded_vocab_size=vocab_size, seed=seed)
+        gpt_model = _build_stage(
+            hf_config,
+            config,
+            groups,
+            padded_vocab_size=vocab_size,
+            seed=seed,
+            fp32_output_layer=model.fp32_output_layer,
+        )
         hf_conversion.load_hf_weights(gpt_model, hf_path, geometry, tp_rank=groups.tp_rank)
-        ddp_model = wrap_ddp(gpt_model, config, settings=optim)
-        config.finalize_model_grads_func = finalize_model_grads
-        config.no_sync_func = ddp_model.no_sync
-        optimizer, scheduler = build_optimizer(ddp_model, settings=optim, params_dtype=params_dtype)
+        optimizer = scheduler = None
+        if trainable:
+            gpt_model = wrap_ddp(gpt_model, config, settings=optim)
+            config.finalize_model_grads_func = finalize_model_grads
+            config.no_sync_func = gpt_model.no_sync
+            optimizer, scheduler = build_optimizer(gpt_model, settings=optim, params_dtype=params_dtype)
+        else:
+            gpt_model.requires_grad_(False)
         return cls(
-            ddp_model=ddp_model,
+            ddp_model=gpt_model,
             optimizer=optimizer,
             scheduler=scheduler,
             groups=groups,
@@ -222,10 +244,9 @@ class MegatronPolicy:
             t = torch.cat([t, t.new_zeros((pad, *t.shape[1:]))]) if pad else t
             return t.to(self.device)
 
-        tensors = {
-            k: prepare(getattr(batch, k))
-            for k in ("input_ids", "response_mask", "token_weights", "advantages", "old_logprobs", "ref_logprobs")
-        }
+        fields = ("input_ids", "response_mask", "token_weights", "advantages", "old_logprobs", "ref_logprobs")
+        fields += ("keep_mask", "seq_entropy", "rollout_logprobs")
+        tensors = {k: prepare(getattr(batch, k)) for k in fields}
         positions = torch.arange(seq_len, device=self.device).expand(self.micro_batch_size, -1)
         mask = model_lib.causal_attention_mask(seq_len, self.model.layer_spec_backend)
         mask = None if mask is None else mask.to(self.device)
@@ -249,19 +270,25 @@ class MegatronPolicy:
                 forward_only=forward_only,
             )
 
-    def _settings(self, temperature: float, **loss_fields) -> LossSettings:
+    def _settings(self, temperature: float, entropy_temperature: float | None, **loss_fields) -> LossSettings:
         return LossSettings(
             tp_group=self.groups.tp if self.groups.tp_size > 1 else None,
             vocab_size=self.geometry.vocab_size,
             temperature=temperature,
+            entropy_temperature=entropy_temperature,
             chunk_size=self.logprob_chunk_size,
             **loss_fields,
         )
 
     # ---------------------------------------------------------------------------------------------- passes
     @torch.no_grad()
-    def compute_logprobs(self, batch: TrainBatch, *, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    def compute_logprobs(
+        self, batch: TrainBatch, *, temperature: float = 1.0, entropy_temperature: float | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """No-grad pass over all micro-batches: per-token log pi and entropy of ``batch``.
+
+        Log-probs at ``temperature``, entropy at ``entropy_temperature`` (None: ``temperature``), both from one
+        read of the logits (``ops.vocab_parallel_logprobs_entropy``).
 
         Returns:
             ``(logprobs, entropy)``: ``[B, S]`` fp32 on CPU, nats, 0 off ``response_mask`` (and in column 0),
@@ -272,7 +299,8 @@ class MegatronPolicy:
         """
         self.ddp_model.eval()
         micro_batches = self._micro_batches(batch)
-        store = self._run_schedule(micro_batches, self._settings(temperature), forward_only=True)
+        settings = self._settings(temperature, entropy_temperature)
+        store = self._run_schedule(micro_batches, settings, forward_only=True)
         rows, seq_len = batch.input_ids.shape
         if self.groups.is_last_pp_stage:
             both = torch.stack([torch.cat([d["logprobs"] for d in store]), torch.cat([d["entropy"] for d in store])])
@@ -306,20 +334,28 @@ class MegatronPolicy:
         ``loss.aggregation`` on this rank's rows, all-reduced over the DP group) is fixed before the schedule; see
         ``forward_step``'s docstring for how Megatron's per-micro-batch and DP averaging are cancelled. After the
         call every ``main_grad`` holds the gradient of the step objective, reduced over DP (and over the tied
-        embedding copies). ``batch.advantages`` is required; ``token_weights=None`` means weight 1 on every
-        response token; ``old_logprobs=None`` means one update per batch (ratio 1 with gradient);
-        ``ref_logprobs`` feeds the optional KL term; ``loss.max_response_length`` selects Dr. GRPO's constant
-        normaliser.
+        embedding copies). ``batch.advantages`` (the raw A_i) is required; ``token_weights=None`` means weight 1
+        on every response token; ``keep_mask`` (row decisions made without the entropy) and ``seq_entropy``
+        (<H>_i of a pass before the update; None: measured in this forward) feed ``ops.policy_objective``, which
+        applies the entropy filter and penalty of ``loss``; ``old_logprobs=None`` means one update per batch
+        (ratio 1 with gradient); ``ref_logprobs`` feeds the optional KL term; ``rollout_logprobs`` turns on the
+        mismatch sums; ``loss.max_response_length`` selects Dr. GRPO's constant normaliser.
 
         Returns:
             Metrics identical on every rank: ``loss`` (the step objective, summed over micro-batches and DP),
-            ``normalizer``, the loss's sums/counts (``num_tokens``, ``clipped_tokens``, ...), the means
-            ``clip_frac``, ``ratio_mean``, ``entropy_mean``, ``kl_mean``, and ``logprob_diff_max`` when
+            ``normalizer``, the objective's sums/counts (``num_tokens``, ``num_sequences``, ``clipped_tokens``,
+            ``entropy_sum``, ``seq_entropy_sum``, ``filtered_sequences``, ``advantage_abs_sum``, ...), the means
+            ``clip_frac``, ``ratio_mean``, ``kl_mean`` (per response token), and ``logprob_diff_max`` when
             ``old_logprobs`` is given. ``{"normalizer": 0.0}`` only when no DP rank has a response token.
 
         Raises:
             ValueError: ``batch.advantages`` is None, or the loss rejects its arguments.
+            RuntimeError: a frozen (``trainable=False``) policy.
         """
+        if self.optimizer is None:
+            raise RuntimeError(
+                "this MegatronPolicy is frozen (trainable=False, a KL reference): it only runs compute_logprobs"
+            )
         if batch.advantages is None:
             raise ValueError("batch.advantages is None; fill TrainBatch.advantages before train_step")
         normalizer = global_normalizer(
@@ -331,6 +367,7 @@ class MegatronPolicy:
         micro_batches = self._micro_batches(batch)
         settings = self._settings(
             loss.temperature,
+            loss.entropy_temperature,
             loss=loss,
             normalizer=normalizer,
             loss_scale=float(len(micro_batches) * self.groups.dp_size),
