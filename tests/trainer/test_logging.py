@@ -22,12 +22,12 @@ def _records(tmp_path):
 
 def test_jsonl_one_object_per_step_and_nan_as_null(tmp_path):
     sink = _sink(tmp_path)
-    sink.log(1, {"reward/mean": 0.5, "entropy/mean": math.nan})
-    sink.log(2, {"reward/mean": 1.0, "entropy/mean": 0.3})
+    sink.log(1, {"reward/mean": 0.5, "entropy/completion_mean": math.nan})
+    sink.log(2, {"reward/mean": 1.0, "entropy/completion_mean": 0.3})
     sink.close()
     assert _records(tmp_path) == [
-        {"step": 1, "reward/mean": 0.5, "entropy/mean": None},
-        {"step": 2, "reward/mean": 1.0, "entropy/mean": 0.3},
+        {"step": 1, "reward/mean": 0.5, "entropy/completion_mean": None},
+        {"step": 2, "reward/mean": 1.0, "entropy/completion_mean": 0.3},
     ]
 
 
