@@ -14,6 +14,7 @@ Per-token tensors use the ``TrainBatch`` layout: column ``s`` describes the pred
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -44,12 +45,15 @@ class StepWeights:
         token_weights: ``[B, S]`` fp32 per-token multiplier the loss receives: lambda (divided by
             ``max(1, n_i)`` with ``normalize_by_conflicts``), 0 on rows of DAPO's overlong filter and off the
             response.
+        advantages: None (the loss computes ``A_i - gamma <H>_i``), or, after :func:`with_entropy_terms`, ``[B]``
+            fp32 ``A_i - gamma <H>_i`` (``keep_mask`` then holds delta_i and ``token_weights`` lambda * delta_i).
     """
 
     raw_advantages: torch.Tensor
     keep_mask: torch.Tensor
     conflict_weights: torch.Tensor
     token_weights: torch.Tensor
+    advantages: torch.Tensor | None = None
 
 
 def conflicts_need_entropy(cfg: AlgorithmConfig) -> bool:
@@ -84,33 +88,74 @@ def compute_step_weights(
     loss_spec: LossSpec,
     seq_entropy: torch.Tensor | None = None,
 ) -> StepWeights:
-    """Advantages, row decisions and conflict weights of the full batch (GTPO_SPEC sections 2-4).
+    """:func:`compute_weights` of a ``TrainBatch`` (its ``input_ids``, ``response_mask`` and ``truncated`` extra).
 
     Args:
         batch: the full (unsharded) step batch from ``collate_completions``.
         rewards: ``[B]`` shaped rewards.
         cfg: algorithm section.
+        loss_spec: as :func:`compute_weights`.
+        seq_entropy: as :func:`compute_weights`.
+    """
+    return compute_weights(
+        batch.input_ids,
+        batch.response_mask,
+        rewards,
+        cfg,
+        loss_spec=loss_spec,
+        seq_entropy=seq_entropy,
+        truncated=batch.extras.get("truncated"),
+    )
+
+
+def compute_weights(
+    input_ids: torch.Tensor,
+    response_mask: torch.Tensor,
+    rewards: torch.Tensor,
+    cfg: AlgorithmConfig,
+    *,
+    loss_spec: LossSpec,
+    seq_entropy: torch.Tensor | None = None,
+    truncated: torch.Tensor | None = None,
+) -> StepWeights:
+    """Advantages, row decisions and conflict weights of a whole step (GTPO_SPEC sections 2-4).
+
+    The entropy terms (delta_i, ``A_i - gamma <H>_i``) are left to the loss (``ops.policy_objective``), or to
+    :func:`with_entropy_terms` when the entropies are known beforehand.
+
+    Args:
+        input_ids: ``[B, S]`` int token ids, rows group by group (``cfg.group_size`` consecutive rows per prompt);
+            only the columns where ``response_mask`` is True are read (any padding side, any pad id).
+        response_mask: ``[B, S]`` bool, True on response tokens.
+        rewards: ``[B]`` rewards.
+        cfg: algorithm section.
         loss_spec: the step's objective (its entropy filter and penalty, with ``initial_entropy`` filled), used
             only when lambda depends on the entropies.
         seq_entropy: ``[B]`` per-completion mean entropy <H>_i in nats of a pass before the update (gathered over
             data-parallel ranks), or None when no such pass ran.
+        truncated: ``[B]`` bool, completions cut at the token limit; required by ``cfg.overlong_filter``.
 
     Raises:
-        ValueError: lambda needs the entropies (:func:`conflicts_need_entropy`) and ``seq_entropy`` is None.
+        ValueError: ``cfg.overlong_filter`` without ``truncated``; lambda needs the entropies
+            (:func:`conflicts_need_entropy`) and ``seq_entropy`` is None; the checks of the ``ops`` functions.
     """
+    if cfg.overlong_filter and truncated is None:
+        raise ValueError(
+            "algorithm.overlong_filter=true needs truncated ([B] bool: finish_reason == 'length'); pass it or "
+            "set algorithm.overlong_filter=false"
+        )
     group_size = cfg.group_size
     raw_B = compute_group_advantages(rewards, group_size, estimator=cfg.advantage_estimator)
     keep_B = torch.ones_like(raw_B, dtype=torch.bool)
     if cfg.skip_uniform_groups:
         keep_B = filter_uniform_groups(rewards, group_size).repeat_interleave(group_size)
-    ids, mask = batch.input_ids, batch.response_mask
     if cfg.conflict_mode == "off":
-        lambda_BS = weights_BS = mask.float()
+        lambda_BS = weights_BS = response_mask.float()
     else:
         sign_B = _conflict_sign_advantages(raw_B, keep_B, cfg, loss_spec, seq_entropy)
         lambda_BS = build_conflict_weights(
-            ids,
-            mask,
+            input_ids,
+            response_mask,
             sign_B,
             group_size,
             amplification=cfg.conflict_amplification,
@@ -119,11 +164,33 @@ def compute_step_weights(
         )
         weights_BS = lambda_BS
         if cfg.normalize_by_conflicts:
-            counts_B = conflict_normalizers(ids, mask, sign_B, group_size, mode=cfg.conflict_mode)
+            counts_B = conflict_normalizers(input_ids, response_mask, sign_B, group_size, mode=cfg.conflict_mode)
             weights_BS = lambda_BS / counts_B.unsqueeze(-1)
     if cfg.overlong_filter:
-        weights_BS = weights_BS * ~batch.extras["truncated"].unsqueeze(-1)
+        weights_BS = weights_BS * ~truncated.unsqueeze(-1)
     return StepWeights(raw_advantages=raw_B, keep_mask=keep_B, conflict_weights=lambda_BS, token_weights=weights_BS)
+
+
+def with_entropy_terms(weights: StepWeights, seq_entropy: torch.Tensor, loss_spec: LossSpec) -> StepWeights:
+    """``weights`` with the entropy terms decided from known entropies, for a loss that does not apply them.
+
+    ``advantages`` becomes ``A_i - gamma <H>_i``, ``keep_mask`` delta_i (and the row decisions) and
+    ``token_weights`` ``lambda * delta_i`` (``ops.sequence_terms``, GTPO_SPEC section 4). Pair the result with a
+    ``LossSpec`` whose entropy filter is ``off`` and penalty 0 (as ``megatron_adapter.loss_forms.loss_settings``
+    makes it), or the terms would apply twice.
+
+    Args:
+        weights: from :func:`compute_weights`.
+        seq_entropy: ``[B]`` <H>_i in nats.
+        loss_spec: the step's objective (entropy filter, ``initial_entropy``, penalty).
+    """
+    terms = sequence_terms(seq_entropy, weights.raw_advantages, loss_spec, keep_mask=weights.keep_mask)
+    return dataclasses.replace(
+        weights,
+        advantages=terms.advantages,
+        keep_mask=terms.keep_mask,
+        token_weights=weights.token_weights * terms.keep_mask.unsqueeze(-1),
+    )
 
 
 def _conflict_sign_advantages(

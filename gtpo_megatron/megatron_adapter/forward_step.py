@@ -131,20 +131,48 @@ def policy_loss_closure(logits: torch.Tensor, batch: MicroBatch, settings: LossS
         settings: the step's ``LossSettings`` (``loss=None``: forward-only).
 
     Returns:
-        Training (``settings.loss`` set): ``(l * loss_scale, metrics)`` with ``l`` this micro-batch's
-        ``ops.policy_objective`` loss (``S_dm / N``; delta_i and ``A_i - gamma <H>_i`` from ``batch.seq_entropy``
-        when given, else from this forward's entropy); ``metrics`` are detached fp32 scalars: the objective's
-        sums/counts plus ``loss`` (``l``); with ``rollout_logprobs``, ``mismatch_abs_logprob_diff`` and
-        ``mismatch_prob_ratio_err`` (sums over response tokens, ``rollout.batch.mismatch_sums``); with
-        ``old_logprobs``, ``logprob_diff_max`` (max |log pi_theta - log pi_old| on response tokens; reduce with
-        MAX). Forward-only (``loss=None``): ``(0, {"logprobs", "entropy"})`` with the ``[b, S]`` tensors of
-        ``token_logprobs_entropy``.
+        Training (``settings.loss`` set): ``(l * loss_scale, metrics)`` with ``(l, metrics)`` of
+        :func:`policy_loss` (``l = S_dm / N``; delta_i and ``A_i - gamma <H>_i`` from ``batch.seq_entropy`` when
+        given, else from this forward's entropy). Forward-only (``loss=None``): ``(0, {"logprobs", "entropy"})``
+        with the ``[b, S]`` tensors of ``token_logprobs_entropy``.
     """
     logprobs, entropy = token_logprobs_entropy(logits, batch, settings)
-    spec = settings.loss
-    if spec is None:
+    if settings.loss is None:
         zero = logprobs.new_zeros(())
         return zero, {"logprobs": logprobs.detach(), "entropy": entropy}
+    loss, metrics = policy_loss(logprobs, entropy, batch, settings.loss, settings.normalizer)
+    return loss * settings.loss_scale, metrics
+
+
+def policy_loss(
+    logprobs: torch.Tensor, entropy: torch.Tensor | None, batch: MicroBatch, spec: LossSpec, normalizer: torch.Tensor
+):
+    """The objective of one micro-batch from its per-token log-probs (the loss half of ``policy_loss_closure``).
+
+    ``ops.policy_objective``: the entropy filter's delta_i and ``A_i - gamma <H>_i`` of ``spec`` are decided here
+    from each completion's own entropy (``batch.seq_entropy`` when given, else ``entropy``), then the registered
+    loss.
+
+    Args:
+        logprobs: ``[b, S]`` fp32 log pi_theta in the ``TrainBatch`` column convention, differentiable.
+        entropy: ``[b, S]`` detached token entropy in nats at ``spec.entropy_temperature``, or None (then
+            ``batch.seq_entropy`` is needed when ``spec`` filters or penalises).
+        batch: the micro-batch (``response_mask``, ``advantages`` (the raw A_i), ``token_weights``, ``keep_mask``,
+            ``seq_entropy``, ``old_logprobs``, ``ref_logprobs``, ``rollout_logprobs`` are read;
+            ``token_weights=None`` means weight 1 on every response token).
+        spec: the step objective.
+        normalizer: fp32 scalar the loss sum is divided by (the step's global ``N``; 1 gives the plain sum).
+
+    Returns:
+        ``(loss, metrics)``: the loss ``S / normalizer`` (fp32 scalar, differentiable w.r.t. ``logprobs``) and
+        detached fp32 scalars: the objective's sums/counts plus ``loss``; with ``rollout_logprobs``,
+        ``mismatch_abs_logprob_diff`` and ``mismatch_prob_ratio_err`` (sums over response tokens,
+        ``rollout.batch.mismatch_sums``); with ``old_logprobs``, ``logprob_diff_max`` (max |log pi_theta - log
+        pi_old| on response tokens; reduce with MAX).
+
+    Raises:
+        ValueError: whatever the objective rejects (shapes, aggregation, KL settings, no entropy for a filter).
+    """
     token_weights = batch.token_weights
     if token_weights is None:
         token_weights = batch.response_mask.float()
@@ -154,7 +182,7 @@ def policy_loss_closure(logits: torch.Tensor, batch: MicroBatch, settings: LossS
         raw_advantages=batch.advantages,
         token_weights=token_weights,
         response_mask=batch.response_mask,
-        normalizer=settings.normalizer,
+        normalizer=normalizer,
         spec=spec,
         keep_mask=batch.keep_mask,
         seq_entropy=batch.seq_entropy,
@@ -169,15 +197,16 @@ def policy_loss_closure(logits: torch.Tensor, batch: MicroBatch, settings: LossS
     if batch.old_logprobs is not None:
         diff = torch.where(batch.response_mask, (logprobs.detach() - batch.old_logprobs).abs(), 0.0)
         metrics["logprob_diff_max"] = diff.max() if diff.numel() else diff.new_zeros(())
-    return loss * settings.loss_scale, metrics
+    return loss, metrics
 
 
-def forward_step(data_iterator, model, *, settings: LossSettings):
+def forward_step(data_iterator, model, *, settings: LossSettings, loss_fn=policy_loss_closure):
     """Megatron ``forward_step_func``: run this stage on the next ``MicroBatch``; return output and loss closure.
 
     On non-first stages ``input_ids`` is ignored by ``GPTModel`` (the activation comes from the previous stage);
-    on non-last stages the closure is never called. Bind ``settings`` with ``functools.partial``.
+    on non-last stages the closure is never called. Bind ``settings`` (and another ``loss_fn(logits, batch,
+    settings)``, e.g. ``loss_forms.per_token_loss``) with ``functools.partial``.
     """
     batch: MicroBatch = next(data_iterator)
     output = model(batch.input_ids, batch.position_ids, batch.attention_mask)
-    return output, partial(policy_loss_closure, batch=batch, settings=settings)
+    return output, partial(loss_fn, batch=batch, settings=settings)

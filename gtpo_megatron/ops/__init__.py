@@ -30,6 +30,7 @@ from gtpo_megatron.ops.losses import (
     register_policy_loss,
 )
 from gtpo_megatron.ops.objective import SequenceTerms, policy_objective, sequence_terms
+from gtpo_megatron.ops.packing import PackedLayout
 
 __all__ = [
     "ADVANTAGE_ESTIMATOR_REGISTRY",
@@ -40,6 +41,7 @@ __all__ = [
     "LN2",
     "LossSpec",
     "OVERLAP_MODES",
+    "PackedLayout",
     "POLICY_LOSS_REGISTRY",
     "PolicyLossFn",
     "SequenceTerms",

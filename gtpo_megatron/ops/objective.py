@@ -83,7 +83,7 @@ def sequence_terms(
 def policy_objective(
     *,
     policy_logprobs: torch.Tensor,
-    entropy: torch.Tensor,
+    entropy: torch.Tensor | None,
     raw_advantages: torch.Tensor,
     token_weights: torch.Tensor,
     response_mask: torch.Tensor,
@@ -100,7 +100,8 @@ def policy_objective(
         policy_logprobs: ``[B, T]`` fp32 log pi_theta at ``spec.temperature`` (nats), differentiable.
         entropy: ``[B, T]`` fp32 token entropy at ``spec.entropy_temperature`` (nats; detached, e.g. the second
             output of ``vocab_parallel_logprobs_entropy(..., entropy_temperature=...)``); values off
-            ``response_mask`` are ignored.
+            ``response_mask`` are ignored. None only when ``seq_entropy`` is given or ``spec`` neither filters
+            nor penalises (then no entropy metrics).
         raw_advantages: ``[B]`` group-relative advantages ``A_i`` (GTPO_SPEC section 2, before the penalty).
         token_weights: ``[B, T]`` per-token multiplier decided before the forward: conflict lambda (section 3)
             times any row decision independent of the entropy (e.g. DAPO's overlong filter); ``delta_i`` is
@@ -119,14 +120,16 @@ def policy_objective(
     Returns:
         ``(loss, metrics, terms)``: the fp32 scalar loss (gradient w.r.t. ``policy_logprobs`` only); the loss's
         metric sums (``loss_metrics.policy_loss_metrics``, with ``entropy_sum`` of ``entropy`` and
-        ``filtered_sequences`` of ``terms.keep_mask``) plus ``seq_entropy_sum`` and ``advantage_abs_sum`` over the
-        rows with a response token; and the :class:`SequenceTerms`.
+        ``filtered_sequences`` of ``terms.keep_mask``) plus ``advantage_abs_sum`` and (given an entropy)
+        ``seq_entropy_sum`` over the rows with a response token; and the :class:`SequenceTerms`.
 
     Raises:
-        ValueError: the checks of :func:`sequence_terms` and of the registered loss.
+        ValueError: neither ``entropy`` nor ``seq_entropy`` while ``spec`` filters or penalises, and the checks of
+            :func:`sequence_terms` and of the registered loss.
     """
+    measured = seq_entropy is not None or entropy is not None
     if seq_entropy is None:
-        seq_entropy = sequence_mean_entropy(entropy, response_mask)
+        seq_entropy = _seq_entropy(entropy, response_mask, spec)
     terms = sequence_terms(seq_entropy, raw_advantages, spec, keep_mask=keep_mask)
     loss, metrics = get_policy_loss(spec.loss_name)(
         policy_logprobs=policy_logprobs,
@@ -145,6 +148,19 @@ def policy_objective(
         entropy_keep_mask=terms.keep_mask,
     )
     has_tokens_B = response_mask.any(dim=-1)
-    metrics["seq_entropy_sum"] = torch.where(has_tokens_B, terms.seq_entropy, 0.0).sum()
+    if measured:
+        metrics["seq_entropy_sum"] = torch.where(has_tokens_B, terms.seq_entropy, 0.0).sum()
     metrics["advantage_abs_sum"] = torch.where(has_tokens_B, terms.advantages.abs(), 0.0).sum()
     return loss, metrics, terms
+
+
+def _seq_entropy(entropy: torch.Tensor | None, response_mask: torch.Tensor, spec: LossSpec) -> torch.Tensor:
+    """``[B]`` <H>_i of ``entropy``; zeros when there is none and ``spec`` does not read it."""
+    if entropy is not None:
+        return sequence_mean_entropy(entropy, response_mask)
+    if spec.entropy_filter != "off" or spec.entropy_penalty > 0:
+        raise ValueError(
+            f"entropy_filter={spec.entropy_filter!r} / entropy_penalty={spec.entropy_penalty} need each completion's "
+            "entropy: pass entropy [B, T] (vocab_parallel_logprobs_entropy's second output) or seq_entropy [B]"
+        )
+    return torch.zeros(response_mask.shape[0], dtype=torch.float32, device=response_mask.device)
