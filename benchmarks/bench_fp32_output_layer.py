@@ -12,8 +12,8 @@ One forward + backward of the last-stage head: bf16 hidden states ``[n, 1, h]`` 
   hidden states until backward): what the hook saves.
 Memory: peak resident anonymous memory (``RssAnon``, sampled every 0.5 ms, see ``bench_logprobs.py``) above the
 baseline taken after the inputs and weights exist (the logits live only in the autograd graph, as in Megatron's
-schedule). "planner" is ``plan.memory.logits_bytes`` (logits + gradient in the logits dtype + the op's two fp32
-``[chunk, V]`` buffers) for bf16 logits; for fp32 logits the rule proposed for the planner,
+schedule). "planner" is ``plan.memory.logprob_working_set_bytes``, the planner's rule: for bf16 logits
+``logits_bytes`` (logits + gradient in the logits dtype + the op's two fp32 ``[chunk, V]`` buffers); for fp32 logits
 ``max(logits_bytes(param_bytes=4), 4*n*V + 10*V*h)``: the op phase, or the output layer's backward (fp32 logits
 gradient, fp32 weight cast, fp32 weight gradient and its bf16 cast). Measured here (2 threads, shared machine):
 n=1024, h=2048: bf16 0.87 GiB, fp32 2.92 (the layer's backward is the peak; the hook changes nothing);
@@ -91,14 +91,21 @@ def _worker(args) -> dict:
 
 
 def _planned(args, variant: str) -> int:
-    """Today's ``plan.memory.logits_bytes`` for bf16 logits; for fp32 logits the proposed rule (module docstring):
-    the larger of the op phase (fp32 logits, gradient, chunk buffers) and the output layer's backward."""
-    from gtpo_megatron.plan.memory import logits_bytes
+    """The planner's bytes for ``variant`` (``plan.memory.logprob_working_set_bytes``, the one owner of the rule).
 
-    if variant == "bf16":
-        return logits_bytes(args.vocab, tokens=args.tokens, param_bytes=2, chunk_size=args.chunk_size)
-    op_phase = logits_bytes(args.vocab, tokens=args.tokens, param_bytes=4, chunk_size=args.chunk_size)
-    return max(op_phase, 4 * args.tokens * args.vocab + 10 * args.vocab * args.hidden)
+    bf16 logits for ``bf16``; the fp32 output layer's rule otherwise (the larger of the op phase with fp32 logits
+    and the output layer's backward).
+    """
+    from gtpo_megatron.plan.memory import logprob_working_set_bytes
+
+    return logprob_working_set_bytes(
+        args.vocab,
+        tokens=args.tokens,
+        hidden_size=args.hidden,
+        param_bytes=2,
+        chunk_size=args.chunk_size,
+        fp32_output_layer=variant != "bf16",
+    )
 
 
 def main() -> None:

@@ -22,6 +22,7 @@ from gtpo_megatron.trainer import Trainer
 
 if TYPE_CHECKING:
     from gtpo_megatron.megatron_adapter.policy import MegatronPolicy
+    from gtpo_megatron.megatron_adapter.reference import FrozenReference
     from gtpo_megatron.parallel.groups import ParallelGroups
 
 logger = logging.getLogger(__name__)
@@ -38,17 +39,38 @@ def build_policy(
     at another layout; see ``MegatronPolicy.from_pretrained``).
     """
     from gtpo_megatron.megatron_adapter.policy import MegatronPolicy
+
+    return MegatronPolicy.from_pretrained(
+        _policy_settings(cfg, model_path), groups=groups, padding_tp_size=padding_tp_size
+    )
+
+
+def _policy_settings(cfg: GTPOConfig, model_path: str):
+    """``policy_settings(cfg)`` with the model weights at ``model_path`` (a resolved folder)."""
     from gtpo_megatron.megatron_adapter.settings import policy_settings
 
-    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, name_or_path=model_path))
-    return MegatronPolicy.from_pretrained(policy_settings(cfg), groups=groups, padding_tp_size=padding_tp_size)
+    return policy_settings(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, name_or_path=model_path)))
+
+
+def build_reference(cfg: GTPOConfig, model_path: str, groups: ParallelGroups) -> FrozenReference | None:
+    """The frozen reference policy of the KL term when ``algorithm.kl_coef > 0``, else None.
+
+    The initial weights at ``model_path`` under the policy's model section and layout (GTPO_SPEC section 5).
+    """
+    if cfg.algorithm.kl_coef == 0:
+        return None
+    from gtpo_megatron.megatron_adapter.reference import FrozenReference
+
+    return FrozenReference.from_pretrained(
+        _policy_settings(cfg, model_path), groups=groups, offload=cfg.algorithm.kl_reference_offload
+    )
 
 
 def build_collector(cfg: GTPOConfig, model_path: str, tokenizer):
     """Rank 0's ``RolloutCollector``: vLLM engine, reward pool and a loader over the prompts that fit."""
     from gtpo_megatron.data.datasets import load_problems
     from gtpo_megatron.data.loader import PromptLoader
-    from gtpo_megatron.data.prompts import build_prompt_ids
+    from gtpo_megatron.data.prompts import SYSTEM_PROMPTS, build_prompt_ids
     from gtpo_megatron.rewards import RewardPool, default_extraction
     from gtpo_megatron.rollout.collector import RolloutCollector
     from gtpo_megatron.rollout.vllm_engine import VLLMEngine
@@ -56,7 +78,12 @@ def build_collector(cfg: GTPOConfig, model_path: str, tokenizer):
     data, rollout = cfg.data, cfg.rollout
     extra = {"seed": data.shuffle_seed, "difficulty": data.synthetic_difficulty} if data.source == "synthetic" else {}
     problems = load_problems(data.source, path=data.path, split=data.split, limit=data.limit, **extra)
-    fitting = [p for p in problems if len(build_prompt_ids(tokenizer, p.question)) <= rollout.max_prompt_len]
+    system_prompt = SYSTEM_PROMPTS[data.system_prompt]
+    fitting = [
+        p
+        for p in problems
+        if len(build_prompt_ids(tokenizer, p.question, system_prompt=system_prompt)) <= rollout.max_prompt_len
+    ]
     if len(fitting) < len(problems):
         logger.warning(
             "skipped %d of %d problems longer than rollout.max_prompt_len=%d tokens",
@@ -88,6 +115,7 @@ def build_collector(cfg: GTPOConfig, model_path: str, tokenizer):
         algorithm_cfg=cfg.algorithm,
         reward_cfg=cfg.reward,
         extraction=cfg.reward.extraction or default_extraction(data.source),
+        system_prompt=system_prompt,
     )
 
 
@@ -110,4 +138,12 @@ def build_trainer(cfg: GTPOConfig, groups: ParallelGroups) -> Trainer:
         start_step=start_step,
         enabled=groups.rank == 0,
     )
-    return Trainer(cfg, groups=groups, policy=policy, collector=collector, pad_token_id=pad_token_id, sink=sink)
+    return Trainer(
+        cfg,
+        groups=groups,
+        policy=policy,
+        collector=collector,
+        pad_token_id=pad_token_id,
+        sink=sink,
+        reference=build_reference(cfg, model_path, groups),
+    )

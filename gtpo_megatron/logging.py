@@ -27,12 +27,16 @@ LOGGER_NAME = "gtpo_megatron"
 PROGRESS_KEYS = (
     ("reward/mean", "reward"),
     ("accuracy", "acc"),
-    ("entropy/mean", "H"),
+    ("entropy/completion_mean", "H"),
     ("time/rollout_s", "roll_s"),
     ("time/train_s", "train_s"),
     ("time/sync_s", "sync_s"),
 )
-CURVES = (("reward/mean", "reward (mean)"), ("accuracy", "accuracy"), ("entropy/mean", "entropy (nats)"))
+CURVES = (
+    ("reward/mean", "reward (mean)"),
+    ("accuracy", "accuracy"),
+    ("entropy/completion_mean", "entropy, mean over completions (nats)"),
+)
 logger = logging.getLogger(__name__)
 
 
@@ -123,7 +127,7 @@ def format_step_line(step: int, metrics: dict[str, float]) -> str:
         "reward/mean",
         "accuracy",
         "format_rate",
-        "entropy/mean",
+        "entropy/completion_mean",
         "gtpo/filtered_frac",
         "gtpo/conflict_frac",
         "response/length_mean",
@@ -137,7 +141,8 @@ def format_step_line(step: int, metrics: dict[str, float]) -> str:
 def plot_curves(metrics_jsonl: str | Path, out_png: str | Path) -> None:
     """Plot reward, accuracy and entropy against step from a metrics file into a PNG (matplotlib Agg, no display).
 
-    The entropy panel marks ln 2, the threshold of the paper's entropy filter (GTPO_SPEC section 4).
+    The entropy panel (``entropy/completion_mean``: the mean over completions of <H>_i, what the filter reads) marks
+    ln 2, the threshold of the paper's entropy filter (GTPO_SPEC section 4).
 
     Raises:
         ValueError: if the file holds no step records.
@@ -153,7 +158,7 @@ def plot_curves(metrics_jsonl: str | Path, out_png: str | Path) -> None:
     for axis, (key, title) in zip(fig.subplots(1, len(CURVES)), CURVES):
         points = [(r["step"], r[key]) for r in records if r.get(key) is not None]
         axis.plot([s for s, _ in points], [v for _, v in points], marker="o", markersize=3)
-        if key == "entropy/mean":
+        if key == "entropy/completion_mean":
             axis.axhline(math.log(2), color="gray", linestyle="--", linewidth=1, label="ln 2")
             axis.legend(loc="best")
         axis.set_title(title)

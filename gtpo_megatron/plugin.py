@@ -27,11 +27,12 @@ Masks are bool, True = the token takes part. Log-probs and entropies are natural
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import torch
 
-from gtpo_megatron.algorithm import StepWeights, build_loss_spec, compute_weights
+from gtpo_megatron.algorithm import StepWeights, build_loss_spec, compute_weights, with_entropy_terms
 from gtpo_megatron.config import AlgorithmConfig, RolloutConfig
 from gtpo_megatron.megatron_adapter.cpu_compat import cuda_to_cpu_mode, install_cpu_compat
 from gtpo_megatron.megatron_adapter.external_model import model_geometry, unwrap_model
@@ -114,8 +115,10 @@ def compute_gtpo_weights(
 
     Returns:
         ``StepWeights``: ``raw_advantages`` and ``advantages`` (``A_i - gamma <H>_i``: feed these to the loss) ``[B]``
-        fp32, ``keep_mask`` ``[B]`` bool (delta_i), ``conflict_weights`` and ``token_weights`` (lambda * delta_i:
-        feed these to the loss) fp32 in the shape of ``response_mask``, 0 off the response.
+        fp32, ``keep_mask`` ``[B]`` bool (delta_i), ``conflict_weights`` (lambda before ``normalize_by_conflicts``)
+        and ``token_weights`` (lambda * delta_i: feed these to the loss) fp32 in the shape of ``response_mask``, 0
+        off the response (``algorithm.with_entropy_terms``; :func:`loss_settings` keeps the loss from applying the
+        entropy terms again).
 
     Raises:
         ValueError: shapes (one reward per sequence), a bool mask, ``group_size`` not dividing B, the ``paper``
@@ -130,9 +133,11 @@ def compute_gtpo_weights(
             f"rewards has {rewards.shape[0]} entries but response_ids holds {ids.shape[0]} sequences; give one "
             "reward per row, or for a packed row pass packed=PackedLayout.of(seq_starts, seq_lengths)"
         )
+    spec = dataclasses.replace(build_loss_spec(algorithm, RolloutConfig()), initial_entropy=initial_entropy)
     weights = compute_weights(
-        ids, mask, rewards, seq_entropy, algorithm, initial_entropy=initial_entropy, truncated=truncated
+        ids, mask, rewards, algorithm, loss_spec=spec, seq_entropy=seq_entropy, truncated=truncated
     )
+    weights = with_entropy_terms(weights, seq_entropy, spec)
     if packed is None:
         return weights
     width = response_mask.shape[-1]

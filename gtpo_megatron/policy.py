@@ -22,8 +22,13 @@ if TYPE_CHECKING:
 class Policy(Protocol):
     """What the trainer needs from the model it optimises."""
 
-    def compute_logprobs(self, batch: TrainBatch, *, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-        """No-grad pass: ``(logprobs, entropy)``, both ``[B, S]`` fp32 nats on CPU, 0 off ``response_mask``."""
+    def compute_logprobs(
+        self, batch: TrainBatch, *, temperature: float = 1.0, entropy_temperature: float | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """No-grad pass: ``(logprobs, entropy)``, both ``[B, S]`` fp32 nats on CPU, 0 off ``response_mask``.
+
+        Log-probs at ``temperature``, entropy at ``entropy_temperature`` (None: the same), from one forward.
+        """
         ...
 
     def train_step(self, batch: TrainBatch, loss: LossSpec) -> dict[str, float]:
@@ -48,4 +53,15 @@ class Policy(Protocol):
 
     def restore_train_state(self) -> None:
         """Undo ``offload_train_state`` before the next pass."""
+        ...
+
+
+@runtime_checkable
+class ReferencePolicy(Protocol):
+    """The frozen reference policy of the KL term (``megatron_adapter.reference.FrozenReference`` is the real one)."""
+
+    def compute_logprobs(
+        self, batch: TrainBatch, *, temperature: float = 1.0, entropy_temperature: float | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """No-grad pass of the initial weights, as ``Policy.compute_logprobs``."""
         ...

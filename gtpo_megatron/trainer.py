@@ -1,21 +1,25 @@
 """The GTPO training loop: orchestration only (the math is in ``ops`` and ``algorithm``, the model behind ``Policy``).
 
-A step, as ``Trainer.step`` reads: rollout (rank 0 samples and scores, then broadcasts) -> old-logprob pass
-(each data-parallel rank on its rows) -> advantages, entropy filter and conflict weights on the full batch
-(GTPO_SPEC sections 2-4) -> train (``policy.train_step``) -> weight sync into the engine -> metrics. ``run``
-adds logging and checkpoints (every ``checkpoint.every_n_steps``, after the last step and on SIGTERM).
+A step, as ``Trainer.step`` reads: rollout (rank 0 samples and scores, then broadcasts) -> only where unavoidable,
+a no-grad pass of the policy before the update (``algorithm.needs_old_logprob_pass``: several updates per batch,
+the ``paper`` filter's <H>_ini still being measured, or conflict weights that need the entropies; timed as
+``time/old_logprob_s``, 0 when skipped) -> with a KL term, the reference policy's pass (``time/ref_logprob_s``) ->
+advantages and conflict weights on the full batch (GTPO_SPEC sections 2-3) -> train (``policy.train_step``; the
+entropy filter and penalty, section 4, are decided inside its forward) -> weight sync into the engine -> metrics.
+``run`` adds logging and checkpoints (every ``checkpoint.every_n_steps``, after the last step and on SIGTERM).
 
 Ranks: global rank 0 owns the rollout engine and the reward pool (``RolloutCollector``); every rank receives the
 whole step's completions, builds the same full batch and keeps its data-parallel share (``parallel.row_shard``).
-Collectives per step, all through ``parallel.collectives``: one object broadcast (world), one all-gather of the
-sequence entropies (dp), one global mean for <H>_ini on the first step of the ``paper`` filter (dp), one all-reduce
-of the mismatch sums (dp), the policy's own, the weight gather (model-parallel group of dp replica 0) and one MAX
+Collectives per step, all through ``parallel.collectives``: one object broadcast (world); when the pass before the
+update runs, one all-gather of the sequence entropies (dp) and, while <H>_ini is measured, one global mean (dp);
+the policy's (and the reference's) own; the weight gather (model-parallel group of dp replica 0) and one MAX
 all-reduce of the stop flag (world); a save adds two barriers (world).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import shutil
 import signal
@@ -26,7 +30,14 @@ import torch
 import torch.distributed as dist
 
 from gtpo_megatron import run_dir
-from gtpo_megatron.algorithm import StepWeights, build_loss_spec, compute_step_weights, weight_metrics
+from gtpo_megatron.algorithm import (
+    StepWeights,
+    build_loss_spec,
+    compute_step_weights,
+    conflict_metrics,
+    needs_old_logprob_pass,
+    objective_metrics,
+)
 from gtpo_megatron.config import GTPOConfig
 from gtpo_megatron.logging import MetricSink, format_step_line, plot_curves
 from gtpo_megatron.ops import sequence_mean_entropy
@@ -36,17 +47,17 @@ from gtpo_megatron.parallel import (
     barrier,
     broadcast_object,
     global_mean,
-    reduce_metric_sums,
     row_shard,
 )
-from gtpo_megatron.rollout.batch import collate_completions, mismatch_sums, rollout_metrics
+from gtpo_megatron.rollout.batch import collate_completions, rollout_metrics
 from gtpo_megatron.rollout.collector import RolloutCollector, StepRollout
 from gtpo_megatron.rollout.push import push_weights
 from gtpo_megatron.rollout.types import TrainBatch
 
 if TYPE_CHECKING:
+    from gtpo_megatron.ops import LossSpec
     from gtpo_megatron.parallel.groups import ParallelGroups
-    from gtpo_megatron.policy import Policy
+    from gtpo_megatron.policy import Policy, ReferencePolicy
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +86,7 @@ class Trainer:
         collector: the rank-0 ``RolloutCollector``; None on other ranks.
         pad_token_id: padding id of the batches.
         sink: the metric sink (enabled on rank 0 only).
+        reference: the frozen reference policy of the KL term (``algorithm.kl_coef > 0``), else None.
     """
 
     def __init__(
@@ -86,6 +98,7 @@ class Trainer:
         collector: RolloutCollector | None,
         pad_token_id: int,
         sink: MetricSink,
+        reference: ReferencePolicy | None = None,
     ) -> None:
         self.cfg = cfg
         self.groups = groups
@@ -93,10 +106,26 @@ class Trainer:
         self.collector = collector
         self.pad_token_id = pad_token_id
         self.sink = sink
+        self.reference = reference
+        if (reference is None) != (cfg.algorithm.kl_coef == 0):
+            raise ValueError(
+                f"algorithm.kl_coef={cfg.algorithm.kl_coef} needs a reference policy exactly when it is > 0; got "
+                f"reference={reference!r} (build.build_trainer builds it)"
+            )
         self.loss_spec = build_loss_spec(cfg.algorithm, cfg.rollout)
         self.checkpoint_dir = run_dir.checkpoints_dir(cfg.output_dir)
         self.initial_entropy: float | None = None
+        self.initial_entropy_steps = 0  # steps averaged into initial_entropy so far
         self.loader_state: dict | None = None
+        self._measure_mismatch = self.loss_spec.temperature == cfg.rollout.temperature
+        if not self._measure_mismatch:
+            logger.warning(
+                "algorithm.loss_temperature=%s: the loss log-probs are at T=%s while vLLM's are at the sampling "
+                "temperature %s, so mismatch/* are not reported",
+                cfg.algorithm.loss_temperature,
+                self.loss_spec.temperature,
+                cfg.rollout.temperature,
+            )
         self._dp_group = groups.dp if groups.dp_size > 1 else None
         self._world = dist.group.WORLD
         self._stop_requested = False
@@ -117,27 +146,34 @@ class Trainer:
             batch = collate_completions(rollout.groups, pad_token_id=self.pad_token_id)
             rows = row_shard(batch.num_sequences, rank=self.groups.dp_rank, size=self.groups.dp_size)
             local = batch.select(rows)
-            with timer.phase("old_logprob"):
-                old_logprobs, entropy = self._old_logprob_pass(local)
+            old_logprobs, seq_entropy = None, None
+            if needs_old_logprob_pass(self.cfg.algorithm, initial_entropy_known=self._initial_entropy_known()):
+                with timer.phase("old_logprob"):
+                    old_logprobs, seq_entropy = self._old_logprob_pass(local)
+            if self.reference is not None:
+                with timer.phase("ref_logprob"):
+                    local.ref_logprobs = self._ref_logprob_pass(local)
             with timer.phase("advantages"):
-                local_seq_entropy = sequence_mean_entropy(entropy, local.response_mask)
-                seq_entropy = all_gather_rows(local_seq_entropy, group=self._dp_group)
-                self._measure_initial_entropy(local_seq_entropy, local.response_mask)
+                spec = dataclasses.replace(self.loss_spec, initial_entropy=self.initial_entropy)
+                rewards = torch.tensor(rollout.rewards)
                 weights = compute_step_weights(
-                    batch,
-                    torch.tensor(rollout.rewards),
-                    seq_entropy,
-                    self.cfg.algorithm,
-                    initial_entropy=self.initial_entropy,
+                    batch, rewards, self.cfg.algorithm, loss_spec=spec, seq_entropy=seq_entropy
                 )
-                train_batch = self._train_batch(local, weights, rows, old_logprobs)
+                train_batch = self._train_batch(local, weights, rows, old_logprobs, seq_entropy)
             with timer.phase("train"):
-                train_metrics = self._train(train_batch)
+                train_metrics = self._train(train_batch, spec)
             with timer.phase("sync"):
                 sync_metrics = self._sync_weights()
         self.loader_state = rollout.loader_state
-        metrics = self._step_metrics(rollout, batch, weights, seq_entropy, old_logprobs, local)
+        metrics = rollout_metrics(
+            batch, torch.tensor(rollout.scores), torch.tensor(rollout.correct), torch.tensor(rollout.format_ok)
+        )
+        metrics.update(conflict_metrics(weights, batch.response_mask))
+        metrics.update(objective_metrics(train_metrics))
+        if self.initial_entropy is not None:
+            metrics["entropy/initial"] = self.initial_entropy
         metrics.update({f"train/{k}": v for k, v in train_metrics.items()})
+        metrics.update({"time/old_logprob_s": 0.0, **({"time/ref_logprob_s": 0.0} if self.reference else {})})
         metrics.update({**rollout.stats, **sync_metrics, **timer.seconds})
         metrics["perf/tokens_per_s"] = float(batch.attention_mask.sum()) / metrics["time/step_s"]
         metrics["perf/response_tokens_per_s"] = float(batch.response_mask.sum()) / metrics["time/step_s"]
@@ -162,33 +198,63 @@ class Trainer:
         return rollout
 
     def _old_logprob_pass(self, local: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Log pi_old at the sampling temperature and entropy at ``entropy_temperature`` (section 4), ``[b, S]``."""
-        temperature = self.cfg.rollout.temperature
-        old_logprobs, entropy = self.policy.compute_logprobs(local, temperature=temperature)
-        if self.cfg.algorithm.entropy_temperature != temperature:
-            _, entropy = self.policy.compute_logprobs(local, temperature=self.cfg.algorithm.entropy_temperature)
-        return old_logprobs, entropy
+        """The no-grad pass before the update (one forward; GTPO_SPEC section 4).
 
-    def _measure_initial_entropy(self, local_seq_entropy: torch.Tensor, response_mask: torch.Tensor) -> None:
-        """<H>_ini of the ``paper`` filter: the first step's mean <H>_i over completions with a response token."""
-        if self.cfg.algorithm.entropy_filter == "paper" and self.initial_entropy is None:
-            self.initial_entropy = float(
-                global_mean(local_seq_entropy, group=self._dp_group, mask=response_mask.any(dim=-1))
-            )
+        Returns log pi_old ``[b, S]`` at the loss temperature and the gathered ``[B]`` <H>_i at
+        ``entropy_temperature``; adds this step to <H>_ini while the ``paper`` filter measures it.
+        """
+        old_logprobs, entropy = self.policy.compute_logprobs(
+            local, temperature=self.loss_spec.temperature, entropy_temperature=self.loss_spec.entropy_temperature
+        )
+        local_seq_entropy = sequence_mean_entropy(entropy, local.response_mask)
+        self._pool_initial_entropy(local_seq_entropy, local.response_mask.any(dim=-1))
+        return old_logprobs, all_gather_rows(local_seq_entropy, group=self._dp_group)
+
+    def _ref_logprob_pass(self, local: TrainBatch) -> torch.Tensor:
+        """Log-probs ``[b, S]`` of the frozen reference at the loss temperature (the KL term, GTPO_SPEC section 5)."""
+        ref_logprobs, _ = self.reference.compute_logprobs(local, temperature=self.loss_spec.temperature)
+        return ref_logprobs
+
+    def _initial_entropy_known(self) -> bool:
+        """<H>_ini is final: measured over ``algorithm.initial_entropy_steps`` steps."""
+        return self.initial_entropy_steps >= self.cfg.algorithm.initial_entropy_steps
+
+    def _pool_initial_entropy(self, local_seq_entropy: torch.Tensor, has_tokens: torch.Tensor) -> None:
+        """Average this step into <H>_ini of the ``paper`` filter while it is measured (section 4).
+
+        <H>_ini is the mean over the first ``initial_entropy_steps`` steps of each step's mean <H>_i (completions
+        with a response token); meanwhile the filter uses the running mean.
+        """
+        if self.cfg.algorithm.entropy_filter != "paper" or self._initial_entropy_known():
+            return
+        step_mean = float(global_mean(local_seq_entropy, group=self._dp_group, mask=has_tokens))
+        done = self.initial_entropy_steps
+        self.initial_entropy = ((self.initial_entropy or 0.0) * done + step_mean) / (done + 1)
+        self.initial_entropy_steps = done + 1
 
     def _train_batch(
-        self, local: TrainBatch, weights: StepWeights, rows: slice, old_logprobs: torch.Tensor
+        self,
+        local: TrainBatch,
+        weights: StepWeights,
+        rows: slice,
+        old_logprobs: torch.Tensor | None,
+        seq_entropy: torch.Tensor | None,
     ) -> TrainBatch:
-        local.advantages = weights.advantages[rows]
+        local.advantages = weights.raw_advantages[rows]
         local.token_weights = weights.token_weights[rows]
+        local.keep_mask = weights.keep_mask[rows]
+        local.seq_entropy = None if seq_entropy is None else seq_entropy[rows]
         # One update per batch: r = exp(logp - stopgrad(logp)) = 1 with gradient (GTPO_SPEC section 1).
         local.old_logprobs = old_logprobs if self.cfg.algorithm.num_updates_per_batch > 1 else None
+        local.rollout_logprobs = local.extras["rollout_logprobs"] if self._measure_mismatch else None
         return local
 
-    def _train(self, batch: TrainBatch) -> dict[str, float]:
+    def _train(self, batch: TrainBatch, spec: LossSpec) -> dict[str, float]:
+        """``num_updates_per_batch`` optimizer steps; the mismatch is measured by the first (before any update)."""
         metrics: dict[str, float] = {}
         for _ in range(self.cfg.algorithm.num_updates_per_batch):
-            metrics = self.policy.train_step(batch, self.loss_spec)
+            metrics.update(self.policy.train_step(batch, spec))
+            batch.rollout_logprobs = None
         return metrics
 
     def _sync_weights(self) -> dict[str, float]:
@@ -203,34 +269,6 @@ class Trainer:
             for _ in self.policy.iter_hf_weights():
                 pass
         return {}
-
-    def _step_metrics(
-        self,
-        rollout: StepRollout,
-        batch: TrainBatch,
-        weights: StepWeights,
-        seq_entropy: torch.Tensor,
-        old_logprobs: torch.Tensor,
-        local: TrainBatch,
-    ) -> dict[str, float]:
-        """Rollout, GTPO-weight, entropy and train/rollout mismatch metrics of the step (mismatch reduced over dp)."""
-        metrics = rollout_metrics(
-            batch, torch.tensor(rollout.scores), torch.tensor(rollout.correct), torch.tensor(rollout.format_ok)
-        )
-        metrics.update(weight_metrics(weights, batch.response_mask))
-        sums = mismatch_sums(old_logprobs, local.extras["rollout_logprobs"], local.response_mask)
-        sums = reduce_metric_sums(sums, group=self._dp_group)
-        count = max(float(sums["count"]), 1.0)
-        metrics.update(
-            {
-                "entropy/mean": float(seq_entropy.mean()),
-                "mismatch/abs_logprob_diff": float(sums["abs_logprob_diff"]) / count,
-                "mismatch/prob_ratio_err": float(sums["prob_ratio_err"]) / count,
-            }
-        )
-        if self.initial_entropy is not None:
-            metrics["entropy/initial"] = self.initial_entropy
-        return metrics
 
     # ------------------------------------------------------------------------------------------------ the loop
     def run(self) -> None:
@@ -265,7 +303,12 @@ class Trainer:
 
     def save(self, step: int) -> None:
         """Checkpoint model, optimizer and trainer state under ``checkpoints/step_NNNNNN``; prune old ones."""
-        state = {"step": step, "initial_entropy": self.initial_entropy, "loader": self.loader_state}
+        state = {
+            "step": step,
+            "initial_entropy": self.initial_entropy,
+            "initial_entropy_steps": self.initial_entropy_steps,
+            "loader": self.loader_state,
+        }
         self.policy.save_checkpoint(str(run_dir.checkpoint_dir(self.cfg.output_dir, step)), state)
         barrier(group=self._world)
         if self.groups.rank == 0:
@@ -287,13 +330,35 @@ class Trainer:
                 self._sync_weights()  # the engine started with dummy weights (build.build_collector)
             return 0
         state = self.policy.load_checkpoint(str(checkpoints[-1]))
-        self.initial_entropy = state.get("initial_entropy")
+        self._restore_initial_entropy(state, checkpoints[-1])
         self.loader_state = state.get("loader")
         if self.collector is not None and self.loader_state is not None:
             self.collector.loader.load_state_dict(self.loader_state)
         self._sync_weights()
         logger.info("resumed from %s (step %d)", checkpoints[-1], state["step"])
         return int(state["step"])
+
+    def _restore_initial_entropy(self, state: dict, path) -> None:
+        """<H>_ini from a checkpoint's trainer state; refuse to measure it on a trained policy.
+
+        Raises:
+            ValueError: the ``paper`` filter, and the checkpoint measured <H>_ini over fewer steps than it
+                completed and than ``algorithm.initial_entropy_steps`` (e.g. a run started with another filter):
+                measuring now would read the trained policy's entropy instead of the initial one (section 4).
+        """
+        self.initial_entropy = state.get("initial_entropy")
+        legacy = 0 if self.initial_entropy is None else 1  # checkpoints before the step count was saved
+        self.initial_entropy_steps = int(state.get("initial_entropy_steps", legacy))
+        cfg, done = self.cfg.algorithm, int(state["step"])
+        if cfg.entropy_filter == "paper" and self.initial_entropy_steps < min(cfg.initial_entropy_steps, done):
+            raise ValueError(
+                f"resume=true with algorithm.entropy_filter=paper: checkpoint {path} (step {done}) holds <H>_ini "
+                f"measured over {self.initial_entropy_steps} of the first algorithm.initial_entropy_steps="
+                f"{cfg.initial_entropy_steps} steps, and measuring it now would read the trained policy, not the "
+                "initial one (GTPO_SPEC section 4); resume with the entropy filter the run was started with, or set "
+                "algorithm.entropy_filter=fixed with algorithm.entropy_threshold=TAU, or start a fresh run "
+                "(resume=false, a new output_dir)"
+            )
 
     def close(self) -> None:
         """Close the engine, the reward pool and the sink (rank 0); idempotent."""

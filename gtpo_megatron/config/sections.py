@@ -53,6 +53,12 @@ class ModelConfig:
     then supplies the HF config and tokenizer only (its folder needs no weights); the vLLM engine starts with
     dummy weights and receives these by a weight push before the first rollout. null: start from
     ``name_or_path``'s weights."""
+    fp32_output_layer: bool = True
+    """Compute the logits in fp32 when the parameters are bf16/fp16: the output layer multiplies fp32 casts of its
+    16-bit input and weight (``megatron_adapter/output_layer.py``), so the log-probs and entropies the loss, the
+    filter and the train/rollout mismatch read are not rounded to 16 bits first (up to ~4e-3 nats otherwise). Costs
+    fp32 logits and their gradient on the last pipeline stage (``gtpo-plan`` counts it). No effect with fp32
+    parameters."""
 
     def __post_init__(self) -> None:
         _require(
@@ -202,9 +208,11 @@ class AlgorithmConfig:
     normalize_by_conflicts: bool = False
     """Divide completion i by max(1, n_i) as the authors' code does (section 3 parity switch)."""
     entropy_filter: Literal["off", "paper", "fixed"] = "paper"
-    """Entropy filter delta_i (section 4), with tau = ``entropy_threshold``: ``paper`` keeps every completion while
-    the first step's mean entropy <H>_ini exceeds tau and otherwise drops those with <H>_i > tau; ``fixed`` always
-    drops <H>_i > tau; ``off`` keeps all. Ties (<H>_i == tau) are kept."""
+    """Entropy filter delta_i (section 4), with tau = ``entropy_threshold`` (NOT always ln 2: ln 2 is only its
+    default): ``paper`` measures <H>_ini, the mean <H>_i of the completions of the first ``initial_entropy_steps``
+    steps, keeps every completion when <H>_ini > tau and otherwise drops those with <H>_i > tau; ``fixed`` always
+    drops <H>_i > tau; ``off`` keeps all. Ties (<H>_i == tau) are kept. A resumed run keeps the <H>_ini of its
+    checkpoint and refuses to measure it on a trained policy."""
     entropy_threshold: float = LN2
     """tau in nats, used by both the ``paper`` and the ``fixed`` filter: ln 2 by default (the paper's rule); the
     authors' code uses 0.7 for Llama-3.1-8B."""
@@ -225,9 +233,11 @@ class AlgorithmConfig:
     clip_eps_high: float = 0.2
     """Upper PPO clip epsilon (DAPO clip-higher: 0.28)."""
     kl_coef: float = 0.0
-    """beta of the optional KL to a frozen reference (GRPO only; paper runs use 0 or 1e-6)."""
-    kl_estimator: Literal["k1", "k3"] = "k3"
-    """KL estimator when kl_coef > 0."""
+    """beta of the optional KL term to a frozen reference policy, a copy of the initial weights under the same
+    layout (GRPO and Dr. GRPO only, GTPO_SPEC section 5; the paper's GRPO runs use 0 or 1e-6). Logged as
+    ``train/kl_mean`` (mean per response token)."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """KL estimator when kl_coef > 0 (Schulman's k1, k2, k3; ``ops.losses.PolicyLossFn``)."""
     num_updates_per_batch: int = 1
     """Optimizer steps per rollout batch (paper: 1, so the ratio is 1 with gradient)."""
     dynamic_sampling: bool = False
@@ -237,11 +247,34 @@ class AlgorithmConfig:
     overlong_buffer_len: int = 0
     """DAPO overlong shaping L_cache: linear penalty over the last L_cache tokens before max_tokens; 0 = off."""
     overlong_penalty: float = 1.0
-    """Reward subtracted at max_tokens by the overlong shaping (reached linearly over the buffer)."""
+    """Penalty of the overlong shaping at max_tokens (reached linearly over the buffer), as a fraction of the reward
+    function's range (``rewards.reward_span``: 1 for the 0/1 rewards, 20 for the paper's 0-20 reward): 1.0 is DAPO's
+    penalty of 1 on a 0/1 reward, i.e. 20 on the paper reward."""
     overlong_filter: bool = False
     """DAPO overlong filtering: truncated completions (finish_reason=length) get zero token weight."""
     logprob_chunk_size: int | None = None
     """Tokens per chunk in the vocab-parallel log-prob/entropy op (None = unchunked)."""
+    conflict_sign: Literal["raw", "penalized"] = "raw"
+    """Which advantage's sign splits a group into P+ and P- for the conflict weights lambda (section 3): ``raw``,
+    A_i (the spec and the authors' code); ``penalized``, A_i - gamma <H>_i, the advantage the loss multiplies (a
+    completion whose small positive A_i turns negative after the penalty is then not amplified). Example: G=8,
+    rewards [1.5]*7 + [1], every <H>_i = 0.7: A_0 = +0.0625 but A_0 - 0.1 * 0.7 = -0.0075; ``raw`` amplifies
+    row 0's shared tokens (lambda 2) under a negative update, ``penalized`` finds no P+ and no conflicts. Needs the
+    entropies before the update: one extra no-grad forward pass per step when gamma > 0."""
+    loss_temperature: Literal["sampling", 1.0] = "sampling"
+    """Softmax temperature of the log-probs in the loss (and the ratio and the KL term): ``sampling``, the rollout
+    temperature, so pi_theta is the distribution the completions were drawn from (the default); ``1.0``, the raw
+    logits as in the authors' code. The train/rollout mismatch metrics need ``sampling`` (vLLM's log-probs are at
+    the sampling temperature) and are not reported with ``1.0``."""
+    initial_entropy_steps: int = 1
+    """Steps whose completions are averaged into <H>_ini of the ``paper`` filter (GTPO_SPEC section 4: 1, the first
+    step). With 1 prompt per step (the paper recipes) one step is one question's G samples; more steps pool more
+    questions, each measured under the policy of its step (before its update), and the filter uses the running
+    mean meanwhile. Each of these steps runs one no-grad forward pass before its update."""
+    kl_reference_offload: bool = False
+    """With kl_coef > 0 on CUDA: keep the reference policy's weights in host memory between its forward passes
+    (one host-to-device copy per step; ``gtpo-plan`` then counts no reference weights on the GPU). No effect on
+    CPU."""
 
     def __post_init__(self) -> None:
         _require(
@@ -286,12 +319,13 @@ class AlgorithmConfig:
             "need 0 <= clip_eps_low <= clip_eps_high",
             "use 0.2/0.2 (GRPO) or 0.2/0.28 (DAPO)",
         )
+        _require(self.kl_coef >= 0, "algorithm.kl_coef", self.kl_coef, "must be >= 0", "use 0 or 1e-6 (paper GRPO)")
         _require(
-            self.kl_coef == 0,
+            self.kl_coef == 0 or self.name in ("grpo", "dr_grpo"),
             "algorithm.kl_coef",
             self.kl_coef,
-            "the KL term needs a frozen reference policy, which the trainer does not build",
-            "use 0 (the paper's GRPO runs use 0 or 1e-6; GTPO and DAPO have no KL term)",
+            f"the {self.name} objective has no KL term (GTPO_SPEC sections 1 and 5: no reference model)",
+            "set algorithm.kl_coef=0, or algorithm=grpo for GRPO with a KL term",
         )
         required = {"dapo": "token-mean", "dr_grpo": "seq-mean-token-sum"}.get(self.name)
         _require(
@@ -309,6 +343,20 @@ class AlgorithmConfig:
             self.overlong_buffer_len,
             "must be >= 0",
             "use 0 (off)",
+        )
+        _require(
+            not isinstance(self.loss_temperature, bool) and self.loss_temperature in ("sampling", 1.0),
+            "algorithm.loss_temperature",
+            self.loss_temperature,
+            "must be 'sampling' or 1.0",
+            "use sampling (default) or 1.0 (authors' code)",
+        )
+        _require(
+            self.initial_entropy_steps >= 1,
+            "algorithm.initial_entropy_steps",
+            self.initial_entropy_steps,
+            "must be >= 1",
+            "use 1 (GTPO_SPEC section 4: the first step)",
         )
         _require(
             self.logprob_chunk_size is None or self.logprob_chunk_size >= 1,
@@ -372,6 +420,11 @@ class DataConfig:
     """Seed of the epoch order (a resumed run continues the same order) and of the synthetic generator."""
     synthetic_difficulty: Literal["easy", "medium", "hard"] = "easy"
     """Level of the built-in arithmetic word problems (``gtpo_megatron.data.synthetic.SYNTHETIC_LEVELS``)."""
+    system_prompt: Literal["authors", "concise"] = "concise"
+    """The system message of every prompt (``data.prompts.SYSTEM_PROMPTS``): ``authors``, the paper's instruction
+    (GTPO_SPEC section 6: think step by step inside <reasoning>...</reasoning>, final answer inside
+    <answer>...</answer>, nothing more), used by the paper recipes; ``concise``, this repository's stricter text
+    that also spells out the format template (answer only, no units), used by the CPU demo."""
 
     def __post_init__(self) -> None:
         _require(bool(self.source), "data.source", self.source, "must not be empty", "use synthetic or gsm8k")

@@ -1,7 +1,9 @@
 """Chat prompts with the paper's reasoning/answer instructions (GTPO_SPEC section 6).
 
-The system message asks the model to think step by step inside ``<reasoning>...</reasoning>`` and to put only the
-final answer inside ``<answer>...</answer>``; the rewards in :mod:`gtpo_megatron.rewards` check that format.
+The system message asks the model to think step by step inside ``<reasoning>...</reasoning>`` and to put the final
+answer inside ``<answer>...</answer>``; the rewards in :mod:`gtpo_megatron.rewards` check that format. Two texts
+(:data:`SYSTEM_PROMPTS`, config ``data.system_prompt``): ``authors`` (the paper recipes) and ``concise`` (the
+default, the CPU demo).
 
 - :func:`build_prompt_text` renders ``[system, user]`` with the tokenizer's chat template and the generation
   prompt (the assistant turn opener). A tokenizer without a chat template gets :data:`PLAIN_TEMPLATE`.
@@ -23,6 +25,17 @@ SYSTEM_PROMPT = (
     "</answer>. Use exactly this format:\n"
     "<reasoning>\n...\n</reasoning>\n<answer>\n...\n</answer>"
 )
+"""``concise``: this repository's text; it adds the format template and "answer only", which speeds up the early
+format reward of small models (the CPU demo)."""
+AUTHORS_SYSTEM_PROMPT = (
+    "You are a helpful assistant for solving math problems. Given a question, first think step by step between "
+    "<reasoning> and </reasoning>. Then, give the final answer between <answer> and </answer>."
+)
+"""``authors``: the paper's instruction (GTPO_SPEC section 6) and nothing more: step-by-step reasoning in a
+``<reasoning>`` block, the final answer in an ``<answer>`` block, no template (the early format-reward dynamics of
+the paper's comparison depend on it)."""
+SYSTEM_PROMPTS = {"authors": AUTHORS_SYSTEM_PROMPT, "concise": SYSTEM_PROMPT}
+"""``data.system_prompt`` choice -> system message."""
 PLAIN_TEMPLATE = "{system}\n\nQuestion: {question}\n\nAnswer:\n"
 
 

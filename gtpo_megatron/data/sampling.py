@@ -95,15 +95,19 @@ def overlong_filter_mask(finish_reasons: Sequence[str]) -> torch.Tensor:
 
 
 def shape_rewards(
-    scores: torch.Tensor, response_lengths: torch.Tensor, cfg: AlgorithmConfig, *, max_tokens: int
+    scores: torch.Tensor, response_lengths: torch.Tensor, cfg: AlgorithmConfig, *, max_tokens: int, reward_span: float
 ) -> torch.Tensor:
     """Task scores plus DAPO's overlong penalty when ``cfg.overlong_buffer_len > 0`` (GTPO_SPEC section 5).
+
+    The penalty at ``max_tokens`` is ``cfg.overlong_penalty * reward_span``: DAPO's 1 on a 0/1 reward becomes 20 on
+    the paper's 0-20 reward, so the shaping weighs the same against the task reward whatever its scale.
 
     Args:
         scores: ``[B]`` reward-function scores.
         response_lengths: ``[B]`` response tokens per completion.
-        cfg: the algorithm section (``overlong_buffer_len`` L_cache, ``overlong_penalty``).
+        cfg: the algorithm section (``overlong_buffer_len`` L_cache, ``overlong_penalty`` in reward-range units).
         max_tokens: L_max, the sampling limit.
+        reward_span: highest minus lowest score of the reward function (``rewards.reward_span``), > 0.
 
     Returns:
         ``[B]`` fp32 rewards used for the advantages.
@@ -111,7 +115,8 @@ def shape_rewards(
     rewards = scores.float()
     if cfg.overlong_buffer_len > 0:
         buffer = min(cfg.overlong_buffer_len, max_tokens)
-        rewards = rewards + overlong_penalty(response_lengths, max_tokens, buffer, cfg.overlong_penalty)
+        penalty = cfg.overlong_penalty * reward_span
+        rewards = rewards + overlong_penalty(response_lengths, max_tokens, buffer, penalty)
     return rewards
 
 

@@ -83,6 +83,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="run vLLM's engine core in this process (faster start; single-process use only)",
     )
     p.add_argument("--label", default=None, help="row label in results.md (default: the model name)")
+    p.add_argument(
+        "--system-prompt",
+        default="concise",
+        choices=("authors", "concise"),
+        help="system message of the prompts: the training run's data.system_prompt (default: concise)",
+    )
     return p
 
 
@@ -108,6 +114,7 @@ def config_from_args(args: argparse.Namespace) -> EvalConfig:
         max_model_len=args.max_model_len,
         in_process=args.in_process,
         label=args.label,
+        system_prompt=args.system_prompt,
     )
 
 

@@ -2,7 +2,8 @@
 
 Reads ``RUN_DIR/metrics.jsonl`` (one JSON object per step, written by the trainer; ``step`` plus metric names such
 as ``reward/mean``) and writes, into ``--output`` (default ``.``):
-- ``compare.png``: one subplot per metric in ``METRICS`` (x = step), one line per run;
+- ``compare.png``: one subplot per metric in ``METRICS`` (x = step), one line per run (the entropy panel marks
+  ln 2, the paper filter's threshold);
 - ``compare.md``: a Markdown table with, per run, the number of steps and the final and mean value of each metric
   ("-" where a run never logged it). The table is also printed.
 """
@@ -19,12 +20,17 @@ from pathlib import Path
 from gtpo_megatron.run_dir import metrics_path
 
 METRICS = (
-    ("reward/mean", "reward"),
     ("accuracy", "accuracy"),
-    ("entropy/mean", "entropy (nats)"),
+    ("entropy/completion_mean", "mean entropy (nats)"),
+    ("format_rate", "format rate"),
     ("gtpo/filtered_frac", "filtered fraction"),
+    ("reward/mean", "reward"),
     ("gtpo/conflict_frac", "conflict fraction"),
+    ("response/length_mean", "response length (tokens)"),
 )
+"""(metric, label) plotted and tabulated, in panel order: the comparison's four signals first (accuracy, the mean
+over completions of <H>_i at ``algorithm.entropy_temperature``, format rate, fraction of completions the entropy
+filter drops; GRPO and DAPO log 0 there), then reward, conflict fraction and response length."""
 
 
 def load_metrics(run_dir: str | Path) -> list[dict[str, float]]:
@@ -79,17 +85,21 @@ def plot_runs(runs: dict[str, list[dict[str, float]]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 3, figsize=(15, 8))
+    columns = math.ceil((len(METRICS) + 1) / 2)  # one more panel for the legend
+    fig, axes = plt.subplots(2, columns, figsize=(5 * columns, 8))
     for ax, (key, label) in zip(axes.flat, METRICS):
         for name, rows in runs.items():
             steps, values = series(rows, key)
             if values:
                 ax.plot(steps, values, label=name)
+        if key == "entropy/completion_mean":
+            ax.axhline(math.log(2), color="gray", linestyle="--", linewidth=1)  # the paper filter's tau
         ax.set_title(label)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
     handles, labels = axes.flat[0].get_legend_handles_labels()
-    axes.flat[-1].axis("off")
+    for ax in axes.flat[len(METRICS) :]:
+        ax.axis("off")
     if handles:
         axes.flat[-1].legend(handles, labels, loc="center")
     fig.tight_layout()

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from gtpo_megatron.builtin_models import resolve_model_path
 from gtpo_megatron.data.datasets import load_problems
-from gtpo_megatron.data.prompts import build_prompt_ids
+from gtpo_megatron.data.prompts import SYSTEM_PROMPTS, build_prompt_ids
 from gtpo_megatron.evaluation.metrics import SameAnswer, SampleRecord, aggregate, problem_metrics
 from gtpo_megatron.rewards.answer_text import check_extraction, default_extraction
 from gtpo_megatron.rewards.pool import RewardPool
@@ -70,6 +70,7 @@ class EvalConfig:
     max_model_len: int | None = None
     in_process: bool = False
     label: str | None = None
+    system_prompt: str = "concise"
     sampling: SamplingConfig = field(init=False)
 
     def __post_init__(self) -> None:
@@ -82,6 +83,11 @@ class EvalConfig:
             raise ValueError("benchmarks is empty; pass e.g. --benchmarks gsm8k,amc23")
         if self.extraction is not None:
             check_extraction(self.extraction, field="--extraction")
+        if self.system_prompt not in SYSTEM_PROMPTS:
+            raise ValueError(
+                f"--system-prompt {self.system_prompt!r}: choose one of {sorted(SYSTEM_PROMPTS)} (the training "
+                "run's data.system_prompt)"
+            )
         if self.limit is not None and self.limit < 1:
             raise ValueError(f"limit={self.limit} must be >= 1 problems per benchmark; omit --limit for all")
         if self.model.startswith(("/", ".", "~")) and not Path(self.model).expanduser().exists():
@@ -263,7 +269,11 @@ def _load_benchmarks(config: EvalConfig, tokenizer) -> dict[str, tuple[list[Prob
     loaded = {}
     for name in config.benchmarks:
         problems = load_problems(name, split="test", limit=config.limit, data_dir=config.data_dir)
-        loaded[name] = (problems, [build_prompt_ids(tokenizer, p.question) for p in problems])
+        system_prompt = SYSTEM_PROMPTS[config.system_prompt]
+        loaded[name] = (
+            problems,
+            [build_prompt_ids(tokenizer, p.question, system_prompt=system_prompt) for p in problems],
+        )
     return loaded
 
 

@@ -3,9 +3,14 @@
 Micro-batch layout (a ``MicroBatch``; every stage receives the same one, the first stage reads ``input_ids``, the
 last stage everything else): ``input_ids`` ``[b, S]``; per-token tensors ``[b, S]`` where column ``s`` describes
 the prediction of ``input_ids[:, s]`` from ``input_ids[:, :s]`` (``TrainBatch`` convention), so column 0 is always
-0 / False; ``advantages`` ``[b]``. Sequences are right padded; padded columns are causally invisible to real
-tokens and masked out of the loss, so padding never changes a result. Per-token weights (GTPO lambda times the
-entropy filter's delta, GTPO_SPEC sections 3-4) travel with their rows.
+0 / False; ``advantages`` ``[b]`` (the raw A_i). Sequences are right padded; padded columns are causally invisible
+to real tokens and masked out of the loss, so padding never changes a result. Per-token weights (GTPO lambda,
+section 3) and the per-row decisions travel with their rows.
+
+One forward, no pass before it (GTPO_SPEC sections 1 and 4): the loss closure gets the log-probs at the loss
+temperature and the (detached) entropy at ``entropy_temperature`` from one call of the log-prob op, and
+``ops.policy_objective`` decides each completion's delta_i and ``A_i - gamma <H>_i`` from its own tokens in this
+micro-batch; it also measures the train/rollout mismatch (``rollout_logprobs``) of this same forward.
 
 Log-probs come from the vocab-parallel logits ``[b, S, V/tp]`` (``parallel_output=True``) through
 ``ops.vocab_parallel_logprobs_entropy`` on the TP group: the vocabulary is never gathered, padded vocabulary
@@ -28,6 +33,10 @@ So the loss closure returns ``l_dm * M * D``: the gradient that reaches the opti
 ``(1/D) sum_d (1/M) sum_m grad(M * D * l_dm) = grad J`` exactly, independent of how rows are split into
 micro-batches or DP ranks. Context parallelism is not used (``cp_size = 1``, so Megatron's ``* cp_size`` is 1).
 Reported ``loss`` metrics are the unscaled ``l_dm``, summed over micro-batches and DP ranks, i.e. ``J``.
+
+``N`` comes from the response masks only, so it does not depend on the entropy filter decided inside the forward:
+a filtered completion (delta_i = 0) still counts in ``N`` and contributes 0 to ``S_dm``, which is GTPO_SPEC section
+1's ``1/G`` over all completions of the group (filtered ones included), for every aggregation.
 """
 
 from __future__ import annotations
@@ -37,7 +46,8 @@ from functools import partial
 
 import torch
 
-from gtpo_megatron.ops import LossSpec, get_policy_loss, vocab_parallel_logprobs_entropy
+from gtpo_megatron.ops import LossSpec, policy_objective, vocab_parallel_logprobs_entropy
+from gtpo_megatron.rollout.batch import mismatch_sums
 
 
 @dataclass
@@ -52,15 +62,19 @@ class MicroBatch:
     advantages: torch.Tensor | None = None  # [b]
     old_logprobs: torch.Tensor | None = None
     ref_logprobs: torch.Tensor | None = None
+    keep_mask: torch.Tensor | None = None  # [b] bool
+    seq_entropy: torch.Tensor | None = None  # [b]
+    rollout_logprobs: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
 class LossSettings:
     """Everything the loss closure needs besides the micro-batch (shared by all micro-batches of a step).
 
-    ``temperature`` is the softmax temperature of the log-probs; ``loss`` is the step objective (``ops.LossSpec``),
-    ``None`` for the forward-only mode that returns per-token values instead of a loss. ``normalizer`` is the
-    global ``N`` (fp32 scalar tensor); ``loss_scale`` is ``M * D`` (module docstring).
+    ``temperature`` is the softmax temperature of the log-probs, ``entropy_temperature`` that of the entropy (None:
+    the same); ``loss`` is the step objective (``ops.LossSpec``), ``None`` for the forward-only mode that returns
+    per-token values instead of a loss. ``normalizer`` is the global ``N`` (fp32 scalar tensor); ``loss_scale`` is
+    ``M * D`` (module docstring).
     """
 
     tp_group: object
@@ -70,6 +84,7 @@ class LossSettings:
     loss: LossSpec | None = None
     normalizer: torch.Tensor | None = None
     loss_scale: float = 1.0
+    entropy_temperature: float | None = None
 
 
 def token_logprobs_entropy(
@@ -80,11 +95,12 @@ def token_logprobs_entropy(
     Args:
         logits: ``[b, S, V/tp]`` vocab-parallel logits of this TP rank (position ``s`` predicts token ``s+1``).
         batch: the micro-batch (``input_ids`` and ``response_mask`` are read).
-        settings: the step's ``LossSettings`` (TP group, vocabulary size, temperature, chunk size).
+        settings: the step's ``LossSettings`` (TP group, vocabulary size, temperatures, chunk size).
 
     Returns:
-        ``(logprobs, entropy)``, both ``[b, S]`` fp32 nats; column 0 and every column off ``response_mask`` are 0.
-        ``logprobs`` carries gradient w.r.t. ``logits``; ``entropy`` is detached.
+        ``(logprobs, entropy)``, both ``[b, S]`` fp32 nats (log-probs at ``settings.temperature``, entropy at
+        ``settings.entropy_temperature``); column 0 and every column off ``response_mask`` are 0. ``logprobs``
+        carries gradient w.r.t. ``logits``; ``entropy`` is detached.
 
     Collectives: two all-reduces on ``settings.tp_group`` (inside the ops function).
     """
@@ -97,6 +113,7 @@ def token_logprobs_entropy(
         tp_group=settings.tp_group,
         vocab_size=settings.vocab_size,
         temperature=settings.temperature,
+        entropy_temperature=settings.entropy_temperature,
         chunk_size=settings.chunk_size,
         with_entropy=True,
     )
@@ -114,11 +131,10 @@ def policy_loss_closure(logits: torch.Tensor, batch: MicroBatch, settings: LossS
         settings: the step's ``LossSettings`` (``loss=None``: forward-only).
 
     Returns:
-        Training (``settings.loss`` set): ``(l * loss_scale, metrics)`` with ``l`` the ops loss of this
-        micro-batch (``S_dm / N``); ``metrics`` are detached fp32 scalars: the ops sums/counts plus ``loss`` (``l``)
-        and, when ``old_logprobs`` is given, ``logprob_diff_max`` (max |log pi_theta - log pi_old| on response
-        tokens; reduce with MAX). Forward-only (``loss=None``): ``(0, {"logprobs", "entropy"})`` with the
-        ``[b, S]`` tensors of ``token_logprobs_entropy``.
+        Training (``settings.loss`` set): ``(l * loss_scale, metrics)`` with ``(l, metrics)`` of
+        :func:`policy_loss` (``l = S_dm / N``; delta_i and ``A_i - gamma <H>_i`` from ``batch.seq_entropy`` when
+        given, else from this forward's entropy). Forward-only (``loss=None``): ``(0, {"logprobs", "entropy"})``
+        with the ``[b, S]`` tensors of ``token_logprobs_entropy``.
     """
     logprobs, entropy = token_logprobs_entropy(logits, batch, settings)
     if settings.loss is None:
@@ -131,43 +147,53 @@ def policy_loss_closure(logits: torch.Tensor, batch: MicroBatch, settings: LossS
 def policy_loss(
     logprobs: torch.Tensor, entropy: torch.Tensor | None, batch: MicroBatch, spec: LossSpec, normalizer: torch.Tensor
 ):
-    """The ops loss of one micro-batch from its per-token log-probs (the loss half of ``policy_loss_closure``).
+    """The objective of one micro-batch from its per-token log-probs (the loss half of ``policy_loss_closure``).
+
+    ``ops.policy_objective``: the entropy filter's delta_i and ``A_i - gamma <H>_i`` of ``spec`` are decided here
+    from each completion's own entropy (``batch.seq_entropy`` when given, else ``entropy``), then the registered
+    loss.
 
     Args:
         logprobs: ``[b, S]`` fp32 log pi_theta in the ``TrainBatch`` column convention, differentiable.
-        entropy: ``[b, S]`` detached token entropy in nats (for the ``entropy_sum`` metric), or None.
-        batch: the micro-batch (``response_mask``, ``advantages``, ``token_weights``, ``old_logprobs``,
-            ``ref_logprobs`` are read; ``token_weights=None`` means weight 1 on every response token).
+        entropy: ``[b, S]`` detached token entropy in nats at ``spec.entropy_temperature``, or None (then
+            ``batch.seq_entropy`` is needed when ``spec`` filters or penalises).
+        batch: the micro-batch (``response_mask``, ``advantages`` (the raw A_i), ``token_weights``, ``keep_mask``,
+            ``seq_entropy``, ``old_logprobs``, ``ref_logprobs``, ``rollout_logprobs`` are read;
+            ``token_weights=None`` means weight 1 on every response token).
         spec: the step objective.
         normalizer: fp32 scalar the loss sum is divided by (the step's global ``N``; 1 gives the plain sum).
 
     Returns:
-        ``(loss, metrics)``: the ops loss ``S / normalizer`` (fp32 scalar, differentiable w.r.t. ``logprobs``) and
-        detached fp32 scalars: the ops sums/counts plus ``loss`` and, when ``old_logprobs`` is given,
-        ``logprob_diff_max`` (max |log pi_theta - log pi_old| on response tokens; reduce with MAX).
+        ``(loss, metrics)``: the loss ``S / normalizer`` (fp32 scalar, differentiable w.r.t. ``logprobs``) and
+        detached fp32 scalars: the objective's sums/counts plus ``loss``; with ``rollout_logprobs``,
+        ``mismatch_abs_logprob_diff`` and ``mismatch_prob_ratio_err`` (sums over response tokens,
+        ``rollout.batch.mismatch_sums``); with ``old_logprobs``, ``logprob_diff_max`` (max |log pi_theta - log
+        pi_old| on response tokens; reduce with MAX).
 
     Raises:
-        ValueError: whatever the registered loss rejects (shapes, aggregation, KL settings).
+        ValueError: whatever the objective rejects (shapes, aggregation, KL settings, no entropy for a filter).
     """
     token_weights = batch.token_weights
     if token_weights is None:
         token_weights = batch.response_mask.float()
-    loss, metrics = get_policy_loss(spec.loss_name)(
+    loss, metrics, _ = policy_objective(
         policy_logprobs=logprobs,
-        old_logprobs=batch.old_logprobs,
-        advantages=batch.advantages,
+        entropy=entropy,
+        raw_advantages=batch.advantages,
         token_weights=token_weights,
         response_mask=batch.response_mask,
         normalizer=normalizer,
-        aggregation=spec.aggregation,
-        clip_eps_low=spec.clip_eps_low,
-        clip_eps_high=spec.clip_eps_high,
+        spec=spec,
+        keep_mask=batch.keep_mask,
+        seq_entropy=batch.seq_entropy,
+        old_logprobs=batch.old_logprobs,
         ref_logprobs=batch.ref_logprobs,
-        kl_coef=spec.kl_coef,
-        kl_estimator=spec.kl_estimator,
-        entropy=entropy,
     )
     metrics = dict(metrics, loss=loss.detach().float())
+    if batch.rollout_logprobs is not None:
+        sums = mismatch_sums(logprobs.detach(), batch.rollout_logprobs, batch.response_mask)
+        metrics["mismatch_abs_logprob_diff"] = sums["abs_logprob_diff"]
+        metrics["mismatch_prob_ratio_err"] = sums["prob_ratio_err"]
     if batch.old_logprobs is not None:
         diff = torch.where(batch.response_mask, (logprobs.detach() - batch.old_logprobs).abs(), 0.0)
         metrics["logprob_diff_max"] = diff.max() if diff.numel() else diff.new_zeros(())

@@ -73,9 +73,15 @@ def loss_settings(
 ) -> LossSettings:
     """The loss settings of one optimizer step.
 
+    The loss applies no entropy filter or penalty of its own: ``plugin.compute_gtpo_weights`` decided them
+    (``advantages`` = ``A_i - gamma <H>_i``, ``token_weights`` = lambda * delta_i), so the spec's entropy filter
+    and penalty are switched off here and never applied twice. (The trainer instead leaves them to the training
+    forward, ``ops.policy_objective``, which needs no pass before the update: build ``LossSettings`` with the full
+    spec and give raw advantages for that.)
+
     Args:
         spec: the step objective (``algorithm.build_loss_spec`` or a ``LossSpec``); its temperature is the
-            log-prob temperature.
+            log-prob temperature, its ``entropy_temperature`` that of the reported entropy.
         vocab_size: the tokenizer's vocabulary size; logit columns ``>= vocab_size`` (Megatron's padding) are
             excluded from every softmax.
         tp_group: the tensor-parallel group sharding the logits' vocabulary; None: the logits hold every column.
@@ -93,8 +99,9 @@ def loss_settings(
         tp_group=tp_group,
         vocab_size=vocab_size,
         temperature=spec.temperature,
+        entropy_temperature=spec.entropy_temperature,
         chunk_size=chunk_size,
-        loss=spec,
+        loss=dataclasses.replace(spec, entropy_filter="off", entropy_penalty=0.0),
         normalizer=normalizer,
         loss_scale=float(num_microbatches * dp_size),
     )
@@ -235,12 +242,13 @@ def _summed(logprobs, entropy, batch: MicroBatch, settings: LossSettings, packed
 
 
 def _unpacked(batch: MicroBatch, packed: PackedLayout) -> MicroBatch:
-    """The micro-batch's per-token tensors laid out one sequence per row (advantages are already per sequence)."""
+    """The micro-batch's per-token tensors laid out one sequence per row (per-sequence tensors stay as they are)."""
 
     def unpack(t: torch.Tensor | None) -> torch.Tensor | None:
         return None if t is None else packed.unpack(t)
 
     fields = ("input_ids", "position_ids", "response_mask", "token_weights", "old_logprobs", "ref_logprobs")
+    fields += ("rollout_logprobs",)
     return dataclasses.replace(batch, attention_mask=None, **{k: unpack(getattr(batch, k)) for k in fields})
 
 

@@ -53,7 +53,9 @@ def _log_head_padding(geometry: hf_conversion.ModelGeometry, pad_attention_heads
         )
 
 
-def _build_stage(hf_config, config, groups: ParallelGroups, *, padded_vocab_size: int, seed: int):
+def _build_stage(
+    hf_config, config, groups: ParallelGroups, *, padded_vocab_size: int, seed: int, fp32_output_layer: bool
+):
     """This rank's ``GPTModel`` stage, initialised from ``seed`` (torch and Megatron's model-parallel RNG)."""
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
@@ -66,6 +68,7 @@ def _build_stage(hf_config, config, groups: ParallelGroups, *, padded_vocab_size
             padded_vocab_size=padded_vocab_size,
             pre_process=groups.is_first_pp_stage,
             post_process=groups.is_last_pp_stage,
+            fp32_output_layer=fp32_output_layer,
         )
 
 
@@ -91,7 +94,11 @@ def _load_initial_weights(gpt_model, model: ModelConfig, hf_path: str, geometry,
 
 
 class MegatronPolicy:
-    """A Megatron-Core policy loaded from an HF checkpoint; see ``from_pretrained``."""
+    """A Megatron-Core policy loaded from an HF checkpoint; see ``from_pretrained``.
+
+    A frozen instance (``trainable=False``: the KL reference policy) has no DDP wrapper, optimizer or gradients;
+    it only runs ``compute_logprobs``.
+    """
 
     def __init__(
         self,
@@ -120,11 +127,16 @@ class MegatronPolicy:
     @property
     def model(self):
         """This rank's unwrapped ``GPTModel`` stage."""
-        return self.ddp_model.module
+        return self.ddp_model if self.optimizer is None else self.ddp_model.module
 
     @classmethod
     def from_pretrained(
-        cls, settings: PolicySettings, *, groups: ParallelGroups, padding_tp_size: int | None = None
+        cls,
+        settings: PolicySettings,
+        *,
+        groups: ParallelGroups,
+        padding_tp_size: int | None = None,
+        trainable: bool = True,
     ) -> MegatronPolicy:
         """Build this rank's stage and load its shard of the starting weights.
 
@@ -138,13 +150,16 @@ class MegatronPolicy:
                 ``builtin_models.resolve_model_path``), the parameter dtype, vocabulary padding, head padding
                 (when the KV groups do not divide ``tp_size``, all-zero KV groups up to the next multiple: exact for
                 forward and training; HF export and weight streaming drop them; checkpoints keep them; see
-                ``head_padding``), recompute, sequence parallelism, ``megatron_overrides``, Adam and the LR schedule,
-                micro-batch and log-prob chunk sizes, the seed. The Megatron configs are built from it by
+                ``head_padding``), recompute, sequence parallelism, ``megatron_overrides``, ``fp32_output_layer``
+                (fp32 logits from 16-bit parameters, see ``output_layer``), Adam and the LR schedule, micro-batch and
+                log-prob chunk sizes, the seed. The Megatron configs are built from it by
                 ``model.transformer_config_from_hf`` and ``optimizer.ddp_config`` / ``optimizer_config``.
             groups: the ``ParallelGroups`` of ``init_distributed``; their TP/PP sizes must be the settings'.
             padding_tp_size: pad the vocabulary (and, with ``pad_attention_heads``, the KV groups) as a run at
                 this TP size did, so that its checkpoint loads at ``groups.tp_size`` (e.g. a TP=2 run exported
                 in one process). Default: ``groups.tp_size``.
+            trainable: False builds a frozen forward-only copy (parameters without gradients, no DDP wrapper, no
+                optimizer state): the reference policy of the KL term.
 
         Raises:
             ValueError: groups of another layout than the settings', heads or KV groups not divisible by
@@ -172,14 +187,25 @@ class MegatronPolicy:
             padding_tp_size=padding_tp_size,
         )
         _log_head_padding(geometry, settings.model.pad_attention_heads)
-        gpt_model = _build_stage(hf_config, config, groups, padded_vocab_size=vocab_size, seed=settings.seed)
+        gpt_model = _build_stage(
+            hf_config,
+            config,
+            groups,
+            padded_vocab_size=vocab_size,
+            seed=settings.seed,
+            fp32_output_layer=settings.model.fp32_output_layer,
+        )
         _load_initial_weights(gpt_model, settings.model, hf_path, geometry, tp_rank=groups.tp_rank)
-        ddp_model = wrap_ddp(gpt_model, config, settings=settings.optim)
-        config.finalize_model_grads_func = finalize_model_grads
-        config.no_sync_func = ddp_model.no_sync
-        optimizer, scheduler = build_optimizer(ddp_model, settings=settings.optim, params_dtype=config.params_dtype)
+        optimizer = scheduler = None
+        if trainable:
+            gpt_model = wrap_ddp(gpt_model, config, settings=settings.optim)
+            config.finalize_model_grads_func = finalize_model_grads
+            config.no_sync_func = gpt_model.no_sync
+            optimizer, scheduler = build_optimizer(gpt_model, settings=settings.optim, params_dtype=config.params_dtype)
+        else:
+            gpt_model.requires_grad_(False)
         return cls(
-            ddp_model=ddp_model,
+            ddp_model=gpt_model,
             optimizer=optimizer,
             scheduler=scheduler,
             groups=groups,
@@ -210,10 +236,9 @@ class MegatronPolicy:
                 t = torch.cat([t, t.new_zeros((t.shape[0], pad_columns))], dim=1)
             return t.to(self.device)
 
-        tensors = {
-            k: prepare(getattr(batch, k))
-            for k in ("input_ids", "response_mask", "token_weights", "advantages", "old_logprobs", "ref_logprobs")
-        }
+        fields = ("input_ids", "response_mask", "token_weights", "advantages", "old_logprobs", "ref_logprobs")
+        fields += ("keep_mask", "seq_entropy", "rollout_logprobs")
+        tensors = {k: prepare(getattr(batch, k)) for k in fields}
         positions = torch.arange(seq_len, device=self.device).expand(self.micro_batch_size, -1)
         mask = model_lib.causal_attention_mask(seq_len, self.model.layer_spec_backend)
         mask = None if mask is None else mask.to(self.device)
@@ -237,19 +262,25 @@ class MegatronPolicy:
                 forward_only=forward_only,
             )
 
-    def _settings(self, temperature: float, **loss_fields) -> LossSettings:
+    def _settings(self, temperature: float, entropy_temperature: float | None, **loss_fields) -> LossSettings:
         return LossSettings(
             tp_group=self.groups.tp if self.groups.tp_size > 1 else None,
             vocab_size=self.geometry.vocab_size,
             temperature=temperature,
+            entropy_temperature=entropy_temperature,
             chunk_size=self.logprob_chunk_size,
             **loss_fields,
         )
 
     # ---------------------------------------------------------------------------------------------- passes
     @torch.no_grad()
-    def compute_logprobs(self, batch: TrainBatch, *, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    def compute_logprobs(
+        self, batch: TrainBatch, *, temperature: float = 1.0, entropy_temperature: float | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """No-grad pass over all micro-batches: per-token log pi and entropy of ``batch``.
+
+        Log-probs at ``temperature``, entropy at ``entropy_temperature`` (None: ``temperature``), both from one
+        read of the logits (``ops.vocab_parallel_logprobs_entropy``).
 
         Returns:
             ``(logprobs, entropy)``: ``[B, S]`` fp32 on CPU, nats, 0 off ``response_mask`` (and in column 0),
@@ -260,7 +291,8 @@ class MegatronPolicy:
         """
         self.ddp_model.eval()
         micro_batches = self._micro_batches(batch)
-        store = self._run_schedule(micro_batches, self._settings(temperature), forward_only=True)
+        settings = self._settings(temperature, entropy_temperature)
+        store = self._run_schedule(micro_batches, settings, forward_only=True)
         rows, seq_len = batch.input_ids.shape
         if self.groups.is_last_pp_stage:
             both = torch.stack([torch.cat([d["logprobs"] for d in store]), torch.cat([d["entropy"] for d in store])])
@@ -294,20 +326,28 @@ class MegatronPolicy:
         ``loss.aggregation`` on this rank's rows, all-reduced over the DP group) is fixed before the schedule; see
         ``forward_step``'s docstring for how Megatron's per-micro-batch and DP averaging are cancelled. After the
         call every ``main_grad`` holds the gradient of the step objective, reduced over DP (and over the tied
-        embedding copies). ``batch.advantages`` is required; ``token_weights=None`` means weight 1 on every
-        response token; ``old_logprobs=None`` means one update per batch (ratio 1 with gradient);
-        ``ref_logprobs`` feeds the optional KL term; ``loss.max_response_length`` selects Dr. GRPO's constant
-        normaliser.
+        embedding copies). ``batch.advantages`` (the raw A_i) is required; ``token_weights=None`` means weight 1
+        on every response token; ``keep_mask`` (row decisions made without the entropy) and ``seq_entropy``
+        (<H>_i of a pass before the update; None: measured in this forward) feed ``ops.policy_objective``, which
+        applies the entropy filter and penalty of ``loss``; ``old_logprobs=None`` means one update per batch
+        (ratio 1 with gradient); ``ref_logprobs`` feeds the optional KL term; ``rollout_logprobs`` turns on the
+        mismatch sums; ``loss.max_response_length`` selects Dr. GRPO's constant normaliser.
 
         Returns:
             Metrics identical on every rank: ``loss`` (the step objective, summed over micro-batches and DP),
-            ``normalizer``, the loss's sums/counts (``num_tokens``, ``clipped_tokens``, ...), the means
-            ``clip_frac``, ``ratio_mean``, ``entropy_mean``, ``kl_mean``, and ``logprob_diff_max`` when
+            ``normalizer``, the objective's sums/counts (``num_tokens``, ``num_sequences``, ``clipped_tokens``,
+            ``entropy_sum``, ``seq_entropy_sum``, ``filtered_sequences``, ``advantage_abs_sum``, ...), the means
+            ``clip_frac``, ``ratio_mean``, ``kl_mean`` (per response token), and ``logprob_diff_max`` when
             ``old_logprobs`` is given. ``{"normalizer": 0.0}`` only when no DP rank has a response token.
 
         Raises:
             ValueError: ``batch.advantages`` is None, or the loss rejects its arguments.
+            RuntimeError: a frozen (``trainable=False``) policy.
         """
+        if self.optimizer is None:
+            raise RuntimeError(
+                "this MegatronPolicy is frozen (trainable=False, a KL reference): it only runs compute_logprobs"
+            )
         if batch.advantages is None:
             raise ValueError("batch.advantages is None; fill TrainBatch.advantages before train_step")
         local = compute_normalizer(batch.response_mask, loss.aggregation, max_response_length=loss.max_response_length)
@@ -318,6 +358,7 @@ class MegatronPolicy:
         micro_batches = self._micro_batches(batch)
         settings = self._settings(
             loss.temperature,
+            loss.entropy_temperature,
             loss=loss,
             normalizer=normalizer,
             loss_scale=float(len(micro_batches) * self.groups.dp_size),

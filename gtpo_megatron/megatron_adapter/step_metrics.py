@@ -20,7 +20,7 @@ from gtpo_megatron.parallel.collectives import all_reduce_, broadcast_, broadcas
 if TYPE_CHECKING:
     from gtpo_megatron.parallel.groups import ParallelGroups
 
-_MEANS = {"clip_frac": "clipped_tokens", "ratio_mean": "ratio_sum", "entropy_mean": "entropy_sum", "kl_mean": "kl_sum"}
+_MEANS = {"clip_frac": "clipped_tokens", "ratio_mean": "ratio_sum", "kl_mean": "kl_sum"}
 
 
 def _local_totals(store: list[dict[str, torch.Tensor]], keys: list[str]) -> torch.Tensor:
@@ -42,8 +42,9 @@ def reduce_step_metrics(
         device: device for the collective buffers.
 
     Returns:
-        ``{key: float}`` for every metric key, plus the means ``clip_frac``, ``ratio_mean``, ``entropy_mean``,
-        ``kl_mean`` (over response tokens) when their sums are present.
+        ``{key: float}`` for every metric key, plus the means ``clip_frac``, ``ratio_mean``, ``kl_mean`` (over
+        response tokens) when their sums are present (the entropy and filter means are named by
+        ``algorithm.objective_metrics``).
     """
     keys = sorted(store[0]) if groups.is_last_pp_stage else None
     if groups.pp_size > 1:

@@ -29,6 +29,7 @@ from gtpo_megatron.ops.losses import (
     get_policy_loss,
     register_policy_loss,
 )
+from gtpo_megatron.ops.objective import SequenceTerms, policy_objective, sequence_terms
 from gtpo_megatron.ops.packing import PackedLayout
 
 __all__ = [
@@ -43,6 +44,7 @@ __all__ = [
     "PackedLayout",
     "POLICY_LOSS_REGISTRY",
     "PolicyLossFn",
+    "SequenceTerms",
     "apply_entropy_penalty",
     "build_conflict_weights",
     "clipped_surrogate_loss",
@@ -53,8 +55,10 @@ __all__ = [
     "get_advantage_estimator",
     "get_policy_loss",
     "policy_loss_metrics",
+    "policy_objective",
     "register_advantage_estimator",
     "register_policy_loss",
     "sequence_mean_entropy",
+    "sequence_terms",
     "vocab_parallel_logprobs_entropy",
 ]

@@ -34,10 +34,11 @@ from typing import Protocol
 
 import torch
 
+from gtpo_megatron.ops.entropy_filter import LN2
 from gtpo_megatron.ops.loss_metrics import policy_loss_metrics
 
 AGGREGATIONS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum")
-KL_ESTIMATORS = ("k1", "k3")
+KL_ESTIMATORS = ("k1", "k2", "k3")
 
 
 class PolicyLossFn(Protocol):
@@ -55,7 +56,9 @@ class PolicyLossFn(Protocol):
         clip_eps_low, clip_eps_high: PPO clip range ``[1 - low, 1 + high]`` of the ratio.
         ref_logprobs: ``[B, T]`` reference-policy log-probs for the KL term, or None.
         kl_coef: KL coefficient beta (0 disables the term).
-        kl_estimator: ``"k1"`` (log ratio) or ``"k3"`` (Schulman's unbiased, non-negative estimator).
+        kl_estimator: one of :data:`KL_ESTIMATORS`, Schulman's estimators of KL(pi_theta || pi_ref) from samples
+            of pi_theta with ``x = log pi_ref - log pi_theta``: ``"k1"`` = ``-x`` (unbiased, can be negative),
+            ``"k2"`` = ``x^2 / 2`` (biased, low variance), ``"k3"`` = ``exp(x) - x - 1`` (unbiased, >= 0).
         entropy: optional ``[B, T]`` token entropy (nats) for the ``entropy_sum`` metric only.
         entropy_keep_mask: optional ``[B]`` bool filter decisions for the filter metrics only.
 
@@ -117,19 +120,29 @@ def get_policy_loss(name: str) -> PolicyLossFn:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class LossSpec:
-    """The step objective's settings: which registered loss, how it aggregates, and the log-prob temperature.
+    """The step objective's settings: loss, aggregation, temperatures and the per-completion entropy terms.
 
-    Plain values, shared by every micro-batch of a step; ``algorithm.build_loss_spec`` builds the production one from
-    the algorithm and rollout config sections.
+    The entropy terms (filter and penalty, GTPO_SPEC section 4) are applied by ``objective.policy_objective``
+    inside the training forward. Plain values, shared by every micro-batch of a step; ``algorithm.build_loss_spec``
+    builds the production one from the algorithm and rollout config sections (the trainer fills
+    ``initial_entropy`` once it is measured). The defaults of the entropy fields switch those terms off (a plain
+    GRPO-style objective).
 
     Attributes:
         loss_name: key of :data:`POLICY_LOSS_REGISTRY` (``gtpo``, ``grpo``, ``dapo``, ``dr_grpo``).
         aggregation: one of :data:`AGGREGATIONS`; also selects the normaliser (:func:`compute_normalizer`).
         clip_eps_low, clip_eps_high: PPO clip range ``[1 - low, 1 + high]`` of the ratio.
-        kl_coef: KL coefficient beta (0 disables the term); ``kl_estimator``: ``"k1"`` or ``"k3"``.
-        temperature: softmax temperature of the training log-probs (> 0): the sampling temperature, so that
-            pi_theta is the distribution the completions were drawn from.
+        kl_coef: KL coefficient beta (0 disables the term); ``kl_estimator``: one of :data:`KL_ESTIMATORS`.
+        temperature: softmax temperature of the training log-probs (> 0): the sampling temperature (pi_theta is
+            the distribution the completions were drawn from) or 1 (the authors' code), ``algorithm.
+            loss_temperature``.
         max_response_length: Dr. GRPO's constant L of the normaliser (``compute_normalizer``), else None.
+        entropy_temperature: temperature of the token entropy the loss computes with the log-probs (GTPO_SPEC
+            section 4; the per-completion mean <H>_i feeds the filter and the penalty); None: ``temperature``.
+        entropy_filter, entropy_threshold, initial_entropy, entropy_only_negative: the entropy filter delta_i
+            (``entropy_filter.entropy_keep_mask``'s ``mode``, ``threshold``, ``initial_entropy`` (<H>_ini of the
+            ``paper`` mode, known before the step) and ``only_negative``); ``"off"`` keeps every completion.
+        entropy_penalty: gamma of the penalised advantage ``A_i - gamma * <H>_i`` (0: none).
     """
 
     loss_name: str
@@ -140,6 +153,12 @@ class LossSpec:
     kl_estimator: str = "k3"
     temperature: float = 1.0
     max_response_length: int | None = None
+    entropy_temperature: float | None = None
+    entropy_filter: str = "off"
+    entropy_threshold: float = LN2
+    initial_entropy: float | None = None
+    entropy_only_negative: bool = False
+    entropy_penalty: float = 0.0
 
 
 def compute_normalizer(
@@ -204,6 +223,8 @@ def _kl_per_token(policy_logprobs: torch.Tensor, ref_logprobs: torch.Tensor, est
     log_ratio = ref_logprobs - policy_logprobs
     if estimator == "k1":
         return -log_ratio
+    if estimator == "k2":
+        return 0.5 * log_ratio.square()
     if estimator == "k3":
         return torch.exp(log_ratio) - log_ratio - 1.0
     raise ValueError(f"unknown kl_estimator {estimator!r}; choose one of {list(KL_ESTIMATORS)}")

@@ -32,7 +32,7 @@ from gtpo_megatron.plan.memory import (
     engine_weight_bytes,
     estimate_stage,
     kv_cache_bytes_per_token,
-    logits_bytes,
+    logprob_working_set_bytes,
     weight_sync_seconds,
 )
 
@@ -99,10 +99,13 @@ def _check_args(args: argparse.Namespace) -> None:
             raise ValueError(f"{flag}={value:g}: {rule}; {fix}")
 
 
-def training_shape(settings: PolicySettings, layout: Layout, *, seq_length: int) -> TrainingShape:
+def training_shape(
+    settings: PolicySettings, layout: Layout, *, seq_length: int, reference_weights: bool = False
+) -> TrainingShape:
     """The planner's :class:`TrainingShape` of sequences of ``seq_length`` tokens on a checked :class:`Layout`.
 
-    Every Megatron-side number comes from the policy's ``PolicySettings``, the object Megatron is built from.
+    Every Megatron-side number comes from the policy's ``PolicySettings``, the object Megatron is built from;
+    ``reference_weights``: a frozen KL reference stage stays on the GPU (``kl_coef > 0`` without offload).
     """
     return TrainingShape(
         tp_size=layout.tp_size,
@@ -116,6 +119,8 @@ def training_shape(settings: PolicySettings, layout: Layout, *, seq_length: int)
         distributed_optimizer=settings.optim.use_distributed_optimizer,
         recompute=settings.model.recompute,
         logprob_chunk_size=settings.logprob_chunk_size,
+        fp32_output_layer=settings.model.fp32_output_layer,
+        reference_weights=reference_weights,
     )
 
 
@@ -162,8 +167,11 @@ def offload_train_state(cfg: GTPOConfig) -> bool:
 
 
 def rollout_resident(stage: StageMemory, offload: bool) -> int:
-    """Trainer bytes that stay on a colocated GPU while vLLM generates (weights only when offloading)."""
-    return stage.weights if offload else stage.static
+    """Trainer bytes that stay on a colocated GPU while vLLM generates (only the weights when offloading).
+
+    KL reference weights stay in both cases (``algorithm.kl_reference_offload`` keeps them off the GPU instead).
+    """
+    return stage.weights + stage.reference if offload else stage.static
 
 
 def fit_problems(
@@ -226,6 +234,7 @@ def format_table(cfg: GTPOConfig, stages: list[StageMemory], engine: EngineMemor
         _row("weights", [m.weights for m in stages] + pad),
         _row("gradients (fp32 main grads)", [m.grads for m in stages] + pad),
         _row("optimizer (Adam + fp32 master)", [m.optimizer for m in stages] + pad),
+        *([_row("KL reference weights", [m.reference for m in stages] + pad)] if stages[0].reference else []),
         _row("activations", [m.activations for m in stages] + pad),
         _row(f"logits/entropy (chunk={cfg.algorithm.logprob_chunk_size})", [m.logits for m in stages] + pad),
         _row("  same, unchunked", [unchunked if m.logits else 0 for m in stages] + pad),
@@ -260,13 +269,21 @@ def run(argv: list[str] | None = None) -> tuple[int, str]:
         cfg.validate(layout.train_world_size, check_registries=False)  # the torchrun world
     except ValueError as err:
         return 2, f"gtpo-plan: {args.config} on {args.gpus} GPUs: {err}"
-    shape = training_shape(settings, layout, seq_length=cfg.rollout.max_prompt_len + cfg.rollout.max_tokens)
+    shape = training_shape(
+        settings,
+        layout,
+        seq_length=cfg.rollout.max_prompt_len + cfg.rollout.max_tokens,
+        reference_weights=cfg.algorithm.kl_coef > 0 and not cfg.algorithm.kl_reference_offload,
+    )
     gpu_mem = int(args.gpu_mem * GIB)
     stages = [estimate_stage(arch, shape, padded_vocab_size=layout.padded_vocab_size, stage=s)
               for s in sorted({0, layout.pp_size - 1})]  # fmt: skip
     engine = engine_memory(cfg, arch, layout, gpu_mem_bytes=gpu_mem, seq_length=shape.seq_length)
-    unchunked = logits_bytes(layout.padded_vocab_size // layout.tp_size, param_bytes=shape.param_bytes,
-                             tokens=shape.micro_batch_size * shape.seq_length, chunk_size=None)  # fmt: skip
+    unchunked = logprob_working_set_bytes(
+        layout.padded_vocab_size // layout.tp_size, tokens=shape.micro_batch_size * shape.seq_length,
+        hidden_size=arch.hidden_size, param_bytes=shape.param_bytes, chunk_size=None,
+        fp32_output_layer=shape.fp32_output_layer,
+    )  # fmt: skip
     usable = gpu_mem - int(args.reserve_gib * GIB)
     problems = fit_problems(cfg, shape, stages, engine, gpu_mem=gpu_mem, usable=usable)
     text = "\n".join([_summary(cfg, arch, layout, shape, args), format_table(cfg, stages, engine, unchunked=unchunked),

@@ -28,7 +28,12 @@ Model (the numbers the tests check by hand):
 - Log-prob/entropy working set (last stage only): the logits ``[b, s, V/t]`` and their gradient (parameter dtype),
   plus the two fp32 ``[n, V/t]`` buffers ``ops.vocab_parallel_logprobs_entropy`` holds at a time (the shifted fp32
   copy and its exp; it saves only the logits and recomputes in backward), where ``n = b*s`` unchunked or
-  ``min(chunk, b*s)`` with ``algorithm.logprob_chunk_size``.
+  ``min(chunk, b*s)`` with ``algorithm.logprob_chunk_size``. With ``model.fp32_output_layer`` and 16-bit
+  parameters the logits are fp32 and the peak is the larger of that op phase (``param_bytes = 4``) and the output
+  layer's backward, ``4*b*s*V/t + 10*V/t*h`` (fp32 logits gradient; fp32 weight cast, fp32 weight gradient and
+  its 16-bit cast): :func:`logprob_working_set_bytes`, which ``benchmarks/bench_fp32_output_layer.py`` checks.
+- KL reference policy (``algorithm.kl_coef > 0``): a frozen copy of the stage's weights, ``params * param_bytes``,
+  resident in both phases unless ``algorithm.kl_reference_offload`` keeps it in host memory between its passes.
 - vLLM KV cache: ``2 (K and V) * L * max(1, g/t_e) * d * kv_bytes`` per token per GPU for engine TP ``t_e``
   (vLLM replicates KV heads when ``t_e > g``); engine weights ``total_params * param_bytes / t_e``.
 - One weight sync moves every parameter once in ``param_bytes`` over a link of the given bandwidth.
@@ -61,6 +66,8 @@ class TrainingShape:
         distributed_optimizer: optimizer states sharded over data-parallel ranks.
         recompute: activation recompute granularity.
         logprob_chunk_size: tokens per chunk of the log-prob/entropy op, None for unchunked.
+        fp32_output_layer: ``model.fp32_output_layer`` (fp32 logits from 16-bit parameters).
+        reference_weights: a KL reference policy's weights stay on the GPU (``kl_coef > 0`` without offload).
     """
 
     tp_size: int
@@ -74,6 +81,8 @@ class TrainingShape:
     distributed_optimizer: bool = False
     recompute: Literal["none", "selective", "full"] = "none"
     logprob_chunk_size: int | None = None
+    fp32_output_layer: bool = False
+    reference_weights: bool = False
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -87,11 +96,12 @@ class StageMemory:
     optimizer: int
     activations: int
     logits: int
+    reference: int = 0
 
     @property
     def static(self) -> int:
-        """Bytes that stay resident across phases (weights, gradients, optimizer states)."""
-        return self.weights + self.grads + self.optimizer
+        """Bytes that stay resident across phases (weights, gradients, optimizer states, KL reference weights)."""
+        return self.weights + self.grads + self.optimizer + self.reference
 
     @property
     def total(self) -> int:
@@ -153,6 +163,35 @@ def logits_bytes(vocab_per_rank: int, *, tokens: int, param_bytes: int, chunk_si
     return 2 * param_bytes * tokens * vocab_per_rank + FP32_OP_BUFFERS * 4 * fp32_rows * vocab_per_rank
 
 
+def logprob_working_set_bytes(
+    vocab_per_rank: int,
+    *,
+    tokens: int,
+    hidden_size: int,
+    param_bytes: int,
+    chunk_size: int | None,
+    fp32_output_layer: bool,
+) -> int:
+    """Peak bytes of the logits, the log-prob/entropy op and, with an fp32 output layer, that layer's backward.
+
+    Args:
+        vocab_per_rank: ``V/t`` columns of the local logits shard.
+        tokens: ``b*s`` tokens in one micro-batch.
+        hidden_size: ``h``, the output layer's input width.
+        param_bytes: bytes per parameter (2 for bf16/fp16, 4 for fp32).
+        chunk_size: ``algorithm.logprob_chunk_size`` (None = the whole micro-batch at once).
+        fp32_output_layer: ``model.fp32_output_layer``; only changes anything with 16-bit parameters.
+
+    Returns:
+        :func:`logits_bytes` in the parameter dtype; with ``fp32_output_layer`` and 16-bit parameters
+        ``max(logits_bytes(param_bytes=4), 4*b*s*V/t + 10*V/t*h)`` (module docstring).
+    """
+    if not fp32_output_layer or param_bytes >= 4:
+        return logits_bytes(vocab_per_rank, tokens=tokens, param_bytes=param_bytes, chunk_size=chunk_size)
+    op_phase = logits_bytes(vocab_per_rank, tokens=tokens, param_bytes=4, chunk_size=chunk_size)
+    return max(op_phase, 4 * tokens * vocab_per_rank + 10 * vocab_per_rank * hidden_size)
+
+
 def estimate_stage(arch: Architecture, shape: TrainingShape, *, padded_vocab_size: int, stage: int) -> StageMemory:
     """Training-phase memory of one GPU in pipeline stage ``stage`` (0-based)."""
     params = stage_params(
@@ -160,11 +199,13 @@ def estimate_stage(arch: Architecture, shape: TrainingShape, *, padded_vocab_siz
     )
     is_last = stage == shape.pp_size - 1
     logits = (
-        logits_bytes(
+        logprob_working_set_bytes(
             padded_vocab_size // shape.tp_size,
             tokens=shape.micro_batch_size * shape.seq_length,
+            hidden_size=arch.hidden_size,
             param_bytes=shape.param_bytes,
             chunk_size=shape.logprob_chunk_size,
+            fp32_output_layer=shape.fp32_output_layer,
         )
         if is_last
         else 0
@@ -182,6 +223,7 @@ def estimate_stage(arch: Architecture, shape: TrainingShape, *, padded_vocab_siz
         ),
         activations=activation_bytes(arch, shape, stage=stage),
         logits=logits,
+        reference=params * shape.param_bytes if shape.reference_weights else 0,
     )
 
 

@@ -5,7 +5,8 @@ Public API (stable; details in each module's docstring):
 - ``get_reward(name)`` -> ``reward_fn(*, completion: str, reference: str, extraction: str) -> RewardResult`` with
   fields ``score: float``, ``correct: bool``, ``format_ok: bool``, ``extracted: str | None``. Names:
   ``math_verify``, ``format``, ``paper`` (GTPO_SPEC section 6). ``register_reward(name)`` adds one;
-  ``decimal_tolerance(name)`` is its numeric rule for plain decimal answers.
+  ``decimal_tolerance(name)`` is its numeric rule for plain decimal answers, ``reward_span(name)`` its score range
+  (highest minus lowest score).
 - Extraction modes: ``EXTRACTION_MODES`` (``strict``, ``lenient``), ``default_extraction(benchmark)``,
   ``check_extraction(mode)``.
 - ``RewardPool(reward_name, num_workers=2, timeout_s=5.0)``: ``.score(completions, references, extraction=...)
@@ -30,6 +31,7 @@ from gtpo_megatron.rewards.registry import (
     decimal_tolerance,
     get_reward,
     register_reward,
+    reward_span,
 )
 
 __all__ = [
@@ -48,6 +50,7 @@ __all__ = [
     "grade",
     "grading_deadline",
     "reference_answer",
+    "reward_span",
     "register_reward",
     "same_answer",
 ]

@@ -19,7 +19,7 @@ the policy:
 - ``extracted``: the extracted answer (``None`` if none); maj@k votes group these with
   :func:`~gtpo_megatron.rewards.math_answer.same_answer` under the same numeric rule.
 
-Registered rewards:
+Registered rewards (each with its score range, :func:`reward_span`):
 
 - ``math_verify``: 1.0 if ``correct`` else 0.0 (binary correctness, GTPO_SPEC section 6).
 - ``format``: 1.0 if ``format_ok`` else 0.0.
@@ -63,6 +63,7 @@ class RewardFn(Protocol):
 
 REWARD_REGISTRY: dict[str, RewardFn] = {}
 _DECIMAL_TOLERANCES: dict[str, float] = {}
+_SCORE_RANGES: dict[str, tuple[float, float]] = {}
 
 _REASONING_RE = re.compile(r"<reasoning>.*?</reasoning>", re.DOTALL)
 _ANSWER_AT_END_RE = re.compile(r"<answer>.*?</answer>\s*$", re.DOTALL)
@@ -71,21 +72,27 @@ PAPER_CORRECT_SCORE = 10.0
 PAPER_DECIMAL_TOLERANCE = 1e-2
 
 
-def register_reward(name: str, *, decimal_abs_tol: float | None = None) -> Callable[[RewardFn], RewardFn]:
+def register_reward(
+    name: str, *, score_range: tuple[float, float] = (0.0, 1.0), decimal_abs_tol: float | None = None
+) -> Callable[[RewardFn], RewardFn]:
     """Decorator that adds a reward function under ``name``.
 
     Args:
         name: registry key.
+        score_range: ``(lowest, highest)`` score the function gives (:func:`reward_span`).
         decimal_abs_tol: the reward's tolerance for two plain decimal answers (:func:`decimal_tolerance`).
 
     Raises:
-        ValueError: if ``name`` is already registered.
+        ValueError: if ``name`` is already registered, or ``score_range`` is not increasing.
     """
+    if not score_range[0] < score_range[1]:
+        raise ValueError(f"score_range={score_range} of reward {name!r} must be (lowest, highest), lowest < highest")
 
     def decorator(fn: RewardFn) -> RewardFn:
         if name in REWARD_REGISTRY:
             raise ValueError(f"reward {name!r} is already registered; pick another name")
         REWARD_REGISTRY[name] = fn
+        _SCORE_RANGES[name] = (float(score_range[0]), float(score_range[1]))
         if decimal_abs_tol is not None:
             _DECIMAL_TOLERANCES[name] = decimal_abs_tol
         return fn
@@ -102,6 +109,20 @@ def get_reward(name: str) -> RewardFn:
     if name not in REWARD_REGISTRY:
         raise ValueError(f"unknown reward {name!r}; available rewards: {sorted(REWARD_REGISTRY)}")
     return REWARD_REGISTRY[name]
+
+
+def reward_span(name: str) -> float:
+    """Highest minus lowest score of the registered reward ``name``.
+
+    The unit of reward-scaled quantities such as DAPO's overlong penalty (``algorithm.overlong_penalty``): 1 for
+    ``math_verify`` and ``format``, 20 for ``paper``.
+
+    Raises:
+        ValueError: if ``name`` is unknown (as :func:`get_reward`).
+    """
+    get_reward(name)
+    low, high = _SCORE_RANGES[name]
+    return high - low
 
 
 def decimal_tolerance(reward: str | RewardFn) -> float | None:
@@ -146,7 +167,9 @@ def format_reward(*, completion: str, reference: str, extraction: str = STRICT) 
     return RewardResult(score=float(format_ok), correct=correct, format_ok=format_ok, extracted=extracted)
 
 
-@register_reward("paper", decimal_abs_tol=PAPER_DECIMAL_TOLERANCE)
+@register_reward(
+    "paper", score_range=(0.0, PAPER_FORMAT_SCORE + PAPER_CORRECT_SCORE), decimal_abs_tol=PAPER_DECIMAL_TOLERANCE
+)
 def paper_reward(*, completion: str, reference: str, extraction: str = STRICT) -> RewardResult:
     """The authors' format + correctness reward; total in {0, 1, 1.5, 10, 20} (GTPO_SPEC section 6)."""
     correct, format_ok, extracted = _judge(completion, reference, extraction, "paper")

@@ -61,14 +61,16 @@ def collate_completions(groups: list[PromptCompletions], *, pad_token_id: int) -
 
 
 def mismatch_sums(
-    old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, response_mask: torch.Tensor
+    train_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, response_mask: torch.Tensor
 ) -> dict[str, torch.Tensor]:
     """Sums for the train/rollout mismatch on local rows (divide by ``count`` after reducing over dp).
 
-    ``abs_logprob_diff``: sum of |log pi_train - log pi_rollout|; ``prob_ratio_err``: sum of
-    |pi_train / pi_rollout - 1|; both over response tokens, in nats / unitless; ``count``: response tokens.
+    ``train_logprobs`` are the trainer's log-probs of the same weights the engine sampled with (the training
+    forward before its update), at the sampling temperature; all tensors ``[B, S]``. ``abs_logprob_diff``: sum of
+    |log pi_train - log pi_rollout|; ``prob_ratio_err``: sum of |pi_train / pi_rollout - 1|; both over response
+    tokens, in nats / unitless; ``count``: response tokens.
     """
-    delta = torch.where(response_mask, old_logprobs.float() - rollout_logprobs.float(), 0.0)
+    delta = torch.where(response_mask, train_logprobs.float() - rollout_logprobs.float(), 0.0)
     ratio_err = torch.where(response_mask, torch.expm1(delta).abs(), 0.0)
     return {
         "abs_logprob_diff": delta.abs().sum(),

@@ -20,9 +20,10 @@ import torch
 
 from gtpo_megatron.config import AlgorithmConfig, RewardConfig, RolloutConfig
 from gtpo_megatron.data.loader import PromptLoader
-from gtpo_megatron.data.prompts import build_prompt_ids
+from gtpo_megatron.data.prompts import SYSTEM_PROMPT, build_prompt_ids
 from gtpo_megatron.data.sampling import choose_groups, filter_uniform_groups, shape_rewards
 from gtpo_megatron.rewards.pool import check_grader_failures
+from gtpo_megatron.rewards.registry import reward_span
 from gtpo_megatron.rollout.engine import RolloutEngine, SamplingConfig
 from gtpo_megatron.rollout.types import PromptCompletions
 
@@ -58,6 +59,7 @@ class RolloutCollector:
         loader: ``PromptLoader`` yielding ``num_prompts`` problems per call.
         rollout_cfg, algorithm_cfg, reward_cfg: their config sections.
         extraction: the answer-extraction mode (``reward.extraction`` resolved for ``data.source``).
+        system_prompt: the system message of every prompt (``data.prompts.SYSTEM_PROMPTS[data.system_prompt]``).
     """
 
     def __init__(
@@ -71,6 +73,7 @@ class RolloutCollector:
         algorithm_cfg: AlgorithmConfig,
         reward_cfg: RewardConfig,
         extraction: str,
+        system_prompt: str = SYSTEM_PROMPT,
     ) -> None:
         self.engine = engine
         self.reward_pool = reward_pool
@@ -80,6 +83,7 @@ class RolloutCollector:
         self.algorithm_cfg = algorithm_cfg
         self.reward_cfg = reward_cfg
         self.extraction = extraction
+        self.system_prompt = system_prompt
 
     def _sampling(self, step: int, round_index: int) -> SamplingConfig:
         cfg = self.rollout_cfg
@@ -94,7 +98,7 @@ class RolloutCollector:
 
     def _one_round(self, step: int, round_index: int, stats: dict[str, float]):
         problems = self.loader.next_batch()
-        prompt_ids = [build_prompt_ids(self.tokenizer, p.question) for p in problems]
+        prompt_ids = [build_prompt_ids(self.tokenizer, p.question, system_prompt=self.system_prompt) for p in problems]
         group_size = self.algorithm_cfg.group_size
         start = time.perf_counter()
         groups = self.engine.generate(prompt_ids, group_size, self._sampling(step, round_index))
@@ -143,4 +147,10 @@ class RolloutCollector:
     def _shaped(self, groups: list[PromptCompletions], results) -> torch.Tensor:
         lengths = torch.tensor([len(c.token_ids) for g in groups for c in g.completions])
         scores = torch.tensor([r.score for r in results], dtype=torch.float32)
-        return shape_rewards(scores, lengths, self.algorithm_cfg, max_tokens=self.rollout_cfg.max_tokens)
+        return shape_rewards(
+            scores,
+            lengths,
+            self.algorithm_cfg,
+            max_tokens=self.rollout_cfg.max_tokens,
+            reward_span=reward_span(self.reward_cfg.name),
+        )

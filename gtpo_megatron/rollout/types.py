@@ -47,11 +47,19 @@ class TrainBatch:
         attention_mask: ``[B, S]`` bool, True on real (prompt or response) tokens.
         response_mask: ``[B, S]`` bool, True on response tokens (the tokens the loss acts on).
         old_logprobs: ``[B, S]`` fp32, log pi_old of each token in nats (0 off the response); filled by the
-            trainer's no-grad pass before the update (GTPO_SPEC section 1: r = pi_theta / pi_old).
-        advantages: ``[B]`` fp32 final per-sequence advantage (after the entropy penalty, GTPO_SPEC section 4).
-        token_weights: ``[B, S]`` fp32 per-token multiplier: conflict weight lambda (section 3) times the entropy
-            filter's delta_i (section 4), 0 off the response.
+            trainer's no-grad pass before the update when there are several updates per batch (GTPO_SPEC section
+            1: r = pi_theta / pi_old), else None.
+        advantages: ``[B]`` fp32 group-relative advantage A_i (GTPO_SPEC section 2); the loss subtracts
+            ``gamma <H>_i`` (section 4, ``ops.policy_objective``).
+        token_weights: ``[B, S]`` fp32 per-token multiplier decided before the forward: conflict weight lambda
+            (section 3, with any ``normalize_by_conflicts`` division and DAPO's overlong filter), 0 off the
+            response; the loss multiplies in the entropy filter's delta_i.
         ref_logprobs: ``[B, S]`` fp32 reference-policy log-probs for the optional GRPO KL term, else None.
+        keep_mask: ``[B]`` bool row decision made without the entropy (``skip_uniform_groups``), else None (all).
+        seq_entropy: ``[B]`` fp32 <H>_i in nats from a pass before the update, else None (the loss measures it in
+            the training forward).
+        rollout_logprobs: ``[B, S]`` fp32 log-probs of the rollout engine, set when the loss should measure the
+            train/rollout mismatch; else None.
     """
 
     input_ids: torch.Tensor
@@ -62,6 +70,9 @@ class TrainBatch:
     token_weights: torch.Tensor | None = None
     ref_logprobs: torch.Tensor | None = None
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
+    keep_mask: torch.Tensor | None = None
+    seq_entropy: torch.Tensor | None = None
+    rollout_logprobs: torch.Tensor | None = None
 
     @property
     def num_sequences(self) -> int:
@@ -83,4 +94,7 @@ class TrainBatch:
             token_weights=take(self.token_weights),
             ref_logprobs=take(self.ref_logprobs),
             extras={k: v[rows] for k, v in self.extras.items()},
+            keep_mask=take(self.keep_mask),
+            seq_entropy=take(self.seq_entropy),
+            rollout_logprobs=take(self.rollout_logprobs),
         )

@@ -44,6 +44,9 @@ NOT_MEGATRON = {
     "head padding), its weights hf_conversion.load_hf_weights (tests/distributed/test_megatron_parity.py)",
     "model.megatron_checkpoint": "the starting weights and their vocabulary rows: policy._load_initial_weights and "
     "_padded_vocab read it (tests/plugin/test_megatron_checkpoint.py starts a run from one)",
+    "model.fp32_output_layer": "not a TransformerConfig field: policy._build_stage hands it to "
+    "model.build_gpt_model, which swaps the output layer's forward (tests/distributed/test_fused_objective.py checks "
+    "the built policy and reference)",
     "parallel.backend": "the torch.distributed backend of parallel.groups.init_distributed (train.py); Megatron's "
     "groups are derived from that process group",
 }
@@ -69,6 +72,7 @@ def cfg(tmp_path_factory) -> GTPOConfig:
         model=ModelConfig(
             name_or_path=str(folder), params_dtype="float32", make_vocab_size_divisible_by=96, recompute="full",
             pad_attention_heads=True, megatron_overrides={"attention_dropout": 0.125, "bias_dropout_fusion": True},
+            fp32_output_layer=False,
         ),
         parallel=ParallelConfig(
             tp_size=2, pp_size=2, sequence_parallel=True, use_distributed_optimizer=True, backend="gloo"

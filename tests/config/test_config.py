@@ -205,7 +205,7 @@ def test_dapo_overlong_buffer_is_a_fifth_of_max_tokens():
 @pytest.mark.parametrize(
     "override, fragment",
     [
-        ("algorithm.kl_coef=1e-6", "needs a frozen reference policy"),
+        ("algorithm.kl_coef=1e-6", "the dapo objective has no KL term"),
         ("algorithm.aggregation=seq-mean-token-mean", "the dapo loss is defined with aggregation 'token-mean'"),
     ],
 )
@@ -241,3 +241,61 @@ def test_reward_max_error_frac_out_of_range_is_refused(value):
 
     with pytest.raises(ValueError, match=r"reward.max_error_frac.*must be in \(0, 1\]"):
         RewardConfig(max_error_frac=value)
+
+
+def test_kl_coef_is_accepted_for_grpo_only():
+    cfg = load_config(None, [*BASE, "algorithm=grpo", "algorithm.kl_coef=1e-6", "algorithm.kl_estimator=k2"])
+    assert (cfg.algorithm.kl_coef, cfg.algorithm.kl_estimator) == (1e-6, "k2")
+    assert load_config(None, [*BASE, "algorithm=dr_grpo", "algorithm.kl_coef=1e-6"]).algorithm.kl_coef == 1e-6
+    with pytest.raises(
+        ValueError, match="the gtpo objective has no KL term.*set algorithm.kl_coef=0, or algorithm=grpo"
+    ):
+        load_config(None, [*BASE, "algorithm.kl_coef=1e-6"])
+    with pytest.raises(ValueError, match="algorithm.kl_coef=-1.0: must be >= 0"):
+        load_config(None, [*BASE, "algorithm=grpo", "algorithm.kl_coef=-1"])
+
+
+def test_fidelity_switches_defaults_and_values():
+    cfg = load_config(None, BASE)
+    algorithm = cfg.algorithm
+    assert (algorithm.conflict_sign, algorithm.loss_temperature, algorithm.initial_entropy_steps) == (
+        "raw",
+        "sampling",
+        1,
+    )
+    assert cfg.model.fp32_output_layer is True and cfg.data.system_prompt == "concise"
+    cfg = load_config(
+        None,
+        [
+            *BASE,
+            "algorithm.conflict_sign=penalized",
+            "algorithm.loss_temperature=1.0",
+            "algorithm.initial_entropy_steps=3",
+        ],
+    )
+    assert (cfg.algorithm.conflict_sign, cfg.algorithm.loss_temperature) == ("penalized", 1.0)
+    assert cfg.algorithm.initial_entropy_steps == 3
+
+
+@pytest.mark.parametrize(
+    "override, fragment",
+    [
+        ("algorithm.loss_temperature=0.9", r"algorithm.loss_temperature=0.9: must be one of \['sampling', 1.0\]"),
+        ("algorithm.loss_temperature=true", "algorithm.loss_temperature=True: must be 'sampling' or 1.0"),
+        ("algorithm.initial_entropy_steps=0", "algorithm.initial_entropy_steps=0: must be >= 1"),
+        ("algorithm.conflict_sign=positive", "algorithm.conflict_sign='positive': must be one of"),
+        ("data.system_prompt=mine", "data.system_prompt='mine': must be one of"),
+    ],
+)
+def test_fidelity_switches_refuse_bad_values(override, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        load_config(None, [*BASE, override])
+
+
+def test_system_prompt_choices_match_the_prompts_owner():
+    from typing import get_args, get_type_hints
+
+    from gtpo_megatron.config.sections import DataConfig
+    from gtpo_megatron.data import SYSTEM_PROMPTS
+
+    assert set(get_args(get_type_hints(DataConfig)["system_prompt"])) == set(SYSTEM_PROMPTS)

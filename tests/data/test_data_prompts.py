@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from gtpo_megatron.builtin_models import cache_dir
-from gtpo_megatron.data import SYSTEM_PROMPT, build_prompt_ids, build_prompt_text
+from gtpo_megatron.data import SYSTEM_PROMPT, SYSTEM_PROMPTS, build_prompt_ids, build_prompt_text
 
 SMOLLM2 = cache_dir() / "smollm2-135m-instruct"
 
@@ -26,6 +26,17 @@ def test_system_prompt_asks_for_the_paper_format() -> None:
     for tag in ("<reasoning>", "</reasoning>", "<answer>", "</answer>"):
         assert tag in SYSTEM_PROMPT
     assert SYSTEM_PROMPT.index("<reasoning>") < SYSTEM_PROMPT.index("<answer>")
+
+
+def test_authors_system_prompt_is_the_papers_instruction_only() -> None:
+    """GTPO_SPEC section 6: think step by step in <reasoning>, final answer in <answer>; no template, no extras."""
+    authors = SYSTEM_PROMPTS["authors"]
+    assert SYSTEM_PROMPTS["concise"] == SYSTEM_PROMPT and authors != SYSTEM_PROMPT
+    assert "step by step between <reasoning> and </reasoning>" in authors
+    assert "final answer between <answer> and </answer>" in authors
+    assert "\n" not in authors and "format" not in authors and "units" not in authors
+    text = build_prompt_text(PlainTokenizer(), "What is 2 + 3?", system_prompt=authors)
+    assert text.startswith(authors + "\n\nQuestion:")
 
 
 def test_plain_fallback_without_chat_template() -> None:

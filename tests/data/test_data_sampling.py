@@ -13,6 +13,7 @@ from gtpo_megatron.data import (
     shape_rewards,
 )
 from gtpo_megatron.data.sampling import UNIFORM_REWARD_ATOL
+from gtpo_megatron.rewards import reward_span
 from tests.helpers.batches import algorithm_section
 
 
@@ -69,9 +70,20 @@ def test_overlong_filter_mask() -> None:
 def test_shape_rewards_overlong_ramp():
     cfg = algorithm_section("dapo", overlong_buffer_len=4, overlong_penalty=1.0)
     lengths = torch.tensor([5, 6, 8, 10])
-    # L_max=10, L_cache=4: no penalty up to 6, then linear to -1 at 10.
-    assert shape_rewards(torch.ones(4), lengths, cfg, max_tokens=10).tolist() == [1.0, 1.0, 0.5, 0.0]
-    assert shape_rewards(torch.ones(4), lengths, algorithm_section("grpo"), max_tokens=10).tolist() == [1.0] * 4
+    # L_max=10, L_cache=4: no penalty up to 6, then linear to -1 at 10 (a 0/1 reward: span 1).
+    assert shape_rewards(torch.ones(4), lengths, cfg, max_tokens=10, reward_span=1.0).tolist() == [1.0, 1.0, 0.5, 0.0]
+    grpo = algorithm_section("grpo")
+    assert shape_rewards(torch.ones(4), lengths, grpo, max_tokens=10, reward_span=1.0).tolist() == [1.0] * 4
+
+
+def test_overlong_penalty_scales_with_the_reward_range():
+    # DAPO's penalty of 1 on a 0/1 reward is 20 on the paper's 0-20 reward (rewards.reward_span).
+    cfg = algorithm_section("dapo", overlong_buffer_len=4, overlong_penalty=1.0)
+    lengths = torch.tensor([5, 8, 10])
+    span = reward_span("paper")
+    assert span == 20.0 and reward_span("math_verify") == 1.0 and reward_span("format") == 1.0
+    shaped = shape_rewards(torch.full((3,), 20.0), lengths, cfg, max_tokens=10, reward_span=span)
+    assert shaped.tolist() == [20.0, 10.0, 0.0]
 
 
 def test_choose_groups_prefers_varied_then_fills():

@@ -232,26 +232,32 @@ def test_compare_runs(tmp_path):
                 "step": 1,
                 "reward/mean": 0.0,
                 "accuracy": 0.1,
-                "entropy/mean": 1.0,
+                "entropy/completion_mean": 1.0,
+                "format_rate": 0.25,
                 "gtpo/filtered_frac": 0.5,
                 "gtpo/conflict_frac": 0.2,
+                "response/length_mean": 30.0,
             },
             {
                 "step": 2,
                 "reward/mean": 1.0,
                 "accuracy": 0.3,
-                "entropy/mean": 0.5,
+                "entropy/completion_mean": 0.5,
+                "format_rate": 0.75,
                 "gtpo/filtered_frac": 0.0,
                 "gtpo/conflict_frac": 0.4,
+                "response/length_mean": 20.0,
             },
         ],
     )
-    _write_run(tmp_path / "grpo", [{"step": 1, "reward/mean": 2.0, "accuracy": 0.2, "entropy/mean": 2.0}])
+    _write_run(tmp_path / "grpo", [{"step": 1, "reward/mean": 2.0, "accuracy": 0.2, "entropy/completion_mean": 2.0}])
     png, md = compare_runs([str(tmp_path / "gtpo"), str(tmp_path / "grpo")], tmp_path / "cmp")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     lines = md.read_text().splitlines()
-    assert lines[2] == "| gtpo | 2 | 1 | 0.5 | 0.3 | 0.2 | 0.5 | 0.75 | 0 | 0.25 | 0.4 | 0.3 |"
-    assert lines[3] == "| grpo | 1 | 2 | 2 | 0.2 | 0.2 | 2 | 2 | - | - | - | - |"
+    # accuracy, entropy/completion_mean, format_rate, filtered fraction, reward, conflicts, length: final | mean
+    assert lines[0].startswith("| run | steps | accuracy final | accuracy mean | mean entropy (nats) final |")
+    assert lines[2] == "| gtpo | 2 | 0.3 | 0.2 | 0.5 | 0.75 | 0.75 | 0.5 | 0 | 0.25 | 1 | 0.5 | 0.4 | 0.3 | 20 | 25 |"
+    assert lines[3] == "| grpo | 1 | 0.2 | 0.2 | 2 | 2 | - | - | - | - | 2 | 2 | - | - | - | - |"
 
 
 def test_compare_errors_name_the_file_and_line(tmp_path):

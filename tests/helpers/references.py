@@ -142,7 +142,13 @@ def ref_policy_loss(
             term = -surrogate * float(token_weights[i, t])
             if kl_coef:
                 d = float(ref_logprobs[i, t]) - lp
-                term = term + kl_coef * (-d if kl_estimator == "k1" else torch.exp(d) - d - 1)
+                if kl_estimator == "k1":
+                    kl = -d
+                elif kl_estimator == "k2":
+                    kl = d * d / 2
+                else:
+                    kl = torch.exp(d) - d - 1
+                term = term + kl_coef * kl
             row = row + term
         if aggregation == "seq-mean-token-mean" and n > 0:
             row = row / n

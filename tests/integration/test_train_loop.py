@@ -24,7 +24,8 @@ REQUIRED = (
     "step",
     "reward/mean",
     "accuracy",
-    "entropy/mean",
+    "entropy/completion_mean",
+    "entropy/token_mean",
     "gtpo/filtered_frac",
     "gtpo/conflict_frac",
     "time/step_s",
@@ -78,8 +79,11 @@ def test_metrics_have_the_contract_keys_and_sane_values(run_dir):
     for record in records:
         assert all(key in record for key in REQUIRED)
         assert 0.0 <= record["accuracy"] <= 1.0 and 0.0 <= record["gtpo/filtered_frac"] <= 1.0
-        # A random model: entropy near ln(49152) = 10.8 nats.
-        assert 9.0 < record["entropy/mean"] < math.log(49152) + 1e-3
+        # A random model: entropy near ln(49152) = 10.8 nats (per completion and per token).
+        assert 9.0 < record["entropy/completion_mean"] < math.log(49152) + 1e-3
+        assert 9.0 < record["entropy/token_mean"] < math.log(49152) + 1e-3
         # Synced weights: trainer and vLLM log-probs of the sampled tokens agree (fp32 both sides).
         assert record["mismatch/abs_logprob_diff"] < 0.05
         assert record["train/grad_norm"] > 0 and record["sync/num_tensors"] > 0
+    # the paper filter measures <H>_ini in a pass before step 1's update; step 2 needs none
+    assert records[0]["time/old_logprob_s"] > 0 and records[1]["time/old_logprob_s"] == 0.0

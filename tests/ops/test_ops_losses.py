@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gtpo_megatron.ops import POLICY_LOSS_REGISTRY, compute_normalizer, get_policy_loss, register_policy_loss
+from gtpo_megatron.ops import (
+    KL_ESTIMATORS,
+    POLICY_LOSS_REGISTRY,
+    compute_normalizer,
+    get_policy_loss,
+    register_policy_loss,
+)
 from tests.helpers.references import ref_policy_loss
 
 B, T = 8, 6
@@ -27,7 +33,9 @@ def _batch(seed=0, extra_pad=0):
     return dict(policy=policy, old=old, ref=ref, weights=weights, adv=adv, mask=mask, lengths=lengths)
 
 
-def _call(name, b, normalizer, aggregation, *, rows=slice(None), kl_coef=0.0, old=True, dtype=torch.float32):
+def _call(
+    name, b, normalizer, aggregation, *, rows=slice(None), kl_coef=0.0, old=True, dtype=torch.float32, estimator="k3"
+):
     policy = b["policy"][rows].to(dtype).requires_grad_()
     loss, metrics = get_policy_loss(name)(
         policy_logprobs=policy,
@@ -41,7 +49,7 @@ def _call(name, b, normalizer, aggregation, *, rows=slice(None), kl_coef=0.0, ol
         clip_eps_high=0.28,
         ref_logprobs=b["ref"][rows].to(dtype),
         kl_coef=kl_coef,
-        kl_estimator="k3",
+        kl_estimator=estimator,
     )
     loss.backward()
     return loss, metrics, policy.grad
@@ -79,6 +87,25 @@ def test_matches_reference_loss_and_gradient(name, aggregation, kl_coef, old):
     want.backward()
     torch.testing.assert_close(loss.double(), want.detach(), atol=1e-6, rtol=1e-6)  # fp32 vs fp64
     torch.testing.assert_close(grad.double(), policy64.grad, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("estimator", KL_ESTIMATORS)
+def test_kl_estimators_match_reference(estimator):
+    b = _batch()
+    normalizer = compute_normalizer(b["mask"], "seq-mean-token-mean")
+    loss, metrics, grad = _call("grpo", b, normalizer, "seq-mean-token-mean", kl_coef=0.5, estimator=estimator)
+    policy64 = b["policy"].clone().requires_grad_()
+    common = dict(aggregation="seq-mean-token-mean", normalizer=float(normalizer), clip_low=0.2, clip_high=0.28)
+    want = ref_policy_loss(
+        policy64, b["old"], b["adv"], b["weights"], b["lengths"], **common, ref_logprobs=b["ref"], kl_coef=0.5,
+        kl_estimator=estimator,
+    )  # fmt: skip
+    want.backward()
+    torch.testing.assert_close(loss.double(), want.detach(), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(grad.double(), policy64.grad, atol=1e-6, rtol=1e-6)
+    x = (b["ref"] - b["policy"])[b["mask"]]  # log pi_ref - log pi on response tokens
+    expected_kl = {"k1": -x, "k2": x * x / 2, "k3": torch.exp(x) - x - 1}[estimator].sum()
+    torch.testing.assert_close(metrics["kl_sum"].double(), expected_kl, atol=1e-5, rtol=1e-6)
 
 
 @pytest.mark.parametrize("name", sorted(POLICY_LOSS_REGISTRY))

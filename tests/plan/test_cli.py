@@ -65,6 +65,15 @@ def test_table_values_match_hand_numbers_for_llama70b() -> None:
     assert "padded 129024" in text and "tp 8 x pp 4 x dp 2" in text and "2.82 s at 400 Gbit/s" in text
 
 
+def test_kl_reference_row_and_offload() -> None:
+    path = str(CONFIGS.parent / "configs" / "llama3.1-8b-instruct_math_grpo.yaml")
+    status, text = run(["--config", path, "--gpus", "8"])  # GRPO with beta = 1e-6: a frozen reference
+    assert status == 0, text
+    assert _row(text, "KL reference weights") == _row(text, "weights")  # the same bf16 stage, once more
+    status, text = run(["--config", path, "--gpus", "8", "algorithm.kl_reference_offload=true"])
+    assert status == 0 and "KL reference weights" not in text
+
+
 def test_layout_that_does_not_divide_exits_2_with_reason() -> None:
     path = CONFIGS / "llama3.1-70b_gsm8k_gtpo_64gpu.yaml"
     status, text = run(["--config", str(path), "--gpus", "60", "parallel.tp_size=16"])
@@ -128,6 +137,9 @@ def test_train_state_offload_leaves_only_weights_during_rollout() -> None:
 
     stage = StageMemory(stage=0, params=10, weights=20, grads=40, optimizer=120, activations=7, logits=3)
     assert rollout_resident(stage, offload=False) == 180 and rollout_resident(stage, offload=True) == 20
+    with_reference = StageMemory(stage=0, params=10, weights=20, grads=40, optimizer=120, activations=7, logits=3,
+                                 reference=20)  # fmt: skip
+    assert rollout_resident(with_reference, offload=False) == 200 and rollout_resident(with_reference, True) == 40
     bare = TrainingShape(tp_size=2, pp_size=1, dp_size=2, micro_batch_size=2, seq_length=8, num_microbatches=1)
     assert training_fixes(bare) == (
         "try parallel.use_distributed_optimizer=true, model.recompute=full, parallel.sequence_parallel=true, "

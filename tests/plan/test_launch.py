@@ -102,3 +102,19 @@ def test_dry_run_runs_the_planner() -> None:
                           "rollout.num_prompts=1", "algorithm.group_size=6"],
                          cwd=REPO, capture_output=True, text=True)  # fmt: skip
     assert bad.returncode == 2 and "use rollout.num_prompts=4" in bad.stderr  # 4 * 6 = 24 splits over dp 8
+
+
+def test_compare_cpu_runs_three_algorithms_then_the_comparison(tmp_path: Path) -> None:
+    env = _fake_bin(tmp_path)
+    (tmp_path / "bin" / "python").write_text(RECORDER)
+    (tmp_path / "bin" / "python").chmod(0o755)
+    subprocess.run(["bash", "launch/compare_cpu.sh", "trainer.max_steps=2"], cwd=REPO,
+                   env={**env, "OUT": "runs/cmp"}, check=True, capture_output=True)  # fmt: skip
+    calls = _calls(tmp_path)
+    assert [c[0] for c in calls] == ["torchrun"] * 3 + ["python"]
+    for call, algorithm in zip(calls, ("grpo", "dapo", "gtpo")):
+        assert "--nproc-per-node=2" in call
+        assert call[-6:] == ["gtpo_megatron.train", "--config", "configs/compare_cpu.yaml", f"algorithm={algorithm}",
+                             f"output_dir=runs/cmp/{algorithm}", "trainer.max_steps=2"]  # fmt: skip
+    assert calls[-1][1:] == ["-m", "gtpo_megatron.evaluation.compare", "runs/cmp/grpo", "runs/cmp/dapo",
+                             "runs/cmp/gtpo", "--output", "runs/cmp"]  # fmt: skip

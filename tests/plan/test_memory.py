@@ -14,6 +14,8 @@ from gtpo_megatron.plan.memory import (
     estimate_stage,
     kv_cache_bytes_per_token,
     layer_activation_bytes,
+    logits_bytes,
+    logprob_working_set_bytes,
     stage_params,
     weight_sync_seconds,
 )
@@ -117,3 +119,31 @@ def test_kv_cache_engine_weights_and_sync_time() -> None:
     assert engine_weight_bytes(LLAMA70B, engine_tp_size=8, param_bytes=2) == 70_553_706_496 * 2 // 8
     # 141,107,412,992 bytes * 8 bits / 400e9 bit/s = 2.822 s
     assert weight_sync_seconds(LLAMA70B, param_bytes=2, bandwidth_gbps=400) == pytest.approx(2.82214826, rel=1e-8)
+
+
+def test_fp32_output_layer_working_set_by_hand() -> None:
+    # LLAMA_SHAPE's last stage with model.fp32_output_layer and bf16 parameters: 2048 tokens x 16,128 columns,
+    # h = 8192. Op phase with fp32 logits: 2*4*2048*16128 = 264,241,152 + two fp32 buffers 264,241,152;
+    # the output layer's backward: 4*2048*16128 = 132,120,576 + 10*16128*8192 = 1,321,205,760.
+    fp32 = dataclasses.replace(LLAMA_SHAPE, fp32_output_layer=True)
+    last = estimate_stage(LLAMA70B, fp32, padded_vocab_size=LLAMA_PADDED_VOCAB, stage=3)
+    assert last.logits == max(264_241_152 + 264_241_152, 132_120_576 + 1_321_205_760) == 1_453_326_336
+    assert logprob_working_set_bytes(16128, tokens=2048, hidden_size=8192, param_bytes=2, chunk_size=4096,
+                                     fp32_output_layer=True) == 1_453_326_336  # fmt: skip
+    # no effect with fp32 parameters or without the switch: logits_bytes in the parameter dtype
+    for param_bytes, on in ((4, True), (2, False)):
+        assert logprob_working_set_bytes(16128, tokens=2048, hidden_size=8192, param_bytes=param_bytes,
+                                         chunk_size=4096, fp32_output_layer=on) == logits_bytes(
+            16128, tokens=2048, param_bytes=param_bytes, chunk_size=4096)  # fmt: skip
+    # a small vocabulary, many tokens: the op phase is the larger (TINY: 128 tokens x 24,576 columns, h 128)
+    tiny = estimate_stage(TINY, dataclasses.replace(TINY_SHAPE, fp32_output_layer=True), padded_vocab_size=49152,
+                          stage=0)  # fmt: skip
+    assert tiny.logits == 2 * 4 * 128 * 24576 + 8 * 128 * 24576  # > 4*128*24576 + 10*24576*128
+
+
+def test_kl_reference_weights_are_resident() -> None:
+    shape = dataclasses.replace(TINY_SHAPE, reference_weights=True)
+    memory = estimate_stage(TINY, shape, padded_vocab_size=49152, stage=0)
+    assert memory.reference == 2 * 6_439_808  # the frozen bf16 copy of the stage
+    plain = estimate_stage(TINY, TINY_SHAPE, padded_vocab_size=49152, stage=0)
+    assert plain.reference == 0 and memory.static == plain.static + memory.reference

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from gtpo_megatron import plugin
-from gtpo_megatron.algorithm import compute_step_weights
+from gtpo_megatron.algorithm import build_loss_spec, compute_step_weights, with_entropy_terms
+from gtpo_megatron.config import RolloutConfig
 from tests.helpers.batches import algorithm_section, conflict_batch
 
 REWARDS = torch.tensor([1.0, 1.0, 0.0, 0.0])
@@ -20,7 +23,8 @@ def test_same_weights_as_the_trainer():
         ours = plugin.compute_gtpo_weights(
             batch.input_ids, batch.response_mask, REWARDS, ENTROPY, cfg, initial_entropy=initial
         )
-        trainer = compute_step_weights(batch, REWARDS, ENTROPY, cfg, initial_entropy=initial)
+        spec = dataclasses.replace(build_loss_spec(cfg, RolloutConfig()), initial_entropy=initial)
+        trainer = with_entropy_terms(compute_step_weights(batch, REWARDS, cfg, loss_spec=spec), ENTROPY, spec)
         for name in WEIGHT_FIELDS:
             assert torch.equal(getattr(ours, name), getattr(trainer, name)), name
     # the hand-computed case of tests/trainer/test_algorithm.py, filter active (completion 1 above ln 2)

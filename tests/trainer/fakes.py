@@ -13,7 +13,9 @@ from gtpo_megatron.config import GTPOConfig, LoggingConfig
 from gtpo_megatron.data.datasets import load_problems
 from gtpo_megatron.data.loader import PromptLoader
 from gtpo_megatron.logging import MetricSink
+from gtpo_megatron.ops import compute_normalizer, policy_objective
 from gtpo_megatron.rewards.registry import RewardResult
+from gtpo_megatron.rollout.batch import mismatch_sums
 from gtpo_megatron.rollout.collector import RolloutCollector
 from gtpo_megatron.rollout.types import Completion, PromptCompletions
 from gtpo_megatron.trainer import Trainer
@@ -94,8 +96,19 @@ class FakeRewardPool:
         pass
 
 
+def _fake_logprobs_entropy(batch):
+    mask = batch.response_mask
+    rows = torch.arange(mask.shape[0], dtype=torch.float32).unsqueeze(-1)
+    entropy = torch.where(mask, 0.25 * (rows % 4), 0.0)
+    return torch.where(mask, -1.0, 0.0), entropy
+
+
 class FakePolicy:
-    """Log-probs -1.0 on response tokens; entropy 0.25 * (row % 4); records train batches; JSON checkpoints."""
+    """Log-probs -1.0 on response tokens; entropy 0.25 * (row % 4); records train batches; JSON checkpoints.
+
+    ``train_step`` evaluates the real objective (``ops.policy_objective``) on those values, as the training forward
+    of ``MegatronPolicy`` does, and returns its metric sums (plus fixed loss/grad-norm/lr values).
+    """
 
     def __init__(self):
         self.train_batches = []
@@ -108,15 +121,32 @@ class FakePolicy:
     def restore_train_state(self):
         self.events.append("restore_train_state")
 
-    def compute_logprobs(self, batch, *, temperature=1.0):
-        mask = batch.response_mask
-        rows = torch.arange(mask.shape[0], dtype=torch.float32).unsqueeze(-1)
-        entropy = torch.where(mask, 0.25 * (rows % 4), 0.0)
-        return torch.where(mask, -1.0, 0.0), entropy
+    def compute_logprobs(self, batch, *, temperature=1.0, entropy_temperature=None):
+        return _fake_logprobs_entropy(batch)
 
     def train_step(self, batch, loss):
-        self.train_batches.append((batch, loss))
-        return {"loss": 0.5, "grad_norm": 1.0, "lr": 1e-5, "clip_frac": 0.0}
+        logprobs, entropy = _fake_logprobs_entropy(batch)
+        _, sums, terms = policy_objective(
+            policy_logprobs=logprobs,
+            entropy=entropy,
+            raw_advantages=batch.advantages,
+            token_weights=batch.token_weights,
+            response_mask=batch.response_mask,
+            normalizer=compute_normalizer(batch.response_mask, loss.aggregation),
+            spec=loss,
+            keep_mask=batch.keep_mask,
+            seq_entropy=batch.seq_entropy,
+            old_logprobs=batch.old_logprobs,
+            ref_logprobs=batch.ref_logprobs,
+        )
+        if batch.rollout_logprobs is not None:
+            mismatch = mismatch_sums(logprobs, batch.rollout_logprobs, batch.response_mask)
+            sums["mismatch_abs_logprob_diff"] = mismatch["abs_logprob_diff"]
+            sums["mismatch_prob_ratio_err"] = mismatch["prob_ratio_err"]
+        self.train_batches.append((batch, loss, terms))
+        metrics = {k: float(v) for k, v in sums.items()}
+        kl_mean = metrics["kl_sum"] / max(metrics["num_tokens"], 1.0)
+        return {**metrics, "loss": 0.5, "grad_norm": 1.0, "lr": 1e-5, "clip_frac": 0.0, "kl_mean": kl_mean}
 
     def iter_hf_weights(self):
         yield "model.embed_tokens.weight", torch.zeros(2, 2)
@@ -149,10 +179,13 @@ def single_rank_groups():
     )
 
 
-def fake_rollout_trainer(cfg: GTPOConfig, *, groups, policy, engine=None, start_step: int = 0) -> Trainer:
+def fake_rollout_trainer(
+    cfg: GTPOConfig, *, groups, policy, engine=None, start_step: int = 0, reference=None
+) -> Trainer:
     """A ``Trainer`` of ``policy`` whose global rank 0 samples with ``engine`` (default ``FakeEngine()``) and scores
     with ``FakeRewardPool`` on synthetic prompts (``FakeTokenizer``); metrics go to ``cfg.output_dir`` without wandb or
-    a progress bar. ``start_step``: the step a resumed run continues from (the sink drops later records)."""
+    a progress bar. ``start_step``: the step a resumed run continues from (the sink drops later records);
+    ``reference``: the KL reference policy, if any."""
     collector = None
     if groups.rank == 0:
         loader = PromptLoader(load_problems("synthetic", limit=50), batch_size=cfg.rollout.num_prompts, seed=0)
@@ -174,4 +207,6 @@ def fake_rollout_trainer(cfg: GTPOConfig, *, groups, policy, engine=None, start_
         start_step=start_step,
         enabled=groups.rank == 0,
     )
-    return Trainer(cfg, groups=groups, policy=policy, collector=collector, pad_token_id=0, sink=sink)
+    return Trainer(
+        cfg, groups=groups, policy=policy, collector=collector, pad_token_id=0, sink=sink, reference=reference
+    )

@@ -1,27 +1,51 @@
-"""One step's GTPO weights (``algorithm.py``): advantages, entropy filter and conflict weights, by hand."""
+"""One step's GTPO weights (``algorithm.py``): advantages, entropy filter and conflict weights, by hand.
+
+The entropy terms (delta_i, A_i - gamma <H>_i) are applied by ``ops.sequence_terms`` / ``ops.policy_objective``
+(inside the training forward); these tests call ``sequence_terms`` on the same entropies where they check them.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 import torch
 
-from gtpo_megatron.algorithm import compute_step_weights, weight_metrics
+from gtpo_megatron.algorithm import (
+    build_loss_spec,
+    compute_step_weights,
+    conflict_metrics,
+    needs_old_logprob_pass,
+    objective_metrics,
+)
+from gtpo_megatron.config import RolloutConfig
+from gtpo_megatron.ops import sequence_terms
 from gtpo_megatron.rollout.batch import collate_completions
 from tests.helpers.batches import EOS, algorithm_section, conflict_batch, make_group
+
+
+def _spec(cfg, initial_entropy=None):
+    return dataclasses.replace(build_loss_spec(cfg, RolloutConfig()), initial_entropy=initial_entropy)
+
+
+def _weights(batch, rewards, cfg, *, seq_entropy=None, initial_entropy=None):
+    spec = _spec(cfg, initial_entropy)
+    weights = compute_step_weights(batch, rewards, cfg, loss_spec=spec, seq_entropy=seq_entropy)
+    return weights, spec
 
 
 def test_gtpo_weights_hand_computed():
     batch = conflict_batch()
     rewards = torch.tensor([1.0, 1.0, 0.0, 0.0])
     entropy = torch.tensor([0.1, 0.2, 0.3, 0.4])
-    weights = compute_step_weights(batch, rewards, entropy, algorithm_section(), initial_entropy=1.0)
-    # GTPO_SPEC section 2: A = r - mean = +-0.5; section 4: A - 0.1 <H>.
+    weights, spec = _weights(batch, rewards, algorithm_section(), initial_entropy=1.0)
+    # GTPO_SPEC section 2: A = r - mean = +-0.5; section 4: A - 0.1 <H> (applied by the objective).
     assert weights.raw_advantages.tolist() == [0.5, 0.5, -0.5, -0.5]
-    torch.testing.assert_close(weights.advantages, torch.tensor([0.49, 0.48, -0.53, -0.54]))
+    terms = sequence_terms(entropy, weights.raw_advantages, spec, keep_mask=weights.keep_mask)
+    torch.testing.assert_close(terms.advantages, torch.tensor([0.49, 0.48, -0.53, -0.54]))
     # initial entropy 1.0 > ln 2: the paper filter keeps everything.
-    assert weights.keep_mask.all()
+    assert terms.keep_mask.all()
     # Section 3, prefix_suffix, columns = [prompt, prompt, r0, r1, r2, r3]: prefix run = position 0 (token 11);
     # suffix runs aligned at each end: EOS is shared by P+ and P- at the last position; "12" one before it in
     # completions 0 (P+) and 2 (P-) only -> conflict; completion 1's "21" vs P- "32"/"12": no.
@@ -35,39 +59,82 @@ def test_gtpo_weights_hand_computed():
         dtype=torch.float32,
     )
     torch.testing.assert_close(weights.token_weights, expected)
-    metrics = weight_metrics(weights, batch.response_mask)
+    metrics = conflict_metrics(weights, batch.response_mask)
     # positive conflict tokens: 3 + 2 = 5 of 15 response tokens; negative: 3 + 2 = 5.
     assert metrics["gtpo/conflict_frac_pos"] == pytest.approx(5 / 15)
     assert metrics["gtpo/conflict_frac_neg"] == pytest.approx(5 / 15)
-    assert metrics["gtpo/filtered_frac"] == 0.0
 
 
 def test_paper_filter_drops_high_entropy_and_still_defines_conflicts():
     batch = conflict_batch()
     rewards = torch.tensor([1.0, 1.0, 0.0, 0.0])
     entropy = torch.tensor([0.1, 0.9, 0.3, math.log(2)])  # completion 1 above ln 2; completion 3 exactly at ln 2
-    weights = compute_step_weights(batch, rewards, entropy, algorithm_section(), initial_entropy=0.5)
-    assert weights.keep_mask.tolist() == [True, False, True, True]  # ties count as below (section 4)
-    assert weights.token_weights[1].abs().sum() == 0
+    weights, spec = _weights(batch, rewards, algorithm_section(), initial_entropy=0.5)
+    terms = sequence_terms(entropy, weights.raw_advantages, spec, keep_mask=weights.keep_mask)
+    assert terms.keep_mask.tolist() == [True, False, True, True]  # ties count as below (section 4)
     assert weights.token_weights[0, 2].item() == 2.0  # conflicts still use the filtered completion
-    excluded = compute_step_weights(
-        batch, rewards, entropy, algorithm_section(exclude_filtered_from_conflicts=True), initial_entropy=0.5
-    )
+    cfg = algorithm_section(exclude_filtered_from_conflicts=True)
+    with pytest.raises(ValueError, match="need every completion's <H>_i before the update"):
+        _weights(batch, rewards, cfg, initial_entropy=0.5)
+    excluded, _ = _weights(batch, rewards, cfg, seq_entropy=entropy, initial_entropy=0.5)
     # Without completion 1, completion 0 still shares token 11 and "12 EOS" with completion 2.
     assert excluded.token_weights[0].tolist() == [0, 0, 2, 1, 2, 2]
-    assert weight_metrics(weights, batch.response_mask)["gtpo/filtered_frac"] == 0.25
+    assert excluded.token_weights[1].tolist() == [0, 0, 1, 1, 1, 0]  # filtered: in neither P+ nor P-
+
+
+def _sign_example():
+    """The issue-13 example: G=8, rewards [1.5]*7 + [1], every <H>_i = 0.7, [5,6,9,EOS] x7 and [5,6,8,EOS]."""
+    batch = collate_completions([make_group([1], [[5, 6, 9, EOS]] * 7 + [[5, 6, 8, EOS]])], pad_token_id=EOS)
+    return batch, torch.tensor([1.5] * 7 + [1.0]), torch.full((8,), 0.7)
+
+
+def test_conflict_sign_raw_amplifies_a_row_whose_penalised_advantage_is_negative():
+    batch, rewards, entropy = _sign_example()
+    cfg = algorithm_section(group_size=8, entropy_filter="off")
+    weights, spec = _weights(batch, rewards, cfg)
+    terms = sequence_terms(entropy, weights.raw_advantages, spec)
+    assert weights.raw_advantages[0].item() == pytest.approx(0.0625)
+    assert terms.advantages[0].item() == pytest.approx(-0.0075)
+    # P+ = rows 0-6 (A = +0.0625), P- = row 7: shared prefix 5, 6 and the shared EOS are amplified.
+    assert weights.token_weights[0, 1:].tolist() == [2.0, 2.0, 1.0, 2.0]
+    assert weights.token_weights[7, 1:].tolist() == [0.0, 0.0, 1.0, 0.0]
+    assert not needs_old_logprob_pass(cfg, initial_entropy_known=False)
+
+
+def test_conflict_sign_penalized_follows_the_sign_of_the_penalised_advantage():
+    batch, rewards, entropy = _sign_example()
+    cfg = algorithm_section(group_size=8, entropy_filter="off", conflict_sign="penalized")
+    assert needs_old_logprob_pass(cfg, initial_entropy_known=True)  # lambda needs every <H>_i first
+    weights, _ = _weights(batch, rewards, cfg, seq_entropy=entropy)
+    # A - 0.1 * 0.7 < 0 for every row: P+ is empty, so there are no conflicts (section 3).
+    assert weights.token_weights[0, 1:].tolist() == [1.0, 1.0, 1.0, 1.0]
+    assert weights.token_weights[7, 1:].tolist() == [1.0, 1.0, 1.0, 1.0]
+    assert conflict_metrics(weights, batch.response_mask)["gtpo/conflict_frac"] == 0.0
+
+
+def test_conflict_frac_pos_counts_amplified_tokens_with_normalize_by_conflicts():
+    batch = conflict_batch()
+    rewards = torch.tensor([1.0, 1.0, 0.0, 0.0])
+    cfg = algorithm_section(normalize_by_conflicts=True)
+    weights, _ = _weights(batch, rewards, cfg, initial_entropy=1.0)
+    # token weights are divided by max(1, n_i) (row 0: prefix run 1, suffix run 2 -> /2) ...
+    assert weights.token_weights[0, 2:].tolist() == [1.0, 0.5, 1.0, 1.0]
+    # ... but the metrics read the un-normalised lambda: still 5 amplified and 5 zeroed of 15 tokens.
+    metrics = conflict_metrics(weights, batch.response_mask)
+    assert metrics["gtpo/conflict_frac_pos"] == pytest.approx(5 / 15)
+    assert metrics["gtpo/conflict_frac_neg"] == pytest.approx(5 / 15)
 
 
 def test_grpo_preset_gives_std_advantages_and_plain_weights():
     batch = conflict_batch()
     rewards = torch.tensor([1.0, 1.0, 0.0, 0.0])
-    weights = compute_step_weights(
-        batch, rewards, torch.full((4,), 5.0), algorithm_section("grpo"), initial_entropy=None
-    )
+    weights, spec = _weights(batch, rewards, algorithm_section("grpo"))
     std = torch.tensor([1.0, 1.0, 0.0, 0.0], dtype=torch.float64).std()
     torch.testing.assert_close(
-        weights.advantages, (torch.tensor([0.5, 0.5, -0.5, -0.5]) / std).float(), atol=1e-5, rtol=0
+        weights.raw_advantages, (torch.tensor([0.5, 0.5, -0.5, -0.5]) / std).float(), atol=1e-5, rtol=0
     )  # eps=1e-6 in the denominator
+    terms = sequence_terms(torch.full((4,), 5.0), weights.raw_advantages, spec)
+    assert terms.keep_mask.all() and torch.equal(terms.advantages, weights.raw_advantages)  # no filter, no penalty
     torch.testing.assert_close(weights.token_weights, batch.response_mask.float())
 
 
@@ -77,10 +144,51 @@ def test_uniform_group_skip_and_overlong_filter():
     )
     rewards = torch.tensor([1.0, 1.0, 1.0, 0.0])
     cfg = algorithm_section(group_size=2, skip_uniform_groups=True, overlong_filter=True)
-    weights = compute_step_weights(batch, rewards, torch.zeros(4), cfg, initial_entropy=1.0)
+    weights, _ = _weights(batch, rewards, cfg, initial_entropy=1.0)
     assert weights.keep_mask.tolist() == [False, False, True, True]
-    assert weights.token_weights.sum(dim=-1).tolist() == [0.0, 0.0, 2.0, 0.0]  # row 3 truncated
+    assert weights.token_weights.sum(dim=-1).tolist() == [2.0, 2.0, 2.0, 0.0]  # row 3 truncated
     # one uniform-group rule (data.sampling.filter_uniform_groups, atol 1e-6) for this switch and dynamic sampling
     nearly_equal = torch.tensor([1.0, 1.0 + 1e-9, 1.0, 0.0])
-    weights = compute_step_weights(batch, nearly_equal, torch.zeros(4), cfg, initial_entropy=1.0)
+    weights, _ = _weights(batch, nearly_equal, cfg, initial_entropy=1.0)
     assert weights.keep_mask.tolist() == [False, False, True, True]
+
+
+@pytest.mark.parametrize(
+    ("fields", "known", "expected"),
+    [
+        ({}, True, False),  # GTPO after <H>_ini: everything in the training forward
+        ({}, False, True),  # the paper filter measures <H>_ini first
+        ({"entropy_filter": "fixed"}, False, False),
+        ({"num_updates_per_batch": 2}, True, True),  # the ratio needs pi_old
+        ({"exclude_filtered_from_conflicts": True}, True, True),
+        ({"exclude_filtered_from_conflicts": True, "entropy_filter": "off"}, True, False),
+        ({"conflict_sign": "penalized", "entropy_penalty": 0.0}, True, False),  # A - 0 * H = A
+    ],
+)
+def test_needs_old_logprob_pass(fields, known, expected):
+    assert needs_old_logprob_pass(algorithm_section(**fields), initial_entropy_known=known) is expected
+    assert needs_old_logprob_pass(algorithm_section("grpo"), initial_entropy_known=False) is False
+
+
+def test_objective_metrics_name_the_averages():
+    sums = {
+        "seq_entropy_sum": 1.5,
+        "entropy_sum": 8.0,
+        "num_sequences": 3.0,
+        "num_tokens": 16.0,
+        "filtered_sequences": 1.0,
+        "advantage_abs_sum": 0.9,
+        "mismatch_abs_logprob_diff": 0.8,
+        "mismatch_prob_ratio_err": 1.6,
+    }
+    assert objective_metrics(sums) == pytest.approx(
+        {
+            "entropy/completion_mean": 0.5,  # mean over completions of <H>_i
+            "entropy/token_mean": 0.5,  # mean over response tokens
+            "gtpo/filtered_frac": 1 / 3,
+            "advantage/abs_mean": 0.3,
+            "mismatch/abs_logprob_diff": 0.05,
+            "mismatch/prob_ratio_err": 0.1,
+        }
+    )
+    assert "mismatch/abs_logprob_diff" not in objective_metrics({"num_tokens": 1.0})  # loss_temperature 1.0

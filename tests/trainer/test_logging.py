@@ -22,12 +22,12 @@ def _records(tmp_path):
 
 def test_jsonl_one_object_per_step_and_nan_as_null(tmp_path):
     sink = _sink(tmp_path)
-    sink.log(1, {"reward/mean": 0.5, "entropy/mean": math.nan})
-    sink.log(2, {"reward/mean": 1.0, "entropy/mean": 0.3})
+    sink.log(1, {"reward/mean": 0.5, "entropy/completion_mean": math.nan})
+    sink.log(2, {"reward/mean": 1.0, "entropy/completion_mean": 0.3})
     sink.close()
     assert _records(tmp_path) == [
-        {"step": 1, "reward/mean": 0.5, "entropy/mean": None},
-        {"step": 2, "reward/mean": 1.0, "entropy/mean": 0.3},
+        {"step": 1, "reward/mean": 0.5, "entropy/completion_mean": None},
+        {"step": 2, "reward/mean": 1.0, "entropy/completion_mean": 0.3},
     ]
 
 
@@ -65,7 +65,7 @@ def test_wandb_offline_writes_local_run_and_env_wins(tmp_path, monkeypatch):
 def test_plot_curves_writes_png(tmp_path):
     sink = _sink(tmp_path)
     for step in range(1, 4):
-        sink.log(step, {"reward/mean": step / 3, "accuracy": step / 4, "entropy/mean": 1.0 / step})
+        sink.log(step, {"reward/mean": step / 3, "accuracy": step / 4, "entropy/completion_mean": 1.0 / step})
     sink.close()
     plot_curves(tmp_path / "metrics.jsonl", tmp_path / "curves.png")
     data = (tmp_path / "curves.png").read_bytes()
@@ -81,3 +81,5 @@ def test_plot_curves_rejects_empty_file(tmp_path):
 def test_step_line_lists_known_keys_in_order():
     line = format_step_line(3, {"accuracy": 0.5, "reward/mean": 1.25, "other": 9.0})
     assert line == "step 3: reward/mean=1.25 accuracy=0.5"
+    line = format_step_line(1, {"entropy/completion_mean": 0.5, "entropy/token_mean": 0.7, "format_rate": 0.25})
+    assert line == "step 1: format_rate=0.25 entropy/completion_mean=0.5"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 
@@ -11,13 +12,24 @@ import torch
 import torch.distributed as dist
 
 from gtpo_megatron.config import load_config
+from gtpo_megatron.logging import format_step_line
 from gtpo_megatron.run_dir import list_checkpoints
-from tests.trainer.fakes import FakeEngine, FakePolicy, FakeRewardPool, fake_rollout_trainer, single_rank_groups
+from tests.trainer.fakes import (
+    FakeEngine,
+    FakePolicy,
+    FakeRewardPool,
+    FakeTokenizer,
+    fake_rollout_trainer,
+    single_rank_groups,
+)
 
 CONTRACT_KEYS = {
     "reward/mean",
     "accuracy",
-    "entropy/mean",
+    "entropy/completion_mean",
+    "entropy/token_mean",
+    "entropy/initial",
+    "advantage/abs_mean",
     "gtpo/filtered_frac",
     "gtpo/conflict_frac",
     "time/step_s",
@@ -30,6 +42,7 @@ CONTRACT_KEYS = {
     "train/grad_norm",
     "train/lr",
     "time/rollout_s",
+    "time/old_logprob_s",
     "time/train_s",
     "time/sync_s",
     "perf/tokens_per_s",
@@ -49,7 +62,7 @@ def one_rank_world():
     dist.destroy_process_group()
 
 
-def _trainer(tmp_path, *overrides, engine=None, policy=None):
+def _trainer(tmp_path, *overrides, engine=None, policy=None, reference=None):
     cfg = load_config(
         None,
         [
@@ -67,7 +80,12 @@ def _trainer(tmp_path, *overrides, engine=None, policy=None):
     )
     start = max([int(p.name[5:]) for p in list_checkpoints(tmp_path / "checkpoints")] + [0]) if cfg.resume else 0
     return fake_rollout_trainer(
-        cfg, groups=single_rank_groups(), policy=policy or FakePolicy(), engine=engine, start_step=start
+        cfg,
+        groups=single_rank_groups(),
+        policy=policy or FakePolicy(),
+        engine=engine,
+        start_step=start,
+        reference=reference,
     )
 
 
@@ -75,16 +93,20 @@ def test_step_phases_feed_the_policy_and_engine(tmp_path):
     trainer = _trainer(tmp_path)
     metrics = trainer.step(1)
     assert CONTRACT_KEYS <= set(metrics)
-    batch, loss = trainer.policy.train_batches[0]
+    batch, loss, terms = trainer.policy.train_batches[0]
     # Completion texts alternate "9" (reward 1) / "0" (0): group_mean advantages +-0.5 minus 0.1 * <H>_i with
-    # <H>_i = 0.25 * (row % 4) from the fake policy (GTPO_SPEC sections 2 and 4).
+    # <H>_i = 0.25 * (row % 4) from the fake policy (GTPO_SPEC sections 2 and 4); the loss subtracts the penalty.
     entropy = 0.25 * (torch.arange(8) % 4).float()
-    expected = torch.tensor([0.5, -0.5, 0.5, -0.5] * 2) - 0.1 * entropy
-    torch.testing.assert_close(batch.advantages, expected)
+    torch.testing.assert_close(batch.advantages, torch.tensor([0.5, -0.5, 0.5, -0.5] * 2))
+    torch.testing.assert_close(terms.advantages, torch.tensor([0.5, -0.5, 0.5, -0.5] * 2) - 0.1 * entropy)
     assert trainer.initial_entropy == pytest.approx(float(entropy.mean()))  # 0.375 <= ln 2: the filter is active
+    assert loss.initial_entropy == trainer.initial_entropy and loss.entropy_temperature == 1.0
     assert batch.old_logprobs is None and loss.loss_name == "gtpo" and loss.temperature == 0.9
     assert metrics["accuracy"] == 0.5 and metrics["reward/mean"] == 0.5
     assert metrics["gtpo/filtered_frac"] == pytest.approx(2 / 8)  # rows with <H> = 0.75 > ln 2
+    assert metrics["entropy/completion_mean"] == pytest.approx(0.375)
+    assert metrics["advantage/abs_mean"] == pytest.approx(float((terms.advantages.abs()).mean()))
+    assert metrics["time/old_logprob_s"] > 0  # step 1 of the paper filter measures <H>_ini first
     assert metrics["mismatch/abs_logprob_diff"] == pytest.approx(0.25)  # |-1 - (-1)| and |-1 - (-0.5)|
     assert trainer.collector.engine.events == ["sleep", "wake_up", "synced"]
     assert trainer.collector.engine.pushed == [["model.embed_tokens.weight", "lm_head.weight"]]
@@ -140,7 +162,7 @@ def test_dynamic_sampling_resamples_until_groups_vary(tmp_path):
     assert metrics["rollout/num_rounds"] == 2.0
     seeds = [call[2].seed for call in trainer.collector.engine.calls]
     assert seeds == [1000, 1001]
-    batch, loss = trainer.policy.train_batches[0]
+    batch, loss, _ = trainer.policy.train_batches[0]
     assert batch.advantages.abs().min() > 0  # both chosen groups come from the varied second round
     assert loss.aggregation == "token-mean" and loss.clip_eps_high == 0.28
 
@@ -152,9 +174,9 @@ class _RecordingEngine(FakeEngine):
 
 
 class _RecordingPolicy(FakePolicy):
-    def compute_logprobs(self, batch, *, temperature=1.0):
+    def compute_logprobs(self, batch, *, temperature=1.0, entropy_temperature=None):
         self.events.append("compute_logprobs")
-        return super().compute_logprobs(batch, temperature=temperature)
+        return super().compute_logprobs(batch, temperature=temperature, entropy_temperature=entropy_temperature)
 
     def train_step(self, batch, loss):
         self.events.append("train_step")
@@ -168,18 +190,11 @@ def test_train_state_is_offloaded_around_the_rollout(tmp_path, monkeypatch):
     trainer = _trainer(tmp_path, "rollout.offload_train_state=true", engine=engine, policy=policy)
     trainer.step(1)
     trainer.step(2)
-    one_step = [
-        "offload_train_state",
-        "generate",
-        "sleep",
-        "restore_train_state",
-        "compute_logprobs",
-        "compute_logprobs",
-        "train_step",
-        "wake_up",
-        "synced",
-    ]  # entropy at temperature 1 != 0.9: 2 passes
-    assert engine.events == one_step * 2
+    rollout = ["offload_train_state", "generate", "sleep", "restore_train_state"]
+    update = ["train_step", "wake_up", "synced"]
+    # Step 1 of the paper filter measures <H>_ini in one pass before the update (log-probs at T=0.9 and entropy at
+    # T=1 from one forward); step 2 needs no pass before the update.
+    assert engine.events == rollout + ["compute_logprobs"] + update + rollout + update
 
 
 def test_train_state_offload_is_off_by_default_and_warns_without_cuda(tmp_path, monkeypatch, caplog):
@@ -212,3 +227,101 @@ def test_grader_failures_above_reward_max_error_frac_stop_the_step(tmp_path, max
             trainer.step(1)
     else:
         assert trainer.step(1)["reward/num_timeouts"] == 3
+
+
+def test_no_pass_before_the_update_once_initial_entropy_is_known(tmp_path):
+    policy = _RecordingPolicy()
+    trainer = _trainer(tmp_path, "algorithm.initial_entropy_steps=2", policy=policy)
+    first, second, third = trainer.step(1), trainer.step(2), trainer.step(3)
+    # Steps 1-2 measure <H>_ini (one pass each, before the update), step 3 computes everything in its forward.
+    assert policy.events == ["compute_logprobs", "train_step"] * 2 + ["train_step"]
+    assert first["time/old_logprob_s"] > 0 and second["time/old_logprob_s"] > 0 and third["time/old_logprob_s"] == 0
+    assert trainer.initial_entropy_steps == 2 and trainer.initial_entropy == pytest.approx(0.375)
+    # the pass before the update feeds <H>_i to the loss; without it the loss measures <H>_i itself
+    assert policy.train_batches[0][0].seq_entropy is not None and policy.train_batches[2][0].seq_entropy is None
+    assert third["gtpo/filtered_frac"] == first["gtpo/filtered_frac"] == pytest.approx(2 / 8)
+    assert third["entropy/completion_mean"] == first["entropy/completion_mean"]
+
+
+def test_grpo_has_no_pass_before_the_update(tmp_path):
+    policy = _RecordingPolicy()
+    metrics = _trainer(tmp_path, "algorithm=grpo", policy=policy).step(1)
+    assert policy.events == ["train_step"] and metrics["time/old_logprob_s"] == 0.0
+    assert metrics["gtpo/filtered_frac"] == 0.0 and "entropy/initial" not in metrics
+
+
+class _ShiftedReference(_RecordingPolicy):
+    """A reference whose log-probs are 0.5 nats below the fake policy's."""
+
+    def compute_logprobs(self, batch, *, temperature=1.0, entropy_temperature=None):
+        logprobs, entropy = super().compute_logprobs(batch, temperature=temperature)
+        self.temperatures = (temperature, entropy_temperature)
+        return logprobs - 0.5 * batch.response_mask, entropy
+
+
+def test_kl_term_gets_reference_logprobs(tmp_path):
+    with pytest.raises(ValueError, match="needs a reference policy exactly when it is > 0"):
+        _trainer(tmp_path, "algorithm=grpo", "algorithm.kl_coef=1e-6")
+    reference, policy = _ShiftedReference(), _RecordingPolicy()
+    trainer = _trainer(tmp_path, "algorithm=grpo", "algorithm.kl_coef=1e-6", policy=policy, reference=reference)
+    metrics = trainer.step(1)
+    batch, loss, _ = policy.train_batches[0]
+    assert reference.events == ["compute_logprobs"] and policy.events == ["train_step"]
+    assert reference.temperatures == (0.9, None) and loss.kl_coef == 1e-6  # log-probs at the loss temperature
+    torch.testing.assert_close(batch.ref_logprobs, torch.where(batch.response_mask, -1.5, 0.0))
+    # k3 with log pi_ref - log pi = -0.5: exp(-0.5) + 0.5 - 1 per token (ops.losses)
+    assert metrics["train/kl_mean"] == pytest.approx(math.exp(-0.5) - 0.5, rel=1e-6)
+    assert metrics["time/ref_logprob_s"] > 0
+
+
+def test_resume_refuses_to_measure_initial_entropy_on_a_trained_policy(tmp_path):
+    _trainer(tmp_path, "trainer.max_steps=2", "algorithm.entropy_filter=fixed").run()
+    resumed = _trainer(tmp_path, "resume=true")  # the paper filter, but the checkpoint has no <H>_ini
+    with pytest.raises(ValueError, match=r"holds <H>_ini measured over 0 of the first.*trained policy"):
+        resumed.run()
+    # a run that measured <H>_ini over its first step resumes with it
+    _trainer(tmp_path / "paper", "trainer.max_steps=2").run()
+    resumed = _trainer(tmp_path / "paper", "resume=true")
+    resumed.run()
+    assert resumed.initial_entropy == pytest.approx(0.375) and resumed.initial_entropy_steps == 1
+    # measuring over 3 steps: a checkpoint at step 2 (2 of 3 measured) resumes and measures step 3 as the
+    # uninterrupted run would; asking for more steps than the checkpoint measured after them is refused
+    _trainer(tmp_path / "three", "trainer.max_steps=2", "algorithm.initial_entropy_steps=3").run()
+    resumed = _trainer(tmp_path / "three", "resume=true", "algorithm.initial_entropy_steps=3")
+    resumed.run()
+    assert resumed.initial_entropy_steps == 3
+    with pytest.raises(ValueError, match="measured over 3 of the first algorithm.initial_entropy_steps=5"):
+        _trainer(tmp_path / "three", "resume=true", "trainer.max_steps=6", "algorithm.initial_entropy_steps=5").run()
+
+
+class _RecordingTokenizer(FakeTokenizer):
+    def __init__(self):
+        self.texts = []
+
+    def __call__(self, text, add_special_tokens=True):
+        self.texts.append(text)
+        return super().__call__(text, add_special_tokens=add_special_tokens)
+
+
+def test_collector_prompts_use_the_configured_system_prompt(tmp_path):
+    from gtpo_megatron.data import SYSTEM_PROMPTS
+
+    trainer = _trainer(tmp_path)
+    trainer.collector.tokenizer = tokenizer = _RecordingTokenizer()
+    trainer.collector.system_prompt = SYSTEM_PROMPTS["authors"]
+    trainer.step(1)
+    assert tokenizer.texts and all(t.startswith(SYSTEM_PROMPTS["authors"]) for t in tokenizer.texts)
+
+
+def test_every_metric_consumer_reads_names_the_step_writes(tmp_path):
+    """The renamed metrics (entropy/completion_mean, entropy/token_mean, ...) reach every consumer under one name."""
+    from gtpo_megatron import logging as gtpo_logging
+    from gtpo_megatron.evaluation.compare import METRICS
+
+    metrics = _trainer(tmp_path).step(1)
+    consumers = {k for k, _ in gtpo_logging.PROGRESS_KEYS} | {k for k, _ in gtpo_logging.CURVES}
+    consumers |= {k for k, _ in METRICS}
+    assert consumers <= set(metrics), consumers - set(metrics)
+    assert "entropy/mean" not in metrics and "train/entropy_mean" not in metrics  # the old, ambiguous names
+    line = format_step_line(1, metrics)
+    assert "entropy/completion_mean=0.375" in line and "gtpo/filtered_frac=0.25" in line
