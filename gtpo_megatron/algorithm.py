@@ -53,15 +53,18 @@ def compute_step_weights(
     cfg: AlgorithmConfig,
     *,
     initial_entropy: float | None,
+    scores: torch.Tensor,
 ) -> StepWeights:
     """Advantages, the entropy filter and conflict weights of the full batch (GTPO_SPEC sections 2-4).
 
     Args:
         batch: the full (unsharded) step batch from ``collate_completions``.
-        rewards: ``[B]`` shaped rewards.
+        rewards: ``[B]`` shaped rewards (task score plus the overlong penalty): the advantages use them.
         seq_entropy: ``[B]`` per-completion mean entropy <H>_i in nats (global, gathered over data-parallel ranks).
         cfg: algorithm section.
         initial_entropy: <H>_ini for the ``paper`` filter (None for the other modes).
+        scores: ``[B]`` task scores: ``skip_uniform_groups`` decides on them, like every variance decision (a group
+            whose answers all score the same is uniform even when the overlong penalty spreads its rewards).
     """
     group_size = cfg.group_size
     raw_B = compute_group_advantages(rewards, group_size, estimator=cfg.advantage_estimator)
@@ -74,7 +77,7 @@ def compute_step_weights(
         only_negative=cfg.entropy_only_negative,
     )
     if cfg.skip_uniform_groups:
-        keep_B = keep_B & filter_uniform_groups(rewards, group_size).repeat_interleave(group_size)
+        keep_B = keep_B & filter_uniform_groups(scores, group_size).repeat_interleave(group_size)
     conflict_adv_B = raw_B * keep_B if cfg.exclude_filtered_from_conflicts else raw_B
     ids, mask = batch.input_ids, batch.response_mask
     if cfg.conflict_mode == "off":

@@ -1,16 +1,19 @@
 """The GTPO training loop: orchestration only (the math is in ``ops`` and ``algorithm``, the model behind ``Policy``).
 
-A step, as ``Trainer.step`` reads: rollout (rank 0 samples and scores, then broadcasts) -> old-logprob pass
-(each data-parallel rank on its rows) -> advantages, entropy filter and conflict weights on the full batch
-(GTPO_SPEC sections 2-4) -> train (``policy.train_step``) -> weight sync into the engine -> metrics. ``run``
-adds logging and checkpoints (every ``checkpoint.every_n_steps``, after the last step and on SIGTERM).
+A step, as ``Trainer.step`` reads: rollout (every engine leader samples and scores its share, then every rank
+gets the whole step) -> old-logprob pass (each data-parallel rank on its rows) -> advantages, entropy filter and
+conflict weights on the full batch (GTPO_SPEC sections 2-4) -> train (``policy.train_step``) -> weight sync into
+the engines -> metrics. ``run`` adds logging and checkpoints (every ``checkpoint.every_n_steps``, after the last
+step and on SIGTERM).
 
-Ranks: global rank 0 owns the rollout engine and the reward pool (``RolloutCollector``); every rank receives the
-whole step's completions, builds the same full batch and keeps its data-parallel share (``parallel.row_shard``).
-Collectives per step, all through ``parallel.collectives``: one object broadcast (world), one all-gather of the
-sequence entropies (dp), one global mean for <H>_ini on the first step of the ``paper`` filter (dp), one all-reduce
-of the mismatch sums (dp), the policy's own, the weight gather (model-parallel group of dp replica 0) and one MAX
-all-reduce of the stop flag (world); a save adds two barriers (world).
+Ranks: each engine leader owns an engine and a reward pool (``RolloutCollector``; global rank 0 always leads one);
+every rank receives the whole step's completions, builds the same full batch and keeps its data-parallel share
+(``parallel.row_shard``). Collectives per step, all through ``parallel.collectives``: the rollout exchange (world:
+one all-reduce per dynamic-sampling round and one of the packed step, ``rollout.collector.collect_step``), one
+all-gather of the sequence entropies (dp), one global mean for <H>_ini on the first step of the ``paper`` filter
+(dp), one all-reduce of the mismatch sums (dp), the policy's own, the weight gather (model-parallel group of dp
+replica 0) and its push to the engines (``rollout.push``: the weight group's broadcasts), and one MAX all-reduce of
+the stop flag (world); a save adds two barriers (world).
 """
 
 from __future__ import annotations
@@ -34,14 +37,13 @@ from gtpo_megatron.parallel import (
     all_gather_rows,
     any_rank,
     barrier,
-    broadcast_object,
     global_mean,
     reduce_metric_sums,
     row_shard,
 )
 from gtpo_megatron.rollout.batch import collate_completions, mismatch_sums, rollout_metrics
-from gtpo_megatron.rollout.collector import RolloutCollector, StepRollout
-from gtpo_megatron.rollout.push import push_weights
+from gtpo_megatron.rollout.collector import RolloutCollector, StepRollout, collect_step
+from gtpo_megatron.rollout.push import CollectiveWeightSync, FilesWeightSync
 from gtpo_megatron.rollout.types import TrainBatch
 
 if TYPE_CHECKING:
@@ -72,9 +74,12 @@ class Trainer:
         cfg: the resolved run config (validated for this world size).
         groups: this process's ``ParallelGroups``.
         policy: the trained model (``Policy``; ``MegatronPolicy`` in production).
-        collector: the rank-0 ``RolloutCollector``; None on other ranks.
+        collector: this rank's ``RolloutCollector`` when it leads an engine; None on other ranks.
         pad_token_id: padding id of the batches.
         sink: the metric sink (enabled on rank 0 only).
+        num_engines: engines sharing each step (``plan.engines``).
+        weight_sync: this rank's part of the weight push (``rollout.push``); default: the ``files`` path into the
+            collector's engine.
     """
 
     def __init__(
@@ -86,6 +91,8 @@ class Trainer:
         collector: RolloutCollector | None,
         pad_token_id: int,
         sink: MetricSink,
+        num_engines: int = 1,
+        weight_sync: CollectiveWeightSync | FilesWeightSync | None = None,
     ) -> None:
         self.cfg = cfg
         self.groups = groups
@@ -100,6 +107,12 @@ class Trainer:
         self._dp_group = groups.dp if groups.dp_size > 1 else None
         self._world = dist.group.WORLD
         self._stop_requested = False
+        self.num_engines = num_engines
+        self.weight_sync = weight_sync or FilesWeightSync(
+            engine=collector.engine if collector is not None else None,
+            exporting=groups.dp_rank == 0,
+            bucket_bytes=cfg.rollout.weight_sync_bucket_mb * 2**20,
+        )
         self._offload_enabled = cfg.rollout.offload_train_state and _cuda_available()
         if cfg.rollout.offload_train_state and not self._offload_enabled:
             logger.warning(
@@ -129,6 +142,7 @@ class Trainer:
                     seq_entropy,
                     self.cfg.algorithm,
                     initial_entropy=self.initial_entropy,
+                    scores=torch.tensor(rollout.scores),
                 )
                 train_batch = self._train_batch(local, weights, rows, old_logprobs)
             with timer.phase("train"):
@@ -144,19 +158,23 @@ class Trainer:
         return metrics
 
     def _rollout(self, step: int) -> StepRollout:
-        """Rank 0 samples and scores (engine sleeps afterwards when colocated); every rank gets the result.
+        """Engine leaders sample and score (engines sleep afterwards when colocated); every rank gets the result.
 
         With ``rollout.offload_train_state`` (CUDA) every rank's gradient buffers and optimizer states leave the
         GPU for the duration (the previous ``train_step`` consumed the gradients) and are back before it returns.
         """
-        rollout = None
         if self._offload_enabled:
             self.policy.offload_train_state()
-        if self.collector is not None:
-            rollout = self.collector.collect(step)
-            if self.cfg.rollout.placement == "colocated":
-                self.collector.engine.sleep()
-        rollout = broadcast_object(rollout, src=0, group=self._world)
+        rollout = collect_step(
+            self.collector,
+            step,
+            rollout_cfg=self.cfg.rollout,
+            algorithm_cfg=self.cfg.algorithm,
+            num_engines=self.num_engines,
+            group=self._world,
+        )
+        if self.collector is not None and self.cfg.rollout.placement == "colocated":
+            self.collector.engine.sleep()
         if self._offload_enabled:
             self.policy.restore_train_state()
         return rollout
@@ -192,17 +210,10 @@ class Trainer:
         return metrics
 
     def _sync_weights(self) -> dict[str, float]:
-        """Stream the new weights into the engine (rank 0); the other ranks of replica 0 drive the gather."""
+        """Stream the new weights into every engine (``rollout.push``); replica 0's ranks drive the gather."""
         if self.collector is not None:
             self.collector.engine.wake_up()
-            bucket_bytes = self.cfg.rollout.weight_sync_bucket_mb * 2**20
-            return push_weights(
-                self.collector.engine, self.policy.iter_hf_weights(), bucket_bytes=bucket_bytes
-            ).as_metrics()
-        if self.groups.dp_rank == 0:
-            for _ in self.policy.iter_hf_weights():
-                pass
-        return {}
+        return self.weight_sync.sync(self.policy.iter_hf_weights)
 
     def _step_metrics(
         self,

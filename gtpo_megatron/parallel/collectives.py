@@ -12,12 +12,15 @@ unmodified; the collectives are not differentiable and are listed per function.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from gtpo_megatron.ops.losses import compute_normalizer
+
+if TYPE_CHECKING:
+    from gtpo_megatron.parallel.weight_group import WeightGroup
 
 
 def _group_device(group: dist.ProcessGroup) -> torch.device:
@@ -165,3 +168,21 @@ def reduce_metric_sums(
     stacked = torch.stack([metrics[k].detach().float().reshape(()) for k in keys])
     summed = all_reduce_sum(stacked, group=group)
     return {k: summed[i] for i, k in enumerate(keys)}
+
+
+def broadcast_buffer(buffer: torch.Tensor, *, root: int, group: WeightGroup) -> None:
+    """Broadcast ``buffer`` in place from member ``root`` of a weight group (``parallel/weight_group.py``).
+
+    The one exception to "inputs are not modified": receivers pass the buffer to fill, which must be contiguous and
+    on ``group.device``; on ``root`` it is read only.
+
+    Collectives: one broadcast on ``group.pg`` with the group's timeout.
+
+    Raises:
+        RuntimeError: a member died or did not take part within ``group.timeout_s`` (the group is then unusable).
+    """
+    options = dist.BroadcastOptions()
+    options.rootRank = root
+    options.rootTensor = 0
+    options.timeout = group.timeout
+    group.pg.broadcast([buffer], options).wait()

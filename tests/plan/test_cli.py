@@ -155,3 +155,23 @@ def test_yaml_syntax_error_exits_2(tmp_path) -> None:
     bad.write_text("model:\n  name_or_path: x\n  bad: [1, 2\noutput_dir: y\n")
     status, text = run(["--config", str(bad), "--gpus", "8"])
     assert status == 2 and "invalid YAML at line 4" in text
+
+
+def test_many_engines_and_the_sync_path_of_the_70b_recipe() -> None:
+    path = CONFIGS / "llama3.1-70b_gsm8k_gtpo_64gpu.yaml"
+    status, text = run(["--config", str(path), "--gpus", "64", "--gpu-mem", "80"])
+    assert status == 0, text
+    assert "vLLM 8 x engine tp 8 (colocated)" in text
+    # 64 prompts over 8 engines: 8 whole groups of 8 sequences each; KV 40 KiB/token/GPU * 2012 tokens * 64
+    assert "64 rollout sequences per engine need 4.91 GiB" in text
+    # 70.55e9 parameters * 2 bytes (bfloat16) * 8 bits / 400e9 bit/s = 2.82 s
+    assert (
+        "weight sync (collective: buckets broadcast from rank 0 to the 64 engine workers, pipelined, so about one "
+        "pass over the slowest link): 141.1 GB (bfloat16) per sync, 2.82 s at 400 Gbit/s (--sync-bandwidth-gbps)"
+    ) in text
+    status, text = run(["--config", str(path), "--gpus", "64", "rollout.num_engines=1", "rollout.weight_sync=files"])
+    assert "vLLM 1 x engine tp 8" in text and "512 rollout sequences per engine" in text
+    # the files path writes and reads every byte once: 2 * 141.1 GB at 16 Gbit/s = 141.1 s
+    assert "weight sync (files: " in text and "141.11 s assuming 16 Gbit/s for each pass" in text
+    status, text = run(["--config", str(path), "--gpus", "64", "rollout.num_engines=3"])
+    assert status == 2 and "rollout.num_engines=3 x rollout.engine_tp_size=8 = 24 GPUs must divide" in text

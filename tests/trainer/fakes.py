@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -34,9 +35,11 @@ class FakeEngine:
         self.uniform_rounds = uniform_rounds
         self.pushed: list[list[str]] = []
         self.events: list[str] = []
+        self.prompt_indices: list[list[int] | None] = []
 
-    def generate(self, prompt_ids, n, sampling):
+    def generate(self, prompt_ids, n, sampling, prompt_indices=None):
         self.calls.append(([list(p) for p in prompt_ids], n, sampling))
+        self.prompt_indices.append(list(prompt_indices) if prompt_indices is not None else None)
         uniform = len(self.calls) <= self.uniform_rounds
         return [
             PromptCompletions(
@@ -140,3 +143,35 @@ def single_rank_groups():
         pp=None,
         mp=None,
     )
+
+
+class SeededFakeEngine(FakeEngine):
+    """Completions that depend only on (call seed, GLOBAL prompt index, sample), like ``VLLMEngine``'s seeds.
+
+    Sample j of the prompt at global index i: 1 to ``max_tokens`` tokens (the last one EOS unless it hit the limit),
+    text ``"9"`` or ``"0"``; with ``uniform_scores`` every text is ``"0"`` (all answers equally wrong) while the
+    lengths still differ.
+    """
+
+    def __init__(self, uniform_scores: bool = False):
+        super().__init__()
+        self.uniform_scores = uniform_scores
+
+    def generate(self, prompt_ids, n, sampling, prompt_indices=None):
+        self.calls.append(([list(p) for p in prompt_ids], n, sampling))
+        indices = list(prompt_indices) if prompt_indices is not None else list(range(len(prompt_ids)))
+        self.prompt_indices.append(indices)
+        return [
+            PromptCompletions(prompt_ids=list(p), completions=[self._sample(sampling, i, j) for j in range(n)])
+            for p, i in zip(prompt_ids, indices)
+        ]
+
+    def _sample(self, sampling, index, sample):
+        rng = random.Random(f"{sampling.seed}/{index}/{sample}")
+        length = rng.randint(1, sampling.max_tokens)
+        tokens = [rng.randint(3, 99) for _ in range(length)]
+        finish = "length" if length == sampling.max_tokens else "stop"
+        if finish == "stop":
+            tokens[-1] = EOS
+        text = "0" if self.uniform_scores else rng.choice("90")
+        return Completion(tokens, [-rng.random() for _ in tokens], text, finish)

@@ -1,0 +1,143 @@
+"""The collective weight path over a real gloo weight group: the bucket protocol, the sync roles, timeouts.
+
+Members are threads of this process (gloo process groups built directly from a store, ``parallel/weight_group.py``,
+need no default group and no spawn), so these tests take well under a second each; the real engines' side is in
+``tests/integration/test_collective_sync.py``.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from gtpo_megatron.parallel.weight_group import WeightGroupSpec, join_weight_group, open_weight_store
+from gtpo_megatron.plan.engines import EnginePlacement
+from gtpo_megatron.rollout.engine_guard import GuardedEngine
+from gtpo_megatron.rollout.push import CollectiveWeightSync, connect_weight_group
+from gtpo_megatron.rollout.weight_wire import WireStats, receive_weights, send_weights
+
+pytestmark = pytest.mark.distributed
+
+
+def _groups(world_size: int, timeout_s: float = 10.0):
+    """``world_size`` joined members (rank 0 first), each joined from its own thread."""
+    store = open_weight_store("127.0.0.1", world_size=world_size, timeout_s=timeout_s)
+    spec = WeightGroupSpec(host="127.0.0.1", port=store.port, world_size=world_size, backend="gloo",
+                           timeout_s=timeout_s)  # fmt: skip
+    with ThreadPoolExecutor(world_size) as pool:
+        futures = [pool.submit(join_weight_group, spec, rank=r, store=store if r == 0 else None)
+                   for r in range(world_size)]  # fmt: skip
+        return [f.result() for f in futures]
+
+
+def _stream():
+    gen = torch.Generator().manual_seed(0)
+    shapes = {"a.weight": (3, 5), "b.bias": (7,), "c.weight": (40, 10), "d.weight": (2, 2), "e.norm": (1,)}
+    return [(name, torch.randn(shape, generator=gen)) for name, shape in shapes.items()]
+
+
+def _collect(group, stats):
+    return [(name, tensor.clone()) for name, tensor in receive_weights(group, stats)]
+
+
+def test_buckets_reach_every_worker_cast_to_the_engine_dtype():
+    sender, *workers = _groups(3)
+    stream = _stream()
+    with ThreadPoolExecutor(2) as pool:
+        stats = [WireStats(), WireStats()]
+        received = [pool.submit(_collect, group, s) for group, s in zip(workers, stats)]
+        # 64-byte buckets in bfloat16 (2 bytes a value): [a (30 B), b (14 B)] | c (800 B) alone | [d (8 B), e (2 B)]
+        sent = send_weights(iter(stream), group=sender, bucket_bytes=64, dtype=torch.bfloat16)
+        got = [f.result() for f in received]
+    assert (sent.num_tensors, sent.num_bytes) == (5, 2 * (15 + 7 + 400 + 4 + 1))
+    assert (sent.num_buckets, sent.max_bucket_bytes) == (3, 800)
+    for worker, s in zip(got, stats):
+        assert [name for name, _ in worker] == [name for name, _ in stream]
+        for (_, tensor), (_, original) in zip(worker, stream):
+            assert tensor.dtype == torch.bfloat16 and tensor.shape == original.shape
+            assert torch.equal(tensor, original.to(torch.bfloat16))
+        assert (s.num_tensors, s.num_bytes, s.num_buckets) == (sent.num_tensors, sent.num_bytes, sent.num_buckets)
+
+
+def test_bucket_boundaries_follow_the_byte_budget():
+    sender, worker = _groups(2)
+    sizes = [(f"t{i}", torch.ones(n)) for i, n in enumerate([10, 10, 10, 30, 5])]  # fp32: 40, 40, 40, 120, 20 bytes
+    with ThreadPoolExecutor(1) as pool:
+        stats = WireStats()
+        received = pool.submit(_collect, worker, stats)
+        sent = send_weights(iter(sizes), group=sender, bucket_bytes=100, dtype=torch.float32)
+        assert [name for name, _ in received.result()] == ["t0", "t1", "t2", "t3", "t4"]
+    # [t0, t1] = 80 | t2 = 40 (t3 would pass 100) | t3 = 120 alone | t4 = 20
+    assert (sent.num_buckets, sent.max_bucket_bytes, stats.num_buckets) == (4, 120, 4)
+
+
+def test_a_silent_sender_fails_the_workers_within_the_timeout():
+    """The sender stops after one bucket (its stream raised): the worker's next receive times out instead of
+    waiting forever."""
+    sender, worker = _groups(2, timeout_s=1.0)
+
+    def broken():
+        yield "a", torch.ones(4)
+        raise RuntimeError("trainer failed while gathering")
+
+    with ThreadPoolExecutor(1) as pool:
+        received = pool.submit(_collect, worker, None)
+        with pytest.raises(RuntimeError, match="trainer failed while gathering"):
+            send_weights(broken(), group=sender, bucket_bytes=8, dtype=torch.float32)
+        start = time.perf_counter()
+        with pytest.raises(RuntimeError):
+            received.result()
+        assert time.perf_counter() - start < 5
+
+
+def test_a_member_that_never_joins_fails_the_rendezvous():
+    store = open_weight_store("127.0.0.1", world_size=2, timeout_s=1.0)
+    spec = WeightGroupSpec(host="127.0.0.1", port=store.port, world_size=2, backend="gloo", timeout_s=1.0)
+    start = time.perf_counter()
+    with pytest.raises(RuntimeError):
+        join_weight_group(spec, rank=0, store=store)
+    assert time.perf_counter() - start < 10
+    with pytest.raises(ValueError, match="weight group rank 2 outside"):
+        join_weight_group(spec, rank=2, store=store)
+
+
+class _WireEngine:
+    """Stands in for an engine whose single worker is member ``rank_offset`` of the weight group."""
+
+    def __init__(self):
+        self.group, self.received, self.fail = None, [], False
+
+    def join_weight_group(self, spec, rank_offset):
+        self.group = join_weight_group(WeightGroupSpec(**spec), rank=rank_offset)
+
+    def receive_weights(self):
+        for name, tensor in receive_weights(self.group):
+            if self.fail:
+                raise RuntimeError("worker crashed while loading")
+            self.received.append((name, tensor.clone()))
+        return [{"num_tensors": len(self.received)}]
+
+    def generate(self, prompt_ids, n, sampling, prompt_indices=None):
+        return []
+
+
+def test_collective_sync_roles_and_a_failed_update_leaves_the_engine_unusable():
+    engine = _WireEngine()
+    placement = EnginePlacement(index=0, num_engines=1, leader_rank=0, ranks=(0,), devices=())
+    guarded = GuardedEngine(engine, placement=placement, timeout_s=2.0)
+    group = connect_weight_group(engine=guarded, rank_offset=1, num_workers=1, backend="gloo", timeout_s=1.0,
+                                 world=None, is_sender=True)  # fmt: skip
+    sync = CollectiveWeightSync(engine=guarded, group=group, exporting=True, bucket_bytes=64, dtype=torch.float32)
+    metrics = sync.sync(lambda: iter(_stream()))
+    assert [name for name, _ in engine.received] == [name for name, _ in _stream()]
+    assert metrics["sync/num_tensors"] == 5 and metrics["sync/megabytes"] == 4 * 427 / 2**20
+    assert metrics["sync/gbytes_per_s"] > 0 and metrics["time/sync_s"] >= metrics["sync/broadcast_s"] > 0
+    engine.fail, engine.received = True, []
+    with pytest.raises(RuntimeError, match=r"engine 0 of 1 \(leader rank 0, ranks \[0\]\): weight update \(collective"
+                                           r"\) failed \(RuntimeError: worker crashed while loading\)"):  # fmt: skip
+        sync.sync(lambda: iter(_stream()))
+    with pytest.raises(RuntimeError, match="engine 0 of 1 .* is unusable since a weight update failed half-way"):
+        guarded.generate([[1]], 1, None)
