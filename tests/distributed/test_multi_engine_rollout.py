@@ -23,8 +23,13 @@ pytestmark = pytest.mark.distributed
 
 OVERRIDES = {
     "grpo": ["rollout.num_prompts=5", "algorithm.group_size=4", "rollout.max_tokens=6"],
-    "dapo": ["algorithm=dapo", "rollout.num_prompts=5", "algorithm.group_size=2", "rollout.max_tokens=4",
-             "algorithm.dynamic_sampling_max_rounds=4"],  # fmt: skip
+    "dapo": [
+        "algorithm=dapo",
+        "rollout.num_prompts=5",
+        "algorithm.group_size=2",
+        "rollout.max_tokens=4",
+        "algorithm.dynamic_sampling_max_rounds=4",
+    ],
 }
 
 

@@ -76,17 +76,34 @@ def test_cpu_leaders_are_spread_and_have_no_devices():
 @pytest.mark.parametrize(
     ("changes", "message"),
     [
-        ({"num_engines": 3}, r"rollout.num_engines=3 x rollout.engine_tp_size=8 = 24 GPUs must divide the world size "
-                             r"\(64, rollout.placement=colocated\); use rollout.num_engines=auto or one of \[1, 2, 4, "
-                             r"8\]"),
-        ({"num_engines": 3, "train_world_size": 2, "accelerator": False}, r"num_engines=3 .* must divide the world "
-                                                                           r"size \(2,"),
-        ({"placement": "separate", "num_engines": 2, "engine_tp_size": 2, "pool_gpus": 2}, r"must divide the engine "
-                                                                                          r"pool \(2,"),
-        ({"num_engines": 4, "engine_tp_size": 4, "train_world_size": 16, "ranks_per_node": 6}, r"engine 1 would span "
-                                                                                              r"ranks \[4, 5, 6, 7\]"),
-        ({"placement": "separate", "num_engines": 3, "engine_tp_size": 1, "train_world_size": 12, "ranks_per_node": 6,
-          "pool_gpus": 3}, r"do not spread evenly over 2 node"),
+        (
+            {"num_engines": 3},
+            r"rollout.num_engines=3 x rollout.engine_tp_size=8 = 24 GPUs must divide the world size "
+            r"\(64, rollout.placement=colocated\); use rollout.num_engines=auto or one of \[1, 2, 4, 8\]",
+        ),
+        (
+            {"num_engines": 3, "train_world_size": 2, "accelerator": False},
+            r"num_engines=3 .* must divide the world size \(2,",
+        ),
+        (
+            {"placement": "separate", "num_engines": 2, "engine_tp_size": 2, "pool_gpus": 2},
+            r"must divide the engine pool \(2,",
+        ),
+        (
+            {"num_engines": 4, "engine_tp_size": 4, "train_world_size": 16, "ranks_per_node": 6},
+            r"engine 1 would span ranks \[4, 5, 6, 7\]",
+        ),
+        (
+            {
+                "placement": "separate",
+                "num_engines": 3,
+                "engine_tp_size": 1,
+                "train_world_size": 12,
+                "ranks_per_node": 6,
+                "pool_gpus": 3,
+            },
+            r"do not spread evenly over 2 node",
+        ),
     ],
 )
 def test_layouts_that_do_not_tile_are_refused(changes, message):

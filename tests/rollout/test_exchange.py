@@ -13,8 +13,10 @@ def _group(prompt, completions, scores):
     return ScoredGroup(
         PromptCompletions(
             prompt_ids=prompt,
-            completions=[Completion(ids, [-0.1 * (k + 1) for k in range(len(ids))], "text", reason)
-                         for ids, reason in completions],  # fmt: skip
+            completions=[
+                Completion(ids, [-0.1 * (k + 1) for k in range(len(ids))], "text", reason)
+                for ids, reason in completions
+            ],
         ),
         scores=scores,
         correct=[s > 0 for s in scores],
