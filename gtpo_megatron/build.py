@@ -27,6 +27,7 @@ from gtpo_megatron.plan.engines import (
     cpu_thread_binding,
     engine_placements,
     engine_pool_gpus,
+    relay_workers,
     resolve_num_engines,
 )
 from gtpo_megatron.trainer import Trainer
@@ -205,14 +206,19 @@ def build_weight_sync(
     if rollout.weight_sync == "files":
         return FilesWeightSync(engine=engine, exporting=exporting, bucket_bytes=bucket_bytes)
     mine = next((p for p in placements if p.leader_rank == groups.rank), None)
+    accelerator = torch.cuda.is_available()
+    relay = relay_workers(
+        placements, placement=rollout.placement, engine_tp_size=rollout.engine_tp_size, accelerator=accelerator
+    )
     group = connect_weight_group(
         engine=engine,
-        rank_offset=1 + mine.index * rollout.engine_tp_size if mine is not None else 0,
+        worker_offset=mine.index * rollout.engine_tp_size if mine is not None else 0,
         num_workers=len(placements) * rollout.engine_tp_size,
-        backend="nccl" if torch.cuda.is_available() else "gloo",
+        backend="nccl" if accelerator else "gloo",
         timeout_s=rollout.timeout_s,
         world=dist.group.WORLD if groups.world_size > 1 else None,
         is_sender=groups.rank == 0,
+        relay=relay,
     )
     return CollectiveWeightSync(engine=engine, group=group, exporting=exporting, bucket_bytes=bucket_bytes,
                                 dtype=getattr(torch, engine_dtype(cfg)))  # fmt: skip

@@ -112,7 +112,7 @@ class RolloutConfig:
     seed: int = 0
     """Base sampling seed. Rollout round r of step s (r > 0 only with dynamic sampling) samples with
     ``seed + 1000 * s + r``, and sample j of the prompt at global index i of that round with
-    ``rollout.vllm_engine.request_seed(seed + 1000 * s + r, i, j)`` (no two (prompt, sample) pairs share a random
+    ``rollout.engine.request_seed(seed + 1000 * s + r, i, j)`` (no two (prompt, sample) pairs share a random
     stream); it is also the engine's own seed. A resumed run therefore samples exactly
     as the original run did, given the same weights."""
     engine_tp_size: int = 1

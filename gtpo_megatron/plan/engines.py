@@ -197,6 +197,28 @@ def _separate(num_engines: int, engine_tp: int, world: int, ranks_per_node: int,
     return placements
 
 
+def relay_workers(
+    placements: list[EnginePlacement], *, placement: Placement, engine_tp_size: int, accelerator: bool
+) -> tuple[int, int] | None:
+    """``(relay, target)`` engine-worker indices for the collective weight sync, or None when none is needed.
+
+    Colocated on GPUs, engine 0's worker 0 shares global rank 0's GPU, and NCCL refuses two members of one
+    communicator on one GPU: worker 0 is then fed by worker 1 (engine 0's second worker, or engine 1's first),
+    which is on another GPU (``parallel/weight_group.py``).
+
+    Raises:
+        ValueError: colocated on a single GPU (no other worker to relay).
+    """
+    if not accelerator or placement != "colocated":
+        return None
+    if len(placements) * engine_tp_size < 2:
+        raise ValueError(
+            "rollout.weight_sync=collective with one colocated engine worker on one GPU: NCCL cannot join rank 0 "
+            "and the engine on the same GPU; use rollout.weight_sync=files (or more GPUs)"
+        )
+    return (1, 0)
+
+
 def cpu_thread_binding(cores: list[int], *, slot: int, engines_on_node: int, engine_tp_size: int) -> str:
     """``VLLM_CPU_OMP_THREADS_BIND`` for the ``slot``-th of ``engines_on_node`` CPU engines sharing ``cores``.
 

@@ -4,7 +4,7 @@ A round draws the step's ``num_prompts`` problems from the resumable loader; eve
 built the same way (same problems, same seed), so all leaders draw the same prompts in the same order and each
 keeps its block of whole groups (``plan.engines.engine_prompt_range``). The leader's ``RolloutCollector`` samples G
 completions per prompt with its engine, seeding each request by the round's seed and the prompt's GLOBAL index
-(``rollout.vllm_engine.request_seed``), so the completions do not depend on how many engines share the step, and
+(``rollout.engine.request_seed``), so the completions do not depend on how many engines share the step, and
 scores them in its own reward pool.
 
 ``collect_step`` runs on every rank. With DAPO dynamic sampling (GTPO_SPEC section 5) it repeats rounds with

@@ -145,9 +145,9 @@ class GuardedEngine:
         self.engine.close()
 
     # ------------------------------------------------------------------------------------ collective weight path
-    def start_join(self, spec: dict, rank_offset: int) -> EngineCall:
+    def start_join(self, spec: dict, worker_offset: int) -> EngineCall:
         """Start the workers' ``join_weight_group`` in the background; :meth:`wait` for it."""
-        return EngineCall(lambda: self.engine.join_weight_group(spec, rank_offset), "joining the weight group")
+        return EngineCall(lambda: self.engine.join_weight_group(spec, worker_offset), "joining the weight group")
 
     def start_receive(self) -> EngineCall:
         """Start the workers' ``receive_weights`` for one update in the background; :meth:`wait` for it."""

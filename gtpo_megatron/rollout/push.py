@@ -214,17 +214,20 @@ class CollectiveWeightSync:
 def connect_weight_group(
     *,
     engine: GuardedEngine | None,
-    rank_offset: int,
+    worker_offset: int,
     num_workers: int,
     backend: str,
     timeout_s: float,
     world: dist.ProcessGroup | None,
     is_sender: bool,
+    relay: tuple[int, int] | None = None,
 ) -> WeightGroup | None:
     """Build the weight group once at start-up; every rank of ``world`` calls (module docstring).
 
     The sender opens the store on a free port and shares its address over ``world``; every engine leader has its
-    workers join (``rank_offset`` is the group rank of the engine's first worker) while the sender joins too.
+    workers join (``worker_offset``: the index of the engine's first worker among all ``num_workers``) while the
+    sender joins too. ``relay`` (``plan.engines.relay_workers``) keeps the worker on the sender's GPU out of an
+    NCCL group and feeds it through another worker (``parallel/weight_group.py``).
 
     Returns:
         The joined group on the sender, None elsewhere.
@@ -237,14 +240,15 @@ def connect_weight_group(
     store, spec = None, None
     if is_sender:
         host = os.environ.get("MASTER_ADDR", "127.0.0.1")
-        store = open_weight_store(host, world_size=1 + num_workers, timeout_s=timeout_s)
+        size = 1 + num_workers - (relay is not None)
+        store = open_weight_store(host, world_size=size, timeout_s=timeout_s)
         spec = WeightGroupSpec(
-            host=host, port=store.port, world_size=1 + num_workers, backend=backend, timeout_s=timeout_s
+            host=host, port=store.port, world_size=size, backend=backend, timeout_s=timeout_s, relay=relay
         ).as_dict()
     spec = broadcast_object(spec, src=0, group=world)
-    joining = engine.start_join(spec, rank_offset) if engine is not None else None
+    joining = engine.start_join(spec, worker_offset) if engine is not None else None
     try:
-        group = join_weight_group(WeightGroupSpec(**spec), rank=0, store=store) if is_sender else None
+        group = join_weight_group(WeightGroupSpec.from_dict(spec), rank=0, store=store) if is_sender else None
     finally:
         if joining is not None:
             engine.wait(joining, breaks_weights=False)

@@ -39,7 +39,6 @@ must be used. Sleep mode is unsupported on CPU, so ``sleep``/``wake_up`` are no-
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import math
 import os
@@ -52,7 +51,13 @@ from pathlib import Path
 import torch
 
 from gtpo_megatron.builtin_models import resolve_model_path
-from gtpo_megatron.rollout.engine import NamedTensor, SamplingConfig, validate_prompt_ids
+from gtpo_megatron.rollout.engine import (
+    NamedTensor,
+    SamplingConfig,
+    check_prompt_indices,
+    request_seed,
+    validate_prompt_ids,
+)
 from gtpo_megatron.rollout.types import Completion, PromptCompletions
 from gtpo_megatron.rollout.vllm_worker import WeightReloadExtension, check_fused_groups_complete
 
@@ -60,33 +65,6 @@ logger = logging.getLogger(__name__)
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _FINISH_REASONS = ("stop", "length")
-
-
-def request_seed(seed: int, prompt_index: int, sample_index: int) -> int:
-    """vLLM seed of sample ``sample_index`` of the prompt at global index ``prompt_index`` in a call seeded ``seed``.
-
-    A 63-bit BLAKE2b hash of the triple, in ``[0, 2**63)``: the same triple always gets the same stream, and two
-    different triples share one with probability ``2**-63`` (about 1e-7 for a run of a million samples).
-    """
-    digest = hashlib.blake2b(f"{seed}/{prompt_index}/{sample_index}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
-
-
-def check_prompt_indices(prompt_indices: Sequence[int] | None, num_prompts: int) -> list[int]:
-    """The global index of each prompt: ``prompt_indices`` checked, or ``0 .. num_prompts - 1`` when ``None``.
-
-    Raises:
-        ValueError: wrong length, a negative index or a repeated one (two prompts would share random streams).
-    """
-    if prompt_indices is None:
-        return list(range(num_prompts))
-    indices = [int(i) for i in prompt_indices]
-    if len(indices) != num_prompts or min(indices, default=0) < 0 or len(set(indices)) != num_prompts:
-        raise ValueError(
-            f"prompt_indices={indices} must hold {num_prompts} distinct indices >= 0 (one global index per prompt of "
-            "the batch); pass None for 0..P-1"
-        )
-    return indices
 
 
 @contextlib.contextmanager
@@ -368,17 +346,19 @@ class VLLMEngine:
                 shard.unlink()
             self._bucket_names = None
 
-    def join_weight_group(self, spec: dict, rank_offset: int) -> None:
-        """Every worker joins the weight group (``parallel/weight_group.py``) as ``rank_offset + its rank``.
+    def join_weight_group(self, spec: dict, worker_offset: int) -> None:
+        """Every worker joins the weight group as engine worker ``worker_offset + its rank``.
 
-        Blocks until every member joined: call it while the other members join (``rollout/engine_guard.py``).
+        See ``parallel/weight_group.py``. Blocks until every member joined: call it while the other members join
+        (``rollout/engine_guard.py``).
         """
-        self._llm.collective_rpc("gtpo_join_weight_group", args=(spec, rank_offset))
+        self._llm.collective_rpc("gtpo_join_weight_group", args=(spec, worker_offset))
 
     def receive_weights(self) -> list[dict[str, float]]:
         """Apply one update broadcast over the weight group (one reload pass per worker), reset the prefix cache.
 
-        Blocks until the sender's update ends. Returns each worker's ``{"num_tensors", "num_bytes", "seconds"}``.
+        Blocks until the sender's update ends. Returns each worker's ``{"num_tensors", "num_bytes", "seconds",
+        "transfer_s"}`` (``rollout/vllm_worker.py``).
 
         Raises:
             RuntimeError: the transfer failed half-way; the workers' weights are then partly updated.

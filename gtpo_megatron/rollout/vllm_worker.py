@@ -7,7 +7,8 @@ backend pre-packs linear weights, so a raw ``model.load_weights`` would leave st
 ``../shared/FEASIBILITY.md`` section 4):
 
 - ``files``: ``gtpo_reload_weights(folder)`` reads the safetensors shards staged by the engine's owner;
-- ``collective``: ``gtpo_join_weight_group`` joins the weight group once (``parallel/weight_group.py``), then each
+- ``collective``: ``gtpo_join_weight_group`` joins the weight group(s) once (``parallel/weight_group.py``; a
+  relay worker also passes every bucket on to the worker on the sender's GPU), then each
   ``gtpo_receive_weights`` feeds the sender's broadcast buckets (``rollout/weight_wire.py``) to ``reload_weights``
   as they arrive, so the update is one pass and the worker holds about one bucket at a time.
 
@@ -19,7 +20,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from gtpo_megatron.parallel.weight_group import WeightGroupSpec, join_weight_group
+from gtpo_megatron.parallel.weight_group import WeightGroupSpec, join_as_worker
 from gtpo_megatron.rollout.weight_wire import WireStats, receive_weights
 
 
@@ -59,27 +60,31 @@ class WeightReloadExtension:
         self.reload_weights(weights_path=weights_path)
         self._gtpo_repack_tied_head()
 
-    def gtpo_join_weight_group(self, spec: dict[str, Any], rank_offset: int) -> None:
-        """Join the weight group as member ``rank_offset + (this worker's rank in its engine)``."""
-        self._gtpo_weight_group = join_weight_group(WeightGroupSpec(**spec), rank=rank_offset + self.rank)
+    def gtpo_join_weight_group(self, spec: dict[str, Any], worker_offset: int) -> None:
+        """Join the weight group(s) as engine worker ``worker_offset + (this worker's rank in its engine)``."""
+        spec = WeightGroupSpec.from_dict(spec)
+        self._gtpo_weight_link = join_as_worker(spec, worker_index=worker_offset + self.rank)
 
     def gtpo_receive_weights(self) -> dict[str, float]:
         """Receive one broadcast update and apply it in a single ``reload_weights`` pass.
 
         Returns:
-            ``{"num_tensors", "num_bytes", "seconds"}`` of this worker.
+            ``{"num_tensors", "num_bytes", "seconds", "transfer_s"}`` of this worker (``transfer_s``: time inside
+            the broadcasts; the rest is vLLM's reload and ``process_weights_after_loading``).
 
         Raises:
             RuntimeError: not joined, or the sender failed half-way (the model is then partly updated: the caller
                 must not generate with this engine again).
         """
-        group = getattr(self, "_gtpo_weight_group", None)
-        if group is None:
+        link = getattr(self, "_gtpo_weight_link", None)
+        if link is None:
             raise RuntimeError("gtpo_receive_weights called before gtpo_join_weight_group")
         start, stats = time.perf_counter(), WireStats()
-        self.reload_weights(weights_iterator=receive_weights(group, stats))
+        self.reload_weights(weights_iterator=receive_weights(link.source, stats, forward=link.forward))
         self._gtpo_repack_tied_head()
-        return {"num_tensors": stats.num_tensors, "num_bytes": stats.num_bytes, "seconds": time.perf_counter() - start}
+        seconds = time.perf_counter() - start
+        return {"num_tensors": stats.num_tensors, "num_bytes": stats.num_bytes, "seconds": seconds,
+                "transfer_s": stats.transfer_s}  # fmt: skip
 
     def _gtpo_repack_tied_head(self) -> None:
         """Refresh a tied LM head's pre-packed copy after a reload.

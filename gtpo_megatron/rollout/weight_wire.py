@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -40,12 +41,14 @@ class WireStats:
         num_bytes: payload bytes (in the engines' dtype).
         num_buckets: buckets.
         max_bucket_bytes: the largest payload.
+        transfer_s: seconds spent inside the broadcasts (the rest is packing, or vLLM's reload on a worker).
     """
 
     num_tensors: int = 0
     num_bytes: int = 0
     num_buckets: int = 0
     max_bucket_bytes: int = 0
+    transfer_s: float = 0.0
 
     def add_bucket(self, num_tensors: int, num_bytes: int) -> None:
         """Count one bucket."""
@@ -55,17 +58,27 @@ class WireStats:
         self.max_bucket_bytes = max(self.max_bucket_bytes, num_bytes)
 
 
+def _broadcast(
+    buffers: list[torch.Tensor], group: WeightGroup, stats: WireStats | None, forward: WeightGroup | None = None
+) -> None:
+    """Broadcast ``buffers`` in order from member 0, each passed on to ``forward`` (a relay), timed in ``stats``."""
+    start = time.perf_counter()
+    for buffer in buffers:
+        broadcast_buffer(buffer, root=SENDER, group=group)
+        if forward is not None:
+            broadcast_buffer(buffer, root=SENDER, group=forward)
+    if stats is not None:
+        stats.transfer_s += time.perf_counter() - start
+
+
 def _send_bucket(
-    payload: torch.Tensor, entries: list, dtype: torch.dtype, group: WeightGroup, stats: WireStats | None
+    payload: torch.Tensor, entries: list, dtype: torch.dtype, group: WeightGroup, stats: WireStats
 ) -> None:
     header = json.dumps({"dtype": str(dtype).removeprefix("torch."), "tensors": entries}).encode()
     header_tensor = torch.frombuffer(bytearray(header), dtype=torch.uint8).to(group.device)
     sizes = torch.tensor([len(header), payload.numel()], dtype=torch.int64, device=group.device)
-    broadcast_buffer(sizes, root=SENDER, group=group)
-    broadcast_buffer(header_tensor, root=SENDER, group=group)
-    broadcast_buffer(payload, root=SENDER, group=group)
-    if stats is not None:
-        stats.add_bucket(len(entries), payload.numel())
+    _broadcast([sizes, header_tensor, payload], group, stats)
+    stats.add_bucket(len(entries), payload.numel())
 
 
 def send_weights(
@@ -107,32 +120,36 @@ def send_weights(
             entries, used = [], 0
     if entries:
         _send_bucket(buffer[:used], entries, dtype, group, stats)
-    broadcast_buffer(torch.zeros(2, dtype=torch.int64, device=group.device), root=SENDER, group=group)
+    _broadcast([torch.zeros(2, dtype=torch.int64, device=group.device)], group, stats)
     return stats
 
 
-def receive_weights(group: WeightGroup, stats: WireStats | None = None) -> Iterator[NamedTensor]:
+def receive_weights(
+    group: WeightGroup, stats: WireStats | None = None, *, forward: WeightGroup | None = None
+) -> Iterator[NamedTensor]:
     """Yield the ``(hf_name, tensor)`` pairs of one update as the sender's buckets arrive (an engine worker).
 
     Tensors are views of the bucket they came in (on ``group.device``, in the sender's dtype); the generator ends
-    with the sender's end message. ``stats`` (optional) is filled as buckets arrive.
+    with the sender's end message. ``stats`` (optional) is filled as buckets arrive. A relay
+    (``parallel.weight_group.WorkerLink``) passes every message on to ``forward``, where it is member 0, so the
+    worker there receives the same update with this function.
 
-    Collectives: the receiving side of :func:`send_weights`.
+    Collectives: the receiving side of :func:`send_weights` on ``group`` (member 0 sends), plus the same
+    broadcasts as sender on ``forward``.
 
     Raises:
         RuntimeError: the sender died or timed out (``group.timeout_s``); the update is then incomplete.
     """
     while True:
         sizes = torch.zeros(2, dtype=torch.int64, device=group.device)
-        broadcast_buffer(sizes, root=SENDER, group=group)
+        _broadcast([sizes], group, stats, forward)
         header_bytes, payload_bytes = (int(v) for v in sizes.tolist())
         if header_bytes == 0:
             return
         header = torch.empty(header_bytes, dtype=torch.uint8, device=group.device)
-        broadcast_buffer(header, root=SENDER, group=group)
-        meta = json.loads(header.cpu().numpy().tobytes())
         payload = torch.empty(payload_bytes, dtype=torch.uint8, device=group.device)
-        broadcast_buffer(payload, root=SENDER, group=group)
+        _broadcast([header, payload], group, stats, forward)
+        meta = json.loads(header.cpu().numpy().tobytes())
         dtype = getattr(torch, meta["dtype"])
         element = torch.empty((), dtype=dtype).element_size()
         for name, shape, offset in meta["tensors"]:

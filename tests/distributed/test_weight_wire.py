@@ -13,7 +13,12 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from gtpo_megatron.parallel.weight_group import WeightGroupSpec, join_weight_group, open_weight_store
+from gtpo_megatron.parallel.weight_group import (
+    WeightGroupSpec,
+    join_as_worker,
+    join_weight_group,
+    open_weight_store,
+)
 from gtpo_megatron.plan.engines import EnginePlacement
 from gtpo_megatron.rollout.engine_guard import GuardedEngine
 from gtpo_megatron.rollout.push import CollectiveWeightSync, connect_weight_group
@@ -105,16 +110,16 @@ def test_a_member_that_never_joins_fails_the_rendezvous():
 
 
 class _WireEngine:
-    """Stands in for an engine whose single worker is member ``rank_offset`` of the weight group."""
+    """Stands in for an engine of one worker (engine worker ``worker_offset``), as ``rollout/vllm_worker.py``."""
 
     def __init__(self):
-        self.group, self.received, self.fail = None, [], False
+        self.link, self.received, self.fail = None, [], False
 
-    def join_weight_group(self, spec, rank_offset):
-        self.group = join_weight_group(WeightGroupSpec(**spec), rank=rank_offset)
+    def join_weight_group(self, spec, worker_offset):
+        self.link = join_as_worker(WeightGroupSpec.from_dict(spec), worker_index=worker_offset)
 
     def receive_weights(self):
-        for name, tensor in receive_weights(self.group):
+        for name, tensor in receive_weights(self.link.source, forward=self.link.forward):
             if self.fail:
                 raise RuntimeError("worker crashed while loading")
             self.received.append((name, tensor.clone()))
@@ -128,7 +133,7 @@ def test_collective_sync_roles_and_a_failed_update_leaves_the_engine_unusable():
     engine = _WireEngine()
     placement = EnginePlacement(index=0, num_engines=1, leader_rank=0, ranks=(0,), devices=())
     guarded = GuardedEngine(engine, placement=placement, timeout_s=2.0)
-    group = connect_weight_group(engine=guarded, rank_offset=1, num_workers=1, backend="gloo", timeout_s=1.0,
+    group = connect_weight_group(engine=guarded, worker_offset=0, num_workers=1, backend="gloo", timeout_s=1.0,
                                  world=None, is_sender=True)  # fmt: skip
     sync = CollectiveWeightSync(engine=guarded, group=group, exporting=True, bucket_bytes=64, dtype=torch.float32)
     metrics = sync.sync(lambda: iter(_stream()))
@@ -141,3 +146,26 @@ def test_collective_sync_roles_and_a_failed_update_leaves_the_engine_unusable():
         sync.sync(lambda: iter(_stream()))
     with pytest.raises(RuntimeError, match="engine 0 of 1 .* is unusable since a weight update failed half-way"):
         guarded.generate([[1]], 1, None)
+
+
+def test_a_relay_feeds_the_worker_on_the_senders_gpu():
+    """Colocated on GPUs (``plan.engines.relay_workers`` -> (1, 0)): worker 0 stays out of the main group and gets
+    every bucket from worker 1; the same topology on gloo."""
+    store = open_weight_store("127.0.0.1", world_size=3, timeout_s=10.0)
+    spec = WeightGroupSpec(host="127.0.0.1", port=store.port, world_size=3, backend="gloo", timeout_s=10.0,
+                           relay=(1, 0))  # fmt: skip
+    spec = WeightGroupSpec.from_dict({**spec.as_dict(), "relay": [1, 0]})  # as an RPC hands it over
+    with ThreadPoolExecutor(4) as pool:
+        links = [pool.submit(join_as_worker, spec, worker_index=g) for g in range(3)]
+        sender = join_weight_group(spec, rank=0, store=store)
+        links = [f.result() for f in links]
+    assert [(link.source.rank, link.source.size) for link in links] == [(1, 2), (1, 3), (2, 3)]
+    assert links[1].forward.rank == 0 and links[0].forward is None and links[2].forward is None
+    with ThreadPoolExecutor(3) as pool:
+        received = [pool.submit(lambda k=k: [(n, t.clone()) for n, t in receive_weights(k.source, forward=k.forward)])
+                    for k in links]  # fmt: skip
+        send_weights(iter(_stream()), group=sender, bucket_bytes=64, dtype=torch.float32)
+        for worker in received:
+            got = worker.result()
+            assert [n for n, _ in got] == [n for n, _ in _stream()]
+            assert all(torch.equal(t, o) for (_, t), (_, o) in zip(got, _stream()))

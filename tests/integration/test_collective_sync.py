@@ -43,7 +43,7 @@ def _engines(path: str) -> list[GuardedEngine]:
 def _connect(engines: list[GuardedEngine]):
     store = open_weight_store("127.0.0.1", world_size=3, timeout_s=300)
     spec = WeightGroupSpec(host="127.0.0.1", port=store.port, world_size=3, backend="gloo", timeout_s=300)
-    joining = [e.start_join(spec.as_dict(), rank_offset=1 + i) for i, e in enumerate(engines)]
+    joining = [e.start_join(spec.as_dict(), worker_offset=i) for i, e in enumerate(engines)]
     group = join_weight_group(spec, rank=0, store=store)
     for engine, call in zip(engines, joining):
         engine.wait(call, breaks_weights=False)
