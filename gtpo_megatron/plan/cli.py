@@ -318,10 +318,11 @@ def _sync_summary(cfg: GTPOConfig, arch: Architecture, layout: Layout, args: arg
         )
     seconds = weight_sync_seconds(arch, param_bytes=nbytes, bandwidth_gbps=args.sync_bandwidth_gbps)
     workers = layout.num_engines * layout.engine_tp_size
+    relay = ", the one on rank 0's GPU through a relay" if cfg.rollout.placement == "colocated" else ""
     return (
-        f"weight sync (collective: buckets broadcast from rank 0 to the {workers} engine workers, pipelined, so "
-        f"about one pass over the slowest link): {volume}, {seconds:.2f} s at {args.sync_bandwidth_gbps:g} Gbit/s "
-        "(--sync-bandwidth-gbps)"
+        f"weight sync (collective: NCCL broadcast of buckets from rank 0 to the {workers} engine workers{relay}; "
+        f"pipelined, so about one pass over the slowest link): {volume}, {seconds:.2f} s at "
+        f"{args.sync_bandwidth_gbps:g} Gbit/s (--sync-bandwidth-gbps)"
     )
 
 

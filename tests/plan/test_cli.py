@@ -166,8 +166,9 @@ def test_many_engines_and_the_sync_path_of_the_70b_recipe() -> None:
     assert "64 rollout sequences per engine need 4.91 GiB" in text
     # 70.55e9 parameters * 2 bytes (bfloat16) * 8 bits / 400e9 bit/s = 2.82 s
     assert (
-        "weight sync (collective: buckets broadcast from rank 0 to the 64 engine workers, pipelined, so about one "
-        "pass over the slowest link): 141.1 GB (bfloat16) per sync, 2.82 s at 400 Gbit/s (--sync-bandwidth-gbps)"
+        "weight sync (collective: NCCL broadcast of buckets from rank 0 to the 64 engine workers, the one on rank 0's "
+        "GPU through a relay; pipelined, so about one pass over the slowest link): 141.1 GB (bfloat16) per sync, "
+        "2.82 s at 400 Gbit/s (--sync-bandwidth-gbps)"
     ) in text
     status, text = run(["--config", str(path), "--gpus", "64", "rollout.num_engines=1", "rollout.weight_sync=files"])
     assert "vLLM 1 x engine tp 8" in text and "512 rollout sequences per engine" in text
