@@ -2,8 +2,8 @@
 
 Each component receives its config section. Every engine leader (``plan.engines``; global rank 0 always is one)
 owns a vLLM engine (multiprocess: the in-process engine hangs inside a multi-rank job,
-``../shared/FEASIBILITY.md`` section 2) on its devices or CPU cores, a reward pool and a prompt loader built the
-same way as every other leader's; every rank gets the step's completions from the rollout exchange. With
+``../shared/FEASIBILITY.md`` section 2) on its devices or CPU cores and a reward pool; every rank builds the same
+prompt loader and gets the step's completions from the rollout exchange. With
 ``rollout.weight_sync: collective`` the weight group joining rank 0 and every engine worker is built here, once.
 """
 
@@ -139,18 +139,15 @@ def engine_dtype(cfg: GTPOConfig) -> str:
     return cfg.model.params_dtype if cfg.rollout.dtype == "auto" else cfg.rollout.dtype
 
 
-def build_collector(cfg: GTPOConfig, model_path: str, tokenizer, placement: EnginePlacement, environment: dict):
-    """An engine leader's ``RolloutCollector``: guarded vLLM engine, reward pool and prompt loader.
+def build_loader(cfg: GTPOConfig, tokenizer):
+    """The prompt loader over the problems whose prompts fit ``rollout.max_prompt_len``.
 
-    The loader holds the prompts that fit; every leader builds the same one, so all draw the same prompts.
+    Every rank builds the same one, so every engine leader draws the same prompts and every rank holds the same
+    position for checkpoints.
     """
     from gtpo_megatron.data.datasets import load_problems
     from gtpo_megatron.data.loader import PromptLoader
     from gtpo_megatron.data.prompts import build_prompt_ids
-    from gtpo_megatron.rewards import RewardPool, default_extraction
-    from gtpo_megatron.rollout.collector import RolloutCollector
-    from gtpo_megatron.rollout.engine_guard import GuardedEngine
-    from gtpo_megatron.rollout.vllm_engine import VLLMEngine
 
     data, rollout = cfg.data, cfg.rollout
     extra = {"seed": data.shuffle_seed, "difficulty": data.synthetic_difficulty} if data.source == "synthetic" else {}
@@ -163,7 +160,17 @@ def build_collector(cfg: GTPOConfig, model_path: str, tokenizer, placement: Engi
             len(problems),
             rollout.max_prompt_len,
         )
-    loader = PromptLoader(fitting, batch_size=rollout.num_prompts, seed=data.shuffle_seed, shuffle=True)
+    return PromptLoader(fitting, batch_size=rollout.num_prompts, seed=data.shuffle_seed, shuffle=True)
+
+
+def build_collector(cfg: GTPOConfig, model_path: str, tokenizer, placement: EnginePlacement, environment: dict):
+    """An engine leader's ``RolloutCollector``: its guarded vLLM engine and reward pool."""
+    from gtpo_megatron.rewards import RewardPool, default_extraction
+    from gtpo_megatron.rollout.collector import RolloutCollector
+    from gtpo_megatron.rollout.engine_guard import GuardedEngine
+    from gtpo_megatron.rollout.vllm_engine import VLLMEngine
+
+    rollout = cfg.rollout
     engine = VLLMEngine(
         model_path,
         dtype=engine_dtype(cfg),
@@ -182,11 +189,10 @@ def build_collector(cfg: GTPOConfig, model_path: str, tokenizer, placement: Engi
         engine=GuardedEngine(engine, placement=placement, timeout_s=rollout.timeout_s),
         reward_pool=pool,
         tokenizer=tokenizer,
-        loader=loader,
         rollout_cfg=rollout,
         algorithm_cfg=cfg.algorithm,
         reward_cfg=cfg.reward,
-        extraction=cfg.reward.extraction or default_extraction(data.source),
+        extraction=cfg.reward.extraction or default_extraction(cfg.data.source),
         engine_index=placement.index,
         num_engines=placement.num_engines,
     )
@@ -248,5 +254,6 @@ def build_trainer(cfg: GTPOConfig, groups: ParallelGroups) -> Trainer:
         start_step=start_step,
         enabled=groups.rank == 0,
     )
-    return Trainer(cfg, groups=groups, policy=policy, collector=collector, pad_token_id=pad_token_id, sink=sink,
-                   num_engines=len(placements), weight_sync=weight_sync)  # fmt: skip
+    return Trainer(cfg, groups=groups, policy=policy, collector=collector, loader=build_loader(cfg, tokenizer),
+                   pad_token_id=pad_token_id, sink=sink, num_engines=len(placements),
+                   weight_sync=weight_sync)  # fmt: skip

@@ -47,6 +47,7 @@ from gtpo_megatron.rollout.push import CollectiveWeightSync, FilesWeightSync
 from gtpo_megatron.rollout.types import TrainBatch
 
 if TYPE_CHECKING:
+    from gtpo_megatron.data.loader import PromptLoader
     from gtpo_megatron.parallel.groups import ParallelGroups
     from gtpo_megatron.policy import Policy
 
@@ -75,6 +76,7 @@ class Trainer:
         groups: this process's ``ParallelGroups``.
         policy: the trained model (``Policy``; ``MegatronPolicy`` in production).
         collector: this rank's ``RolloutCollector`` when it leads an engine; None on other ranks.
+        loader: the prompt loader, built identically on every rank (its position goes into checkpoints).
         pad_token_id: padding id of the batches.
         sink: the metric sink (enabled on rank 0 only).
         num_engines: engines sharing each step (``plan.engines``).
@@ -89,6 +91,7 @@ class Trainer:
         groups: ParallelGroups,
         policy: Policy,
         collector: RolloutCollector | None,
+        loader: PromptLoader,
         pad_token_id: int,
         sink: MetricSink,
         num_engines: int = 1,
@@ -98,12 +101,12 @@ class Trainer:
         self.groups = groups
         self.policy = policy
         self.collector = collector
+        self.loader = loader
         self.pad_token_id = pad_token_id
         self.sink = sink
         self.loss_spec = build_loss_spec(cfg.algorithm, cfg.rollout)
         self.checkpoint_dir = run_dir.checkpoints_dir(cfg.output_dir)
         self.initial_entropy: float | None = None
-        self.loader_state: dict | None = None
         self._dp_group = groups.dp if groups.dp_size > 1 else None
         self._world = dist.group.WORLD
         self._stop_requested = False
@@ -149,7 +152,6 @@ class Trainer:
                 train_metrics = self._train(train_batch)
             with timer.phase("sync"):
                 sync_metrics = self._sync_weights()
-        self.loader_state = rollout.loader_state
         metrics = self._step_metrics(rollout, batch, weights, seq_entropy, old_logprobs, local)
         metrics.update({f"train/{k}": v for k, v in train_metrics.items()})
         metrics.update({**rollout.stats, **sync_metrics, **timer.seconds})
@@ -167,6 +169,7 @@ class Trainer:
             self.policy.offload_train_state()
         rollout = collect_step(
             self.collector,
+            self.loader,
             step,
             rollout_cfg=self.cfg.rollout,
             algorithm_cfg=self.cfg.algorithm,
@@ -276,7 +279,7 @@ class Trainer:
 
     def save(self, step: int) -> None:
         """Checkpoint model, optimizer and trainer state under ``checkpoints/step_NNNNNN``; prune old ones."""
-        state = {"step": step, "initial_entropy": self.initial_entropy, "loader": self.loader_state}
+        state = {"step": step, "initial_entropy": self.initial_entropy, "loader": self.loader.state_dict()}
         self.policy.save_checkpoint(str(run_dir.checkpoint_dir(self.cfg.output_dir, step)), state)
         barrier(group=self._world)
         if self.groups.rank == 0:
@@ -293,9 +296,8 @@ class Trainer:
             return 0
         state = self.policy.load_checkpoint(str(checkpoints[-1]))
         self.initial_entropy = state.get("initial_entropy")
-        self.loader_state = state.get("loader")
-        if self.collector is not None and self.loader_state is not None:
-            self.collector.loader.load_state_dict(self.loader_state)
+        if state.get("loader") is not None:
+            self.loader.load_state_dict(state["loader"])
         self._sync_weights()
         logger.info("resumed from %s (step %d)", checkpoints[-1], state["step"])
         return int(state["step"])

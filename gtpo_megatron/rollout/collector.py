@@ -1,8 +1,9 @@
 """The rollout and reward phases of a step: every engine leader samples and scores its share, every rank gets all.
 
-A round draws the step's ``num_prompts`` problems from the resumable loader; every engine leader holds a loader
-built the same way (same problems, same seed), so all leaders draw the same prompts in the same order and each
-keeps its block of whole groups (``plan.engines.engine_prompt_range``). The leader's ``RolloutCollector`` samples G
+A round draws the step's ``num_prompts`` problems from the resumable loader; every rank holds a loader built the
+same way (same problems, same seed), so all ranks draw the same prompts in the same order (and hold the same loader
+position for checkpoints), and each engine leader keeps its block of whole groups
+(``plan.engines.engine_prompt_range``). The leader's ``RolloutCollector`` samples G
 completions per prompt with its engine, seeding each request by the round's seed and the prompt's GLOBAL index
 (``rollout.engine.request_seed``), so the completions do not depend on how many engines share the step, and
 scores them in its own reward pool.
@@ -24,7 +25,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -33,6 +33,7 @@ from gtpo_megatron.config import AlgorithmConfig, RewardConfig, RolloutConfig
 from gtpo_megatron.data.loader import PromptLoader
 from gtpo_megatron.data.prompts import build_prompt_ids
 from gtpo_megatron.data.sampling import choose_groups, filter_uniform_groups, shape_rewards
+from gtpo_megatron.data.types import Problem
 from gtpo_megatron.parallel.collectives import all_reduce_sum
 from gtpo_megatron.plan.engines import engine_prompt_range
 from gtpo_megatron.rewards.pool import check_grader_failures
@@ -47,8 +48,7 @@ class StepRollout:
     """One step's chosen groups and their reward results, B = P*G completions group by group (every rank).
 
     ``scores`` are the reward function's values, ``rewards`` the shaped ones (overlong penalty) the advantages
-    use; completions carry no text. ``loader_state`` is this rank's loader position after the step (engine
-    leaders; None elsewhere): global rank 0 leads an engine and its copy goes into checkpoints.
+    use; completions carry no text.
     """
 
     groups: list
@@ -56,19 +56,17 @@ class StepRollout:
     rewards: list[float]
     correct: list[bool]
     format_ok: list[bool]
-    loader_state: dict[str, Any] | None
     stats: dict[str, float] = field(default_factory=dict)
 
 
 class RolloutCollector:
-    """An engine leader's engine, reward pool, tokenizer and prompt loader, and its share of every round.
+    """An engine leader's engine, reward pool and tokenizer, and its share of every round.
 
     Args:
         engine: the rollout engine (``RolloutEngine`` protocol).
         reward_pool: object with ``score(completions, references, extraction=...) -> (results, stats)``
             (``rewards.RewardPool``).
         tokenizer: HF tokenizer used for the chat-templated prompts.
-        loader: ``PromptLoader`` yielding ``num_prompts`` problems per call, built identically on every leader.
         rollout_cfg, algorithm_cfg, reward_cfg: their config sections.
         extraction: the answer-extraction mode (``reward.extraction`` resolved for ``data.source``).
         engine_index: this leader's engine (``plan.engines.EnginePlacement.index``).
@@ -81,7 +79,6 @@ class RolloutCollector:
         engine: RolloutEngine,
         reward_pool,
         tokenizer,
-        loader: PromptLoader,
         rollout_cfg: RolloutConfig,
         algorithm_cfg: AlgorithmConfig,
         reward_cfg: RewardConfig,
@@ -92,7 +89,6 @@ class RolloutCollector:
         self.engine = engine
         self.reward_pool = reward_pool
         self.tokenizer = tokenizer
-        self.loader = loader
         self.rollout_cfg = rollout_cfg
         self.algorithm_cfg = algorithm_cfg
         self.reward_cfg = reward_cfg
@@ -116,16 +112,16 @@ class RolloutCollector:
         num_prompts = self.rollout_cfg.num_prompts
         return engine_prompt_range(num_prompts, num_engines=self.num_engines, index=self.engine_index)
 
-    def sample_round(self, step: int, round_index: int, tally: EngineTally) -> dict[int, ScoredGroup]:
-        """Sample and score this leader's share of one round; returns ``{global prompt index: ScoredGroup}``.
+    def sample_round(
+        self, step: int, round_index: int, problems: list[Problem], tally: EngineTally
+    ) -> dict[int, ScoredGroup]:
+        """Sample and score this leader's share of one round's ``problems``.
 
-        Draws all the round's prompts (the loader stays in step with the other leaders' loaders) and adds this
-        round's counters to ``tally``.
+        Returns ``{global prompt index: ScoredGroup}``; adds this round's counters to ``tally``.
 
         Raises:
             RuntimeError: the graders failed on more than ``reward.max_error_frac`` of the answers.
         """
-        problems = self.loader.next_batch()
         share, group_size = self.share(), self.algorithm_cfg.group_size
         if len(share) == 0:
             return {}
@@ -151,6 +147,7 @@ class RolloutCollector:
 
 def collect_step(
     collector: RolloutCollector | None,
+    loader: PromptLoader,
     step: int,
     *,
     rollout_cfg: RolloutConfig,
@@ -162,6 +159,7 @@ def collect_step(
 
     Args:
         collector: this rank's collector when it leads an engine, else None.
+        loader: this rank's prompt loader (built identically on every rank; advanced here on every rank).
         step: the 1-based step (seeds).
         rollout_cfg: the rollout section.
         algorithm_cfg: the algorithm section.
@@ -169,7 +167,7 @@ def collect_step(
         group: the world group (None: a one-process run).
 
     Returns:
-        The same ``StepRollout`` on every rank (``loader_state`` aside).
+        The same ``StepRollout`` on every rank.
 
     Collectives: with dynamic sampling one SUM all-reduce of ``[P]`` varied flags per round; then one SUM
     all-reduce of the packed rows and counters (``rollout/exchange.py``), all on ``group``.
@@ -182,7 +180,8 @@ def collect_step(
     rounds = algorithm_cfg.dynamic_sampling_max_rounds if algorithm_cfg.dynamic_sampling else 1
     tally, sampled, varied = EngineTally(), [], []
     for round_index in range(rounds):
-        scored = collector.sample_round(step, round_index, tally) if collector is not None else {}
+        problems = loader.next_batch()
+        scored = collector.sample_round(step, round_index, problems, tally) if collector is not None else {}
         sampled.append(scored)
         if not algorithm_cfg.dynamic_sampling:
             break
@@ -217,7 +216,6 @@ def collect_step(
         rewards=rewards.tolist(),
         correct=gathered.correct,
         format_ok=gathered.format_ok,
-        loader_state=collector.loader.state_dict() if collector is not None else None,
         stats=stats,
     )
 

@@ -41,7 +41,6 @@ def _step(rank: int, num_engines: int, overrides: list[str]):
             engine=engine,
             reward_pool=FakeRewardPool(),
             tokenizer=FakeTokenizer(),
-            loader=PromptLoader(load_problems("synthetic", limit=40), batch_size=cfg.rollout.num_prompts, seed=0),
             rollout_cfg=cfg.rollout,
             algorithm_cfg=cfg.algorithm,
             reward_cfg=cfg.reward,
@@ -49,9 +48,10 @@ def _step(rank: int, num_engines: int, overrides: list[str]):
             engine_index=rank,
             num_engines=num_engines,
         )
-    rollout = collect_step(collector, 3, rollout_cfg=cfg.rollout, algorithm_cfg=cfg.algorithm,
+    loader = PromptLoader(load_problems("synthetic", limit=40), batch_size=cfg.rollout.num_prompts, seed=0)
+    rollout = collect_step(collector, loader, 3, rollout_cfg=cfg.rollout, algorithm_cfg=cfg.algorithm,
                            num_engines=num_engines, group=dist.group.WORLD)  # fmt: skip
-    return rollout, engine
+    return rollout, engine, loader.state_dict()
 
 
 def _content(rollout):
@@ -63,8 +63,8 @@ def _content(rollout):
 
 def _check(rank: int, world_size: int) -> None:
     for name, overrides in OVERRIDES.items():
-        one, engine_one = _step(rank, 1, overrides)
-        two, engine_two = _step(rank, 2, overrides)
+        one, engine_one, _ = _step(rank, 1, overrides)
+        two, engine_two, position = _step(rank, 2, overrides)
         assert _content(one) == _content(two), name  # the same completions, scores and choices
         assert _content(broadcast_object(two, src=0, group=dist.group.WORLD)) == _content(two)  # on every rank
         tokens = sum(len(c.token_ids) for g in two.groups for c in g.completions)
@@ -77,7 +77,9 @@ def _check(rank: int, world_size: int) -> None:
         else:  # dynamic sampling took several rounds with these seeds, in step on both leaders
             assert len(engine_two.calls) == one.stats["rollout/num_rounds"] > 1
         assert two.stats["rollout/num_engines"] == 2.0
-        assert (two.loader_state is None) == (rank >= 2)
+        # every rank's loader drew every round's prompts: the same position for checkpoints everywhere
+        assert broadcast_object(position, src=0, group=dist.group.WORLD) == position
+        assert position["position"] == 5 * two.stats["rollout/num_rounds"]
 
 
 def test_one_and_two_engines_give_the_same_step():

