@@ -85,6 +85,11 @@ def build_policy(
     )
 
 
+def ranks_per_node(world_size: int) -> int:
+    """Training ranks per node: torchrun's ``LOCAL_WORLD_SIZE`` (the whole world without torchrun)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+
+
 def build_placements(cfg: GTPOConfig, world_size: int) -> list[EnginePlacement]:
     """Every engine's leader, ranks and devices for this job (``plan.engines``; the same list on every rank).
 
@@ -113,19 +118,21 @@ def build_placements(cfg: GTPOConfig, world_size: int) -> list[EnginePlacement]:
         num_engines=num_engines,
         engine_tp_size=rollout.engine_tp_size,
         train_world_size=world_size,
-        ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)),
+        ranks_per_node=ranks_per_node(world_size),
         pool_gpus=pool,
         accelerator=accelerator,
     )
 
 
-def engine_environment(placement: EnginePlacement, placements: list[EnginePlacement], cfg: GTPOConfig) -> dict:
+def engine_environment(
+    placement: EnginePlacement, placements: list[EnginePlacement], cfg: GTPOConfig, world_size: int
+) -> dict[str, str]:
     """Environment of one engine's processes: its GPUs, or on CPU its own cores when engines share a node."""
     if placement.devices:
         return {"CUDA_VISIBLE_DEVICES": ",".join(str(d) for d in placement.devices)}
-    ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", 1 + max(p.leader_rank for p in placements)))
-    node = placement.leader_rank // ranks_per_node
-    neighbours = [p.index for p in placements if p.leader_rank // ranks_per_node == node]
+    per_node = ranks_per_node(world_size)
+    node = placement.leader_rank // per_node
+    neighbours = [p.index for p in placements if p.leader_rank // per_node == node]
     if len(neighbours) == 1:
         return {}
     cores = sorted(os.sched_getaffinity(0))
@@ -242,7 +249,8 @@ def build_trainer(cfg: GTPOConfig, groups: ParallelGroups) -> Trainer:
     mine = next((p for p in placements if p.leader_rank == groups.rank), None)
     collector = None
     if mine is not None:
-        collector = build_collector(cfg, model_path, tokenizer, mine, engine_environment(mine, placements, cfg))
+        environment = engine_environment(mine, placements, cfg, groups.world_size)
+        collector = build_collector(cfg, model_path, tokenizer, mine, environment)
     weight_sync = build_weight_sync(cfg, groups, collector.engine if collector is not None else None, placements)
     checkpoints = run_dir.list_checkpoints(run_dir.checkpoints_dir(cfg.output_dir)) if cfg.resume else []
     start_step = run_dir.checkpoint_step(checkpoints[-1]) if checkpoints else 0
