@@ -11,11 +11,13 @@
   sent everything, so they run in a background thread (:meth:`start_receive`, :meth:`start_join`) while this
   process takes its own part in the transfer, and are awaited with :meth:`wait`.
 
-Watchdog threads are daemons: a hung engine call cannot keep the process from exiting after the error.
+Watchdog threads are daemons: a hung engine call cannot keep the process from exiting after the error, and
+``close`` gives a hung engine ``CLOSE_TIMEOUT_S`` at most, so the failing rank exits and torchrun stops the job.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -23,6 +25,11 @@ from typing import Any
 from gtpo_megatron.plan.engines import EnginePlacement
 from gtpo_megatron.rollout.engine import NamedTensor, RolloutEngine, SamplingConfig
 from gtpo_megatron.rollout.types import PromptCompletions
+
+logger = logging.getLogger(__name__)
+
+CLOSE_TIMEOUT_S = 60.0
+"""Longest wait for an engine to shut down."""
 
 
 class EngineCall:
@@ -141,8 +148,11 @@ class GuardedEngine:
         self.engine.wake_up()
 
     def close(self) -> None:
-        """``engine.close``."""
-        self.engine.close()
+        """``engine.close``, given at most ``CLOSE_TIMEOUT_S`` (a hung engine must not keep the job from exiting)."""
+        try:
+            EngineCall(self.engine.close, "closing").result(min(self.timeout_s, CLOSE_TIMEOUT_S))
+        except TimeoutError:
+            logger.warning("%s did not shut down within %g s; leaving it behind", self.name, CLOSE_TIMEOUT_S)
 
     # ------------------------------------------------------------------------------------ collective weight path
     def start_join(self, spec: dict, worker_offset: int) -> EngineCall:

@@ -147,3 +147,17 @@ def test_prompts_are_dealt_as_contiguous_balanced_blocks(num_prompts, num_engine
 )
 def test_cpu_engines_get_their_own_cores(cores, slot, engines, tp, expected):
     assert cpu_thread_binding(cores, slot=slot, engines_on_node=engines, engine_tp_size=tp) == expected
+
+
+def test_the_worker_on_rank_0s_gpu_is_fed_by_a_relay_only_when_colocated_on_gpus():
+    from gtpo_megatron.plan.engines import relay_workers
+
+    gpu = _placements()  # 8 colocated engines of 8: engine 0's worker 0 shares rank 0's GPU
+    assert relay_workers(gpu, placement="colocated", engine_tp_size=8, accelerator=True) == (1, 0)
+    single_gpu_engines = _placements(num_engines=2, engine_tp_size=1, train_world_size=2)
+    assert relay_workers(single_gpu_engines, placement="colocated", engine_tp_size=1, accelerator=True) == (1, 0)
+    assert relay_workers(gpu, placement="separate", engine_tp_size=8, accelerator=True) is None
+    assert relay_workers(gpu, placement="colocated", engine_tp_size=8, accelerator=False) is None  # gloo on CPU
+    one = _placements(num_engines=1, engine_tp_size=1, train_world_size=1, ranks_per_node=1)
+    with pytest.raises(ValueError, match="use rollout.weight_sync=files"):
+        relay_workers(one, placement="colocated", engine_tp_size=1, accelerator=True)

@@ -63,3 +63,14 @@ def test_engine_call_returns_or_reraises():
         EngineCall(lambda: 1 / 0, "division").result(1.0)
     with pytest.raises(TimeoutError, match="nap did not finish within 0.05 s"):
         EngineCall(lambda: time.sleep(1), "nap").result(0.05)
+
+
+def test_closing_a_hung_engine_does_not_hang(monkeypatch, caplog):
+    monkeypatch.setattr("gtpo_megatron.rollout.engine_guard.CLOSE_TIMEOUT_S", 0.1)
+    engine = _Stuck()
+    engine.close = lambda: engine.release.wait(30)
+    start = time.perf_counter()
+    with caplog.at_level("WARNING"):
+        GuardedEngine(engine, placement=PLACEMENT, timeout_s=5.0).close()
+    assert time.perf_counter() - start < 2 and "did not shut down within 0.1 s" in caplog.text
+    engine.release.set()
