@@ -177,20 +177,7 @@ def collect_step(
             next collective or are stopped by torchrun).
     """
     num_prompts, group_size = rollout_cfg.num_prompts, algorithm_cfg.group_size
-    rounds = algorithm_cfg.dynamic_sampling_max_rounds if algorithm_cfg.dynamic_sampling else 1
-    tally, sampled, varied = EngineTally(), [], []
-    for round_index in range(rounds):
-        problems = loader.next_batch()
-        scored = collector.sample_round(step, round_index, problems, tally) if collector is not None else {}
-        sampled.append(scored)
-        if not algorithm_cfg.dynamic_sampling:
-            break
-        local = torch.zeros(num_prompts, dtype=torch.float64)
-        for index, scored_group in scored.items():
-            local[index] = float(filter_uniform_groups(scored_group.scores, group_size)[0])
-        varied += (all_reduce_sum(local, group=group) > 0.5).tolist()
-        if sum(varied) >= num_prompts:
-            break
+    sampled, varied, tally = _sample_rounds(collector, loader, step, algorithm_cfg, num_prompts, group)
     chosen = choose_groups(varied, num_prompts) if algorithm_cfg.dynamic_sampling else list(range(num_prompts))
     slots = {}
     for slot, flat in enumerate(chosen):
@@ -210,14 +197,38 @@ def collect_step(
     stats = _engine_stats(summed[rows.numel() :].reshape(counters.shape))
     stats["rollout/num_rounds"] = float(len(sampled))
     stats["rollout/varied_group_frac"] = float(varied_frac.mean())
-    return StepRollout(
-        groups=gathered.groups,
-        scores=gathered.scores,
-        rewards=rewards.tolist(),
-        correct=gathered.correct,
-        format_ok=gathered.format_ok,
-        stats=stats,
-    )
+    return StepRollout(groups=gathered.groups, scores=gathered.scores, rewards=rewards.tolist(),
+                       correct=gathered.correct, format_ok=gathered.format_ok, stats=stats)  # fmt: skip
+
+
+def _sample_rounds(
+    collector: RolloutCollector | None,
+    loader: PromptLoader,
+    step: int,
+    algorithm_cfg: AlgorithmConfig,
+    num_prompts: int,
+    group: dist.ProcessGroup | None,
+) -> tuple[list[dict[int, ScoredGroup]], list[bool], EngineTally]:
+    """Run the step's rounds on this rank.
+
+    Returns this rank's scored groups per round, the global varied flags (dynamic sampling only: one all-reduce per
+    round, decided on task scores) and this leader's counters.
+    """
+    rounds = algorithm_cfg.dynamic_sampling_max_rounds if algorithm_cfg.dynamic_sampling else 1
+    tally, sampled, varied = EngineTally(), [], []
+    for round_index in range(rounds):
+        problems = loader.next_batch()
+        scored = collector.sample_round(step, round_index, problems, tally) if collector is not None else {}
+        sampled.append(scored)
+        if not algorithm_cfg.dynamic_sampling:
+            break
+        local = torch.zeros(num_prompts, dtype=torch.float64)
+        for index, scored_group in scored.items():
+            local[index] = float(filter_uniform_groups(scored_group.scores, algorithm_cfg.group_size)[0])
+        varied += (all_reduce_sum(local, group=group) > 0.5).tolist()
+        if sum(varied) >= num_prompts:
+            break
+    return sampled, varied, tally
 
 
 def _engine_stats(counters: torch.Tensor) -> dict[str, float]:

@@ -5,7 +5,8 @@ The sender (global rank 0, member 0 of the weight group, ``parallel/weight_group
 dtype while it is copied in, so the buffer plus one tensor of the stream is all the extra memory) and broadcasts
 each full bucket as three messages:
 
-1. ``sizes``: int64 ``[2]`` = (header bytes, payload bytes); ``(0, 0)`` ends the update;
+1. ``sizes``: int64 ``[2]`` = (header bytes, payload bytes); ``(0, 0)`` ends the update and ``(-1, 0)`` aborts it
+   (the sender's stream failed: the workers raise at once instead of waiting for the group's timeout);
 2. ``header``: uint8 UTF-8 JSON ``{"dtype": "bfloat16", "tensors": [[name, shape, byte_offset], ...]}``;
 3. ``payload``: uint8 ``[payload bytes]``, the tensors back to back (one dtype, so every offset is aligned).
 
@@ -81,6 +82,20 @@ def _send_bucket(
     stats.add_bucket(len(entries), payload.numel())
 
 
+def _aborting(named_tensors: Iterable[NamedTensor], group: WeightGroup) -> Iterator[NamedTensor]:
+    """The stream; when it raises, the workers are told to abort (one broadcast) before the error propagates."""
+    stream = iter(named_tensors)
+    while True:
+        try:
+            item = next(stream)
+        except StopIteration:
+            return
+        except BaseException:
+            _broadcast([torch.tensor([-1, 0], dtype=torch.int64, device=group.device)], group, None)
+            raise
+        yield item
+
+
 def send_weights(
     named_tensors: Iterable[NamedTensor], *, group: WeightGroup, bucket_bytes: int, dtype: torch.dtype
 ) -> WireStats:
@@ -100,13 +115,14 @@ def send_weights(
     Raises:
         ValueError: ``bucket_bytes < 1`` or this process is not member 0.
         RuntimeError: a worker died or timed out (``group.timeout_s``).
+        BaseException: whatever the stream raised, after the workers were told to abort.
     """
     if bucket_bytes < 1 or group.rank != SENDER:
         raise ValueError(f"send_weights needs bucket_bytes >= 1 (got {bucket_bytes}) on member 0 (got {group.rank})")
     element = torch.empty((), dtype=dtype).element_size()
     buffer = torch.empty(bucket_bytes, dtype=torch.uint8, device=group.device)
     stats, entries, used = WireStats(), [], 0
-    for name, tensor in named_tensors:
+    for name, tensor in _aborting(named_tensors, group):
         nbytes = tensor.numel() * element
         if entries and used + nbytes > bucket_bytes:
             _send_bucket(buffer[:used], entries, dtype, group, stats)
@@ -138,7 +154,7 @@ def receive_weights(
     broadcasts as sender on ``forward``.
 
     Raises:
-        RuntimeError: the sender died or timed out (``group.timeout_s``); the update is then incomplete.
+        RuntimeError: the sender aborted, died or timed out (``group.timeout_s``); the update is then incomplete.
     """
     while True:
         sizes = torch.zeros(2, dtype=torch.int64, device=group.device)
@@ -146,6 +162,8 @@ def receive_weights(
         header_bytes, payload_bytes = (int(v) for v in sizes.tolist())
         if header_bytes == 0:
             return
+        if header_bytes < 0:
+            raise RuntimeError("the sender aborted the weight update half-way (its weight stream failed)")
         header = torch.empty(header_bytes, dtype=torch.uint8, device=group.device)
         payload = torch.empty(payload_bytes, dtype=torch.uint8, device=group.device)
         _broadcast([header, payload], group, stats, forward)

@@ -79,10 +79,10 @@ def test_bucket_boundaries_follow_the_byte_budget():
     assert (sent.num_buckets, sent.max_bucket_bytes, stats.num_buckets) == (4, 120, 4)
 
 
-def test_a_silent_sender_fails_the_workers_within_the_timeout():
-    """The sender stops after one bucket (its stream raised): the worker's next receive times out instead of
-    waiting forever."""
-    sender, worker = _groups(2, timeout_s=1.0)
+def test_a_failed_stream_aborts_the_workers_at_once():
+    """The sender's stream raises after one bucket: the workers are told to abort and raise without waiting for
+    the group's timeout (60 s here)."""
+    sender, worker = _groups(2, timeout_s=60.0)
 
     def broken():
         yield "a", torch.ones(4)
@@ -90,12 +90,24 @@ def test_a_silent_sender_fails_the_workers_within_the_timeout():
 
     with ThreadPoolExecutor(1) as pool:
         received = pool.submit(_collect, worker, None)
+        start = time.perf_counter()
         with pytest.raises(RuntimeError, match="trainer failed while gathering"):
             send_weights(broken(), group=sender, bucket_bytes=8, dtype=torch.float32)
+        with pytest.raises(RuntimeError, match="the sender aborted the weight update half-way"):
+            received.result()
+        assert time.perf_counter() - start < 5
+
+
+def test_a_silent_sender_fails_the_workers_within_the_timeout():
+    """A sender that stops sending (a hung gather) fails the waiting worker after ``timeout_s``, not never."""
+    sender, worker = _groups(2, timeout_s=1.0)
+    with ThreadPoolExecutor(1) as pool:
+        received = pool.submit(_collect, worker, None)
         start = time.perf_counter()
         with pytest.raises(RuntimeError):
             received.result()
-        assert time.perf_counter() - start < 5
+        assert 0.9 < time.perf_counter() - start < 5
+    del sender
 
 
 def test_a_member_that_never_joins_fails_the_rendezvous():

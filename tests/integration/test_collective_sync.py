@@ -2,8 +2,8 @@
 
 After every update, every engine's log-probs of fixed token sequences must equal those of transformers on the
 weights the trainer exported (fp32 on both sides: 1e-4, the engine test's tolerance); the same check run before an
-update (an engine that skipped it) must fail, so the check can fail. This process plays global rank 0 (the sender)
-and both engine leaders.
+update (an engine that skipped it) must fail, so the check can fail. An update whose stream fails half-way leaves
+both engines unusable. This process plays global rank 0 (the sender) and both engine leaders.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM
 from gtpo_megatron.builtin_models import resolve_model_path
 from gtpo_megatron.parallel.weight_group import WeightGroupSpec, join_weight_group, open_weight_store
 from gtpo_megatron.plan.engines import EnginePlacement, cpu_thread_binding
+from gtpo_megatron.rollout.engine import SamplingConfig
 from gtpo_megatron.rollout.engine_guard import GuardedEngine
 from gtpo_megatron.rollout.push import CollectiveWeightSync
 from gtpo_megatron.rollout.vllm_engine import VLLMEngine
@@ -79,6 +80,19 @@ def test_every_engine_matches_the_export_after_every_collective_update():
             assert per_worker[0]["num_tensors"] == len(original) == metrics["sync/num_tensors"]
             for engine in engines:
                 assert _gap(engine, hf_model) < TINY_ATOL, (update, engine.name)
+
+        def broken():  # the trainer's gather fails after three tensors: the workers hold a half-new model
+            yield from list(exported.items())[:3]
+            raise RuntimeError("gather failed")
+
+        other = engines[1].start_receive()
+        with pytest.raises(RuntimeError, match=r"engine 0 of 2 \(leader rank 0.*weight update \(collective\) failed"):
+            sender.sync(broken)
+        with pytest.raises(RuntimeError, match=r"engine 1 of 2 \(leader rank 1"):
+            engines[1].wait(other)
+        for engine in engines:  # never used for generation again
+            with pytest.raises(RuntimeError, match="is unusable since a weight update failed half-way"):
+                engine.generate(PROMPTS, 1, SamplingConfig(seed=1))
     finally:
         for engine in engines:
             engine.close()
