@@ -4,8 +4,9 @@ Usage: ``python benchmarks/bench_weight_sync.py [--model builtin:smollm2-135m-in
 [--bucket-mb 256]``
 
 One multiprocess ``VLLMEngine`` (fp32, as the trainer's fp32 weights: 513 MB for SmolLM2-135M, so both paths move
-the same bytes) receives the checkpoint's own tensors ``--repeats`` times by each path; the Megatron gather that
-produces the stream in training is the same for both and is left out. Printed per path (median over repeats):
+the same bytes) receives the checkpoint's own tensors (copied into memory first, as the trainer's gather leaves
+them) ``--repeats`` times by each path; the Megatron gather that produces the stream in training is the same for
+both and is left out. Printed per path (median over repeats):
 
 - ``files``: ``write`` (``load_weight_bucket``: cast, copy, safetensors shard into ``/dev/shm``) and ``reload``
   (``finish_weight_update``: the workers' ``reload_weights(weights_path=...)``, prefix-cache reset);
@@ -64,7 +65,7 @@ def main() -> None:
     parser.add_argument("--bucket-mb", type=int, default=256)
     args = parser.parse_args()
     path = resolve_model_path(args.model)
-    weights = {k: v.float() for k, v in load_file(f"{path}/model.safetensors").items()}
+    weights = {k: v.float().clone() for k, v in load_file(f"{path}/model.safetensors").items()}  # in RAM, as a gather
     megabytes = sum(t.numel() * 4 for t in weights.values()) / 1e6
     bucket_bytes = args.bucket_mb * 2**20
     engine = VLLMEngine(path, dtype="float32", max_model_len=256, max_num_seqs=4, in_process=False)
