@@ -170,19 +170,30 @@ def reduce_metric_sums(
     return {k: summed[i] for i, k in enumerate(keys)}
 
 
-def broadcast_buffer(buffer: torch.Tensor, *, root: int, group: WeightGroup) -> None:
-    """Broadcast ``buffer`` in place from member ``root`` of a weight group (``parallel/weight_group.py``).
+def start_broadcast(buffer: torch.Tensor, *, root: int, group: WeightGroup) -> dist.Work:
+    """Start broadcasting ``buffer`` in place from member ``root`` of a weight group; returns the work to wait on.
+
+    The weight group is ``parallel/weight_group.py``'s; ``wait()`` on the returned work before touching ``buffer``
+    again.
 
     The one exception to "inputs are not modified": receivers pass the buffer to fill, which must be contiguous and
-    on ``group.device``; on ``root`` it is read only.
+    on ``group.device``; on ``root`` it is read only. Broadcasts started on one group complete in the order started.
+
+    Collectives: one broadcast on ``group.pg`` with the group's timeout.
+    """
+    options = dist.BroadcastOptions()
+    options.rootRank = root
+    options.rootTensor = 0
+    options.timeout = group.timeout
+    return group.pg.broadcast([buffer], options)
+
+
+def broadcast_buffer(buffer: torch.Tensor, *, root: int, group: WeightGroup) -> None:
+    """:func:`start_broadcast` and wait for it.
 
     Collectives: one broadcast on ``group.pg`` with the group's timeout.
 
     Raises:
         RuntimeError: a member died or did not take part within ``group.timeout_s`` (the group is then unusable).
     """
-    options = dist.BroadcastOptions()
-    options.rootRank = root
-    options.rootTensor = 0
-    options.timeout = group.timeout
-    group.pg.broadcast([buffer], options).wait()
+    start_broadcast(buffer, root=root, group=group).wait()

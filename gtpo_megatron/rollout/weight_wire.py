@@ -1,32 +1,39 @@
 """The bucket protocol of the collective weight sync: the sender's side and the engine workers' side.
 
 The sender (global rank 0, member 0 of the weight group, ``parallel/weight_group.py``) packs the stream of
-``(hf_name, full_tensor)`` pairs into a reused byte buffer of ``bucket_bytes`` (each tensor cast to the engines'
-dtype while it is copied in, so the buffer plus one tensor of the stream is all the extra memory) and broadcasts
-each full bucket as three messages:
+``(hf_name, full_tensor)`` pairs into buckets (each tensor cast to the engines' dtype while it is copied in) and
+broadcasts each bucket as three messages:
 
 1. ``sizes``: int64 ``[2]`` = (header bytes, payload bytes); ``(0, 0)`` ends the update and ``(-1, 0)`` aborts it
    (the sender's stream failed: the workers raise at once instead of waiting for the group's timeout);
 2. ``header``: uint8 UTF-8 JSON ``{"dtype": "bfloat16", "tensors": [[name, shape, byte_offset], ...]}``;
 3. ``payload``: uint8 ``[payload bytes]``, the tensors back to back (one dtype, so every offset is aligned).
 
-A tensor larger than the bucket travels alone in a buffer of its own size. Every worker turns the messages back
-into ``(name, tensor)`` views of its payload (:func:`receive_weights`), which vLLM's ``reload_weights`` consumes in
-one pass; a payload stays alive only while vLLM's layerwise reload still holds views of a layer it has not
-completed. All messages go through ``parallel.collectives.broadcast_buffer`` with the group's timeout.
+Every worker turns the messages back into ``(name, tensor)`` views of its payload (:func:`receive_weights`), which
+vLLM's ``reload_weights`` consumes in one pass.
+
+Pipelining: the transfer of one bucket overlaps the work on its neighbours. The sender packs the next bucket while
+the previous one is still being broadcast (asynchronous broadcasts), and each worker receives the next bucket in a
+background thread while vLLM loads the current one. Both sides therefore hold two buckets at a time, so a bucket
+is half of ``bucket_bytes``: the extra memory stays about ``bucket_bytes`` per process (plus, on a worker, the
+pieces of a layer that vLLM's layerwise reload holds until the layer is complete). A tensor larger than a bucket
+travels alone (without a copy when it already has the engines' dtype). All messages go through
+``parallel.collectives`` with the group's timeout.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import queue
+import threading
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
 
-from gtpo_megatron.parallel.collectives import broadcast_buffer
+from gtpo_megatron.parallel.collectives import broadcast_buffer, start_broadcast
 from gtpo_megatron.parallel.weight_group import WeightGroup
 from gtpo_megatron.rollout.engine import NamedTensor
 
@@ -59,41 +66,75 @@ class WireStats:
         self.max_bucket_bytes = max(self.max_bucket_bytes, num_bytes)
 
 
-def _broadcast(
-    buffers: list[torch.Tensor], group: WeightGroup, stats: WireStats | None, forward: WeightGroup | None = None
-) -> None:
-    """Broadcast ``buffers`` in order from member 0, each passed on to ``forward`` (a relay), timed in ``stats``."""
-    start = time.perf_counter()
-    for buffer in buffers:
-        broadcast_buffer(buffer, root=SENDER, group=group)
-        if forward is not None:
-            broadcast_buffer(buffer, root=SENDER, group=forward)
-    if stats is not None:
-        stats.transfer_s += time.perf_counter() - start
+def _relayed(buffer: torch.Tensor, group: WeightGroup, forward: WeightGroup | None) -> None:
+    """Receive ``buffer`` from member 0 and pass it on to ``forward`` (a relay's second group) when given."""
+    broadcast_buffer(buffer, root=SENDER, group=group)
+    if forward is not None:
+        broadcast_buffer(buffer, root=SENDER, group=forward)
 
 
-def _send_bucket(
-    payload: torch.Tensor, entries: list, dtype: torch.dtype, group: WeightGroup, stats: WireStats
-) -> None:
-    header = json.dumps({"dtype": str(dtype).removeprefix("torch."), "tensors": entries}).encode()
-    header_tensor = torch.frombuffer(bytearray(header), dtype=torch.uint8).to(group.device)
-    sizes = torch.tensor([len(header), payload.numel()], dtype=torch.int64, device=group.device)
-    _broadcast([sizes, header_tensor, payload], group, stats)
-    stats.add_bucket(len(entries), payload.numel())
+def _control(values: list[int], group: WeightGroup) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64, device=group.device)
 
 
-def _aborting(named_tensors: Iterable[NamedTensor], group: WeightGroup) -> Iterator[NamedTensor]:
-    """The stream; when it raises, the workers are told to abort (one broadcast) before the error propagates."""
-    stream = iter(named_tensors)
-    while True:
-        try:
-            item = next(stream)
-        except StopIteration:
+class _Sender:
+    """The sender's two half-bucket buffers and the broadcasts of the bucket in flight."""
+
+    def __init__(self, group: WeightGroup, bucket_bytes: int, dtype: torch.dtype) -> None:
+        self.group, self.dtype, self.stats = group, dtype, WireStats()
+        self.capacity = max(bucket_bytes // 2, 1)
+        self.element = torch.empty((), dtype=dtype).element_size()
+        self.buffers = [torch.empty(self.capacity, dtype=torch.uint8, device=group.device) for _ in range(2)]
+        self.current, self.entries, self.used, self.in_flight = 0, [], 0, []
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        """Pack one tensor (sending the bucket first when it would overflow)."""
+        nbytes = tensor.numel() * self.element
+        if self.entries and self.used + nbytes > self.capacity:
+            self.flush()
+        if nbytes > self.capacity:  # travels alone, as itself when it can
+            same = tensor.dtype == self.dtype and tensor.is_contiguous() and tensor.device == self.group.device
+            payload = tensor.detach().reshape(-1).view(torch.uint8) if same else self._cast(tensor, nbytes)
+            self._send(payload, [[name, list(tensor.shape), 0]])
             return
-        except BaseException:
-            _broadcast([torch.tensor([-1, 0], dtype=torch.int64, device=group.device)], group, None)
-            raise
-        yield item
+        buffer = self.buffers[self.current]
+        buffer[self.used : self.used + nbytes].view(self.dtype).copy_(tensor.detach().reshape(-1))
+        self.entries.append([name, list(tensor.shape), self.used])
+        self.used += nbytes
+
+    def _cast(self, tensor: torch.Tensor, nbytes: int) -> torch.Tensor:
+        payload = torch.empty(nbytes, dtype=torch.uint8, device=self.group.device)
+        payload.view(self.dtype).copy_(tensor.detach().reshape(-1))
+        return payload
+
+    def flush(self) -> None:
+        """Send the packed bucket (if any) and switch to the other buffer."""
+        if self.entries:
+            self._send(self.buffers[self.current][: self.used], self.entries)
+            self.current, self.entries, self.used = 1 - self.current, [], 0
+
+    def _send(self, payload: torch.Tensor, entries: list) -> None:
+        self.wait()  # the other buffer's bucket: at most one bucket in flight while the next one is packed
+        header = json.dumps({"dtype": str(self.dtype).removeprefix("torch."), "tensors": entries}).encode()
+        header_tensor = torch.frombuffer(bytearray(header), dtype=torch.uint8).to(self.group.device)
+        messages = [_control([len(header), payload.numel()], self.group), header_tensor, payload]
+        self.in_flight = [(m, start_broadcast(m, root=SENDER, group=self.group)) for m in messages]
+        self.stats.add_bucket(len(entries), payload.numel())
+
+    def wait(self) -> None:
+        """Wait for the bucket in flight (its buffers may be reused afterwards)."""
+        start = time.perf_counter()
+        for _, work in self.in_flight:
+            work.wait()
+        self.in_flight = []
+        self.stats.transfer_s += time.perf_counter() - start
+
+    def end(self, *, abort: bool) -> None:
+        """Flush and send the end (or abort) message, then wait for everything."""
+        if not abort:
+            self.flush()
+        self.wait()
+        broadcast_buffer(_control([-1 if abort else 0, 0], self.group), root=SENDER, group=self.group)
 
 
 def send_weights(
@@ -104,40 +145,72 @@ def send_weights(
     Args:
         named_tensors: ``(hf_name, full_tensor)`` pairs, each name once; not modified.
         group: the joined weight group (this process is member 0).
-        bucket_bytes: byte budget of one bucket (>= 1).
+        bucket_bytes: byte budget of the two buckets in flight (>= 2).
         dtype: the engines' weight dtype; tensors are cast while they are packed.
 
     Returns:
         ``WireStats`` of the update.
 
-    Collectives: three broadcasts per bucket and one to end, on ``group`` (``parallel.collectives``).
+    Collectives: three broadcasts per bucket (asynchronous, at most one bucket outstanding) and one to end, on
+    ``group`` (``parallel.collectives``).
 
     Raises:
-        ValueError: ``bucket_bytes < 1`` or this process is not member 0.
+        ValueError: ``bucket_bytes < 2`` or this process is not member 0.
         RuntimeError: a worker died or timed out (``group.timeout_s``).
         BaseException: whatever the stream raised, after the workers were told to abort.
     """
-    if bucket_bytes < 1 or group.rank != SENDER:
-        raise ValueError(f"send_weights needs bucket_bytes >= 1 (got {bucket_bytes}) on member 0 (got {group.rank})")
-    element = torch.empty((), dtype=dtype).element_size()
-    buffer = torch.empty(bucket_bytes, dtype=torch.uint8, device=group.device)
-    stats, entries, used = WireStats(), [], 0
-    for name, tensor in _aborting(named_tensors, group):
-        nbytes = tensor.numel() * element
-        if entries and used + nbytes > bucket_bytes:
-            _send_bucket(buffer[:used], entries, dtype, group, stats)
-            entries, used = [], 0
-        target = buffer if nbytes <= bucket_bytes else torch.empty(nbytes, dtype=torch.uint8, device=group.device)
-        target[used : used + nbytes].view(dtype).copy_(tensor.detach().reshape(-1))
-        entries.append([name, list(tensor.shape), used])
-        used += nbytes
-        if target is not buffer:  # an oversized tensor travels alone
-            _send_bucket(target, entries, dtype, group, stats)
-            entries, used = [], 0
-    if entries:
-        _send_bucket(buffer[:used], entries, dtype, group, stats)
-    _broadcast([torch.zeros(2, dtype=torch.int64, device=group.device)], group, stats)
-    return stats
+    if bucket_bytes < 2 or group.rank != SENDER:
+        raise ValueError(f"send_weights needs bucket_bytes >= 2 (got {bucket_bytes}) on member 0 (got {group.rank})")
+    sender = _Sender(group, bucket_bytes, dtype)
+    stream = iter(named_tensors)
+    while True:
+        try:
+            item = next(stream)
+        except StopIteration:
+            break
+        except BaseException:
+            sender.end(abort=True)
+            raise
+        sender.add(*item)
+    sender.end(abort=False)
+    return sender.stats
+
+
+def _receive_bucket(group: WeightGroup, forward: WeightGroup | None) -> tuple[dict, torch.Tensor] | None:
+    """One bucket's ``(header, payload)``, or None at the end of the update.
+
+    Raises:
+        RuntimeError: the sender aborted, died or timed out.
+    """
+    sizes = _control([0, 0], group)
+    _relayed(sizes, group, forward)
+    header_bytes, payload_bytes = (int(v) for v in sizes.tolist())
+    if header_bytes == 0:
+        return None
+    if header_bytes < 0:
+        raise RuntimeError("the sender aborted the weight update half-way (its weight stream failed)")
+    header = torch.empty(header_bytes, dtype=torch.uint8, device=group.device)
+    payload = torch.empty(payload_bytes, dtype=torch.uint8, device=group.device)
+    _relayed(header, group, forward)
+    _relayed(payload, group, forward)
+    return json.loads(header.cpu().numpy().tobytes()), payload
+
+
+def _prefetch(group: WeightGroup, forward: WeightGroup | None, stats: WireStats, out: queue.Queue) -> None:
+    """Receive bucket after bucket into ``out``, each only once the previous one was taken (two alive at most)."""
+    if group.device.type == "cuda":  # UNTESTED: no GPU here
+        torch.cuda.set_device(group.device)
+    try:
+        while True:
+            start = time.perf_counter()
+            bucket = _receive_bucket(group, forward)
+            stats.transfer_s += time.perf_counter() - start
+            out.put(bucket)
+            out.join()
+            if bucket is None:
+                return
+    except BaseException as err:  # handed to the consumer
+        out.put(err)
 
 
 def receive_weights(
@@ -145,10 +218,10 @@ def receive_weights(
 ) -> Iterator[NamedTensor]:
     """Yield the ``(hf_name, tensor)`` pairs of one update as the sender's buckets arrive (an engine worker).
 
-    Tensors are views of the bucket they came in (on ``group.device``, in the sender's dtype); the generator ends
-    with the sender's end message. ``stats`` (optional) is filled as buckets arrive. A relay
-    (``parallel.weight_group.WorkerLink``) passes every message on to ``forward``, where it is member 0, so the
-    worker there receives the same update with this function.
+    Tensors are views of the bucket they came in (on ``group.device``, in the sender's dtype); the next bucket is
+    received in a background thread meanwhile. The generator ends with the sender's end message. ``stats``
+    (optional) is filled as buckets arrive. A relay (``parallel.weight_group.WorkerLink``) passes every message on
+    to ``forward``, where it is member 0, so the worker there receives the same update with this function.
 
     Collectives: the receiving side of :func:`send_weights` on ``group`` (member 0 sends), plus the same
     broadcasts as sender on ``forward``.
@@ -156,22 +229,20 @@ def receive_weights(
     Raises:
         RuntimeError: the sender aborted, died or timed out (``group.timeout_s``); the update is then incomplete.
     """
+    stats = stats if stats is not None else WireStats()
+    buckets: queue.Queue = queue.Queue(maxsize=1)
+    threading.Thread(target=_prefetch, args=(group, forward, stats, buckets), name="gtpo-weights", daemon=True).start()
     while True:
-        sizes = torch.zeros(2, dtype=torch.int64, device=group.device)
-        _broadcast([sizes], group, stats, forward)
-        header_bytes, payload_bytes = (int(v) for v in sizes.tolist())
-        if header_bytes == 0:
+        bucket = buckets.get()
+        buckets.task_done()
+        if bucket is None:
             return
-        if header_bytes < 0:
-            raise RuntimeError("the sender aborted the weight update half-way (its weight stream failed)")
-        header = torch.empty(header_bytes, dtype=torch.uint8, device=group.device)
-        payload = torch.empty(payload_bytes, dtype=torch.uint8, device=group.device)
-        _broadcast([header, payload], group, stats, forward)
-        meta = json.loads(header.cpu().numpy().tobytes())
+        if isinstance(bucket, BaseException):
+            raise bucket
+        meta, payload = bucket
         dtype = getattr(torch, meta["dtype"])
         element = torch.empty((), dtype=dtype).element_size()
         for name, shape, offset in meta["tensors"]:
             nbytes = math.prod(shape) * element
             yield name, payload[offset : offset + nbytes].view(dtype).view(shape)
-        if stats is not None:
-            stats.add_bucket(len(meta["tensors"]), payload_bytes)
+        stats.add_bucket(len(meta["tensors"]), payload.numel())

@@ -54,8 +54,9 @@ def test_buckets_reach_every_worker_cast_to_the_engine_dtype():
     with ThreadPoolExecutor(2) as pool:
         stats = [WireStats(), WireStats()]
         received = [pool.submit(_collect, group, s) for group, s in zip(workers, stats)]
-        # 64-byte buckets in bfloat16 (2 bytes a value): [a (30 B), b (14 B)] | c (800 B) alone | [d (8 B), e (2 B)]
-        sent = send_weights(iter(stream), group=sender, bucket_bytes=64, dtype=torch.bfloat16)
+        # a 128-byte budget = two 64-byte buckets in flight; bfloat16 (2 bytes a value):
+        # [a (30 B), b (14 B)] | c (800 B) alone | [d (8 B), e (2 B)]
+        sent = send_weights(iter(stream), group=sender, bucket_bytes=128, dtype=torch.bfloat16)
         got = [f.result() for f in received]
     assert (sent.num_tensors, sent.num_bytes) == (5, 2 * (15 + 7 + 400 + 4 + 1))
     assert (sent.num_buckets, sent.max_bucket_bytes) == (3, 800)
@@ -73,9 +74,9 @@ def test_bucket_boundaries_follow_the_byte_budget():
     with ThreadPoolExecutor(1) as pool:
         stats = WireStats()
         received = pool.submit(_collect, worker, stats)
-        sent = send_weights(iter(sizes), group=sender, bucket_bytes=100, dtype=torch.float32)
+        sent = send_weights(iter(sizes), group=sender, bucket_bytes=200, dtype=torch.float32)
         assert [name for name, _ in received.result()] == ["t0", "t1", "t2", "t3", "t4"]
-    # [t0, t1] = 80 | t2 = 40 (t3 would pass 100) | t3 = 120 alone | t4 = 20
+    # buckets of 200 / 2 = 100 bytes: [t0, t1] = 80 | t2 = 40 (t3 would pass 100) | t3 = 120 alone | t4 = 20
     assert (sent.num_buckets, sent.max_bucket_bytes, stats.num_buckets) == (4, 120, 4)
 
 
@@ -181,3 +182,19 @@ def test_a_relay_feeds_the_worker_on_the_senders_gpu():
             got = worker.result()
             assert [n for n, _ in got] == [n for n, _ in _stream()]
             assert all(torch.equal(t, o) for (_, t), (_, o) in zip(got, _stream()))
+
+
+def test_the_pipeline_holds_at_most_two_buckets_per_side():
+    """A worker that is slow to load keeps the sender waiting: one bucket being loaded, one arriving, one packed."""
+    sender, worker = _groups(2)
+    stream = [(f"t{i}", torch.full((25,), float(i))) for i in range(6)]  # six 100-byte buckets (budget 200)
+    with ThreadPoolExecutor(1) as pool:
+        sending = pool.submit(send_weights, iter(stream), group=sender, bucket_bytes=200, dtype=torch.float32)
+        stats = WireStats()
+        received = receive_weights(worker, stats)
+        first = next(received)
+        time.sleep(0.5)  # vLLM busy with bucket 0
+        assert not sending.done() and stats.transfer_s > 0
+        rest = list(received)
+        assert sending.result().num_buckets == 6
+    assert [name for name, _ in [first, *rest]] == [name for name, _ in stream] and stats.num_buckets == 6
