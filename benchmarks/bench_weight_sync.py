@@ -5,7 +5,7 @@ Usage: ``python benchmarks/bench_weight_sync.py [--model builtin:smollm2-135m-in
 
 One multiprocess ``VLLMEngine`` (fp32, as the trainer's fp32 weights: 513 MB for SmolLM2-135M, so both paths move
 the same bytes) receives the checkpoint's own tensors (copied into memory first, as the trainer's gather leaves
-them) ``--repeats`` times by each path; the Megatron gather that produces the stream in training is the same for
+them; one torch thread, as in a torchrun trainer process) ``--repeats`` times by each path; the Megatron gather that produces the stream in training is the same for
 both and is left out. Printed per path (median over repeats):
 
 - ``files``: ``write`` (``load_weight_bucket``: cast, copy, safetensors shard into ``/dev/shm``) and ``reload``
@@ -64,6 +64,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--bucket-mb", type=int, default=256)
     args = parser.parse_args()
+    torch.set_num_threads(1)  # as in a trainer process (torchrun sets OMP_NUM_THREADS=1)
     path = resolve_model_path(args.model)
     weights = {k: v.float().clone() for k, v in load_file(f"{path}/model.safetensors").items()}  # in RAM, as a gather
     megabytes = sum(t.numel() * 4 for t in weights.values()) / 1e6

@@ -163,7 +163,7 @@ class CollectiveWeightSync:
         engine: this rank's guarded engine when it leads one, else None.
         group: the weight group on global rank 0 (the sender), else None.
         exporting: this rank takes part in the weight gather (data-parallel rank 0).
-        bucket_bytes: byte budget per bucket.
+        bucket_bytes: byte budget of the two half-size buckets in flight (``rollout/weight_wire.py``).
         dtype: the engines' weight dtype (the sender casts while packing).
     """
 
