@@ -4,15 +4,16 @@ Usage: ``python benchmarks/bench_weight_sync.py [--model builtin:smollm2-135m-in
 [--bucket-mb 256]``
 
 One multiprocess ``VLLMEngine`` (fp32, as the trainer's fp32 weights: 513 MB for SmolLM2-135M, so both paths move
-the same bytes) receives the checkpoint's own tensors (copied into memory first, as the trainer's gather leaves
-them; one torch thread, as in a torchrun trainer process) ``--repeats`` times by each path; the Megatron gather that produces the stream in training is the same for
-both and is left out. Printed per path (median over repeats):
+the same bytes) receives the checkpoint's own tensors ``--repeats`` times by each path. The tensors are copied into
+memory first, as the trainer's gather leaves them, and the process uses one torch thread, as a torchrun trainer
+process does; the Megatron gather that produces the stream in training is the same for both paths and is left out.
+Printed per path (median over repeats):
 
 - ``files``: ``write`` (``load_weight_bucket``: cast, copy, safetensors shard into ``/dev/shm``) and ``reload``
   (``finish_weight_update``: the workers' ``reload_weights(weights_path=...)``, prefix-cache reset);
 - ``collective``: ``total`` (the sender's ``send_weights`` until the engine's RPC returned), ``broadcast``
-  (time inside the sender's broadcasts), and on the worker ``in transfer`` (time waiting inside its broadcasts)
-  and ``reload`` (the rest of its ``reload_weights`` pass: vLLM's ``load_weights`` and
+  (the sender's time waiting for its broadcasts), and on the worker ``waiting`` (its reload waiting for the next
+  bucket to arrive) and ``reload`` (the rest of its ``reload_weights`` pass: vLLM's ``load_weights`` and
   ``process_weights_after_loading``, which re-packs the CPU GEMM weights).
 
 The last line is the ratio files / collective of the totals. After both paths the engine's log-probs of a fixed
@@ -54,7 +55,7 @@ def _collective(guarded: GuardedEngine, group, weights: dict, bucket_bytes: int)
     sent = send_weights(iter(weights.items()), group=group, bucket_bytes=bucket_bytes, dtype=torch.float32)
     (worker,) = guarded.wait(receiving)
     total = time.perf_counter() - start
-    return {"total": total, "broadcast": sent.transfer_s, "in transfer": worker["transfer_s"],
+    return {"total": total, "broadcast": sent.transfer_s, "waiting": worker["transfer_s"],
             "reload": worker["seconds"] - worker["transfer_s"]}  # fmt: skip
 
 

@@ -69,8 +69,8 @@ class WeightReloadExtension:
         """Receive one broadcast update and apply it in a single ``reload_weights`` pass.
 
         Returns:
-            ``{"num_tensors", "num_bytes", "seconds", "transfer_s"}`` of this worker (``transfer_s``: time inside
-            the broadcasts; the rest is vLLM's reload and ``process_weights_after_loading``).
+            ``{"num_tensors", "num_bytes", "seconds", "transfer_s"}`` of this worker (``transfer_s``: time the
+            reload waited for buckets; the rest is vLLM's load and ``process_weights_after_loading``).
 
         Raises:
             RuntimeError: not joined, or the sender failed half-way (the model is then partly updated: the caller

@@ -49,7 +49,8 @@ class WireStats:
         num_bytes: payload bytes (in the engines' dtype).
         num_buckets: buckets.
         max_bucket_bytes: the largest payload.
-        transfer_s: seconds spent inside the broadcasts (the rest is packing, or vLLM's reload on a worker).
+        transfer_s: seconds spent waiting for broadcasts: on the sender for its bucket in flight, on a worker
+            the time vLLM's load waited for the next bucket (the rest of the pass is the load itself).
     """
 
     num_tensors: int = 0
@@ -196,21 +197,25 @@ def _receive_bucket(group: WeightGroup, forward: WeightGroup | None) -> tuple[di
     return json.loads(header.cpu().numpy().tobytes()), payload
 
 
-def _prefetch(group: WeightGroup, forward: WeightGroup | None, stats: WireStats, out: queue.Queue) -> None:
-    """Receive bucket after bucket into ``out``, each only once the previous one was taken (two alive at most)."""
+def _prefetch(group: WeightGroup, forward: WeightGroup | None, out: queue.Queue, stop: threading.Event) -> None:
+    """Receive bucket after bucket into ``out``, each only once the previous one was taken (two alive at most).
+
+    Once the consumer stopped early (``stop``), the rest of the update is received and dropped, so the sender (and
+    a relay's target) finish at once instead of waiting for the group's timeout.
+    """
     if group.device.type == "cuda":  # UNTESTED: no GPU here
         torch.cuda.set_device(group.device)
     try:
         while True:
-            start = time.perf_counter()
             bucket = _receive_bucket(group, forward)
-            stats.transfer_s += time.perf_counter() - start
-            out.put(bucket)
-            out.join()
+            if not stop.is_set():
+                out.put(bucket)
+                out.join()
             if bucket is None:
                 return
     except BaseException as err:  # handed to the consumer
-        out.put(err)
+        if not stop.is_set():
+            out.put(err)
 
 
 def receive_weights(
@@ -231,18 +236,28 @@ def receive_weights(
     """
     stats = stats if stats is not None else WireStats()
     buckets: queue.Queue = queue.Queue(maxsize=1)
-    threading.Thread(target=_prefetch, args=(group, forward, stats, buckets), name="gtpo-weights", daemon=True).start()
-    while True:
-        bucket = buckets.get()
-        buckets.task_done()
-        if bucket is None:
-            return
-        if isinstance(bucket, BaseException):
-            raise bucket
-        meta, payload = bucket
-        dtype = getattr(torch, meta["dtype"])
-        element = torch.empty((), dtype=dtype).element_size()
-        for name, shape, offset in meta["tensors"]:
-            nbytes = math.prod(shape) * element
-            yield name, payload[offset : offset + nbytes].view(dtype).view(shape)
-        stats.add_bucket(len(meta["tensors"]), payload.numel())
+    stop = threading.Event()
+    args = (group, forward, buckets, stop)
+    threading.Thread(target=_prefetch, args=args, name="gtpo-weights", daemon=True).start()
+    try:
+        while True:
+            start = time.perf_counter()
+            bucket = buckets.get()
+            buckets.task_done()
+            stats.transfer_s += time.perf_counter() - start
+            if bucket is None:
+                return
+            if isinstance(bucket, BaseException):
+                raise bucket
+            meta, payload = bucket
+            dtype = getattr(torch, meta["dtype"])
+            element = torch.empty((), dtype=dtype).element_size()
+            for name, shape, offset in meta["tensors"]:
+                nbytes = math.prod(shape) * element
+                yield name, payload[offset : offset + nbytes].view(dtype).view(shape)
+            stats.add_bucket(len(meta["tensors"]), payload.numel())
+    finally:  # stopped early (vLLM's load raised): let the thread drop the rest of the update
+        stop.set()
+        while not buckets.empty():
+            buckets.get_nowait()
+            buckets.task_done()

@@ -198,3 +198,22 @@ def test_the_pipeline_holds_at_most_two_buckets_per_side():
         rest = list(received)
         assert sending.result().num_buckets == 6
     assert [name for name, _ in [first, *rest]] == [name for name, _ in stream] and stats.num_buckets == 6
+
+
+def test_a_worker_that_fails_while_loading_does_not_hold_up_the_sender():
+    """vLLM's load raises after the first tensor: the rest of the update is received and dropped, so the sender
+    finishes at once (not after the group's 60 s timeout) and the worker's error surfaces on its leader."""
+    sender, worker = _groups(2, timeout_s=60.0)
+    stream = [(f"t{i}", torch.ones(25)) for i in range(8)]
+
+    def failing_load():
+        for _name, _tensor in receive_weights(worker):
+            raise ValueError("vLLM could not load t0")
+
+    with ThreadPoolExecutor(1) as pool:
+        loading = pool.submit(failing_load)
+        start = time.perf_counter()
+        assert send_weights(iter(stream), group=sender, bucket_bytes=200, dtype=torch.float32).num_buckets == 8
+        assert time.perf_counter() - start < 10
+        with pytest.raises(ValueError, match="could not load t0"):
+            loading.result()
