@@ -55,7 +55,7 @@ def compute_step_weights(
     initial_entropy: float | None,
     scores: torch.Tensor,
 ) -> StepWeights:
-    """Advantages, the entropy filter and conflict weights of the full batch (GTPO_SPEC sections 2-4).
+    """:func:`compute_weights` of a ``TrainBatch`` (its ``input_ids``, ``response_mask`` and ``truncated`` extra).
 
     Args:
         batch: the full (unsharded) step batch from ``collate_completions``.
@@ -66,6 +66,51 @@ def compute_step_weights(
         scores: ``[B]`` task scores: ``skip_uniform_groups`` decides on them, like every variance decision (a group
             whose answers all score the same is uniform even when the overlong penalty spreads its rewards).
     """
+    return compute_weights(
+        batch.input_ids,
+        batch.response_mask,
+        rewards,
+        seq_entropy,
+        cfg,
+        initial_entropy=initial_entropy,
+        truncated=batch.extras.get("truncated"),
+        scores=scores,
+    )
+
+
+def compute_weights(
+    input_ids: torch.Tensor,
+    response_mask: torch.Tensor,
+    rewards: torch.Tensor,
+    seq_entropy: torch.Tensor,
+    cfg: AlgorithmConfig,
+    *,
+    initial_entropy: float | None,
+    truncated: torch.Tensor | None = None,
+    scores: torch.Tensor | None = None,
+) -> StepWeights:
+    """Advantages, the entropy filter and conflict weights of a whole step (GTPO_SPEC sections 2-4).
+
+    Args:
+        input_ids: ``[B, S]`` int token ids, rows group by group (``cfg.group_size`` consecutive rows per prompt);
+            only the columns where ``response_mask`` is True are read (any padding side, any pad id).
+        response_mask: ``[B, S]`` bool, True on response tokens.
+        rewards: ``[B]`` rewards.
+        seq_entropy: ``[B]`` per-completion mean entropy <H>_i in nats.
+        cfg: algorithm section.
+        initial_entropy: <H>_ini for the ``paper`` filter (None for the other modes).
+        truncated: ``[B]`` bool, completions cut at the token limit; required by ``cfg.overlong_filter``.
+        scores: ``[B]`` task scores, on which ``skip_uniform_groups`` decides whether a group varies (never on
+            rewards shaped by an overlong penalty); None when ``rewards`` are the task scores themselves.
+
+    Raises:
+        ValueError: ``cfg.overlong_filter`` without ``truncated``, and the checks of the ``ops`` functions.
+    """
+    if cfg.overlong_filter and truncated is None:
+        raise ValueError(
+            "algorithm.overlong_filter=true needs truncated ([B] bool: finish_reason == 'length'); pass it or "
+            "set algorithm.overlong_filter=false"
+        )
     group_size = cfg.group_size
     raw_B = compute_group_advantages(rewards, group_size, estimator=cfg.advantage_estimator)
     keep_B = entropy_keep_mask(
@@ -77,15 +122,15 @@ def compute_step_weights(
         only_negative=cfg.entropy_only_negative,
     )
     if cfg.skip_uniform_groups:
-        keep_B = keep_B & filter_uniform_groups(scores, group_size).repeat_interleave(group_size)
+        varied_P = filter_uniform_groups(rewards if scores is None else scores, group_size)
+        keep_B = keep_B & varied_P.repeat_interleave(group_size)
     conflict_adv_B = raw_B * keep_B if cfg.exclude_filtered_from_conflicts else raw_B
-    ids, mask = batch.input_ids, batch.response_mask
     if cfg.conflict_mode == "off":
-        lambda_BS = mask.float()
+        lambda_BS = response_mask.float()
     else:
         lambda_BS = build_conflict_weights(
-            ids,
-            mask,
+            input_ids,
+            response_mask,
             conflict_adv_B,
             group_size,
             amplification=cfg.conflict_amplification,
@@ -94,9 +139,9 @@ def compute_step_weights(
         )
         if cfg.normalize_by_conflicts:
             lambda_BS = lambda_BS / conflict_normalizers(
-                ids, mask, conflict_adv_B, group_size, mode=cfg.conflict_mode
+                input_ids, response_mask, conflict_adv_B, group_size, mode=cfg.conflict_mode
             ).unsqueeze(-1)
-    row_keep_B = keep_B & ~batch.extras["truncated"] if cfg.overlong_filter else keep_B
+    row_keep_B = keep_B & ~truncated if cfg.overlong_filter else keep_B
     advantages_B = apply_entropy_penalty(raw_B, seq_entropy, cfg.entropy_penalty)
     return StepWeights(
         raw_advantages=raw_B,

@@ -189,6 +189,8 @@ def build_collector(cfg: GTPOConfig, model_path: str, tokenizer, placement: Engi
         enable_sleep_mode=rollout.placement == "colocated" and torch.cuda.is_available(),
         max_num_seqs=max(16, rollout.num_prompts * cfg.algorithm.group_size),
         environment=environment,
+        # Started from a Megatron checkpoint: the HF folder may hold no weights; the trainer pushes the policy's.
+        load_format="dummy" if cfg.model.megatron_checkpoint is not None else "auto",
     )
     logger.info("started %s with %s", placement.describe(), environment or "the default environment")
     pool = RewardPool(cfg.reward.name, num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s)

@@ -16,7 +16,7 @@ import torch
 
 from gtpo_megatron.config import load_config, save_config
 from gtpo_megatron.logging import setup_logging
-from gtpo_megatron.run_dir import check_fresh_run, config_path
+from gtpo_megatron.run_dir import check_fresh_run, config_path, resolve_megatron_lm_checkpoint
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -38,11 +38,13 @@ def _single_process_defaults() -> None:
 
 
 def _check_inputs(cfg) -> None:
-    """The model and the data exist (a typo fails here, not after minutes of model loading on every rank)."""
+    """The model (and Megatron checkpoint) and the data exist (a typo fails here, not after minutes of loading)."""
     from gtpo_megatron.builtin_models import check_model
     from gtpo_megatron.data.datasets import check_source
 
     check_model(cfg.model.name_or_path)
+    if cfg.model.megatron_checkpoint is not None:
+        resolve_megatron_lm_checkpoint(cfg.model.megatron_checkpoint)
     check_source(cfg.data.source, path=cfg.data.path, split=cfg.data.split, prefix="data.")
 
 

@@ -288,11 +288,17 @@ class Trainer:
         barrier(group=self._world)
 
     def _maybe_resume(self) -> int:
-        """Load the newest checkpoint when ``resume=true``; returns the number of completed steps."""
+        """Load the newest checkpoint when ``resume=true``; returns the number of completed steps.
+
+        Either way the engine then gets the policy's weights when they are not the HF folder's (a resumed run, or a
+        fresh start from ``model.megatron_checkpoint``, whose engine starts with dummy weights).
+        """
         checkpoints = run_dir.list_checkpoints(self.checkpoint_dir) if self.cfg.resume else []
         if not checkpoints:
             if self.cfg.resume:
                 logger.warning("resume=true but %s holds no checkpoint; starting from step 0", self.checkpoint_dir)
+            if self.cfg.model.megatron_checkpoint is not None:
+                self._sync_weights()  # the engine started with dummy weights (build.build_collector)
             return 0
         state = self.policy.load_checkpoint(str(checkpoints[-1]))
         self.initial_entropy = state.get("initial_entropy")

@@ -45,6 +45,13 @@ class ModelConfig:
     ``megatron_adapter/head_padding.py``). Export and weight sync strip the padding."""
     megatron_overrides: dict[str, object] = field(default_factory=dict)
     """Extra ``TransformerConfig`` fields (checked against Megatron's dataclass in ``GTPOConfig.validate``)."""
+    megatron_checkpoint: str | None = None
+    """A Megatron-LM / Megatron-Bridge checkpoint (``torch_dist`` format: the root holding
+    ``latest_checkpointed_iteration.txt``, or one ``iter_NNNNNNN`` folder) whose model weights are the starting
+    policy, loaded at any TP/PP layout; weights only (no optimizer state, RNG or iteration count). ``name_or_path``
+    then supplies the HF config and tokenizer only (its folder needs no weights); the vLLM engine starts with
+    dummy weights and receives these by a weight push before the first rollout. null: start from
+    ``name_or_path``'s weights."""
 
     def __post_init__(self) -> None:
         _require(
@@ -60,6 +67,13 @@ class ModelConfig:
             self.make_vocab_size_divisible_by,
             "must be >= 1",
             "use 128 (Megatron's default)",
+        )
+        _require(
+            self.megatron_checkpoint is None or (bool(self.megatron_checkpoint) and not self.pad_attention_heads),
+            "model.megatron_checkpoint/model.pad_attention_heads",
+            (self.megatron_checkpoint, self.pad_attention_heads),
+            "a Megatron checkpoint is loaded as written (unpadded heads) and must not be empty",
+            "set model.pad_attention_heads=false and give the checkpoint folder, or model.megatron_checkpoint=null",
         )
 
 

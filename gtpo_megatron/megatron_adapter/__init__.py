@@ -3,6 +3,8 @@
 Modules: ``cpu_compat`` (CPU shim, inert on GPU), ``model`` (GPTModel from an HF config), ``hf_features``
 (what each HF config field does to the math: mapped or refused), ``hf_conversion``
 (HF <-> Megatron shard layout and sharded loading), ``forward_step`` (schedule hook and loss closure),
+``loss_forms`` (the loss in Megatron's per-token and legacy conventions, for the plugin), ``external_model`` (a
+caller's GPTModel checked against the converter), ``external_checkpoint`` (a Megatron-LM checkpoint's weights),
 ``optimizer`` (DDP, Megatron Adam, LR schedule, non-finite guard), ``step_metrics`` (metric reduction),
 ``hf_stream`` (streams ``(hf_name, full_tensor)`` out of the TP/PP shards: the source of weight export and weight
 sync), ``hf_export`` (HF folder writer), ``checkpoint`` (Megatron dist checkpointing), ``policy``

@@ -77,15 +77,32 @@ def _add_biases(spec, biases: LinearBiases):
             attention, submodules=dataclasses.replace(attention.submodules, linear_proj=linear_proj)
         )
     if biases.mlp:
-        mlp = dataclasses.replace(
+        submodules = mlp_submodules(mlp)
+        mlp = _with_mlp_submodules(
             mlp,
-            submodules=dataclasses.replace(
-                mlp.submodules,
-                linear_fc1=_with_bias(mlp.submodules.linear_fc1),
-                linear_fc2=_with_bias(mlp.submodules.linear_fc2),
+            dataclasses.replace(
+                submodules,
+                linear_fc1=_with_bias(submodules.linear_fc1),
+                linear_fc2=_with_bias(submodules.linear_fc2),
             ),
         )
     return dataclasses.replace(spec, submodules=dataclasses.replace(layer, self_attention=attention, mlp=mlp))
+
+
+def mlp_submodules(mlp):
+    """The ``MLPSubmodules`` of a layer spec's ``mlp`` entry.
+
+    megatron-core 0.16 gives a ``ModuleSpec`` (``.submodules``); 0.17+ give ``functools.partial(MLP...,
+    submodules=...)`` (the keyword).
+    """
+    return mlp.keywords["submodules"] if isinstance(mlp, functools.partial) else mlp.submodules
+
+
+def _with_mlp_submodules(mlp, submodules):
+    """A copy of the ``mlp`` spec entry (either form of :func:`mlp_submodules`) with other submodules."""
+    if isinstance(mlp, functools.partial):
+        return functools.partial(mlp.func, *mlp.args, **{**mlp.keywords, "submodules": submodules})
+    return dataclasses.replace(mlp, submodules=submodules)
 
 
 def select_layer_spec(*, qk_layernorm: bool, biases: LinearBiases):

@@ -92,6 +92,27 @@ def _build_stage(hf_config, config, groups: ParallelGroups, *, padded_vocab_size
         )
 
 
+def _padded_vocab(model: ModelConfig, hf_config, *, tp_size: int) -> int:
+    """``V``: the Megatron checkpoint's embedding rows when starting from one, else the tokenizer's padded."""
+    if model.megatron_checkpoint is not None:
+        from gtpo_megatron.megatron_adapter.external_checkpoint import checkpoint_padded_vocab_size
+
+        return checkpoint_padded_vocab_size(model.megatron_checkpoint, vocab_size=hf_config.vocab_size, tp_size=tp_size)
+    return padded_vocab_size(
+        hf_config.vocab_size, make_vocab_size_divisible_by=model.make_vocab_size_divisible_by, tp_size=tp_size
+    )
+
+
+def _load_initial_weights(gpt_model, model: ModelConfig, hf_path: str, geometry, *, tp_rank: int) -> None:
+    """This rank's shard of the starting weights: ``model.megatron_checkpoint`` if set, else the HF folder."""
+    if model.megatron_checkpoint is not None:
+        from gtpo_megatron.megatron_adapter.external_checkpoint import load_model_weights
+
+        load_model_weights(gpt_model, model.megatron_checkpoint)
+    else:
+        hf_conversion.load_hf_weights(gpt_model, hf_path, geometry, tp_rank=tp_rank)
+
+
 class MegatronPolicy:
     """A Megatron-Core policy loaded from an HF checkpoint; see ``from_pretrained``."""
 
@@ -136,7 +157,11 @@ class MegatronPolicy:
         seed: int = 1234,
         padding_tp_size: int | None = None,
     ) -> MegatronPolicy:
-        """Build this rank's stage and load its shard of the HF checkpoint ``model.name_or_path``.
+        """Build this rank's stage and load its shard of the starting weights.
+
+        The weights come from ``model.megatron_checkpoint`` when it is set (a Megatron-LM / Megatron-Bridge dist
+        checkpoint, model tensors only, at any layout; ``external_checkpoint``), else from the HF checkpoint
+        ``model.name_or_path`` (which always supplies the HF config).
 
         Args:
             model: the model section: ``name_or_path`` (local HF folder with safetensors, or a ``builtin:`` name,
@@ -179,10 +204,8 @@ class MegatronPolicy:
             padding_tp_size=padding_tp_size,
             **_recompute_settings(model),
         )
-        vocab_size = padded_vocab_size(
-            hf_config.vocab_size,
-            make_vocab_size_divisible_by=model.make_vocab_size_divisible_by,
-            tp_size=math.lcm(groups.tp_size, padding_tp_size or groups.tp_size),
+        vocab_size = _padded_vocab(
+            model, hf_config, tp_size=math.lcm(groups.tp_size, padding_tp_size or groups.tp_size)
         )
         geometry = hf_conversion.ModelGeometry.from_hf(
             hf_config,
@@ -193,7 +216,7 @@ class MegatronPolicy:
         )
         _log_head_padding(geometry, model.pad_attention_heads)
         gpt_model = _build_stage(hf_config, config, groups, padded_vocab_size=vocab_size, seed=seed)
-        hf_conversion.load_hf_weights(gpt_model, hf_path, geometry, tp_rank=groups.tp_rank)
+        _load_initial_weights(gpt_model, model, hf_path, geometry, tp_rank=groups.tp_rank)
         ddp_model = wrap_ddp(gpt_model, config, settings=optim)
         config.finalize_model_grads_func = finalize_model_grads
         config.no_sync_func = ddp_model.no_sync

@@ -20,7 +20,8 @@ reset:
   ``receive_weights`` concurrently with the sender (``rollout/engine_guard.py``).
 - ``files`` (``RolloutEngine`` contract in ``rollout/engine.py``): every bucket is written as one safetensors shard
   into a private staging folder (``/dev/shm`` when available, so it stays in RAM); ``finish_weight_update`` then
-  calls the workers' ``reload_weights(weights_path=folder)`` once.
+  has every worker reload the folder's tensors once (fed as an iterator, which works whatever the engine's load
+  format, ``dummy`` included).
 
 Both work for the in-process and the multiprocess engine (no pickled callables: the worker methods are resolved
 by name) and for any bucket boundary (a bucket may end between ``q_proj`` and ``k_proj``; vLLM fuses them when the
@@ -124,9 +125,12 @@ class VLLMEngine:
             system temp folder.
         environment: extra variables for the engine's processes while it starts, e.g. ``CUDA_VISIBLE_DEVICES``
             (its GPUs) or ``VLLM_CPU_OMP_THREADS_BIND`` (its CPU cores); see ``plan/engines.py``.
+        load_format: ``"auto"`` loads the weights of ``model_path``; ``"dummy"`` starts from random weights (the
+            folder needs only the config and tokenizer) that the caller replaces with a weight update before
+            the first ``generate``, e.g. a policy started from a Megatron checkpoint.
 
     Raises:
-        ValueError: unknown ``dtype`` or ``cpu_kvcache_space_gib <= 0``.
+        ValueError: unknown ``dtype`` or ``load_format``, or ``cpu_kvcache_space_gib <= 0``.
         RuntimeError: vLLM is not installed or not importable.
     """
 
@@ -146,9 +150,12 @@ class VLLMEngine:
         in_process: bool | None = None,
         staging_dir: str | None = None,
         environment: Mapping[str, str] | None = None,
+        load_format: str = "auto",
     ) -> None:
         if dtype not in _DTYPES:
             raise ValueError(f"dtype={dtype!r} is not supported; choose one of {list(_DTYPES)}")
+        if load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format={load_format!r} is not supported; choose 'auto' or 'dummy'")
         if cpu_kvcache_space_gib <= 0:
             raise ValueError(f"cpu_kvcache_space_gib={cpu_kvcache_space_gib} must be > 0 GiB; use 1")
         self.model_path = resolve_model_path(model_path)
@@ -190,6 +197,7 @@ class VLLMEngine:
                     else {}
                 ),
                 logprobs_mode="processed_logprobs",
+                load_format=load_format,
                 use_tqdm_on_load=False,
                 worker_extension_cls=f"{WeightReloadExtension.__module__}.WeightReloadExtension",
             )

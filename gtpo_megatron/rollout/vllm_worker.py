@@ -6,7 +6,8 @@ called by name through ``LLM.collective_rpc`` (no callable is pickled). Both wei
 backend pre-packs linear weights, so a raw ``model.load_weights`` would leave stale packed copies;
 ``../shared/FEASIBILITY.md`` section 4):
 
-- ``files``: ``gtpo_reload_weights(folder)`` reads the safetensors shards staged by the engine's owner;
+- ``files``: ``gtpo_reload_weights(folder)`` reads the safetensors shards staged by the engine's owner (as an
+  iterator, so a ``dummy``-format engine reloads too);
 - ``collective``: ``gtpo_join_weight_group`` joins the weight group(s) once (``parallel/weight_group.py``; a
   relay worker also passes every bucket on to the worker on the sender's GPU), then each
   ``gtpo_receive_weights`` feeds the sender's broadcast buckets (``rollout/weight_wire.py``) to ``reload_weights``
@@ -18,10 +19,23 @@ This module does not import vLLM itself (the worker object is ``self``).
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from gtpo_megatron.parallel.weight_group import WeightGroupSpec, join_as_worker
+from gtpo_megatron.rollout.engine import NamedTensor
 from gtpo_megatron.rollout.weight_wire import WireStats, receive_weights
+
+
+def _staged_tensors(folder: str) -> Iterator[NamedTensor]:
+    """``(name, tensor)`` of every safetensors shard in ``folder``, shard by shard (one shard in memory at a time)."""
+    from safetensors import safe_open
+
+    for shard in sorted(Path(folder).glob("*.safetensors")):
+        with safe_open(str(shard), "pt") as handle:
+            for name in handle.keys():
+                yield name, handle.get_tensor(name)
 
 
 def check_fused_groups_complete(names: set[str], packed_modules: dict[str, list[str]]) -> None:
@@ -56,8 +70,13 @@ class WeightReloadExtension:
         return dict(getattr(self.model_runner.get_model(), "packed_modules_mapping", {}))
 
     def gtpo_reload_weights(self, weights_path: str) -> None:
-        """``reload_weights`` from a folder of safetensors shards, then re-pack a tied LM head."""
-        self.reload_weights(weights_path=weights_path)
+        """``reload_weights`` of the tensors in a folder of safetensors shards, then re-pack a tied LM head.
+
+        The tensors are passed as ``weights_iterator`` (one layerwise reload, as from a path), not as
+        ``weights_path``: vLLM reloads a path through the engine's model loader, which a ``dummy``-format engine
+        lacks.
+        """
+        self.reload_weights(weights_iterator=_staged_tensors(weights_path))
         self._gtpo_repack_tied_head()
 
     def gtpo_join_weight_group(self, spec: dict[str, Any], worker_offset: int) -> None:

@@ -75,14 +75,14 @@ def test_transformer_config_carries_biases_and_windows():
 
 
 def test_layer_spec_biases():
-    from gtpo_megatron.megatron_adapter.model import select_layer_spec
+    from gtpo_megatron.megatron_adapter.model import mlp_submodules, select_layer_spec
 
     spec, _ = select_layer_spec(qk_layernorm=False, biases=LinearBiases(qkv=True, proj=True, mlp=False))
-    attention, mlp = spec.submodules.self_attention.submodules, spec.submodules.mlp.submodules
+    attention, mlp = spec.submodules.self_attention.submodules, mlp_submodules(spec.submodules.mlp)
     assert attention.linear_proj.__name__.startswith("Biased")
     assert not mlp.linear_fc1.__name__.startswith("Biased") and not mlp.linear_fc2.__name__.startswith("Biased")
     plain, _ = select_layer_spec(qk_layernorm=False, biases=LinearBiases(qkv=False, proj=False, mlp=True))
-    assert plain.submodules.mlp.submodules.linear_fc2.__name__.startswith("Biased")
+    assert mlp_submodules(plain.submodules.mlp).linear_fc2.__name__.startswith("Biased")
     assert not plain.submodules.self_attention.submodules.linear_proj.__name__.startswith("Biased")
 
 
