@@ -87,15 +87,18 @@ def compute_step_weights(
     *,
     loss_spec: LossSpec,
     seq_entropy: torch.Tensor | None = None,
+    scores: torch.Tensor | None = None,
 ) -> StepWeights:
     """:func:`compute_weights` of a ``TrainBatch`` (its ``input_ids``, ``response_mask`` and ``truncated`` extra).
 
     Args:
         batch: the full (unsharded) step batch from ``collate_completions``.
-        rewards: ``[B]`` shaped rewards.
+        rewards: ``[B]`` shaped rewards (task score plus the overlong penalty): the advantages use them.
         cfg: algorithm section.
         loss_spec: as :func:`compute_weights`.
         seq_entropy: as :func:`compute_weights`.
+        scores: as :func:`compute_weights` (a group whose answers all score the same is uniform even when the
+            overlong penalty spreads its rewards).
     """
     return compute_weights(
         batch.input_ids,
@@ -105,6 +108,7 @@ def compute_step_weights(
         loss_spec=loss_spec,
         seq_entropy=seq_entropy,
         truncated=batch.extras.get("truncated"),
+        scores=scores,
     )
 
 
@@ -117,6 +121,7 @@ def compute_weights(
     loss_spec: LossSpec,
     seq_entropy: torch.Tensor | None = None,
     truncated: torch.Tensor | None = None,
+    scores: torch.Tensor | None = None,
 ) -> StepWeights:
     """Advantages, row decisions and conflict weights of a whole step (GTPO_SPEC sections 2-4).
 
@@ -134,6 +139,8 @@ def compute_weights(
         seq_entropy: ``[B]`` per-completion mean entropy <H>_i in nats of a pass before the update (gathered over
             data-parallel ranks), or None when no such pass ran.
         truncated: ``[B]`` bool, completions cut at the token limit; required by ``cfg.overlong_filter``.
+        scores: ``[B]`` task scores, on which ``skip_uniform_groups`` decides whether a group varies (never on
+            rewards shaped by an overlong penalty); None when ``rewards`` are the task scores themselves.
 
     Raises:
         ValueError: ``cfg.overlong_filter`` without ``truncated``; lambda needs the entropies
@@ -148,7 +155,7 @@ def compute_weights(
     raw_B = compute_group_advantages(rewards, group_size, estimator=cfg.advantage_estimator)
     keep_B = torch.ones_like(raw_B, dtype=torch.bool)
     if cfg.skip_uniform_groups:
-        keep_B = filter_uniform_groups(rewards, group_size).repeat_interleave(group_size)
+        keep_B = filter_uniform_groups(rewards if scores is None else scores, group_size).repeat_interleave(group_size)
     if cfg.conflict_mode == "off":
         lambda_BS = weights_BS = response_mask.float()
     else:

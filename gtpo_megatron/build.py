@@ -1,8 +1,10 @@
-"""Build the real components of a run from its config: policy, rollout engine, reward pool, data, sink.
+"""Build the real components of a run from its config: policy, rollout engines, reward pools, data, sink.
 
-Each component receives its config section. Global rank 0 also owns the vLLM engine (multiprocess: the in-process
-engine hangs inside a multi-rank job, ``../shared/FEASIBILITY.md`` section 2), the reward pool and the prompt
-loader; the other ranks get the step's completions by broadcast.
+Each component receives its config section. Every engine leader (``plan.engines``; global rank 0 always is one)
+owns a vLLM engine (multiprocess: the in-process engine hangs inside a multi-rank job,
+``../shared/FEASIBILITY.md`` section 2) on its devices or CPU cores and a reward pool; every rank builds the same
+prompt loader and gets the step's completions from the rollout exchange. With
+``rollout.weight_sync: collective`` the weight group joining rank 0 and every engine worker is built here, once.
 """
 
 from __future__ import annotations
@@ -10,20 +12,31 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 
 from gtpo_megatron import run_dir
 from gtpo_megatron.builtin_models import resolve_model_path
 from gtpo_megatron.config import GTPOConfig, config_to_dict
 from gtpo_megatron.logging import MetricSink
+from gtpo_megatron.plan.engines import (
+    EnginePlacement,
+    cpu_thread_binding,
+    engine_placements,
+    engine_pool_gpus,
+    relay_workers,
+    resolve_num_engines,
+)
 from gtpo_megatron.trainer import Trainer
 
 if TYPE_CHECKING:
     from gtpo_megatron.megatron_adapter.policy import MegatronPolicy
     from gtpo_megatron.megatron_adapter.reference import FrozenReference
     from gtpo_megatron.parallel.groups import ParallelGroups
+    from gtpo_megatron.rollout.engine_guard import GuardedEngine
 
 logger = logging.getLogger(__name__)
 
@@ -66,14 +79,76 @@ def build_reference(cfg: GTPOConfig, model_path: str, groups: ParallelGroups) ->
     )
 
 
-def build_collector(cfg: GTPOConfig, model_path: str, tokenizer):
-    """Rank 0's ``RolloutCollector``: vLLM engine, reward pool and a loader over the prompts that fit."""
+def ranks_per_node(world_size: int) -> int:
+    """Training ranks per node: torchrun's ``LOCAL_WORLD_SIZE`` (the whole world without torchrun)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+
+
+def build_placements(cfg: GTPOConfig, world_size: int) -> list[EnginePlacement]:
+    """Every engine's leader, ranks and devices for this job (``plan.engines``; the same list on every rank).
+
+    Raises:
+        ValueError: the engines do not tile the world or the engine GPUs, or the files weight path with several.
+    """
+    rollout, accelerator = cfg.rollout, torch.cuda.is_available()
+    num_engines = resolve_num_engines(
+        rollout.num_engines,
+        placement=rollout.placement,
+        train_world_size=world_size,
+        engine_tp_size=rollout.engine_tp_size,
+        num_engine_gpus=rollout.num_engine_gpus,
+        accelerator=accelerator,
+    )
+    if rollout.weight_sync == "files" and num_engines != 1:
+        raise ValueError(
+            f"rollout.weight_sync=files feeds one engine, but rollout.num_engines=auto gives {num_engines} here; "
+            "use rollout.weight_sync=collective or rollout.num_engines=1"
+        )
+    pool = engine_pool_gpus(
+        placement=rollout.placement, engine_tp_size=rollout.engine_tp_size, num_engine_gpus=rollout.num_engine_gpus
+    )
+    return engine_placements(
+        placement=rollout.placement,
+        num_engines=num_engines,
+        engine_tp_size=rollout.engine_tp_size,
+        train_world_size=world_size,
+        ranks_per_node=ranks_per_node(world_size),
+        pool_gpus=pool,
+        accelerator=accelerator,
+    )
+
+
+def engine_environment(
+    placement: EnginePlacement, placements: list[EnginePlacement], cfg: GTPOConfig, world_size: int
+) -> dict[str, str]:
+    """Environment of one engine's processes: its GPUs, or on CPU its own cores when engines share a node."""
+    if placement.devices:
+        return {"CUDA_VISIBLE_DEVICES": ",".join(str(d) for d in placement.devices)}
+    per_node = ranks_per_node(world_size)
+    node = placement.leader_rank // per_node
+    neighbours = [p.index for p in placements if p.leader_rank // per_node == node]
+    if len(neighbours) == 1:
+        return {}
+    cores = sorted(os.sched_getaffinity(0))
+    binding = cpu_thread_binding(cores, slot=neighbours.index(placement.index), engines_on_node=len(neighbours),
+                                 engine_tp_size=cfg.rollout.engine_tp_size)  # fmt: skip
+    return {"VLLM_CPU_OMP_THREADS_BIND": binding}
+
+
+def engine_dtype(cfg: GTPOConfig) -> str:
+    """The engines' weight dtype: ``rollout.dtype``, or ``model.params_dtype`` when ``auto``."""
+    return cfg.model.params_dtype if cfg.rollout.dtype == "auto" else cfg.rollout.dtype
+
+
+def build_loader(cfg: GTPOConfig, tokenizer):
+    """The prompt loader over the problems whose prompts fit ``rollout.max_prompt_len``.
+
+    Every rank builds the same one, so every engine leader draws the same prompts and every rank holds the same
+    position for checkpoints.
+    """
     from gtpo_megatron.data.datasets import load_problems
     from gtpo_megatron.data.loader import PromptLoader
     from gtpo_megatron.data.prompts import SYSTEM_PROMPTS, build_prompt_ids
-    from gtpo_megatron.rewards import RewardPool, default_extraction
-    from gtpo_megatron.rollout.collector import RolloutCollector
-    from gtpo_megatron.rollout.vllm_engine import VLLMEngine
 
     data, rollout = cfg.data, cfg.rollout
     extra = {"seed": data.shuffle_seed, "difficulty": data.synthetic_difficulty} if data.source == "synthetic" else {}
@@ -91,10 +166,21 @@ def build_collector(cfg: GTPOConfig, model_path: str, tokenizer):
             len(problems),
             rollout.max_prompt_len,
         )
-    loader = PromptLoader(fitting, batch_size=rollout.num_prompts, seed=data.shuffle_seed, shuffle=True)
+    return PromptLoader(fitting, batch_size=rollout.num_prompts, seed=data.shuffle_seed, shuffle=True)
+
+
+def build_collector(cfg: GTPOConfig, model_path: str, tokenizer, placement: EnginePlacement, environment: dict):
+    """An engine leader's ``RolloutCollector``: its guarded vLLM engine and reward pool."""
+    from gtpo_megatron.data.prompts import SYSTEM_PROMPTS
+    from gtpo_megatron.rewards import RewardPool, default_extraction
+    from gtpo_megatron.rollout.collector import RolloutCollector
+    from gtpo_megatron.rollout.engine_guard import GuardedEngine
+    from gtpo_megatron.rollout.vllm_engine import VLLMEngine
+
+    rollout = cfg.rollout
     engine = VLLMEngine(
         model_path,
-        dtype=cfg.model.params_dtype if rollout.dtype == "auto" else rollout.dtype,
+        dtype=engine_dtype(cfg),
         max_model_len=rollout.max_prompt_len + rollout.max_tokens,
         gpu_memory_utilization=rollout.gpu_memory_utilization,
         cpu_kvcache_space_gib=max(1, math.ceil(rollout.cpu_kv_cache_gib)),
@@ -102,21 +188,56 @@ def build_collector(cfg: GTPOConfig, model_path: str, tokenizer):
         seed=rollout.seed,
         enable_sleep_mode=rollout.placement == "colocated" and torch.cuda.is_available(),
         max_num_seqs=max(16, rollout.num_prompts * cfg.algorithm.group_size),
+        environment=environment,
         # Started from a Megatron checkpoint: the HF folder may hold no weights; the trainer pushes the policy's.
         load_format="dummy" if cfg.model.megatron_checkpoint is not None else "auto",
     )
+    logger.info("started %s with %s", placement.describe(), environment or "the default environment")
     pool = RewardPool(cfg.reward.name, num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s)
     return RolloutCollector(
-        engine=engine,
+        engine=GuardedEngine(engine, placement=placement, timeout_s=rollout.timeout_s),
         reward_pool=pool,
         tokenizer=tokenizer,
-        loader=loader,
         rollout_cfg=rollout,
         algorithm_cfg=cfg.algorithm,
         reward_cfg=cfg.reward,
-        extraction=cfg.reward.extraction or default_extraction(data.source),
-        system_prompt=system_prompt,
+        extraction=cfg.reward.extraction or default_extraction(cfg.data.source),
+        system_prompt=SYSTEM_PROMPTS[cfg.data.system_prompt],
+        engine_index=placement.index,
+        num_engines=placement.num_engines,
     )
+
+
+def build_weight_sync(
+    cfg: GTPOConfig, groups: ParallelGroups, engine: GuardedEngine | None, placements: list[EnginePlacement]
+):
+    """This rank's part of the weight push (``rollout.push``); collective: joins the weight group (all ranks).
+
+    ``engine`` is this rank's engine when it leads one (``placements`` says which).
+    """
+    from gtpo_megatron.rollout.push import CollectiveWeightSync, FilesWeightSync, connect_weight_group
+
+    rollout = cfg.rollout
+    bucket_bytes, exporting = rollout.weight_sync_bucket_mb * 2**20, groups.dp_rank == 0
+    if rollout.weight_sync == "files":
+        return FilesWeightSync(engine=engine, exporting=exporting, bucket_bytes=bucket_bytes)
+    mine = next((p for p in placements if p.leader_rank == groups.rank), None)
+    accelerator = torch.cuda.is_available()
+    relay = relay_workers(
+        placements, placement=rollout.placement, engine_tp_size=rollout.engine_tp_size, accelerator=accelerator
+    )
+    group = connect_weight_group(
+        engine=engine,
+        worker_offset=mine.index * rollout.engine_tp_size if mine is not None else 0,
+        num_workers=len(placements) * rollout.engine_tp_size,
+        backend="nccl" if accelerator else "gloo",
+        timeout_s=rollout.timeout_s,
+        world=dist.group.WORLD if groups.world_size > 1 else None,
+        is_sender=groups.rank == 0,
+        relay=relay,
+    )
+    return CollectiveWeightSync(engine=engine, group=group, exporting=exporting, bucket_bytes=bucket_bytes,
+                                dtype=getattr(torch, engine_dtype(cfg)))  # fmt: skip
 
 
 def build_trainer(cfg: GTPOConfig, groups: ParallelGroups) -> Trainer:
@@ -127,7 +248,13 @@ def build_trainer(cfg: GTPOConfig, groups: ParallelGroups) -> Trainer:
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     policy = build_policy(cfg, model_path, groups)
-    collector = build_collector(cfg, model_path, tokenizer) if groups.rank == 0 else None
+    placements = build_placements(cfg, groups.world_size)
+    mine = next((p for p in placements if p.leader_rank == groups.rank), None)
+    collector = None
+    if mine is not None:
+        environment = engine_environment(mine, placements, cfg, groups.world_size)
+        collector = build_collector(cfg, model_path, tokenizer, mine, environment)
+    weight_sync = build_weight_sync(cfg, groups, collector.engine if collector is not None else None, placements)
     checkpoints = run_dir.list_checkpoints(run_dir.checkpoints_dir(cfg.output_dir)) if cfg.resume else []
     start_step = run_dir.checkpoint_step(checkpoints[-1]) if checkpoints else 0
     sink = MetricSink(
@@ -143,7 +270,10 @@ def build_trainer(cfg: GTPOConfig, groups: ParallelGroups) -> Trainer:
         groups=groups,
         policy=policy,
         collector=collector,
+        loader=build_loader(cfg, tokenizer),
         pad_token_id=pad_token_id,
         sink=sink,
         reference=build_reference(cfg, model_path, groups),
+        num_engines=len(placements),
+        weight_sync=weight_sync,
     )

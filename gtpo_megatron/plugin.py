@@ -93,6 +93,7 @@ def compute_gtpo_weights(
     initial_entropy: float | None = None,
     truncated: torch.Tensor | None = None,
     packed: PackedLayout | None = None,
+    scores: torch.Tensor | None = None,
 ) -> StepWeights:
     """GTPO's advantages and per-token weights of one step (GTPO_SPEC sections 2-4), the trainer's own code.
 
@@ -112,6 +113,8 @@ def compute_gtpo_weights(
         truncated: ``[B]`` bool, completions cut at the token limit; required by ``algorithm.overlong_filter``.
         packed: where the B sequences sit in a packed row (``[1, N]`` inputs); the weights are computed on the
             sequences laid out one per row and written back.
+        scores: ``[B]`` task scores when ``rewards`` are shaped (e.g. DAPO's overlong penalty):
+            ``algorithm.skip_uniform_groups`` decides on them; None when the rewards are the task scores.
 
     Returns:
         ``StepWeights``: ``raw_advantages`` and ``advantages`` (``A_i - gamma <H>_i``: feed these to the loss) ``[B]``
@@ -135,7 +138,7 @@ def compute_gtpo_weights(
         )
     spec = dataclasses.replace(build_loss_spec(algorithm, RolloutConfig()), initial_entropy=initial_entropy)
     weights = compute_weights(
-        ids, mask, rewards, algorithm, loss_spec=spec, seq_entropy=seq_entropy, truncated=truncated
+        ids, mask, rewards, algorithm, loss_spec=spec, seq_entropy=seq_entropy, truncated=truncated, scores=scores
     )
     weights = with_entropy_terms(weights, seq_entropy, spec)
     if packed is None:

@@ -1,19 +1,22 @@
 """The GTPO training loop: orchestration only (the math is in ``ops`` and ``algorithm``, the model behind ``Policy``).
 
-A step, as ``Trainer.step`` reads: rollout (rank 0 samples and scores, then broadcasts) -> only where unavoidable,
-a no-grad pass of the policy before the update (``algorithm.needs_old_logprob_pass``: several updates per batch,
-the ``paper`` filter's <H>_ini still being measured, or conflict weights that need the entropies; timed as
-``time/old_logprob_s``, 0 when skipped) -> with a KL term, the reference policy's pass (``time/ref_logprob_s``) ->
-advantages and conflict weights on the full batch (GTPO_SPEC sections 2-3) -> train (``policy.train_step``; the
-entropy filter and penalty, section 4, are decided inside its forward) -> weight sync into the engine -> metrics.
-``run`` adds logging and checkpoints (every ``checkpoint.every_n_steps``, after the last step and on SIGTERM).
+A step, as ``Trainer.step`` reads: rollout (every engine leader samples and scores its share, then every rank
+gets the whole step) -> only where unavoidable, a no-grad pass of the policy before the update
+(``algorithm.needs_old_logprob_pass``: several updates per batch, the ``paper`` filter's <H>_ini still being
+measured, or conflict weights that need the entropies; timed as ``time/old_logprob_s``, 0 when skipped) -> with a
+KL term, the reference policy's pass (``time/ref_logprob_s``) -> advantages and conflict weights on the full batch
+(GTPO_SPEC sections 2-3) -> train (``policy.train_step``; the entropy filter and penalty, section 4, are decided
+inside its forward) -> weight sync into the engines -> metrics. ``run`` adds logging and checkpoints (every
+``checkpoint.every_n_steps``, after the last step and on SIGTERM).
 
-Ranks: global rank 0 owns the rollout engine and the reward pool (``RolloutCollector``); every rank receives the
-whole step's completions, builds the same full batch and keeps its data-parallel share (``parallel.row_shard``).
-Collectives per step, all through ``parallel.collectives``: one object broadcast (world); when the pass before the
-update runs, one all-gather of the sequence entropies (dp) and, while <H>_ini is measured, one global mean (dp);
-the policy's (and the reference's) own; the weight gather (model-parallel group of dp replica 0) and one MAX
-all-reduce of the stop flag (world); a save adds two barriers (world).
+Ranks: each engine leader owns an engine and a reward pool (``RolloutCollector``; global rank 0 always leads one);
+every rank receives the whole step's completions, builds the same full batch and keeps its data-parallel share
+(``parallel.row_shard``). Collectives per step, all through ``parallel.collectives``: the rollout exchange (world:
+one all-reduce per dynamic-sampling round and one of the packed step, ``rollout.collector.collect_step``); when the
+pass before the update runs, one all-gather of the sequence entropies (dp) and, while <H>_ini is measured, one global
+mean (dp); the policy's (and the reference's) own; the weight gather (model-parallel group of dp replica 0) and its
+push to the engines (``rollout.push``: the weight group's broadcasts); one MAX all-reduce of the stop flag (world);
+a save adds two barriers (world).
 """
 
 from __future__ import annotations
@@ -45,16 +48,16 @@ from gtpo_megatron.parallel import (
     all_gather_rows,
     any_rank,
     barrier,
-    broadcast_object,
     global_mean,
     row_shard,
 )
 from gtpo_megatron.rollout.batch import collate_completions, rollout_metrics
-from gtpo_megatron.rollout.collector import RolloutCollector, StepRollout
-from gtpo_megatron.rollout.push import push_weights
+from gtpo_megatron.rollout.collector import RolloutCollector, StepRollout, collect_step
+from gtpo_megatron.rollout.push import CollectiveWeightSync, FilesWeightSync
 from gtpo_megatron.rollout.types import TrainBatch
 
 if TYPE_CHECKING:
+    from gtpo_megatron.data.loader import PromptLoader
     from gtpo_megatron.ops import LossSpec
     from gtpo_megatron.parallel.groups import ParallelGroups
     from gtpo_megatron.policy import Policy, ReferencePolicy
@@ -83,10 +86,14 @@ class Trainer:
         cfg: the resolved run config (validated for this world size).
         groups: this process's ``ParallelGroups``.
         policy: the trained model (``Policy``; ``MegatronPolicy`` in production).
-        collector: the rank-0 ``RolloutCollector``; None on other ranks.
+        collector: this rank's ``RolloutCollector`` when it leads an engine; None on other ranks.
+        loader: the prompt loader, built identically on every rank (its position goes into checkpoints).
         pad_token_id: padding id of the batches.
         sink: the metric sink (enabled on rank 0 only).
         reference: the frozen reference policy of the KL term (``algorithm.kl_coef > 0``), else None.
+        num_engines: engines sharing each step (``plan.engines``).
+        weight_sync: this rank's part of the weight push (``rollout.push``); default: the ``files`` path into the
+            collector's engine.
     """
 
     def __init__(
@@ -96,14 +103,18 @@ class Trainer:
         groups: ParallelGroups,
         policy: Policy,
         collector: RolloutCollector | None,
+        loader: PromptLoader,
         pad_token_id: int,
         sink: MetricSink,
         reference: ReferencePolicy | None = None,
+        num_engines: int = 1,
+        weight_sync: CollectiveWeightSync | FilesWeightSync | None = None,
     ) -> None:
         self.cfg = cfg
         self.groups = groups
         self.policy = policy
         self.collector = collector
+        self.loader = loader
         self.pad_token_id = pad_token_id
         self.sink = sink
         self.reference = reference
@@ -116,7 +127,6 @@ class Trainer:
         self.checkpoint_dir = run_dir.checkpoints_dir(cfg.output_dir)
         self.initial_entropy: float | None = None
         self.initial_entropy_steps = 0  # steps averaged into initial_entropy so far
-        self.loader_state: dict | None = None
         self._measure_mismatch = self.loss_spec.temperature == cfg.rollout.temperature
         if not self._measure_mismatch:
             logger.warning(
@@ -129,6 +139,12 @@ class Trainer:
         self._dp_group = groups.dp if groups.dp_size > 1 else None
         self._world = dist.group.WORLD
         self._stop_requested = False
+        self.num_engines = num_engines
+        self.weight_sync = weight_sync or FilesWeightSync(
+            engine=collector.engine if collector is not None else None,
+            exporting=groups.dp_rank == 0,
+            bucket_bytes=cfg.rollout.weight_sync_bucket_mb * 2**20,
+        )
         self._offload_enabled = cfg.rollout.offload_train_state and _cuda_available()
         if cfg.rollout.offload_train_state and not self._offload_enabled:
             logger.warning(
@@ -157,14 +173,18 @@ class Trainer:
                 spec = dataclasses.replace(self.loss_spec, initial_entropy=self.initial_entropy)
                 rewards = torch.tensor(rollout.rewards)
                 weights = compute_step_weights(
-                    batch, rewards, self.cfg.algorithm, loss_spec=spec, seq_entropy=seq_entropy
+                    batch,
+                    rewards,
+                    self.cfg.algorithm,
+                    loss_spec=spec,
+                    seq_entropy=seq_entropy,
+                    scores=torch.tensor(rollout.scores),
                 )
                 train_batch = self._train_batch(local, weights, rows, old_logprobs, seq_entropy)
             with timer.phase("train"):
                 train_metrics = self._train(train_batch, spec)
             with timer.phase("sync"):
                 sync_metrics = self._sync_weights()
-        self.loader_state = rollout.loader_state
         metrics = rollout_metrics(
             batch, torch.tensor(rollout.scores), torch.tensor(rollout.correct), torch.tensor(rollout.format_ok)
         )
@@ -180,19 +200,25 @@ class Trainer:
         return metrics
 
     def _rollout(self, step: int) -> StepRollout:
-        """Rank 0 samples and scores (engine sleeps afterwards when colocated); every rank gets the result.
+        """Engine leaders sample and score (engines sleep afterwards when colocated); every rank gets the result.
 
         With ``rollout.offload_train_state`` (CUDA) every rank's gradient buffers and optimizer states leave the
         GPU for the duration (the previous ``train_step`` consumed the gradients) and are back before it returns.
         """
-        rollout = None
         if self._offload_enabled:
             self.policy.offload_train_state()
-        if self.collector is not None:
-            rollout = self.collector.collect(step)
-            if self.cfg.rollout.placement == "colocated":
-                self.collector.engine.sleep()
-        rollout = broadcast_object(rollout, src=0, group=self._world)
+        rollout = collect_step(
+            self.collector,
+            self.loader,
+            step,
+            rollout_cfg=self.cfg.rollout,
+            algorithm_cfg=self.cfg.algorithm,
+            reward_cfg=self.cfg.reward,
+            num_engines=self.num_engines,
+            group=self._world,
+        )
+        if self.collector is not None and self.cfg.rollout.placement == "colocated":
+            self.collector.engine.sleep()
         if self._offload_enabled:
             self.policy.restore_train_state()
         return rollout
@@ -258,17 +284,10 @@ class Trainer:
         return metrics
 
     def _sync_weights(self) -> dict[str, float]:
-        """Stream the new weights into the engine (rank 0); the other ranks of replica 0 drive the gather."""
+        """Stream the new weights into every engine (``rollout.push``); replica 0's ranks drive the gather."""
         if self.collector is not None:
             self.collector.engine.wake_up()
-            bucket_bytes = self.cfg.rollout.weight_sync_bucket_mb * 2**20
-            return push_weights(
-                self.collector.engine, self.policy.iter_hf_weights(), bucket_bytes=bucket_bytes
-            ).as_metrics()
-        if self.groups.dp_rank == 0:
-            for _ in self.policy.iter_hf_weights():
-                pass
-        return {}
+        return self.weight_sync.sync(self.policy.iter_hf_weights)
 
     # ------------------------------------------------------------------------------------------------ the loop
     def run(self) -> None:
@@ -307,7 +326,7 @@ class Trainer:
             "step": step,
             "initial_entropy": self.initial_entropy,
             "initial_entropy_steps": self.initial_entropy_steps,
-            "loader": self.loader_state,
+            "loader": self.loader.state_dict(),
         }
         self.policy.save_checkpoint(str(run_dir.checkpoint_dir(self.cfg.output_dir, step)), state)
         barrier(group=self._world)
@@ -331,9 +350,8 @@ class Trainer:
             return 0
         state = self.policy.load_checkpoint(str(checkpoints[-1]))
         self._restore_initial_entropy(state, checkpoints[-1])
-        self.loader_state = state.get("loader")
-        if self.collector is not None and self.loader_state is not None:
-            self.collector.loader.load_state_dict(self.loader_state)
+        if state.get("loader") is not None:
+            self.loader.load_state_dict(state["loader"])
         self._sync_weights()
         logger.info("resumed from %s (step %d)", checkpoints[-1], state["step"])
         return int(state["step"])

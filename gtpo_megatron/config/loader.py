@@ -261,7 +261,14 @@ def _coerce(value: object, hint: Any, name: str) -> Any:
         if value is None or (isinstance(value, str) and value in _NULLS):
             if type(None) in args:
                 return None
-        return _coerce(value, next(a for a in args if a is not type(None)), name)
+        options = [a for a in args if a is not type(None)]
+        errors = []
+        for option in options:  # e.g. ``int | Literal["auto"]``: the first type that takes the value
+            try:
+                return _coerce(value, option, name)
+            except ValueError as err:
+                errors.append(str(err).split(": ", 1)[-1].split(";")[0])
+        raise ValueError(f"{name}={value!r}: {' or '.join(errors)}; write e.g. {name}={_example(options)}")
     if origin is tuple:
         items = [value] if isinstance(value, str) else value
         if not isinstance(items, (list, tuple)):
@@ -272,6 +279,12 @@ def _coerce(value: object, hint: Any, name: str) -> Any:
             raise ValueError(f"{name}={value!r}: must be a mapping; write {{key: value}} in YAML")
         return dict(value)
     return _coerce_scalar(value, hint, name)
+
+
+def _example(options: list[Any]) -> str:
+    """A value of the first option of a union, for error messages."""
+    first = options[0]
+    return str(get_args(first)[0]) if get_origin(first) is Literal else {int: "4", float: "0.5"}.get(first, "...")
 
 
 def _coerce_scalar(value: object, hint: type, name: str) -> Any:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, fields
 from typing import Literal
 
 from gtpo_megatron.builtin_models import local_model_folder
-from gtpo_megatron.plan import layout
+from gtpo_megatron.plan import engines, layout
 from gtpo_megatron.plan.architectures import architecture_from_hf_config
 
 LN2 = math.log(2.0)
@@ -136,7 +136,7 @@ class RolloutConfig:
     seed: int = 0
     """Base sampling seed. Rollout round r of step s (r > 0 only with dynamic sampling) samples with
     ``seed + 1000 * s + r``, and sample j of the prompt at global index i of that round with
-    ``rollout.vllm_engine.request_seed(seed + 1000 * s + r, i, j)`` (no two (prompt, sample) pairs share a random
+    ``rollout.engine.request_seed(seed + 1000 * s + r, i, j)`` (no two (prompt, sample) pairs share a random
     stream); it is also the engine's own seed. A resumed run therefore samples exactly
     as the original run did, given the same weights."""
     engine_tp_size: int = 1
@@ -148,13 +148,29 @@ class RolloutConfig:
     cpu_kv_cache_gib: float = 1.0
     """KV-cache size on CPU (VLLM_CPU_KVCACHE_SPACE, GiB)."""
     weight_sync_bucket_mb: int = 512
-    """Bound on the tensors in flight during one weight-sync bucket (MiB)."""
+    """Bound on the weight bytes in flight during a sync, per process (MiB): one bucket on the ``files`` path, two
+    pipelined buckets of half this size on the ``collective`` path (``rollout/weight_wire.py``)."""
     offload_train_state: bool = False
     """Colocated runs on GPU: free the gradient buffers and move the optimizer states (fp32 main weights and Adam
     moments) to host memory while vLLM generates, then bring them back (megatron-core's
     ``DistributedDataParallel.offload_grad_buffers`` and ``MegatronOptimizer.offload_to_cpu``, made for RL). Costs
     two host<->device copies of the optimizer state per step; ``gtpo-plan`` counts only the weights as resident
     during rollout when set. Requires ``placement: colocated``; has no effect (a warning says so) on CPU."""
+    num_engines: int | Literal["auto"] = "auto"
+    """vLLM engines sharing each step's prompts (whole groups, balanced; ``plan/engines.py``). ``auto``: with GPUs,
+    one engine per ``engine_tp_size`` GPUs of the world (colocated) or of ``num_engine_gpus`` (separate); on CPU
+    one engine. ``num_engines * engine_tp_size`` must divide the world size (colocated) or the engine GPUs."""
+    num_engine_gpus: int | None = None
+    """``placement: separate`` only: GPUs the engines take outside the training world, spread evenly over the
+    nodes (null: ``engine_tp_size``, one engine)."""
+    weight_sync: Literal["collective", "files"] = "collective"
+    """How new weights reach the engines after each step: ``collective`` broadcasts bucketed tensors from global
+    rank 0 to every engine worker over a process group of their own (gloo on CPU, NCCL on GPU), each worker
+    loading them in one reload pass; ``files`` stages safetensors shards in ``/dev/shm`` for one engine (fallback,
+    ``num_engines`` must be 1)."""
+    timeout_s: float = 1800.0
+    """Seconds an engine may take to generate one round or to apply one weight update before the job stops with an
+    error naming the engine and its ranks (also the weight group's collective timeout)."""
 
     def __post_init__(self) -> None:
         _require(self.num_prompts >= 1, "rollout.num_prompts", self.num_prompts, "must be >= 1", "use 1 or more")
@@ -187,6 +203,36 @@ class RolloutConfig:
             "offloading the training state only frees memory for an engine on the same devices (colocated)",
             "set rollout.offload_train_state=false, or rollout.placement=colocated",
         )
+        self._check_engines()
+
+    def _check_engines(self) -> None:
+        _require(
+            self.num_engines == "auto" or self.num_engines >= 1,
+            "rollout.num_engines",
+            self.num_engines,
+            "must be >= 1 or auto",
+            "use auto",
+        )
+        _require(
+            self.num_engine_gpus is None
+            or (
+                self.placement == "separate"
+                and self.num_engine_gpus >= self.engine_tp_size
+                and self.num_engine_gpus % self.engine_tp_size == 0
+            ),
+            "rollout.num_engine_gpus",
+            self.num_engine_gpus,
+            f"needs rollout.placement=separate and a multiple of rollout.engine_tp_size={self.engine_tp_size}",
+            "set it to k * engine_tp_size with placement=separate, or null",
+        )
+        _require(
+            self.weight_sync == "collective" or self.num_engines in ("auto", 1),
+            "rollout.weight_sync",
+            self.weight_sync,
+            f"the files path feeds one engine, not rollout.num_engines={self.num_engines}",
+            "use rollout.weight_sync=collective or rollout.num_engines=1",
+        )
+        _require(self.timeout_s > 0, "rollout.timeout_s", self.timeout_s, "must be > 0 seconds", "use 1800")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -530,8 +576,9 @@ class GTPOConfig:
     def validate(self, world_size: int, *, check_registries: bool = True) -> None:
         """Cross-section checks once the world size is known.
 
-        The planner's rules (``plan.layout``): tp*pp divides the world size, P*G splits over dp and the per-rank
-        share into micro-batches, and, when the model's config.json is local, tp divides the attention heads and
+        The planner's rules (``plan.layout``, ``plan.engines``): tp*pp divides the world size, P*G splits over dp
+        and the per-rank share into micro-batches, an explicit ``rollout.num_engines`` tiles the world (colocated)
+        or the engine GPUs (separate), and, when the model's config.json is local, tp divides the attention heads and
         KV heads (unless ``model.pad_attention_heads``) and pp the layers. Then prompt + completion fit the model's
         ``max_position_embeddings``, ``megatron_overrides`` keys are fields of Megatron's ``TransformerConfig`` and,
         with ``check_registries``, the advantage estimator and reward names are registered (imports torch,
@@ -555,6 +602,18 @@ class GTPOConfig:
             dp_size=dp,
             micro_batch_size=self.optim.micro_batch_size,
         )
+        if self.rollout.num_engines != "auto":
+            problems += engines.engine_count_problems(
+                self.rollout.num_engines,
+                placement=self.rollout.placement,
+                train_world_size=world_size,
+                engine_tp_size=self.rollout.engine_tp_size,
+                pool_gpus=engines.engine_pool_gpus(
+                    placement=self.rollout.placement,
+                    engine_tp_size=self.rollout.engine_tp_size,
+                    num_engine_gpus=self.rollout.num_engine_gpus,
+                ),
+            )
         hf = read_hf_config(self.model.name_or_path)
         if hf is not None:
             arch = architecture_from_hf_config(hf, name=self.model.name_or_path)

@@ -4,9 +4,10 @@ Notation: P prompts, G completions per prompt (``group_size``), B = P*G completi
 (rows ``p*G .. p*G+G-1`` belong to prompt ``p``). Inputs may be lists or tensors; outputs are CPU tensors.
 Masks are bool and True means keep.
 
-- :func:`filter_uniform_groups`: dynamic sampling keeps only groups whose rewards are not all equal (a uniform
+- :func:`filter_uniform_groups`: dynamic sampling keeps only groups whose task scores are not all equal (a uniform
   group has zero group-relative advantage and no learning signal); the trainer then samples more prompts until
-  the batch is full.
+  the batch is full. Every variance decision takes the task scores, never the shaped rewards (the overlong
+  penalty can spread the rewards of a group whose answers are all equally wrong).
 - :func:`overlong_penalty`: soft overlong punishment, DAPO eq. 13, added to the task reward.
 - :func:`overlong_filter_mask`: overlong filtering, drops truncated completions from the loss.
 - :func:`shape_rewards`: task scores plus the overlong penalty, as the algorithm section configures it.
@@ -31,13 +32,14 @@ UNIFORM_REWARD_ATOL = 1e-6
 def filter_uniform_groups(
     rewards: Sequence[float] | torch.Tensor, group_size: int, *, atol: float = UNIFORM_REWARD_ATOL
 ) -> torch.Tensor:
-    """Which prompt groups have varied rewards: the one uniform-group rule (GTPO_SPEC sections 4 and 5).
+    """Which prompt groups have varied scores: the one uniform-group rule (GTPO_SPEC sections 4 and 5).
 
-    Used by dynamic sampling (``rollout.collector``) and by ``algorithm.skip_uniform_groups`` (its per-completion
-    view ``mask.repeat_interleave(group_size)``).
+    Used by dynamic sampling and ``rollout/varied_group_frac`` (``rollout.collector``) and by
+    ``algorithm.skip_uniform_groups`` (its per-completion view ``mask.repeat_interleave(group_size)``), always on
+    the task scores, never on the shaped rewards.
 
     Args:
-        rewards: ``[B]`` rewards, B = P * group_size, grouped by prompt. Not modified.
+        rewards: ``[B]`` task scores, B = P * group_size, grouped by prompt. Not modified.
         group_size: G, completions per prompt (>= 1; with G = 1 every group is uniform, so all are dropped).
         atol: rewards within ``atol`` of each other count as equal (``max - min <= atol``).
 

@@ -22,12 +22,20 @@ default world group. The collectives are not differentiable and are listed per f
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Literal
+from datetime import timedelta
+from typing import Any, Literal, Protocol
 
 import torch
 import torch.distributed as dist
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+
+
+class BroadcastGroup(Protocol):
+    """A process group built outside the default world with its own timeout (``parallel/weight_group.py``)."""
+
+    pg: dist.ProcessGroup
+    timeout: timedelta
 
 
 def group_device(group: dist.ProcessGroup) -> torch.device:
@@ -186,3 +194,32 @@ def reduce_metric_sums(
     stacked = torch.stack([metrics[k].detach().float().reshape(()) for k in keys])
     summed = all_reduce_sum(stacked, group=group)
     return {k: summed[i] for i, k in enumerate(keys)}
+
+
+def start_broadcast(buffer: torch.Tensor, *, root: int, group: BroadcastGroup) -> dist.Work:
+    """Start broadcasting ``buffer`` in place from member ``root`` of a weight group; returns the work to wait on.
+
+    The weight group is ``parallel/weight_group.py``'s; ``wait()`` on the returned work before touching ``buffer``
+    again.
+
+    The one exception to "inputs are not modified": receivers pass the buffer to fill, which must be contiguous and
+    on ``group.device``; on ``root`` it is read only. Broadcasts started on one group complete in the order started.
+
+    Collectives: one broadcast on ``group.pg`` with the group's timeout.
+    """
+    options = dist.BroadcastOptions()
+    options.rootRank = root
+    options.rootTensor = 0
+    options.timeout = group.timeout
+    return group.pg.broadcast([buffer], options)
+
+
+def broadcast_buffer(buffer: torch.Tensor, *, root: int, group: BroadcastGroup) -> None:
+    """:func:`start_broadcast` and wait for it.
+
+    Collectives: one broadcast on ``group.pg`` with the group's timeout.
+
+    Raises:
+        RuntimeError: a member died or did not take part within ``group.timeout_s`` (the group is then unusable).
+    """
+    start_broadcast(buffer, root=root, group=group).wait()

@@ -37,6 +37,9 @@ from gtpo_megatron.plan.memory import (
 )
 
 GIB = 2**30
+FILES_GBPS = 16.0
+"""Assumed throughput of one pass of the ``files`` weight sync through ``/dev/shm`` (2 GB/s; measured 0.28 GB/s for
+SmolLM2 on the 2-core CPU machine, write and reload together)."""
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -265,6 +268,7 @@ def run(argv: list[str] | None = None) -> tuple[int, str]:
             micro_batch_size=settings.micro_batch_size,
             make_vocab_size_divisible_by=settings.model.make_vocab_size_divisible_by,
             gpus_per_node=args.gpus_per_node, pad_attention_heads=settings.model.pad_attention_heads,
+            num_engines=cfg.rollout.num_engines, num_engine_gpus=cfg.rollout.num_engine_gpus,
         )  # fmt: skip
         cfg.validate(layout.train_world_size, check_registries=False)  # the torchrun world
     except ValueError as err:
@@ -287,7 +291,8 @@ def run(argv: list[str] | None = None) -> tuple[int, str]:
     usable = gpu_mem - int(args.reserve_gib * GIB)
     problems = fit_problems(cfg, shape, stages, engine, gpu_mem=gpu_mem, usable=usable)
     text = "\n".join([_summary(cfg, arch, layout, shape, args), format_table(cfg, stages, engine, unchunked=unchunked),
-                      _rollout_summary(engine, layout, shape, arch, args)])  # fmt: skip
+                      _rollout_summary(engine, layout, shape, arch, args),
+                      _sync_summary(cfg, arch, layout, args)])  # fmt: skip
     if problems:
         return 2, text + "\n\ngtpo-plan: does not fit:\n  - " + "\n  - ".join(problems)
     return 0, text + f"\n\nfits: every phase is within {usable / GIB:.1f} GiB usable of {args.gpu_mem:g} GiB per GPU"
@@ -319,9 +324,27 @@ def _rollout_summary(
         f"sequences per engine need {engine.kv_for_batch / GIB:.2f} GiB, capacity {engine.kv_capacity / GIB:.2f} "
         f"GiB holds {concurrent} full-length sequences at once"
         + ("" if concurrent >= layout.sequences_per_engine else " (vLLM queues the rest: slower, not an error)")
-        + f"\nweight sync: {arch.total_params() * shape.param_bytes / 1e9:.1f} GB per sync, "
-        f"{weight_sync_seconds(arch, param_bytes=shape.param_bytes, bandwidth_gbps=args.sync_bandwidth_gbps):.2f} s "
-        f"at {args.sync_bandwidth_gbps:g} Gbit/s"
+    )
+
+
+def _sync_summary(cfg: GTPOConfig, arch: Architecture, layout: Layout, args: argparse.Namespace) -> str:
+    """The weight sync of ``rollout.weight_sync``: bytes in the engine dtype, time and the bandwidth assumed."""
+    dtype = cfg.model.params_dtype if cfg.rollout.dtype == "auto" else cfg.rollout.dtype
+    nbytes = DTYPE_BYTES[dtype]
+    volume = f"{arch.total_params() * nbytes / 1e9:.1f} GB ({dtype}) per sync"
+    if cfg.rollout.weight_sync == "files":
+        seconds = 2 * weight_sync_seconds(arch, param_bytes=nbytes, bandwidth_gbps=FILES_GBPS)
+        return (
+            f"weight sync (files: safetensors written to /dev/shm, then re-read by the engine): {volume}, "
+            f"{seconds:.2f} s assuming {FILES_GBPS:g} Gbit/s for each pass"
+        )
+    seconds = weight_sync_seconds(arch, param_bytes=nbytes, bandwidth_gbps=args.sync_bandwidth_gbps)
+    workers = layout.num_engines * layout.engine_tp_size
+    relay = ", the one on rank 0's GPU through a relay" if cfg.rollout.placement == "colocated" else ""
+    return (
+        f"weight sync (collective: NCCL broadcast of buckets from rank 0 to the {workers} engine workers{relay}; "
+        f"pipelined, so about one pass over the slowest link): {volume}, {seconds:.2f} s at "
+        f"{args.sync_bandwidth_gbps:g} Gbit/s (--sync-bandwidth-gbps)"
     )
 
 

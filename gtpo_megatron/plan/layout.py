@@ -6,10 +6,10 @@ The rules are Megatron-Core's and vLLM's: TP must divide the attention heads and
 the attention heads and either divide the KV heads or be a multiple of them, and the rollout batch
 ``num_prompts * group_size`` must split evenly over data-parallel ranks and then into micro-batches. Each rule is a
 function returning its problems (empty when it holds); ``check_layout`` (``gtpo-plan``) and
-``GTPOConfig.validate`` (``gtpo-train``, once the world size is known) both call them. The trainer runs one vLLM
-engine, owned by global rank 0 (``trainer.py``), with ``engine_tp_size`` GPUs of one node: ``colocated`` puts it
-on the first training GPUs, ``separate`` on GPUs of its own outside the torchrun world, so that ``--gpus`` counts
-the training GPUs plus the engine's.
+``GTPOConfig.validate`` (``gtpo-train``, once the world size is known) both call them. The vLLM engines
+(``plan/engines.py``): ``colocated`` engines share the training GPUs, ``separate`` engines take
+``rollout.num_engine_gpus`` GPUs of their own outside the torchrun world, so that ``--gpus`` counts the training
+GPUs plus the engines'.
 """
 
 from __future__ import annotations
@@ -18,6 +18,13 @@ from dataclasses import dataclass
 from typing import Literal
 
 from gtpo_megatron.plan.architectures import Architecture
+from gtpo_megatron.plan.engines import (
+    engine_count_problems,
+    engine_placements,
+    engine_pool_gpus,
+    engine_prompt_range,
+    resolve_num_engines,
+)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -30,12 +37,12 @@ class Layout:
             when separate).
         tp_size, pp_size, dp_size: training parallel sizes, ``tp * pp * dp == train_world_size``.
         engine_tp_size: vLLM tensor-parallel size.
-        num_engines: vLLM engines sharing the rollout batch (1: rank 0's engine).
+        num_engines: vLLM engines sharing the rollout batch.
         padded_vocab_size: Megatron's padded vocabulary ``V``.
         sequences_per_step: ``num_prompts * group_size``.
         sequences_per_dp_rank: sequences one data-parallel rank trains on per step.
         num_microbatches: micro-batches per data-parallel rank per optimizer step.
-        sequences_per_engine: rollout sequences one engine decodes (ceil over engines).
+        sequences_per_engine: rollout sequences the busiest engine decodes (whole groups).
     """
 
     world_size: int
@@ -154,6 +161,8 @@ def check_layout(
     make_vocab_size_divisible_by: int,
     gpus_per_node: int = 8,
     pad_attention_heads: bool = False,
+    num_engines: int | Literal["auto"] = "auto",
+    num_engine_gpus: int | None = None,
 ) -> Layout:
     """Check every divisibility rule (module docstring) and return the derived :class:`Layout`.
 
@@ -170,13 +179,16 @@ def check_layout(
         make_vocab_size_divisible_by: ``model.make_vocab_size_divisible_by``.
         gpus_per_node: GPUs of one node (the engine stays within one node).
         pad_attention_heads: ``model.pad_attention_heads`` (zero KV groups pad the heads to a multiple of tp).
+        num_engines: ``rollout.num_engines`` (``auto`` fills the GPUs, ``plan.engines.resolve_num_engines``).
+        num_engine_gpus: ``rollout.num_engine_gpus`` (separate engines' GPUs; null: ``engine_tp_size``).
 
     Raises:
         ValueError: one line per broken rule, each naming the fields, their values and a fix.
     """
-    train_world = world_size - (engine_tp_size if placement == "separate" else 0)
+    pool = engine_pool_gpus(placement=placement, engine_tp_size=engine_tp_size, num_engine_gpus=num_engine_gpus)
+    train_world = world_size - pool
     model_parallel = tp_size * pp_size
-    need = f"{model_parallel}*k" + (f" + {engine_tp_size}" if placement == "separate" else "")
+    need = f"{model_parallel}*k" + (f" + {pool}" if placement == "separate" else "")
     problems = model_problems(arch, tp_size=tp_size, pp_size=pp_size, pad_attention_heads=pad_attention_heads)
     problems += engine_problems(arch, engine_tp_size=engine_tp_size)
     problems += world_problems(
@@ -196,8 +208,16 @@ def check_layout(
     problems += batch_problems(
         num_prompts=num_prompts, group_size=group_size, dp_size=dp, micro_batch_size=micro_batch_size
     )
+    engines = resolve_num_engines(
+        num_engines, placement=placement, train_world_size=train_world, engine_tp_size=engine_tp_size,
+        num_engine_gpus=num_engine_gpus, accelerator=True,
+    )  # fmt: skip
+    problems += engine_count_problems(
+        engines, placement=placement, train_world_size=train_world, engine_tp_size=engine_tp_size, pool_gpus=pool
+    )
+    if not problems and placement == "colocated":  # separate engines are placed at start-up (torchrun's nodes)
+        problems += _colocated_problems(engines, engine_tp_size, train_world, ranks_per_node=gpus_per_node)
     raise_problems(problems)
-    num_engines = 1
     return Layout(
         world_size=world_size,
         train_world_size=train_world,
@@ -205,15 +225,27 @@ def check_layout(
         pp_size=pp_size,
         dp_size=dp,
         engine_tp_size=engine_tp_size,
-        num_engines=num_engines,
+        num_engines=engines,
         padded_vocab_size=padded_vocab_size(
             arch.vocab_size, make_vocab_size_divisible_by=make_vocab_size_divisible_by, tp_size=tp_size
         ),
         sequences_per_step=batch,
         sequences_per_dp_rank=batch // dp,
         num_microbatches=batch // dp // micro_batch_size,
-        sequences_per_engine=-(-batch // num_engines),
+        sequences_per_engine=len(engine_prompt_range(num_prompts, num_engines=engines, index=0)) * group_size,
     )
+
+
+def _colocated_problems(num_engines: int, engine_tp: int, train_world: int, *, ranks_per_node: int) -> list[str]:
+    """Why colocated engines cannot be placed (an engine's GPUs on two nodes); empty when they can."""
+    try:
+        engine_placements(
+            placement="colocated", num_engines=num_engines, engine_tp_size=engine_tp, train_world_size=train_world,
+            ranks_per_node=min(ranks_per_node, train_world), pool_gpus=0, accelerator=True,
+        )  # fmt: skip
+    except ValueError as err:
+        return [str(err)]
+    return []
 
 
 def _next_prompts(num_prompts: int, group_size: int, dp_size: int) -> int:

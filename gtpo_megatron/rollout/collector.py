@@ -1,10 +1,21 @@
-"""The rollout and reward phases of a step, run on global rank 0 (where the engine and the reward pool live).
+"""The rollout and reward phases of a step: every engine leader samples and scores its share, every rank gets all.
 
-``RolloutCollector.collect(step)`` draws prompts from the resumable loader, samples G completions each with the
-rollout engine, scores them in the reward pool and, with DAPO dynamic sampling (GTPO_SPEC section 5), repeats
-with fresh prompts until ``num_prompts`` groups with varied rewards are found or ``dynamic_sampling_max_rounds`` is
-reached (then uniform groups fill the batch, see ``data.sampling.choose_groups``). The result is a plain picklable
-``StepRollout`` that the trainer broadcasts to every rank.
+A round draws the step's ``num_prompts`` problems from the resumable loader; every rank holds a loader built the
+same way (same problems, same seed), so all ranks draw the same prompts in the same order (and hold the same loader
+position for checkpoints), and each engine leader keeps its block of whole groups
+(``plan.engines.engine_prompt_range``). The leader's ``RolloutCollector`` samples G
+completions per prompt with its engine, seeding each request by the round's seed and the prompt's GLOBAL index
+(``rollout.engine.request_seed``), so the completions do not depend on how many engines share the step, and
+scores them in its own reward pool.
+
+``collect_step`` runs on every rank. With DAPO dynamic sampling (GTPO_SPEC section 5) it repeats rounds with
+fresh prompts until ``num_prompts`` groups vary in their task score, counting varied groups over all engines with
+one all-reduce per round, or until ``dynamic_sampling_max_rounds`` (then uniform groups fill the batch,
+``data.sampling.choose_groups``). Every decision about a group's variance (dynamic sampling,
+``rollout/varied_group_frac`` and ``algorithm.skip_uniform_groups``) uses the task scores, never the shaped
+rewards: the overlong penalty can make a group whose answers are all equally wrong look varied. The chosen groups
+then cross ranks once, as one packed tensor (``rollout/exchange.py``), and every rank rebuilds the same
+``StepRollout``.
 
 Sampling seeds are ``rollout.seed + 1000 * step + round``, so a resumed run samples exactly like the original one
 given the same weights.
@@ -14,52 +25,54 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from gtpo_megatron.config import AlgorithmConfig, RewardConfig, RolloutConfig
 from gtpo_megatron.data.loader import PromptLoader
 from gtpo_megatron.data.prompts import SYSTEM_PROMPT, build_prompt_ids
 from gtpo_megatron.data.sampling import choose_groups, filter_uniform_groups, shape_rewards
+from gtpo_megatron.data.types import Problem
+from gtpo_megatron.parallel.collectives import all_reduce_sum
+from gtpo_megatron.plan.engines import engine_prompt_range
 from gtpo_megatron.rewards.pool import check_grader_failures
 from gtpo_megatron.rewards.registry import reward_span
 from gtpo_megatron.rollout.engine import RolloutEngine, SamplingConfig
-from gtpo_megatron.rollout.types import PromptCompletions
+from gtpo_megatron.rollout.exchange import ENGINE_COUNTERS, EngineTally, RowLayout, ScoredGroup, pack_rows, unpack_rows
 
 _SEEDS_PER_STEP = 1000
 
 
 @dataclass
 class StepRollout:
-    """One step's chosen groups and their reward results, B = P*G completions group by group.
+    """One step's chosen groups and their reward results, B = P*G completions group by group (every rank).
 
     ``scores`` are the reward function's values, ``rewards`` the shaped ones (overlong penalty) the advantages
-    use; ``loader_state`` is the loader position after this step (every rank stores it in checkpoints).
+    use; completions carry no text.
     """
 
-    groups: list[PromptCompletions]
-    references: list[str]
+    groups: list
     scores: list[float]
     rewards: list[float]
     correct: list[bool]
     format_ok: list[bool]
-    loader_state: dict[str, Any]
     stats: dict[str, float] = field(default_factory=dict)
 
 
 class RolloutCollector:
-    """Rank-0 owner of the engine, the reward pool, the tokenizer and the prompt loader.
+    """An engine leader's engine, reward pool and tokenizer, and its share of every round.
 
     Args:
         engine: the rollout engine (``RolloutEngine`` protocol).
         reward_pool: object with ``score(completions, references, extraction=...) -> (results, stats)``
             (``rewards.RewardPool``).
         tokenizer: HF tokenizer used for the chat-templated prompts.
-        loader: ``PromptLoader`` yielding ``num_prompts`` problems per call.
         rollout_cfg, algorithm_cfg, reward_cfg: their config sections.
         extraction: the answer-extraction mode (``reward.extraction`` resolved for ``data.source``).
         system_prompt: the system message of every prompt (``data.prompts.SYSTEM_PROMPTS[data.system_prompt]``).
+        engine_index: this leader's engine (``plan.engines.EnginePlacement.index``).
+        num_engines: engines sharing each round.
     """
 
     def __init__(
@@ -68,22 +81,24 @@ class RolloutCollector:
         engine: RolloutEngine,
         reward_pool,
         tokenizer,
-        loader: PromptLoader,
         rollout_cfg: RolloutConfig,
         algorithm_cfg: AlgorithmConfig,
         reward_cfg: RewardConfig,
         extraction: str,
         system_prompt: str = SYSTEM_PROMPT,
+        engine_index: int = 0,
+        num_engines: int = 1,
     ) -> None:
         self.engine = engine
         self.reward_pool = reward_pool
         self.tokenizer = tokenizer
-        self.loader = loader
         self.rollout_cfg = rollout_cfg
         self.algorithm_cfg = algorithm_cfg
         self.reward_cfg = reward_cfg
         self.extraction = extraction
         self.system_prompt = system_prompt
+        self.engine_index = engine_index
+        self.num_engines = num_engines
 
     def _sampling(self, step: int, round_index: int) -> SamplingConfig:
         cfg = self.rollout_cfg
@@ -96,61 +111,144 @@ class RolloutCollector:
             logprobs=True,
         )
 
-    def _one_round(self, step: int, round_index: int, stats: dict[str, float]):
-        problems = self.loader.next_batch()
-        prompt_ids = [build_prompt_ids(self.tokenizer, p.question, system_prompt=self.system_prompt) for p in problems]
-        group_size = self.algorithm_cfg.group_size
+    def share(self) -> range:
+        """Global indices (within a round) of the prompts this leader's engine samples."""
+        num_prompts = self.rollout_cfg.num_prompts
+        return engine_prompt_range(num_prompts, num_engines=self.num_engines, index=self.engine_index)
+
+    def sample_round(
+        self, step: int, round_index: int, problems: list[Problem], tally: EngineTally
+    ) -> dict[int, ScoredGroup]:
+        """Sample and score this leader's share of one round's ``problems``.
+
+        Returns ``{global prompt index: ScoredGroup}``; adds this round's counters to ``tally``.
+
+        Raises:
+            RuntimeError: the graders failed on more than ``reward.max_error_frac`` of the answers.
+        """
+        share, group_size = self.share(), self.algorithm_cfg.group_size
+        if len(share) == 0:
+            return {}
+        prompt_ids = [
+            build_prompt_ids(self.tokenizer, problems[i].question, system_prompt=self.system_prompt) for i in share
+        ]
         start = time.perf_counter()
-        groups = self.engine.generate(prompt_ids, group_size, self._sampling(step, round_index))
-        stats["time/generate_s"] += time.perf_counter() - start
+        groups = self.engine.generate(prompt_ids, group_size, self._sampling(step, round_index), prompt_indices=share)
+        tally.generate_s += time.perf_counter() - start
         texts = [c.text for g in groups for c in g.completions]
-        references = [p.answer for p in problems for _ in range(group_size)]
+        references = [problems[i].answer for i in share for _ in range(group_size)]
         results, reward_stats = self.reward_pool.score(texts, references, extraction=self.extraction)
         check_grader_failures(reward_stats, max_error_frac=self.reward_cfg.max_error_frac)
-        stats["time/reward_s"] += reward_stats["seconds"]
-        stats["reward/num_timeouts"] += reward_stats["num_timeouts"]
-        stats["reward/num_errors"] += reward_stats["num_errors"]
-        return groups, references, results
+        tally.tokens += sum(len(c.token_ids) for g in groups for c in g.completions)
+        tally.reward_s += reward_stats["seconds"]
+        tally.num_timeouts += reward_stats["num_timeouts"]
+        tally.num_errors += reward_stats["num_errors"]
+        scored = {}
+        for k, (index, group) in enumerate(zip(share, groups, strict=True)):
+            mine = results[k * group_size : (k + 1) * group_size]
+            scored[index] = ScoredGroup(group, [r.score for r in mine], [r.correct for r in mine],
+                                        [r.format_ok for r in mine])  # fmt: skip
+        return scored
 
-    def collect(self, step: int) -> StepRollout:
-        """Sample, score and (with dynamic sampling) select this step's ``num_prompts`` groups."""
-        cfg, group_size = self.algorithm_cfg, self.algorithm_cfg.group_size
-        stats = {"time/generate_s": 0.0, "time/reward_s": 0.0, "reward/num_timeouts": 0.0, "reward/num_errors": 0.0}
-        groups, references, results = [], [], []
-        rounds = cfg.dynamic_sampling_max_rounds if cfg.dynamic_sampling else 1
-        for round_index in range(rounds):
-            new_groups, new_refs, new_results = self._one_round(step, round_index, stats)
-            groups += new_groups
-            references += new_refs
-            results += new_results
-            rewards = self._shaped(groups, results)
-            varied = filter_uniform_groups(rewards, group_size).tolist() if cfg.dynamic_sampling else []
-            if sum(varied) >= self.rollout_cfg.num_prompts:
-                break
-        stats["rollout/num_rounds"] = float(round_index + 1)
-        stats["rollout/varied_group_frac"] = float(filter_uniform_groups(rewards, group_size).float().mean())
-        chosen = (
-            choose_groups(varied, self.rollout_cfg.num_prompts) if cfg.dynamic_sampling else list(range(len(groups)))
-        )
-        rows = [p * group_size + g for p in chosen for g in range(group_size)]
-        return StepRollout(
-            groups=[groups[p] for p in chosen],
-            references=[references[r] for r in rows],
-            scores=[results[r].score for r in rows],
-            rewards=[float(rewards[r]) for r in rows],
-            correct=[results[r].correct for r in rows],
-            format_ok=[results[r].format_ok for r in rows],
-            loader_state=self.loader.state_dict(),
-            stats=stats,
-        )
 
-    def _shaped(self, groups: list[PromptCompletions], results) -> torch.Tensor:
-        lengths = torch.tensor([len(c.token_ids) for g in groups for c in g.completions])
-        scores = torch.tensor([r.score for r in results], dtype=torch.float32)
-        return shape_rewards(
-            scores,
-            lengths,
-            self.algorithm_cfg,
-            max_tokens=self.rollout_cfg.max_tokens,
-            reward_span=reward_span(self.reward_cfg.name),
-        )
+def collect_step(
+    collector: RolloutCollector | None,
+    loader: PromptLoader,
+    step: int,
+    *,
+    rollout_cfg: RolloutConfig,
+    algorithm_cfg: AlgorithmConfig,
+    reward_cfg: RewardConfig,
+    num_engines: int,
+    group: dist.ProcessGroup | None,
+) -> StepRollout:
+    """Sample, score, select and share this step's ``num_prompts`` groups (module docstring); every rank calls.
+
+    Args:
+        collector: this rank's collector when it leads an engine, else None.
+        loader: this rank's prompt loader (built identically on every rank; advanced here on every rank).
+        step: the 1-based step (seeds).
+        rollout_cfg: the rollout section.
+        algorithm_cfg: the algorithm section.
+        reward_cfg: the reward section (its reward's range scales the overlong penalty).
+        num_engines: engines sharing the step (each leader writes its counters in its own row).
+        group: the world group (None: a one-process run).
+
+    Returns:
+        The same ``StepRollout`` on every rank.
+
+    Collectives: with dynamic sampling one SUM all-reduce of ``[P]`` varied flags per round; then one SUM
+    all-reduce of the packed rows and counters (``rollout/exchange.py``), all on ``group``.
+
+    Raises:
+        RuntimeError: whatever the engine or the reward pool raise on a leader (the other ranks then fail in the
+            next collective or are stopped by torchrun).
+    """
+    num_prompts, group_size = rollout_cfg.num_prompts, algorithm_cfg.group_size
+    sampled, varied, tally = _sample_rounds(collector, loader, step, algorithm_cfg, num_prompts, group)
+    chosen = choose_groups(varied, num_prompts) if algorithm_cfg.dynamic_sampling else list(range(num_prompts))
+    slots = {}
+    for slot, flat in enumerate(chosen):
+        scored_group = sampled[flat // num_prompts].get(flat % num_prompts)
+        if scored_group is not None:
+            slots[slot] = scored_group
+    layout = RowLayout(rollout_cfg.max_prompt_len, rollout_cfg.max_tokens)
+    rows = pack_rows(slots, num_groups=num_prompts, group_size=group_size, layout=layout)
+    counters = torch.zeros(num_engines, len(ENGINE_COUNTERS), dtype=torch.float64)
+    if collector is not None:
+        counters[collector.engine_index] = tally.as_tensor()
+    summed = all_reduce_sum(torch.cat([rows.reshape(-1), counters.reshape(-1)]), group=group)
+    gathered = unpack_rows(summed[: rows.numel()].reshape(rows.shape), group_size=group_size, layout=layout)
+    scores = torch.tensor(gathered.scores, dtype=torch.float32)
+    rewards = shape_rewards(scores, torch.tensor(gathered.lengths), algorithm_cfg, max_tokens=rollout_cfg.max_tokens,
+                            reward_span=reward_span(reward_cfg.name))  # fmt: skip
+    varied_frac = torch.tensor(varied).float().mean() if varied else filter_uniform_groups(scores, group_size).float()
+    stats = _engine_stats(summed[rows.numel() :].reshape(counters.shape))
+    stats["rollout/num_rounds"] = float(len(sampled))
+    stats["rollout/varied_group_frac"] = float(varied_frac.mean())
+    return StepRollout(groups=gathered.groups, scores=gathered.scores, rewards=rewards.tolist(),
+                       correct=gathered.correct, format_ok=gathered.format_ok, stats=stats)  # fmt: skip
+
+
+def _sample_rounds(
+    collector: RolloutCollector | None,
+    loader: PromptLoader,
+    step: int,
+    algorithm_cfg: AlgorithmConfig,
+    num_prompts: int,
+    group: dist.ProcessGroup | None,
+) -> tuple[list[dict[int, ScoredGroup]], list[bool], EngineTally]:
+    """Run the step's rounds on this rank.
+
+    Returns this rank's scored groups per round, the global varied flags (dynamic sampling only: one all-reduce per
+    round, decided on task scores) and this leader's counters.
+    """
+    rounds = algorithm_cfg.dynamic_sampling_max_rounds if algorithm_cfg.dynamic_sampling else 1
+    tally, sampled, varied = EngineTally(), [], []
+    for round_index in range(rounds):
+        problems = loader.next_batch()
+        scored = collector.sample_round(step, round_index, problems, tally) if collector is not None else {}
+        sampled.append(scored)
+        if not algorithm_cfg.dynamic_sampling:
+            break
+        local = torch.zeros(num_prompts, dtype=torch.float64)
+        for index, scored_group in scored.items():
+            local[index] = float(filter_uniform_groups(scored_group.scores, algorithm_cfg.group_size)[0])
+        varied += (all_reduce_sum(local, group=group) > 0.5).tolist()
+        if sum(varied) >= num_prompts:
+            break
+    return sampled, varied, tally
+
+
+def _engine_stats(counters: torch.Tensor) -> dict[str, float]:
+    """Step metrics from the ``[N, K]`` per-engine counters: slowest engine's times, summed grader failures."""
+    column = {name: counters[:, i] for i, name in enumerate(ENGINE_COUNTERS)}
+    return {
+        "rollout/num_engines": float(counters.shape[0]),
+        "rollout/tokens_per_engine_min": float(column["tokens"].min()),
+        "rollout/tokens_per_engine_max": float(column["tokens"].max()),
+        "time/generate_s": float(column["generate_s"].max()),
+        "time/reward_s": float(column["reward_s"].max()),
+        "reward/num_timeouts": float(column["num_timeouts"].sum()),
+        "reward/num_errors": float(column["num_errors"].sum()),
+    }

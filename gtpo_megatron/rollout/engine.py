@@ -17,6 +17,7 @@ weights is reused.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
@@ -63,6 +64,33 @@ class SamplingConfig:
             raise ValueError(f"sampling.max_tokens={self.max_tokens} must be >= 1")
         if isinstance(self.stop, str):
             raise ValueError(f"sampling.stop={self.stop!r} must be a sequence of strings, e.g. ({self.stop!r},)")
+
+
+def request_seed(seed: int, prompt_index: int, sample_index: int) -> int:
+    """vLLM seed of sample ``sample_index`` of the prompt at global index ``prompt_index`` in a call seeded ``seed``.
+
+    A 63-bit BLAKE2b hash of the triple, in ``[0, 2**63)``: the same triple always gets the same stream, and two
+    different triples share one with probability ``2**-63`` (about 1e-7 for a run of a million samples).
+    """
+    digest = hashlib.blake2b(f"{seed}/{prompt_index}/{sample_index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def check_prompt_indices(prompt_indices: Sequence[int] | None, num_prompts: int) -> list[int]:
+    """The global index of each prompt: ``prompt_indices`` checked, or ``0 .. num_prompts - 1`` when ``None``.
+
+    Raises:
+        ValueError: wrong length, a negative index or a repeated one (two prompts would share random streams).
+    """
+    if prompt_indices is None:
+        return list(range(num_prompts))
+    indices = [int(i) for i in prompt_indices]
+    if len(indices) != num_prompts or min(indices, default=0) < 0 or len(set(indices)) != num_prompts:
+        raise ValueError(
+            f"prompt_indices={indices} must hold {num_prompts} distinct indices >= 0 (one global index per prompt of "
+            "the batch); pass None for 0..P-1"
+        )
+    return indices
 
 
 def validate_prompt_ids(prompt_ids: Sequence[Sequence[int]], *, max_model_len: int, max_tokens: int) -> None:

@@ -1,20 +1,42 @@
-"""Push trainer weights into a rollout engine in byte-bounded buckets (I/O only; no name mapping, no math).
+"""Push trainer weights into the rollout engines in byte-bounded buckets (I/O only; no name mapping, no math).
 
 The input is the stream that ``megatron_adapter.hf_stream`` yields: ``(hf_name, full_tensor)`` pairs in Hugging Face
 (vLLM checkpoint) naming, already TP-gathered, PP-broadcast, vocab-trimmed and split out of fused QKV / gate-up.
-``push_weights`` groups the stream into buckets of at most ``bucket_bytes`` (a single tensor larger than the budget
-travels alone), hands each bucket to ``RolloutEngine.load_weight_bucket`` between ``begin_weight_update`` and
-``finish_weight_update``, and returns timing and volume statistics for the step metrics. At most one bucket plus
-one tensor of the stream is referenced at a time, so peak extra memory is about ``bucket_bytes``.
+Every rank of data-parallel replica 0's model-parallel group must drain it (its gathers are collectives).
+
+- ``push_weights`` groups the stream into buckets of at most ``bucket_bytes`` (a single tensor larger than the
+  budget travels alone) and hands each bucket to ``RolloutEngine.load_weight_bucket`` between
+  ``begin_weight_update`` and ``finish_weight_update`` (the ``files`` path of one local engine).
+- ``CollectiveWeightSync`` (``rollout.weight_sync: collective``): global rank 0 broadcasts the buckets over the
+  weight group (``rollout/weight_wire.py``) to every worker of every engine, while each engine leader's engine
+  receives them in a background thread (``rollout/engine_guard.py``); ``connect_weight_group`` builds the group
+  once at start-up.
+- ``FilesWeightSync``: ``push_weights`` into rank 0's engine.
+
+At most one bucket plus one tensor of the stream is referenced at a time, so peak extra memory is about
+``bucket_bytes`` on the sender (and about one bucket in each engine worker).
 """
 
 from __future__ import annotations
 
+import os
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+from gtpo_megatron.parallel.collectives import broadcast_object
+from gtpo_megatron.parallel.weight_group import WeightGroup, WeightGroupSpec, join_weight_group, open_weight_store
 from gtpo_megatron.rollout.engine import NamedTensor, RolloutEngine
+from gtpo_megatron.rollout.weight_wire import send_weights
+
+if TYPE_CHECKING:
+    import torch
+    import torch.distributed as dist
+
+    from gtpo_megatron.rollout.engine_guard import GuardedEngine
+
+StreamFactory = Callable[[], Iterable[NamedTensor]]
 
 DEFAULT_BUCKET_BYTES = 256 * 2**20
 
@@ -43,6 +65,7 @@ class PushStats:
             "sync/num_tensors": float(self.num_tensors),
             "sync/megabytes": self.num_bytes / 2**20,
             "sync/num_buckets": float(self.num_buckets),
+            "sync/gbytes_per_s": self.num_bytes / 1e9 / max(self.seconds, 1e-9),
             "time/sync_s": self.seconds,
         }
 
@@ -104,3 +127,129 @@ def push_weights(
         max_bucket = max(max_bucket, size)
     engine.finish_weight_update()
     return PushStats(num_tensors, num_bytes, num_buckets, max_bucket, time.perf_counter() - start)
+
+
+def drain(named_tensors: Iterable[NamedTensor]) -> None:
+    """Consume a stream without keeping it (a rank that takes part in the gather but sends nothing)."""
+    for _ in named_tensors:
+        pass
+
+
+class FilesWeightSync:
+    """``rollout.weight_sync: files``: rank 0 stages the stream into its engine; the gather's other ranks drain it.
+
+    Args:
+        engine: rank 0's engine, None elsewhere.
+        exporting: this rank takes part in the weight gather (data-parallel rank 0).
+        bucket_bytes: byte budget per bucket.
+    """
+
+    def __init__(self, *, engine: RolloutEngine | None, exporting: bool, bucket_bytes: int) -> None:
+        self.engine, self.exporting, self.bucket_bytes = engine, exporting, bucket_bytes
+
+    def sync(self, stream: StreamFactory) -> dict[str, float]:
+        """Push one update; returns the ``sync/*`` metrics on rank 0, ``{}`` elsewhere."""
+        if self.engine is not None:
+            return push_weights(self.engine, stream(), bucket_bytes=self.bucket_bytes).as_metrics()
+        if self.exporting:
+            drain(stream())
+        return {}
+
+
+class CollectiveWeightSync:
+    """``rollout.weight_sync: collective`` (module docstring): each rank's part of one update.
+
+    Args:
+        engine: this rank's guarded engine when it leads one, else None.
+        group: the weight group on global rank 0 (the sender), else None.
+        exporting: this rank takes part in the weight gather (data-parallel rank 0).
+        bucket_bytes: byte budget of the two half-size buckets in flight (``rollout/weight_wire.py``).
+        dtype: the engines' weight dtype (the sender casts while packing).
+    """
+
+    def __init__(
+        self,
+        *,
+        engine: GuardedEngine | None,
+        group: WeightGroup | None,
+        exporting: bool,
+        bucket_bytes: int,
+        dtype: torch.dtype,
+    ) -> None:
+        if group is not None and not exporting:
+            raise ValueError("the weight group's sender must be a rank of the weight gather (global rank 0)")
+        self.engine, self.group, self.exporting = engine, group, exporting
+        self.bucket_bytes, self.dtype = bucket_bytes, dtype
+
+    def sync(self, stream: StreamFactory) -> dict[str, float]:
+        """One update: the sender broadcasts, every leader's engine receives, the gather's other ranks drain.
+
+        Returns:
+            On the sender: ``sync/*`` metrics, ``time/sync_s`` (until its own engine applied the update) and
+            ``sync/broadcast_s`` (the gather and the broadcasts alone); ``{}`` elsewhere.
+
+        Raises:
+            RuntimeError: a transfer or an engine failed or timed out (naming the engine); the engine is then
+                unusable.
+        """
+        start = time.perf_counter()
+        receiving = self.engine.start_receive() if self.engine is not None else None
+        metrics: dict[str, float] = {}
+        try:
+            if self.group is not None:
+                stats = send_weights(stream(), group=self.group, bucket_bytes=self.bucket_bytes, dtype=self.dtype)
+                broadcast_s = time.perf_counter() - start
+            elif self.exporting:
+                drain(stream())
+        finally:
+            if receiving is not None:
+                self.engine.wait(receiving)
+        if self.group is not None:
+            seconds = time.perf_counter() - start
+            push = PushStats(stats.num_tensors, stats.num_bytes, stats.num_buckets, stats.max_bucket_bytes, seconds)
+            metrics = {**push.as_metrics(), "sync/broadcast_s": broadcast_s}
+        return metrics
+
+
+def connect_weight_group(
+    *,
+    engine: GuardedEngine | None,
+    worker_offset: int,
+    num_workers: int,
+    backend: str,
+    timeout_s: float,
+    world: dist.ProcessGroup | None,
+    is_sender: bool,
+    relay: tuple[int, int] | None = None,
+) -> WeightGroup | None:
+    """Build the weight group once at start-up; every rank of ``world`` calls (module docstring).
+
+    The sender opens the store on a free port and shares its address over ``world``; every engine leader has its
+    workers join (``worker_offset``: the index of the engine's first worker among all ``num_workers``) while the
+    sender joins too. ``relay`` (``plan.engines.relay_workers``) keeps the worker on the sender's GPU out of an
+    NCCL group and feeds it through another worker (``parallel/weight_group.py``).
+
+    Returns:
+        The joined group on the sender, None elsewhere.
+
+    Collectives: one object broadcast on ``world`` (the store's address), then the weight group's rendezvous.
+
+    Raises:
+        RuntimeError: a member did not join within ``timeout_s`` (naming the engine when it is this rank's).
+    """
+    store, spec = None, None
+    if is_sender:
+        host = os.environ.get("MASTER_ADDR", "127.0.0.1")
+        size = 1 + num_workers - (relay is not None)
+        store = open_weight_store(host, world_size=size, timeout_s=timeout_s)
+        spec = WeightGroupSpec(
+            host=host, port=store.port, world_size=size, backend=backend, timeout_s=timeout_s, relay=relay
+        ).as_dict()
+    spec = broadcast_object(spec, src=0, group=world)
+    joining = engine.start_join(spec, worker_offset) if engine is not None else None
+    try:
+        group = join_weight_group(WeightGroupSpec.from_dict(spec), rank=0, store=store) if is_sender else None
+    finally:
+        if joining is not None:
+            engine.wait(joining, breaks_weights=False)
+    return group

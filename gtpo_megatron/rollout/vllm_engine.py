@@ -11,23 +11,25 @@ completions out of 4); hashed per-pair seeds share none, and an engine holding p
 exactly what one engine holding 0-7 does when it is given their global indices. Prefix caching still computes a
 prompt once for its G requests.
 
-Weight updates (``RolloutEngine`` contract in ``rollout/engine.py``): every bucket is written as one safetensors
-shard into a private staging folder (``/dev/shm`` when available, so it stays in RAM); ``finish_weight_update``
-then has every worker reload them once (``WeightReloadExtension``: vLLM's ``reload_weights`` fed with the folder's
-tensors, which works whatever the engine's load format, ``dummy`` included; it also re-packs a tied LM head) and
-resets the prefix cache. vLLM's reload re-runs ``process_weights_after_loading``,
-which the CPU backend needs because it pre-packs linear weights; a raw ``model.load_weights`` would silently leave
-the packed copies stale (``../shared/FEASIBILITY.md`` section 4).
+Weight updates, two paths, both ending in one ``reload_weights`` walk per update in every worker
+(``rollout/vllm_worker.py``, the ``worker_extension_cls``, which also re-packs a tied LM head), then a prefix-cache
+reset:
 
-- Works unchanged for the in-process and the multiprocess engine (no pickled callables: the worker methods are
-  resolved by name) and for any bucket boundary (a bucket may end between ``q_proj`` and ``k_proj``; vLLM fuses
-  them when the whole update is applied).
-- An update must contain every member of each fused module it touches: a partial fused reload leaves the other
-  members undefined (measured: garbage logits), so ``finish_weight_update`` refuses it with a ValueError.
-- Measured on the shared 2-core CPU machine, SmolLM2-135M fp32 (540 MB, 32 shards): write 0.4-0.7 s, reload
-  0.5-1.3 s. Sending each bucket through ``collective_rpc`` as bytes and reloading per bucket took 5.1 s for the
-  same model (every partial reload walks every module), so staging wins.
-- The staging folder must be readable by the engine's workers, which holds for every placement on one node.
+- ``collective`` (``join_weight_group`` once, then ``receive_weights`` per update): the workers take the buckets
+  that the trainer's rank 0 broadcasts over the weight group (``rollout/weight_wire.py``); the caller runs
+  ``receive_weights`` concurrently with the sender (``rollout/engine_guard.py``).
+- ``files`` (``RolloutEngine`` contract in ``rollout/engine.py``): every bucket is written as one safetensors shard
+  into a private staging folder (``/dev/shm`` when available, so it stays in RAM); ``finish_weight_update`` then
+  has every worker reload the folder's tensors once (fed as an iterator, which works whatever the engine's load
+  format, ``dummy`` included).
+
+Both work for the in-process and the multiprocess engine (no pickled callables: the worker methods are resolved
+by name) and for any bucket boundary (a bucket may end between ``q_proj`` and ``k_proj``; vLLM fuses them when the
+whole update is applied). A ``files`` update must contain every member of each fused module it touches (a partial
+fused reload leaves the other members undefined; measured: garbage logits), so ``finish_weight_update`` refuses it
+with a ValueError; a ``collective`` update is always the trainer's whole model. Reloading per bucket instead
+(one ``collective_rpc`` per bucket) took 5.1 s for SmolLM2-135M: every partial reload walks every module.
+``benchmarks/bench_weight_sync.py`` compares the two paths.
 
 CPU notes: the KV cache size comes from ``VLLM_CPU_KVCACHE_SPACE`` (set from ``cpu_kvcache_space_gib``); vLLM's
 CPU attention needs head_dim >= 32; the in-process engine (``in_process=True``) starts in ~3 s and suits
@@ -38,21 +40,27 @@ must be used. Sleep mode is unsupported on CPU, so ``sleep``/``wake_up`` are no-
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import math
 import os
 import shutil
 import tempfile
 import weakref
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import torch
 
 from gtpo_megatron.builtin_models import resolve_model_path
-from gtpo_megatron.rollout.engine import NamedTensor, SamplingConfig, validate_prompt_ids
+from gtpo_megatron.rollout.engine import (
+    NamedTensor,
+    SamplingConfig,
+    check_prompt_indices,
+    request_seed,
+    validate_prompt_ids,
+)
 from gtpo_megatron.rollout.types import Completion, PromptCompletions
+from gtpo_megatron.rollout.vllm_worker import WeightReloadExtension, check_fused_groups_complete
 
 logger = logging.getLogger(__name__)
 
@@ -60,42 +68,17 @@ _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _FINISH_REASONS = ("stop", "length")
 
 
-def request_seed(seed: int, prompt_index: int, sample_index: int) -> int:
-    """vLLM seed of sample ``sample_index`` of the prompt at global index ``prompt_index`` in a call seeded ``seed``.
-
-    A 63-bit BLAKE2b hash of the triple, in ``[0, 2**63)``: the same triple always gets the same stream, and two
-    different triples share one with probability ``2**-63`` (about 1e-7 for a run of a million samples).
-    """
-    digest = hashlib.blake2b(f"{seed}/{prompt_index}/{sample_index}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
-
-
-def check_prompt_indices(prompt_indices: Sequence[int] | None, num_prompts: int) -> list[int]:
-    """The global index of each prompt: ``prompt_indices`` checked, or ``0 .. num_prompts - 1`` when ``None``.
-
-    Raises:
-        ValueError: wrong length, a negative index or a repeated one (two prompts would share random streams).
-    """
-    if prompt_indices is None:
-        return list(range(num_prompts))
-    indices = [int(i) for i in prompt_indices]
-    if len(indices) != num_prompts or min(indices, default=0) < 0 or len(set(indices)) != num_prompts:
-        raise ValueError(
-            f"prompt_indices={indices} must hold {num_prompts} distinct indices >= 0 (one global index per prompt of "
-            "the batch); pass None for 0..P-1"
-        )
-    return indices
-
-
 @contextlib.contextmanager
-def _engine_environment(*, cpu_kvcache_space_gib: float, in_process: bool | None, model_path: str) -> Iterator[None]:
+def _engine_environment(
+    *, cpu_kvcache_space_gib: float, in_process: bool | None, model_path: str, extra: Mapping[str, str]
+) -> Iterator[None]:
     """Set the vLLM environment variables this engine needs while it starts, then restore the caller's values.
 
     vLLM reads them when the engine (and its child processes) start; restoring them keeps one engine's choice
-    (for example in-process mode) from leaking into later engines or into processes the caller spawns. vLLM's
-    in-process engine freezes its environment cache, so the cache is cleared first.
+    (for example in-process mode, its devices or its CPU cores) from leaking into later engines or into processes
+    the caller spawns. vLLM's in-process engine freezes its environment cache, so the cache is cleared first.
     """
-    wanted = {"VLLM_CPU_KVCACHE_SPACE": str(math.ceil(cpu_kvcache_space_gib))}  # vLLM parses whole GiB
+    wanted = {"VLLM_CPU_KVCACHE_SPACE": str(math.ceil(cpu_kvcache_space_gib)), **extra}  # vLLM parses whole GiB
     if in_process is not None:
         wanted["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
     if Path(model_path).is_dir() and "HF_HUB_OFFLINE" not in os.environ:
@@ -120,69 +103,6 @@ def _default_staging_root() -> str | None:
     return str(shm) if shm.is_dir() and os.access(shm, os.W_OK) else None
 
 
-class WeightReloadExtension:
-    """Methods mixed into every vLLM worker (``worker_extension_cls``); ``self`` is the worker.
-
-    Lives here (importable by the worker processes) so no callable has to be pickled across processes.
-    """
-
-    def gtpo_packed_modules(self) -> dict[str, list[str]]:
-        """The model's fused-module map, e.g. ``{"qkv_proj": ["q_proj", "k_proj", "v_proj"]}``."""
-        return dict(getattr(self.model_runner.get_model(), "packed_modules_mapping", {}))
-
-    def gtpo_reload_weights(self, weights_path: str) -> None:
-        """``reload_weights`` of the tensors in a folder of safetensors shards, then re-pack a tied LM head.
-
-        The tensors are passed as ``weights_iterator`` (one layerwise reload, as from a path), not as
-        ``weights_path``: vLLM reloads a path through the engine's model loader, which a ``dummy``-format engine
-        lacks. vLLM's layerwise reload re-processes only the modules whose weights were loaded. With tied
-        embeddings the LM head loads nothing (it shares ``embed_tokens.weight``), so on CPU its pre-packed GEMM
-        copy would keep the old values; re-running its ``process_weights_after_loading`` (which keeps ``weight``)
-        refreshes it.
-        """
-        self.reload_weights(weights_iterator=_staged_tensors(weights_path))
-        model = self.model_runner.get_model()
-        lm_head = getattr(model, "lm_head", None)
-        quant_method = getattr(lm_head, "quant_method", None)
-        tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
-        if tied and quant_method is not None and not lm_head.weight.is_meta:
-            quant_method.process_weights_after_loading(lm_head)
-
-
-def _staged_tensors(folder: str) -> Iterator[NamedTensor]:
-    """``(name, tensor)`` of every safetensors shard in ``folder``, shard by shard (one shard in memory at a time)."""
-    from safetensors import safe_open
-
-    for shard in sorted(Path(folder).glob("*.safetensors")):
-        with safe_open(str(shard), "pt") as handle:
-            for name in handle.keys():
-                yield name, handle.get_tensor(name)
-
-
-def check_fused_groups_complete(names: set[str], packed_modules: dict[str, list[str]]) -> None:
-    """Require that an update names every member of each fused module it touches.
-
-    vLLM fuses e.g. ``q_proj``/``k_proj``/``v_proj`` into one ``qkv_proj``; reloading only some members leaves the
-    others undefined (measured: garbage outputs), so partial fused updates are refused.
-
-    Raises:
-        ValueError: names the missing HF weights.
-    """
-    missing = set()
-    for members in packed_modules.values():
-        for name in names:
-            parts = name.split(".")
-            for i, part in enumerate(parts):
-                if part in members:
-                    siblings = {".".join([*parts[:i], m, *parts[i + 1 :]]) for m in members}
-                    missing |= siblings - names
-    if missing:
-        raise ValueError(
-            f"weight update is missing {sorted(missing)}: vLLM fuses these with weights in the update, so send "
-            "every member of a fused module (q/k/v projections together, gate/up projections together)"
-        )
-
-
 class VLLMEngine:
     """A ``RolloutEngine`` backed by ``vllm.LLM``.
 
@@ -203,6 +123,8 @@ class VLLMEngine:
             child process; None keeps the environment's choice (default multiprocess).
         staging_dir: parent folder of the weight staging folder; default ``/dev/shm`` if writable, else the
             system temp folder.
+        environment: extra variables for the engine's processes while it starts, e.g. ``CUDA_VISIBLE_DEVICES``
+            (its GPUs) or ``VLLM_CPU_OMP_THREADS_BIND`` (its CPU cores); see ``plan/engines.py``.
         load_format: ``"auto"`` loads the weights of ``model_path``; ``"dummy"`` starts from random weights (the
             folder needs only the config and tokenizer) that the caller replaces with a weight update before
             the first ``generate``, e.g. a policy started from a Megatron checkpoint.
@@ -227,6 +149,7 @@ class VLLMEngine:
         max_num_seqs: int = 64,
         in_process: bool | None = None,
         staging_dir: str | None = None,
+        environment: Mapping[str, str] | None = None,
         load_format: str = "auto",
     ) -> None:
         if dtype not in _DTYPES:
@@ -250,7 +173,10 @@ class VLLMEngine:
         if enable_sleep_mode and not self._sleep_enabled:
             logger.warning("enable_sleep_mode=True has no effect on CPU: vLLM's CPU worker cannot sleep")
         env = _engine_environment(
-            cpu_kvcache_space_gib=cpu_kvcache_space_gib, in_process=in_process, model_path=self.model_path
+            cpu_kvcache_space_gib=cpu_kvcache_space_gib,
+            in_process=in_process,
+            model_path=self.model_path,
+            extra=dict(environment or {}),
         )
         with env:
             self._llm = LLM(
@@ -273,7 +199,7 @@ class VLLMEngine:
                 logprobs_mode="processed_logprobs",
                 load_format=load_format,
                 use_tqdm_on_load=False,
-                worker_extension_cls=f"{__name__}.WeightReloadExtension",
+                worker_extension_cls=f"{WeightReloadExtension.__module__}.WeightReloadExtension",
             )
         self._dtype: torch.dtype = self._llm.llm_engine.model_config.dtype
         self._packed_modules = self._llm.collective_rpc("gtpo_packed_modules")[0]
@@ -427,6 +353,27 @@ class VLLMEngine:
             for shard in self._staging.glob("*.safetensors"):
                 shard.unlink()
             self._bucket_names = None
+
+    def join_weight_group(self, spec: dict, worker_offset: int) -> None:
+        """Every worker joins the weight group as engine worker ``worker_offset + its rank``.
+
+        See ``parallel/weight_group.py``. Blocks until every member joined: call it while the other members join
+        (``rollout/engine_guard.py``).
+        """
+        self._llm.collective_rpc("gtpo_join_weight_group", args=(spec, worker_offset))
+
+    def receive_weights(self) -> list[dict[str, float]]:
+        """Apply one update broadcast over the weight group (one reload pass per worker), reset the prefix cache.
+
+        Blocks until the sender's update ends. Returns each worker's ``{"num_tensors", "num_bytes", "seconds",
+        "transfer_s"}`` (``rollout/vllm_worker.py``).
+
+        Raises:
+            RuntimeError: the transfer failed half-way; the workers' weights are then partly updated.
+        """
+        stats = self._llm.collective_rpc("gtpo_receive_weights")
+        self._llm.reset_prefix_cache()
+        return stats
 
     # ------------------------------------------------------------------------------------------------ lifecycle
     def sleep(self) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -299,3 +300,44 @@ def test_system_prompt_choices_match_the_prompts_owner():
     from gtpo_megatron.data import SYSTEM_PROMPTS
 
     assert set(get_args(get_type_hints(DataConfig)["system_prompt"])) == set(SYSTEM_PROMPTS)
+
+
+def test_engine_fields_take_a_number_or_auto():
+    assert load_config(None, BASE).rollout.num_engines == "auto"
+    cfg = load_config(None, [*BASE, "rollout.num_engines=2", "rollout.timeout_s=60"])
+    assert cfg.rollout.num_engines == 2 and isinstance(cfg.rollout.num_engines, int)
+    assert cfg.rollout.weight_sync == "collective" and cfg.rollout.timeout_s == 60.0
+    with pytest.raises(ValueError, match=r"rollout.num_engines='two': must be an integer or must be one of \['auto'\]"):
+        load_config(None, [*BASE, "rollout.num_engines=two"])
+
+
+@pytest.mark.parametrize(
+    "overrides, fragment",
+    [
+        (["rollout.num_engines=0"], "rollout.num_engines=0: must be >= 1 or auto"),
+        (["rollout.num_engine_gpus=2"], "rollout.num_engine_gpus=2: needs rollout.placement=separate"),
+        (
+            ["rollout.placement=separate", "rollout.engine_tp_size=2", "rollout.num_engine_gpus=3"],
+            "rollout.num_engine_gpus=3: needs rollout.placement=separate and a multiple of rollout.engine_tp_size=2",
+        ),
+        (
+            ["rollout.weight_sync=files", "rollout.num_engines=2"],
+            "rollout.weight_sync='files': the files path feeds one engine, not rollout.num_engines=2",
+        ),
+        (["rollout.timeout_s=0"], "rollout.timeout_s=0.0: must be > 0 seconds"),
+    ],
+)
+def test_engine_fields_are_checked(overrides, fragment):
+    with pytest.raises(ValueError, match=re.escape(fragment)):
+        load_config(None, [*BASE, *overrides])
+
+
+def test_num_engines_must_tile_the_world():
+    cfg = load_config(None, [*BASE, "rollout.num_engines=3"])
+    with pytest.raises(ValueError, match=r"rollout.num_engines=3 x rollout.engine_tp_size=1 = 3 GPUs must divide the "
+                                         r"world size \(2, rollout.placement=colocated\)"):  # fmt: skip
+        cfg.validate(2, check_registries=False)
+    load_config(None, [*BASE, "rollout.num_engines=2"]).validate(2, check_registries=False)
+    separate = load_config(None, [*BASE, "rollout.placement=separate", "rollout.num_engines=2"])
+    with pytest.raises(ValueError, match=r"must divide the engine pool \(1,"):
+        separate.validate(2, check_registries=False)

@@ -180,3 +180,24 @@ def test_plan_refuses_what_the_policy_cannot_build() -> None:
     recipe = str(SCALE_RECIPES[0])
     status, text = run(["--config", recipe, "--gpus", str(_gpus(SCALE_RECIPES[0])), "model.params_dtype=float16"])
     assert status == 2 and "model.params_dtype='float16': the Megatron policy trains in" in text
+
+
+def test_many_engines_and_the_sync_path_of_the_70b_recipe() -> None:
+    path = CONFIGS / "llama3.1-70b_gsm8k_gtpo_64gpu.yaml"
+    status, text = run(["--config", str(path), "--gpus", "64", "--gpu-mem", "80"])
+    assert status == 0, text
+    assert "vLLM 8 x engine tp 8 (colocated)" in text
+    # 64 prompts over 8 engines: 8 whole groups of 8 sequences each; KV 40 KiB/token/GPU * 5500 tokens * 64
+    assert "64 rollout sequences per engine need 13.43 GiB" in text
+    # 70.55e9 parameters * 2 bytes (bfloat16) * 8 bits / 400e9 bit/s = 2.82 s
+    assert (
+        "weight sync (collective: NCCL broadcast of buckets from rank 0 to the 64 engine workers, the one on rank 0's "
+        "GPU through a relay; pipelined, so about one pass over the slowest link): 141.1 GB (bfloat16) per sync, "
+        "2.82 s at 400 Gbit/s (--sync-bandwidth-gbps)"
+    ) in text
+    status, text = run(["--config", str(path), "--gpus", "64", "rollout.num_engines=1", "rollout.weight_sync=files"])
+    assert "vLLM 1 x engine tp 8" in text and "512 rollout sequences per engine" in text
+    # the files path writes and reads every byte once: 2 * 141.1 GB at 16 Gbit/s = 141.1 s
+    assert "weight sync (files: " in text and "141.11 s assuming 16 Gbit/s for each pass" in text
+    status, text = run(["--config", str(path), "--gpus", "64", "rollout.num_engines=3"])
+    assert status == 2 and "rollout.num_engines=3 x rollout.engine_tp_size=8 = 24 GPUs must divide" in text

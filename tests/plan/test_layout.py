@@ -38,9 +38,13 @@ def test_padded_vocab_size(vocab: int, tp: int, expected: int) -> None:
 def test_colocated_layout_sizes() -> None:
     layout = _layout()
     # 64 ranks / (tp 8 * pp 4) = dp 2; 16 prompts * 8 = 128 sequences, 64 per dp rank, 64 micro-batches of 1;
-    # rank 0's single engine decodes all 128 sequences
+    # num_engines=auto: 64 / engine tp 8 = 8 engines, each decoding 2 whole groups = 16 sequences
     assert (layout.dp_size, layout.sequences_per_step, layout.sequences_per_dp_rank) == (2, 128, 64)
-    assert (layout.num_microbatches, layout.num_engines, layout.sequences_per_engine) == (64, 1, 128)
+    assert (layout.num_microbatches, layout.num_engines, layout.sequences_per_engine) == (64, 8, 16)
+    one = _layout(num_engines=1)
+    assert (one.num_engines, one.sequences_per_engine) == (1, 128)
+    uneven = _layout(num_prompts=17, group_size=8, world_size=64, micro_batch_size=4)  # 17 groups over 8 engines
+    assert uneven.sequences_per_engine == 3 * 8  # the busiest engine takes 3 whole groups
     assert layout.padded_vocab_size == 129024
 
 

@@ -110,7 +110,7 @@ class _ReplayEngine:
         self.events: list[str] = []
         self.tensors: dict[str, torch.Tensor] = {}
 
-    def generate(self, prompt_ids, n, sampling):
+    def generate(self, prompt_ids, n, sampling, prompt_indices=None):
         assert n == 4
         self.events.append("generate")
         return [self.group]
@@ -165,13 +165,13 @@ def _start_run(rank: int, world_size: int, root: str, output_dir: str) -> None:
     collector = None
     if rank == 0:
         collector = RolloutCollector(
-            engine=engine, reward_pool=FakeRewardPool(), tokenizer=FakeTokenizer(),
-            loader=PromptLoader(load_problems("synthetic", limit=8), batch_size=1, seed=0), rollout_cfg=cfg.rollout,
+            engine=engine, reward_pool=FakeRewardPool(), tokenizer=FakeTokenizer(), rollout_cfg=cfg.rollout,
             algorithm_cfg=cfg.algorithm, reward_cfg=cfg.reward, extraction="lenient",
         )  # fmt: skip
     sink = MetricSink(output_dir, cfg=cfg.logging, run_config=config_to_dict(cfg), max_steps=1, start_step=0,
                       enabled=rank == 0)  # fmt: skip
-    trainer = Trainer(cfg, groups=groups, policy=policy, collector=collector, pad_token_id=2, sink=sink)
+    loader = PromptLoader(load_problems("synthetic", limit=8), batch_size=1, seed=0)
+    trainer = Trainer(cfg, groups=groups, policy=policy, collector=collector, loader=loader, pad_token_id=2, sink=sink)
     trainer.run()
     trainer.close()
     if rank == 0:

@@ -24,7 +24,9 @@ def test_same_weights_as_the_trainer():
             batch.input_ids, batch.response_mask, REWARDS, ENTROPY, cfg, initial_entropy=initial
         )
         spec = dataclasses.replace(build_loss_spec(cfg, RolloutConfig()), initial_entropy=initial)
-        trainer = with_entropy_terms(compute_step_weights(batch, REWARDS, cfg, loss_spec=spec), ENTROPY, spec)
+        trainer = with_entropy_terms(
+            compute_step_weights(batch, REWARDS, cfg, loss_spec=spec, scores=REWARDS), ENTROPY, spec
+        )
         for name in WEIGHT_FIELDS:
             assert torch.equal(getattr(ours, name), getattr(trainer, name)), name
     # the hand-computed case of tests/trainer/test_algorithm.py, filter active (completion 1 above ln 2)

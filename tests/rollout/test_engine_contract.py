@@ -4,8 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from gtpo_megatron.rollout.engine import RolloutEngine, SamplingConfig, validate_prompt_ids
-from gtpo_megatron.rollout.vllm_engine import VLLMEngine, check_prompt_indices, request_seed
+from gtpo_megatron.rollout.engine import (
+    RolloutEngine,
+    SamplingConfig,
+    check_prompt_indices,
+    request_seed,
+    validate_prompt_ids,
+)
+from gtpo_megatron.rollout.vllm_engine import VLLMEngine
 
 
 @pytest.mark.parametrize(

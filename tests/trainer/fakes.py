@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -43,9 +44,11 @@ class FakeEngine:
         self.uniform_rounds = uniform_rounds
         self.pushed: list[list[str]] = []
         self.events: list[str] = []
+        self.prompt_indices: list[list[int] | None] = []
 
-    def generate(self, prompt_ids, n, sampling):
+    def generate(self, prompt_ids, n, sampling, prompt_indices=None):
         self.calls.append(([list(p) for p in prompt_ids], n, sampling))
+        self.prompt_indices.append(list(prompt_indices) if prompt_indices is not None else None)
         uniform = len(self.calls) <= self.uniform_rounds
         return [
             PromptCompletions(
@@ -187,13 +190,12 @@ def fake_rollout_trainer(
     a progress bar. ``start_step``: the step a resumed run continues from (the sink drops later records);
     ``reference``: the KL reference policy, if any."""
     collector = None
+    loader = PromptLoader(load_problems("synthetic", limit=50), batch_size=cfg.rollout.num_prompts, seed=0)
     if groups.rank == 0:
-        loader = PromptLoader(load_problems("synthetic", limit=50), batch_size=cfg.rollout.num_prompts, seed=0)
         collector = RolloutCollector(
             engine=engine or FakeEngine(),
             reward_pool=FakeRewardPool(),
             tokenizer=FakeTokenizer(),
-            loader=loader,
             rollout_cfg=cfg.rollout,
             algorithm_cfg=cfg.algorithm,
             reward_cfg=cfg.reward,
@@ -208,5 +210,44 @@ def fake_rollout_trainer(
         enabled=groups.rank == 0,
     )
     return Trainer(
-        cfg, groups=groups, policy=policy, collector=collector, pad_token_id=0, sink=sink, reference=reference
+        cfg,
+        groups=groups,
+        policy=policy,
+        collector=collector,
+        loader=loader,
+        pad_token_id=0,
+        sink=sink,
+        reference=reference,
     )
+
+
+class SeededFakeEngine(FakeEngine):
+    """Completions that depend only on (call seed, GLOBAL prompt index, sample), like ``VLLMEngine``'s seeds.
+
+    Sample j of the prompt at global index i: 1 to ``max_tokens`` tokens (the last one EOS unless it hit the limit),
+    text ``"9"`` or ``"0"``; with ``uniform_scores`` every text is ``"0"`` (all answers equally wrong) while the
+    lengths still differ.
+    """
+
+    def __init__(self, uniform_scores: bool = False):
+        super().__init__()
+        self.uniform_scores = uniform_scores
+
+    def generate(self, prompt_ids, n, sampling, prompt_indices=None):
+        self.calls.append(([list(p) for p in prompt_ids], n, sampling))
+        indices = list(prompt_indices) if prompt_indices is not None else list(range(len(prompt_ids)))
+        self.prompt_indices.append(indices)
+        return [
+            PromptCompletions(prompt_ids=list(p), completions=[self._sample(sampling, i, j) for j in range(n)])
+            for p, i in zip(prompt_ids, indices)
+        ]
+
+    def _sample(self, sampling, index, sample):
+        rng = random.Random(f"{sampling.seed}/{index}/{sample}")
+        length = rng.randint(1, sampling.max_tokens)
+        tokens = [rng.randint(3, 99) for _ in range(length)]
+        finish = "length" if length == sampling.max_tokens else "stop"
+        if finish == "stop":
+            tokens[-1] = EOS
+        text = "0" if self.uniform_scores else rng.choice("90")
+        return Completion(tokens, [-rng.random() for _ in tokens], text, finish)

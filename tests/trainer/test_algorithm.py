@@ -29,9 +29,9 @@ def _spec(cfg, initial_entropy=None):
     return dataclasses.replace(build_loss_spec(cfg, RolloutConfig()), initial_entropy=initial_entropy)
 
 
-def _weights(batch, rewards, cfg, *, seq_entropy=None, initial_entropy=None):
+def _weights(batch, rewards, cfg, *, seq_entropy=None, initial_entropy=None, scores=None):
     spec = _spec(cfg, initial_entropy)
-    weights = compute_step_weights(batch, rewards, cfg, loss_spec=spec, seq_entropy=seq_entropy)
+    weights = compute_step_weights(batch, rewards, cfg, loss_spec=spec, seq_entropy=seq_entropy, scores=scores)
     return weights, spec
 
 
@@ -192,3 +192,23 @@ def test_objective_metrics_name_the_averages():
         }
     )
     assert "mismatch/abs_logprob_diff" not in objective_metrics({"num_tokens": 1.0})  # loss_temperature 1.0
+
+
+def test_skip_uniform_groups_decides_on_scores_not_shaped_rewards():
+    """Issue 12 item 6: G=2, scores [0, 0], lengths 20 and 10, max_tokens=20, overlong buffer 4: the overlong
+    penalty shapes the rewards to [-1, 0], which look varied, but the group is uniform in score and is dropped."""
+    from gtpo_megatron.data.sampling import shape_rewards
+
+    batch = collate_completions(
+        [make_group([1], [[5] * 19 + [EOS], [6] * 9 + [EOS]]), make_group([1], [[5, EOS], [6, EOS]])],
+        pad_token_id=EOS,
+    )
+    cfg = algorithm_section(group_size=2, skip_uniform_groups=True, overlong_buffer_len=4)
+    scores = torch.tensor([0.0, 0.0, 1.0, 0.0])
+    rewards = shape_rewards(scores, torch.tensor([20, 10, 2, 2]), cfg, max_tokens=20, reward_span=1.0)
+    assert rewards.tolist() == [-1.0, 0.0, 1.0, 0.0]  # the shaped group 0 looks varied
+    weights, _ = _weights(batch, rewards, cfg, initial_entropy=1.0, scores=scores)
+    assert weights.keep_mask.tolist() == [False, False, True, True]
+    # the sibling: scores that vary while the shaped rewards are equal keep the group
+    flipped, _ = _weights(batch, torch.zeros(4), cfg, initial_entropy=1.0, scores=torch.tensor([1.0, 0.0, 1.0, 0.0]))
+    assert flipped.keep_mask.tolist() == [True, True, True, True]

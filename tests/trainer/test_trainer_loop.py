@@ -168,9 +168,9 @@ def test_dynamic_sampling_resamples_until_groups_vary(tmp_path):
 
 
 class _RecordingEngine(FakeEngine):
-    def generate(self, prompt_ids, n, sampling):
+    def generate(self, prompt_ids, n, sampling, prompt_indices=None):
         self.events.append("generate")
-        return super().generate(prompt_ids, n, sampling)
+        return super().generate(prompt_ids, n, sampling, prompt_indices)
 
 
 class _RecordingPolicy(FakePolicy):

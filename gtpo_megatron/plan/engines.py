@@ -1,0 +1,232 @@
+"""Where the vLLM engines of a run live and which prompts each one samples (torch-free arithmetic, one owner).
+
+A run has ``num_engines`` engines of ``engine_tp_size`` workers each; every engine is started and driven by one
+training rank, its *leader* (the engine's workers are processes of their own, spawned by vLLM).
+
+- ``colocated``: engine ``i`` shares the GPUs of the training ranks ``[i*s, i*s + engine_tp)`` with
+  ``s = world / num_engines`` (``auto``: ``num_engines = world / engine_tp``, so ``s = engine_tp`` and every GPU
+  generates); its leader is the first of those ranks. The ranks of one engine must be on one node.
+- ``separate``: the engines take the ``num_engine_gpus`` GPUs that training does not use, spread evenly over the
+  nodes (torchrun starts ``ranks_per_node`` training ranks per node, so the engine GPUs of a node are the local
+  devices ``ranks_per_node, ranks_per_node + 1, ...``); the k-th engine of a node is led by that node's local
+  rank k. Example: 6 training ranks on 8 GPUs with engine TP 2 -> one engine on GPUs 6 and 7, led by rank 0.
+- CPU: ``auto`` is one engine; N engines are led by the ranks ``0, W/N, 2W/N, ...`` and each engine binds its
+  OpenMP threads to its own share of the node's cores (:func:`cpu_thread_binding`).
+
+A step's P prompts are dealt to the engines as whole groups, in contiguous balanced blocks
+(:func:`engine_prompt_range`); request seeds depend on the global prompt index only, so the completions do not
+depend on the number of engines.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Placement = Literal["colocated", "separate"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EnginePlacement:
+    """One engine's place in the job.
+
+    Attributes:
+        index: engine index ``i`` in ``[0, num_engines)``.
+        num_engines: engines of the run.
+        leader_rank: global rank of the training process that starts and drives the engine.
+        ranks: global training ranks whose GPUs the engine shares (colocated); ``(leader_rank,)`` otherwise.
+        devices: node-local device indices of the engine's workers (``CUDA_VISIBLE_DEVICES`` of its processes);
+            empty on CPU.
+    """
+
+    index: int
+    num_engines: int
+    leader_rank: int
+    ranks: tuple[int, ...]
+    devices: tuple[int, ...]
+
+    def describe(self) -> str:
+        """``"engine 1 of 2 (leader rank 2, ranks [2, 3], GPUs [2, 3])"`` for logs and error messages."""
+        gpus = f", GPUs {list(self.devices)}" if self.devices else ""
+        return (
+            f"engine {self.index} of {self.num_engines} (leader rank {self.leader_rank}, ranks {list(self.ranks)}"
+            f"{gpus})"
+        )
+
+
+def engine_pool_gpus(*, placement: Placement, engine_tp_size: int, num_engine_gpus: int | None) -> int:
+    """GPUs the engines take outside the training world.
+
+    ``num_engine_gpus`` (null: ``engine_tp_size``) when ``separate``, 0 when ``colocated``.
+    """
+    if placement == "colocated":
+        return 0
+    return engine_tp_size if num_engine_gpus is None else num_engine_gpus
+
+
+def resolve_num_engines(
+    num_engines: int | Literal["auto"],
+    *,
+    placement: Placement,
+    train_world_size: int,
+    engine_tp_size: int,
+    num_engine_gpus: int | None,
+    accelerator: bool,
+) -> int:
+    """``rollout.num_engines`` as a number: ``auto`` fills the GPUs (module docstring), or 1 without GPUs."""
+    if num_engines != "auto":
+        return int(num_engines)
+    if not accelerator:
+        return 1
+    if placement == "colocated":
+        return max(train_world_size // engine_tp_size, 1)
+    pool = engine_pool_gpus(placement=placement, engine_tp_size=engine_tp_size, num_engine_gpus=num_engine_gpus)
+    return max(pool // engine_tp_size, 1)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def engine_count_problems(
+    num_engines: int, *, placement: Placement, train_world_size: int, engine_tp_size: int, pool_gpus: int
+) -> list[str]:
+    """Reasons ``num_engines`` engines of ``engine_tp_size`` do not tile the world or the engine pool (empty: ok).
+
+    The rule: ``num_engines * engine_tp_size`` divides the training world (colocated) or equals a divisor of the
+    ``pool_gpus`` engine GPUs (separate).
+    """
+    if num_engines < 1:
+        return [f"rollout.num_engines={num_engines} must be >= 1 or auto"]
+    span, where = (train_world_size, "the world size") if placement == "colocated" else (pool_gpus, "the engine pool")
+    if span % (num_engines * engine_tp_size) == 0:
+        return []
+    fits = [n for n in _divisors(max(span // engine_tp_size, 1)) if span % (n * engine_tp_size) == 0]
+    return [
+        f"rollout.num_engines={num_engines} x rollout.engine_tp_size={engine_tp_size} = "
+        f"{num_engines * engine_tp_size} GPUs must divide {where} ({span}, rollout.placement={placement}); "
+        f"use rollout.num_engines=auto or one of {fits}"
+    ]
+
+
+def engine_prompt_range(num_prompts: int, *, num_engines: int, index: int) -> range:
+    """Global indices of the prompts (whole groups) that engine ``index`` samples.
+
+    Contiguous blocks whose sizes differ by at most one (the first ``num_prompts % num_engines`` engines take one
+    more); an engine may get none.
+    """
+    base, extra = divmod(num_prompts, num_engines)
+    start = index * base + min(index, extra)
+    return range(start, start + base + (index < extra))
+
+
+def engine_placements(
+    *,
+    placement: Placement,
+    num_engines: int,
+    engine_tp_size: int,
+    train_world_size: int,
+    ranks_per_node: int,
+    pool_gpus: int,
+    accelerator: bool,
+) -> list[EnginePlacement]:
+    """Leader, ranks and devices of every engine (module docstring), the same list on every rank.
+
+    Args:
+        placement: ``rollout.placement``.
+        num_engines: resolved engine count (:func:`resolve_num_engines`).
+        engine_tp_size: workers per engine.
+        train_world_size: training ranks (the torchrun world).
+        ranks_per_node: training ranks per node (torchrun's ``LOCAL_WORLD_SIZE``).
+        pool_gpus: engine GPUs outside the training world (:func:`engine_pool_gpus`).
+        accelerator: GPUs present (False: CPU leaders, no devices).
+
+    Raises:
+        ValueError: the counts do not tile (:func:`engine_count_problems`), an engine would span two nodes, or a
+            node has more separate engines than training ranks to lead them.
+    """
+    problems = engine_count_problems(
+        num_engines,
+        placement=placement,
+        train_world_size=train_world_size,
+        engine_tp_size=engine_tp_size if accelerator else 1,
+        pool_gpus=pool_gpus,
+    )
+    if problems:
+        raise ValueError("; ".join(problems))
+    if not accelerator:
+        stride = train_world_size // num_engines
+        return [EnginePlacement(index=i, num_engines=num_engines, leader_rank=i * stride, ranks=(i * stride,),
+                                devices=()) for i in range(num_engines)]  # fmt: skip
+    if placement == "colocated":
+        return [
+            _colocated(i, num_engines, engine_tp_size, train_world_size, ranks_per_node) for i in range(num_engines)
+        ]
+    return _separate(num_engines, engine_tp_size, train_world_size, ranks_per_node, pool_gpus)
+
+
+def _colocated(index: int, num_engines: int, engine_tp: int, world: int, ranks_per_node: int) -> EnginePlacement:
+    first = index * (world // num_engines)
+    ranks = tuple(range(first, first + engine_tp))
+    if first // ranks_per_node != ranks[-1] // ranks_per_node:
+        raise ValueError(
+            f"rollout.engine_tp_size={engine_tp}: engine {index} would span ranks {list(ranks)} on two nodes of "
+            f"{ranks_per_node} ranks; use an engine_tp_size that divides the ranks per node"
+        )
+    devices = tuple(r % ranks_per_node for r in ranks)
+    return EnginePlacement(index=index, num_engines=num_engines, leader_rank=first, ranks=ranks, devices=devices)
+
+
+def _separate(num_engines: int, engine_tp: int, world: int, ranks_per_node: int, pool: int) -> list[EnginePlacement]:
+    num_nodes = max(world // ranks_per_node, 1)
+    per_node = num_engines // num_nodes if num_engines % num_nodes == 0 else 0
+    if per_node == 0 or per_node > ranks_per_node or (pool // num_nodes) < per_node * engine_tp:
+        raise ValueError(
+            f"rollout.num_engines={num_engines} separate engines (rollout.engine_tp_size={engine_tp}, "
+            f"rollout.num_engine_gpus={pool}) do not spread evenly over {num_nodes} node(s) of {ranks_per_node} "
+            "training ranks; give every node the same number of engine GPUs"
+        )
+    placements = []
+    for i in range(num_engines):
+        node, slot = divmod(i, per_node)
+        leader = node * ranks_per_node + slot
+        devices = tuple(ranks_per_node + slot * engine_tp + k for k in range(engine_tp))
+        placements.append(
+            EnginePlacement(index=i, num_engines=num_engines, leader_rank=leader, ranks=(leader,), devices=devices)
+        )
+    return placements
+
+
+def relay_workers(
+    placements: list[EnginePlacement], *, placement: Placement, engine_tp_size: int, accelerator: bool
+) -> tuple[int, int] | None:
+    """``(relay, target)`` engine-worker indices for the collective weight sync, or None when none is needed.
+
+    Colocated on GPUs, engine 0's worker 0 shares global rank 0's GPU, and NCCL refuses two members of one
+    communicator on one GPU: worker 0 is then fed by worker 1 (engine 0's second worker, or engine 1's first),
+    which is on another GPU (``parallel/weight_group.py``).
+
+    Raises:
+        ValueError: colocated on a single GPU (no other worker to relay).
+    """
+    if not accelerator or placement != "colocated":
+        return None
+    if len(placements) * engine_tp_size < 2:
+        raise ValueError(
+            "rollout.weight_sync=collective with one colocated engine worker on one GPU: NCCL cannot join rank 0 "
+            "and the engine on the same GPU; use rollout.weight_sync=files (or more GPUs)"
+        )
+    return (1, 0)
+
+
+def cpu_thread_binding(cores: list[int], *, slot: int, engines_on_node: int, engine_tp_size: int) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for the ``slot``-th of ``engines_on_node`` CPU engines sharing ``cores``.
+
+    Each engine gets a contiguous share of the cores (at least one; with more engines than cores they share
+    round-robin), split again over its ``engine_tp_size`` workers (``"|"`` between workers, vLLM's format).
+    """
+    share = max(len(cores) // engines_on_node, 1)
+    mine = cores[(slot * share) % len(cores) :][:share] or cores[:share]
+    per_worker = max(len(mine) // engine_tp_size, 1)
+    workers = [mine[(w * per_worker) % len(mine) :][:per_worker] for w in range(engine_tp_size)]
+    return "|".join(",".join(str(c) for c in cpus) for cpus in workers)

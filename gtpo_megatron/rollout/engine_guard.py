@@ -1,0 +1,165 @@
+"""An engine leader's guard around its engine: time limits, a name in every error, and no use after a failed update.
+
+``GuardedEngine`` wraps a ``RolloutEngine`` (``VLLMEngine`` in production) for the trainer:
+
+- every generation and every weight update runs under a watchdog of ``rollout.timeout_s``: an engine that hangs
+  stops the job with a ``RuntimeError`` naming the engine and its ranks (``plan.engines.EnginePlacement``) instead
+  of leaving every rank waiting; a dead engine's own error is re-raised with the same name;
+- a weight update that fails or times out half-way marks the engine unusable (its weights are partly new): every
+  later ``generate`` raises instead of sampling from a mixed model;
+- the collective weight path's worker calls (``join_weight_group``, ``receive_weights``) block until the sender has
+  sent everything, so they run in a background thread (:meth:`start_receive`, :meth:`start_join`) while this
+  process takes its own part in the transfer, and are awaited with :meth:`wait`.
+
+Watchdog threads are daemons: a hung engine call cannot keep the process from exiting after the error, and
+``close`` gives a hung engine ``CLOSE_TIMEOUT_S`` at most, so the failing rank exits and torchrun stops the job.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from gtpo_megatron.plan.engines import EnginePlacement
+from gtpo_megatron.rollout.engine import NamedTensor, RolloutEngine, SamplingConfig
+from gtpo_megatron.rollout.types import PromptCompletions
+
+logger = logging.getLogger(__name__)
+
+CLOSE_TIMEOUT_S = 60.0
+"""Longest wait for an engine to shut down."""
+
+
+class EngineCall:
+    """One engine call running in a daemon thread; :meth:`result` waits for it with a time limit."""
+
+    def __init__(self, fn: Callable[[], Any], what: str) -> None:
+        self.what = what
+        self._value: Any = None
+        self._error: BaseException | None = None
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(fn,), name=f"gtpo-{what}", daemon=True)
+        self._thread.start()
+
+    def _run(self, fn: Callable[[], Any]) -> None:
+        try:
+            self._value = fn()
+        except BaseException as err:  # handed to the waiting thread
+            self._error = err
+        finally:
+            self._done.set()
+
+    def result(self, timeout_s: float) -> Any:
+        """The call's value.
+
+        Raises:
+            TimeoutError: not done within ``timeout_s`` seconds (the thread is left behind, as a daemon).
+            BaseException: whatever the call raised.
+        """
+        if not self._done.wait(timeout_s):
+            raise TimeoutError(f"{self.what} did not finish within {timeout_s:g} s")
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
+class GuardedEngine:
+    """A ``RolloutEngine`` with a watchdog, a name and an unusable state (module docstring).
+
+    Args:
+        engine: the engine to guard (``VLLMEngine`` or a fake with the same methods).
+        placement: where the engine lives (its name in errors).
+        timeout_s: ``rollout.timeout_s``, the limit of one generation and of one weight update.
+    """
+
+    def __init__(self, engine: RolloutEngine, *, placement: EnginePlacement, timeout_s: float) -> None:
+        self.engine = engine
+        self.placement = placement
+        self.timeout_s = timeout_s
+        self.unusable: str | None = None
+
+    @property
+    def name(self) -> str:
+        """The engine's description (``EnginePlacement.describe``)."""
+        return self.placement.describe()
+
+    def _guarded(self, fn: Callable[[], Any], what: str, *, breaks_weights: bool) -> Any:
+        return self.wait(EngineCall(fn, what), breaks_weights=breaks_weights)
+
+    def wait(self, call: EngineCall, *, breaks_weights: bool = True) -> Any:
+        """Wait for a background call (at most ``timeout_s``); on failure mark the engine unusable and raise.
+
+        Raises:
+            RuntimeError: naming the engine, its ranks and what failed (timeout or the engine's error).
+        """
+        try:
+            return call.result(self.timeout_s)
+        except BaseException as err:
+            if breaks_weights:
+                self.unusable = f"{call.what} failed: {err}"
+            raise RuntimeError(
+                f"{self.name}: {call.what} failed ({type(err).__name__}: {err}); rollout.timeout_s={self.timeout_s:g}"
+                " bounds every generation and weight update. Stopping the job."
+            ) from err
+
+    def _check_usable(self) -> None:
+        if self.unusable is not None:
+            raise RuntimeError(f"{self.name} is unusable since a weight update failed half-way ({self.unusable})")
+
+    # ------------------------------------------------------------------------------------------- RolloutEngine
+    def generate(
+        self,
+        prompt_ids: Sequence[Sequence[int]],
+        n: int,
+        sampling: SamplingConfig,
+        prompt_indices: Sequence[int] | None = None,
+    ) -> list[PromptCompletions]:
+        """``engine.generate`` under the watchdog (see ``RolloutEngine.generate``)."""
+        self._check_usable()
+        call = lambda: self.engine.generate(prompt_ids, n, sampling, prompt_indices=prompt_indices)  # noqa: E731
+        return self._guarded(call, "generation", breaks_weights=False)
+
+    def update_weights(self, named_tensors: Iterable[NamedTensor]) -> None:
+        """``engine.update_weights`` (one bucket)."""
+        self.begin_weight_update()
+        self.load_weight_bucket(list(named_tensors))
+        self.finish_weight_update()
+
+    def begin_weight_update(self) -> None:
+        """``engine.begin_weight_update``."""
+        self.engine.begin_weight_update()
+
+    def load_weight_bucket(self, bucket: Sequence[NamedTensor]) -> None:
+        """``engine.load_weight_bucket`` (staging only: a failure leaves the served weights untouched)."""
+        self.engine.load_weight_bucket(bucket)
+
+    def finish_weight_update(self) -> None:
+        """``engine.finish_weight_update`` under the watchdog; a failed reload marks the engine unusable."""
+        self._guarded(self.engine.finish_weight_update, "weight update (files)", breaks_weights=True)
+
+    def sleep(self) -> None:
+        """``engine.sleep``."""
+        self.engine.sleep()
+
+    def wake_up(self) -> None:
+        """``engine.wake_up``."""
+        self.engine.wake_up()
+
+    def close(self) -> None:
+        """``engine.close``, given at most ``CLOSE_TIMEOUT_S`` (a hung engine must not keep the job from exiting)."""
+        try:
+            EngineCall(self.engine.close, "closing").result(min(self.timeout_s, CLOSE_TIMEOUT_S))
+        except TimeoutError:
+            logger.warning("%s did not shut down within %g s; leaving it behind", self.name, CLOSE_TIMEOUT_S)
+
+    # ------------------------------------------------------------------------------------ collective weight path
+    def start_join(self, spec: dict, worker_offset: int) -> EngineCall:
+        """Start the workers' ``join_weight_group`` in the background; :meth:`wait` for it."""
+        return EngineCall(lambda: self.engine.join_weight_group(spec, worker_offset), "joining the weight group")
+
+    def start_receive(self) -> EngineCall:
+        """Start the workers' ``receive_weights`` for one update in the background; :meth:`wait` for it."""
+        self._check_usable()
+        return EngineCall(self.engine.receive_weights, "weight update (collective)")

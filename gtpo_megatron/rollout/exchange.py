@@ -1,0 +1,134 @@
+"""A step's scored completions as one compact float64 tensor: what crosses ranks after the rollout phase.
+
+Every engine leader writes the rows of the groups it sampled into a zero ``[B, W]`` tensor (B = P*G rows in the
+step's group order) plus its own row of per-engine counters ``[N, K]``; one SUM all-reduce over the world
+(``parallel.collectives.all_reduce_sum``) then gives every rank the whole step, and :func:`unpack_rows` turns it back
+into ``PromptCompletions``. float64 holds token ids (< 2**53) and fp32 log-probs exactly, and every entry is
+written by exactly one rank, so the sum is exact.
+
+Row layout (``RowLayout``; ``Lp = rollout.max_prompt_len``, ``Lr = rollout.max_tokens``)::
+
+    [prompt_len, response_len, score, correct, format_ok, truncated, prompt ids (Lp), response ids (Lr),
+     rollout log-probs (Lr)]
+
+The completion text is not sent: only the leader that scored it needs it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from gtpo_megatron.rollout.types import Completion, PromptCompletions
+
+_HEAD = ("prompt_len", "response_len", "score", "correct", "format_ok", "truncated")
+ENGINE_COUNTERS = ("tokens", "generate_s", "reward_s", "num_timeouts", "num_errors")
+"""Per-engine counters of a step: generated tokens, seconds generating and scoring, grader timeouts and errors."""
+
+
+@dataclass
+class ScoredGroup:
+    """One prompt's G completions and their reward results (an engine leader's view, text included)."""
+
+    completions: PromptCompletions
+    scores: list[float]
+    correct: list[bool]
+    format_ok: list[bool]
+
+
+@dataclass
+class EngineTally:
+    """One engine's counters over the rounds of a step (``ENGINE_COUNTERS``)."""
+
+    tokens: float = 0.0
+    generate_s: float = 0.0
+    reward_s: float = 0.0
+    num_timeouts: float = 0.0
+    num_errors: float = 0.0
+
+    def as_tensor(self) -> torch.Tensor:
+        """``[K]`` float64 in ``ENGINE_COUNTERS`` order."""
+        return torch.tensor([getattr(self, k) for k in ENGINE_COUNTERS], dtype=torch.float64)
+
+
+@dataclass(frozen=True, slots=True)
+class RowLayout:
+    """Column layout of a packed row: ``max_prompt_len`` prompt ids, ``max_tokens`` response ids and log-probs."""
+
+    max_prompt_len: int
+    max_tokens: int
+
+    @property
+    def width(self) -> int:
+        """W, the columns of one row."""
+        return len(_HEAD) + self.max_prompt_len + 2 * self.max_tokens
+
+
+@dataclass
+class GatheredRows:
+    """The unpacked step: groups (no text) and per-completion results, B = P*G entries in group order."""
+
+    groups: list[PromptCompletions]
+    scores: list[float]
+    correct: list[bool]
+    format_ok: list[bool]
+    lengths: list[int] = field(default_factory=list)
+
+
+def pack_rows(slots: dict[int, ScoredGroup], *, num_groups: int, group_size: int, layout: RowLayout) -> torch.Tensor:
+    """``[num_groups * G, W]`` float64 zeros with the rows of the groups in ``slots`` (slot -> group) filled.
+
+    Raises:
+        ValueError: a slot out of range, a group of the wrong size, or a prompt/completion longer than the layout.
+    """
+    rows = torch.zeros(num_groups * group_size, layout.width, dtype=torch.float64)
+    lp, lr = layout.max_prompt_len, layout.max_tokens
+    for slot, group in slots.items():
+        if not 0 <= slot < num_groups or len(group.completions.completions) != group_size:
+            raise ValueError(f"group slot {slot} of {num_groups} with {len(group.completions.completions)} != G")
+        prompt = group.completions.prompt_ids
+        for j, completion in enumerate(group.completions.completions):
+            tokens = completion.token_ids
+            if len(prompt) > lp or len(tokens) > lr:
+                raise ValueError(f"prompt of {len(prompt)} / completion of {len(tokens)} tokens exceed {lp} / {lr}")
+            row = rows[slot * group_size + j]
+            row[: len(_HEAD)] = torch.tensor([len(prompt), len(tokens), group.scores[j], group.correct[j],
+                                              group.format_ok[j], completion.finish_reason == "length"])  # fmt: skip
+            start = len(_HEAD)
+            row[start : start + len(prompt)] = torch.tensor(prompt, dtype=torch.float64)
+            row[start + lp : start + lp + len(tokens)] = torch.tensor(tokens, dtype=torch.float64)
+            if completion.rollout_logprobs:
+                row[start + lp + lr : start + lp + lr + len(tokens)] = torch.tensor(
+                    completion.rollout_logprobs, dtype=torch.float64
+                )
+    return rows
+
+
+def unpack_rows(rows: torch.Tensor, *, group_size: int, layout: RowLayout) -> GatheredRows:
+    """The inverse of :func:`pack_rows` on the summed ``[B, W]`` tensor (every row filled by one rank)."""
+    lp, lr, start = layout.max_prompt_len, layout.max_tokens, len(_HEAD)
+    rows = rows.cpu()
+    head = rows[:, :start]
+    groups, out = [], GatheredRows(groups=[], scores=[], correct=[], format_ok=[])
+    for g in range(rows.shape[0] // group_size):
+        block = rows[g * group_size : (g + 1) * group_size]
+        prompt = [int(t) for t in block[0, start : start + int(block[0, 0])].tolist()]
+        completions = []
+        for row in block:
+            n = int(row[1])
+            completions.append(
+                Completion(
+                    token_ids=[int(t) for t in row[start + lp : start + lp + n].tolist()],
+                    rollout_logprobs=row[start + lp + lr : start + lp + lr + n].tolist(),
+                    text="",
+                    finish_reason="length" if row[5] > 0.5 else "stop",
+                )
+            )
+        groups.append(PromptCompletions(prompt_ids=prompt, completions=completions))
+    out.groups = groups
+    out.scores = head[:, 2].tolist()
+    out.correct = (head[:, 3] > 0.5).tolist()
+    out.format_ok = (head[:, 4] > 0.5).tolist()
+    out.lengths = [int(n) for n in head[:, 1].tolist()]
+    return out

@@ -1,0 +1,120 @@
+"""Code that runs inside every vLLM worker process: the ``worker_extension_cls`` of ``VLLMEngine``.
+
+vLLM mixes :class:`WeightReloadExtension` into each worker, so its methods run where the model lives and are
+called by name through ``LLM.collective_rpc`` (no callable is pickled). Both weight paths end in vLLM's
+``reload_weights``, one layerwise reload walk per update, which re-runs ``process_weights_after_loading`` (the CPU
+backend pre-packs linear weights, so a raw ``model.load_weights`` would leave stale packed copies;
+``../shared/FEASIBILITY.md`` section 4):
+
+- ``files``: ``gtpo_reload_weights(folder)`` reads the safetensors shards staged by the engine's owner (as an
+  iterator, so a ``dummy``-format engine reloads too);
+- ``collective``: ``gtpo_join_weight_group`` joins the weight group(s) once (``parallel/weight_group.py``; a
+  relay worker also passes every bucket on to the worker on the sender's GPU), then each
+  ``gtpo_receive_weights`` feeds the sender's broadcast buckets (``rollout/weight_wire.py``) to ``reload_weights``
+  as they arrive, so the update is one pass and the worker holds about one bucket at a time.
+
+This module does not import vLLM itself (the worker object is ``self``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from gtpo_megatron.parallel.weight_group import WeightGroupSpec, join_as_worker
+from gtpo_megatron.rollout.engine import NamedTensor
+from gtpo_megatron.rollout.weight_wire import WireStats, receive_weights
+
+
+def _staged_tensors(folder: str) -> Iterator[NamedTensor]:
+    """``(name, tensor)`` of every safetensors shard in ``folder``, shard by shard (one shard in memory at a time)."""
+    from safetensors import safe_open
+
+    for shard in sorted(Path(folder).glob("*.safetensors")):
+        with safe_open(str(shard), "pt") as handle:
+            for name in handle.keys():
+                yield name, handle.get_tensor(name)
+
+
+def check_fused_groups_complete(names: set[str], packed_modules: dict[str, list[str]]) -> None:
+    """Require that an update names every member of each fused module it touches.
+
+    vLLM fuses e.g. ``q_proj``/``k_proj``/``v_proj`` into one ``qkv_proj``; reloading only some members leaves the
+    others undefined (measured: garbage outputs), so partial fused updates are refused.
+
+    Raises:
+        ValueError: names the missing HF weights.
+    """
+    missing = set()
+    for members in packed_modules.values():
+        for name in names:
+            parts = name.split(".")
+            for i, part in enumerate(parts):
+                if part in members:
+                    siblings = {".".join([*parts[:i], m, *parts[i + 1 :]]) for m in members}
+                    missing |= siblings - names
+    if missing:
+        raise ValueError(
+            f"weight update is missing {sorted(missing)}: vLLM fuses these with weights in the update, so send "
+            "every member of a fused module (q/k/v projections together, gate/up projections together)"
+        )
+
+
+class WeightReloadExtension:
+    """Methods mixed into every vLLM worker (``worker_extension_cls``); ``self`` is the worker."""
+
+    def gtpo_packed_modules(self) -> dict[str, list[str]]:
+        """The model's fused-module map, e.g. ``{"qkv_proj": ["q_proj", "k_proj", "v_proj"]}``."""
+        return dict(getattr(self.model_runner.get_model(), "packed_modules_mapping", {}))
+
+    def gtpo_reload_weights(self, weights_path: str) -> None:
+        """``reload_weights`` of the tensors in a folder of safetensors shards, then re-pack a tied LM head.
+
+        The tensors are passed as ``weights_iterator`` (one layerwise reload, as from a path), not as
+        ``weights_path``: vLLM reloads a path through the engine's model loader, which a ``dummy``-format engine
+        lacks.
+        """
+        self.reload_weights(weights_iterator=_staged_tensors(weights_path))
+        self._gtpo_repack_tied_head()
+
+    def gtpo_join_weight_group(self, spec: dict[str, Any], worker_offset: int) -> None:
+        """Join the weight group(s) as engine worker ``worker_offset + (this worker's rank in its engine)``."""
+        spec = WeightGroupSpec.from_dict(spec)
+        self._gtpo_weight_link = join_as_worker(spec, worker_index=worker_offset + self.rank)
+
+    def gtpo_receive_weights(self) -> dict[str, float]:
+        """Receive one broadcast update and apply it in a single ``reload_weights`` pass.
+
+        Returns:
+            ``{"num_tensors", "num_bytes", "seconds", "transfer_s"}`` of this worker (``transfer_s``: time the
+            reload waited for buckets; the rest is vLLM's load and ``process_weights_after_loading``).
+
+        Raises:
+            RuntimeError: not joined, or the sender failed half-way (the model is then partly updated: the caller
+                must not generate with this engine again).
+        """
+        link = getattr(self, "_gtpo_weight_link", None)
+        if link is None:
+            raise RuntimeError("gtpo_receive_weights called before gtpo_join_weight_group")
+        start, stats = time.perf_counter(), WireStats()
+        self.reload_weights(weights_iterator=receive_weights(link.source, stats, forward=link.forward))
+        self._gtpo_repack_tied_head()
+        seconds = time.perf_counter() - start
+        return {"num_tensors": stats.num_tensors, "num_bytes": stats.num_bytes, "seconds": seconds,
+                "transfer_s": stats.transfer_s}  # fmt: skip
+
+    def _gtpo_repack_tied_head(self) -> None:
+        """Refresh a tied LM head's pre-packed copy after a reload.
+
+        vLLM's layerwise reload re-processes only the modules whose weights were loaded. With tied embeddings the
+        LM head loads nothing (it shares ``embed_tokens.weight``), so on CPU its pre-packed GEMM copy would keep
+        the old values; re-running its ``process_weights_after_loading`` (which keeps ``weight``) refreshes it.
+        """
+        model = self.model_runner.get_model()
+        lm_head = getattr(model, "lm_head", None)
+        quant_method = getattr(lm_head, "quant_method", None)
+        tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
+        if tied and quant_method is not None and not lm_head.weight.is_meta:
+            quant_method.process_weights_after_loading(lm_head)

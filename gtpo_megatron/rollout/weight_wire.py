@@ -1,0 +1,263 @@
+"""The bucket protocol of the collective weight sync: the sender's side and the engine workers' side.
+
+The sender (global rank 0, member 0 of the weight group, ``parallel/weight_group.py``) packs the stream of
+``(hf_name, full_tensor)`` pairs into buckets (each tensor cast to the engines' dtype while it is copied in) and
+broadcasts each bucket as three messages:
+
+1. ``sizes``: int64 ``[2]`` = (header bytes, payload bytes); ``(0, 0)`` ends the update and ``(-1, 0)`` aborts it
+   (the sender's stream failed: the workers raise at once instead of waiting for the group's timeout);
+2. ``header``: uint8 UTF-8 JSON ``{"dtype": "bfloat16", "tensors": [[name, shape, byte_offset], ...]}``;
+3. ``payload``: uint8 ``[payload bytes]``, the tensors back to back (one dtype, so every offset is aligned).
+
+Every worker turns the messages back into ``(name, tensor)`` views of its payload (:func:`receive_weights`), which
+vLLM's ``reload_weights`` consumes in one pass.
+
+Pipelining: the transfer of one bucket overlaps the work on its neighbours. The sender packs the next bucket while
+the previous one is still being broadcast (asynchronous broadcasts), and each worker receives the next bucket in a
+background thread while vLLM loads the current one. Both sides therefore hold two buckets at a time, so a bucket
+is half of ``bucket_bytes``: the extra memory stays about ``bucket_bytes`` per process (plus, on a worker, the
+pieces of a layer that vLLM's layerwise reload holds until the layer is complete). A tensor larger than a bucket
+travels alone (without a copy when it already has the engines' dtype). All messages go through
+``parallel.collectives`` with the group's timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import queue
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from gtpo_megatron.parallel.collectives import broadcast_buffer, start_broadcast
+from gtpo_megatron.parallel.weight_group import WeightGroup
+from gtpo_megatron.rollout.engine import NamedTensor
+
+SENDER = 0
+
+
+@dataclass
+class WireStats:
+    """What one update moved (filled while the stream runs).
+
+    Attributes:
+        num_tensors: tensors sent or received.
+        num_bytes: payload bytes (in the engines' dtype).
+        num_buckets: buckets.
+        max_bucket_bytes: the largest payload.
+        transfer_s: seconds spent waiting for broadcasts: on the sender for its bucket in flight, on a worker
+            the time vLLM's load waited for the next bucket (the rest of the pass is the load itself).
+    """
+
+    num_tensors: int = 0
+    num_bytes: int = 0
+    num_buckets: int = 0
+    max_bucket_bytes: int = 0
+    transfer_s: float = 0.0
+
+    def add_bucket(self, num_tensors: int, num_bytes: int) -> None:
+        """Count one bucket."""
+        self.num_tensors += num_tensors
+        self.num_bytes += num_bytes
+        self.num_buckets += 1
+        self.max_bucket_bytes = max(self.max_bucket_bytes, num_bytes)
+
+
+def _relayed(buffer: torch.Tensor, group: WeightGroup, forward: WeightGroup | None) -> None:
+    """Receive ``buffer`` from member 0 and pass it on to ``forward`` (a relay's second group) when given."""
+    broadcast_buffer(buffer, root=SENDER, group=group)
+    if forward is not None:
+        broadcast_buffer(buffer, root=SENDER, group=forward)
+
+
+def _control(values: list[int], group: WeightGroup) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64, device=group.device)
+
+
+class _Sender:
+    """The sender's two half-bucket buffers and the broadcasts of the bucket in flight."""
+
+    def __init__(self, group: WeightGroup, bucket_bytes: int, dtype: torch.dtype) -> None:
+        self.group, self.dtype, self.stats = group, dtype, WireStats()
+        self.capacity = max(bucket_bytes // 2, 1)
+        self.element = torch.empty((), dtype=dtype).element_size()
+        self.buffers = [torch.empty(self.capacity, dtype=torch.uint8, device=group.device) for _ in range(2)]
+        self.current, self.entries, self.used, self.in_flight = 0, [], 0, []
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        """Pack one tensor (sending the bucket first when it would overflow)."""
+        nbytes = tensor.numel() * self.element
+        if self.entries and self.used + nbytes > self.capacity:
+            self.flush()
+        if nbytes > self.capacity:  # travels alone, as itself when it can
+            same = tensor.dtype == self.dtype and tensor.is_contiguous() and tensor.device == self.group.device
+            payload = tensor.detach().reshape(-1).view(torch.uint8) if same else self._cast(tensor, nbytes)
+            self._send(payload, [[name, list(tensor.shape), 0]])
+            return
+        buffer = self.buffers[self.current]
+        buffer[self.used : self.used + nbytes].view(self.dtype).copy_(tensor.detach().reshape(-1))
+        self.entries.append([name, list(tensor.shape), self.used])
+        self.used += nbytes
+
+    def _cast(self, tensor: torch.Tensor, nbytes: int) -> torch.Tensor:
+        payload = torch.empty(nbytes, dtype=torch.uint8, device=self.group.device)
+        payload.view(self.dtype).copy_(tensor.detach().reshape(-1))
+        return payload
+
+    def flush(self) -> None:
+        """Send the packed bucket (if any) and switch to the other buffer."""
+        if self.entries:
+            self._send(self.buffers[self.current][: self.used], self.entries)
+            self.current, self.entries, self.used = 1 - self.current, [], 0
+
+    def _send(self, payload: torch.Tensor, entries: list) -> None:
+        self.wait()  # the other buffer's bucket: at most one bucket in flight while the next one is packed
+        header = json.dumps({"dtype": str(self.dtype).removeprefix("torch."), "tensors": entries}).encode()
+        header_tensor = torch.frombuffer(bytearray(header), dtype=torch.uint8).to(self.group.device)
+        messages = [_control([len(header), payload.numel()], self.group), header_tensor, payload]
+        self.in_flight = [(m, start_broadcast(m, root=SENDER, group=self.group)) for m in messages]
+        self.stats.add_bucket(len(entries), payload.numel())
+
+    def wait(self) -> None:
+        """Wait for the bucket in flight (its buffers may be reused afterwards)."""
+        start = time.perf_counter()
+        for _, work in self.in_flight:
+            work.wait()
+        self.in_flight = []
+        self.stats.transfer_s += time.perf_counter() - start
+
+    def end(self, *, abort: bool) -> None:
+        """Flush and send the end (or abort) message, then wait for everything."""
+        if not abort:
+            self.flush()
+        self.wait()
+        broadcast_buffer(_control([-1 if abort else 0, 0], self.group), root=SENDER, group=self.group)
+
+
+def send_weights(
+    named_tensors: Iterable[NamedTensor], *, group: WeightGroup, bucket_bytes: int, dtype: torch.dtype
+) -> WireStats:
+    """Broadcast a whole update from the sender (member 0); every worker must run :func:`receive_weights`.
+
+    Args:
+        named_tensors: ``(hf_name, full_tensor)`` pairs, each name once; not modified.
+        group: the joined weight group (this process is member 0).
+        bucket_bytes: byte budget of the two buckets in flight (>= 2).
+        dtype: the engines' weight dtype; tensors are cast while they are packed.
+
+    Returns:
+        ``WireStats`` of the update.
+
+    Collectives: three broadcasts per bucket (asynchronous, at most one bucket outstanding) and one to end, on
+    ``group`` (``parallel.collectives``).
+
+    Raises:
+        ValueError: ``bucket_bytes < 2`` or this process is not member 0.
+        RuntimeError: a worker died or timed out (``group.timeout_s``).
+        BaseException: whatever the stream raised, after the workers were told to abort.
+    """
+    if bucket_bytes < 2 or group.rank != SENDER:
+        raise ValueError(f"send_weights needs bucket_bytes >= 2 (got {bucket_bytes}) on member 0 (got {group.rank})")
+    sender = _Sender(group, bucket_bytes, dtype)
+    stream = iter(named_tensors)
+    while True:
+        try:
+            item = next(stream)
+        except StopIteration:
+            break
+        except BaseException:
+            sender.end(abort=True)
+            raise
+        sender.add(*item)
+    sender.end(abort=False)
+    return sender.stats
+
+
+def _receive_bucket(group: WeightGroup, forward: WeightGroup | None) -> tuple[dict, torch.Tensor] | None:
+    """One bucket's ``(header, payload)``, or None at the end of the update.
+
+    Raises:
+        RuntimeError: the sender aborted, died or timed out.
+    """
+    sizes = _control([0, 0], group)
+    _relayed(sizes, group, forward)
+    header_bytes, payload_bytes = (int(v) for v in sizes.tolist())
+    if header_bytes == 0:
+        return None
+    if header_bytes < 0:
+        raise RuntimeError("the sender aborted the weight update half-way (its weight stream failed)")
+    header = torch.empty(header_bytes, dtype=torch.uint8, device=group.device)
+    payload = torch.empty(payload_bytes, dtype=torch.uint8, device=group.device)
+    _relayed(header, group, forward)
+    _relayed(payload, group, forward)
+    return json.loads(header.cpu().numpy().tobytes()), payload
+
+
+def _prefetch(group: WeightGroup, forward: WeightGroup | None, out: queue.Queue, stop: threading.Event) -> None:
+    """Receive bucket after bucket into ``out``, each only once the previous one was taken (two alive at most).
+
+    Once the consumer stopped early (``stop``), the rest of the update is received and dropped, so the sender (and
+    a relay's target) finish at once instead of waiting for the group's timeout.
+    """
+    if group.device.type == "cuda":  # UNTESTED: no GPU here
+        torch.cuda.set_device(group.device)
+    try:
+        while True:
+            bucket = _receive_bucket(group, forward)
+            if not stop.is_set():
+                out.put(bucket)
+                out.join()
+            if bucket is None:
+                return
+    except BaseException as err:  # handed to the consumer
+        if not stop.is_set():
+            out.put(err)
+
+
+def receive_weights(
+    group: WeightGroup, stats: WireStats | None = None, *, forward: WeightGroup | None = None
+) -> Iterator[NamedTensor]:
+    """Yield the ``(hf_name, tensor)`` pairs of one update as the sender's buckets arrive (an engine worker).
+
+    Tensors are views of the bucket they came in (on ``group.device``, in the sender's dtype); the next bucket is
+    received in a background thread meanwhile. The generator ends with the sender's end message. ``stats``
+    (optional) is filled as buckets arrive. A relay (``parallel.weight_group.WorkerLink``) passes every message on
+    to ``forward``, where it is member 0, so the worker there receives the same update with this function.
+
+    Collectives: the receiving side of :func:`send_weights` on ``group`` (member 0 sends), plus the same
+    broadcasts as sender on ``forward``.
+
+    Raises:
+        RuntimeError: the sender aborted, died or timed out (``group.timeout_s``); the update is then incomplete.
+    """
+    stats = stats if stats is not None else WireStats()
+    buckets: queue.Queue = queue.Queue(maxsize=1)
+    stop = threading.Event()
+    args = (group, forward, buckets, stop)
+    threading.Thread(target=_prefetch, args=args, name="gtpo-weights", daemon=True).start()
+    try:
+        while True:
+            start = time.perf_counter()
+            bucket = buckets.get()
+            buckets.task_done()
+            stats.transfer_s += time.perf_counter() - start
+            if bucket is None:
+                return
+            if isinstance(bucket, BaseException):
+                raise bucket
+            meta, payload = bucket
+            dtype = getattr(torch, meta["dtype"])
+            element = torch.empty((), dtype=dtype).element_size()
+            for name, shape, offset in meta["tensors"]:
+                nbytes = math.prod(shape) * element
+                yield name, payload[offset : offset + nbytes].view(dtype).view(shape)
+            stats.add_bucket(len(meta["tensors"]), payload.numel())
+    finally:  # stopped early (vLLM's load raised): let the thread drop the rest of the update
+        stop.set()
+        while not buckets.empty():
+            buckets.get_nowait()
+            buckets.task_done()

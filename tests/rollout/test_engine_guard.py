@@ -1,0 +1,76 @@
+"""``GuardedEngine``: a hung or dead engine stops the step with its name and ranks, a half-applied update is final."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from gtpo_megatron.plan.engines import EnginePlacement
+from gtpo_megatron.rollout.engine import SamplingConfig
+from gtpo_megatron.rollout.engine_guard import EngineCall, GuardedEngine
+from tests.trainer.fakes import FakeEngine
+
+PLACEMENT = EnginePlacement(index=1, num_engines=2, leader_rank=2, ranks=(2, 3), devices=(2, 3))
+NAME = r"engine 1 of 2 \(leader rank 2, ranks \[2, 3\], GPUs \[2, 3\]\)"
+
+
+class _Stuck(FakeEngine):
+    """Generation hangs until released; the files reload fails."""
+
+    def __init__(self):
+        super().__init__()
+        self.release = threading.Event()
+
+    def generate(self, prompt_ids, n, sampling, prompt_indices=None):
+        self.release.wait(30)
+        return super().generate(prompt_ids, n, sampling, prompt_indices)
+
+    def finish_weight_update(self):
+        raise OSError("reload failed: disk full")
+
+
+def test_a_hung_generation_stops_within_the_timeout_naming_the_engine():
+    engine = _Stuck()
+    guarded = GuardedEngine(engine, placement=PLACEMENT, timeout_s=0.2)
+    start = time.perf_counter()
+    with pytest.raises(RuntimeError, match=NAME + r": generation failed \(TimeoutError: generation did not finish "
+                                                  r"within 0.2 s\); rollout.timeout_s=0.2"):  # fmt: skip
+        guarded.generate([[1, 2]], 2, SamplingConfig(seed=3))
+    assert time.perf_counter() - start < 2
+    assert guarded.unusable is None  # a generation error leaves the weights alone
+    engine.release.set()
+    out = guarded.generate([[1, 2]], 2, SamplingConfig(seed=3), prompt_indices=[5])
+    assert len(out[0].completions) == 2 and [5] in engine.prompt_indices  # the stuck call also ends now
+
+
+def test_a_failed_reload_makes_the_engine_unusable():
+    guarded = GuardedEngine(_Stuck(), placement=PLACEMENT, timeout_s=1.0)
+    guarded.begin_weight_update()
+    guarded.load_weight_bucket([("w", None)])
+    with pytest.raises(RuntimeError, match=NAME + r": weight update \(files\) failed \(OSError: reload failed"):
+        guarded.finish_weight_update()
+    with pytest.raises(RuntimeError, match=NAME + " is unusable since a weight update failed half-way"):
+        guarded.generate([[1]], 1, SamplingConfig())
+    with pytest.raises(RuntimeError, match="is unusable"):
+        guarded.start_receive()
+
+
+def test_engine_call_returns_or_reraises():
+    assert EngineCall(lambda: 7, "seven").result(1.0) == 7
+    with pytest.raises(ZeroDivisionError):
+        EngineCall(lambda: 1 / 0, "division").result(1.0)
+    with pytest.raises(TimeoutError, match="nap did not finish within 0.05 s"):
+        EngineCall(lambda: time.sleep(1), "nap").result(0.05)
+
+
+def test_closing_a_hung_engine_does_not_hang(monkeypatch, caplog):
+    monkeypatch.setattr("gtpo_megatron.rollout.engine_guard.CLOSE_TIMEOUT_S", 0.1)
+    engine = _Stuck()
+    engine.close = lambda: engine.release.wait(30)
+    start = time.perf_counter()
+    with caplog.at_level("WARNING"):
+        GuardedEngine(engine, placement=PLACEMENT, timeout_s=5.0).close()
+    assert time.perf_counter() - start < 2 and "did not shut down within 0.1 s" in caplog.text
+    engine.release.set()

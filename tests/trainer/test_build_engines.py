@@ -1,0 +1,52 @@
+"""``build.py``'s engine wiring: which engines a job gets and the environment each engine's processes start with."""
+
+from __future__ import annotations
+
+import pytest
+
+from gtpo_megatron.build import build_placements, engine_environment
+from gtpo_megatron.config import load_config
+
+BASE = ["model=builtin:tiny-qwen2", "output_dir=/tmp/unused"]
+
+
+def _cfg(*overrides):
+    return load_config(None, [*BASE, *overrides])
+
+
+def test_separate_engine_processes_see_only_the_gpus_training_leaves(monkeypatch):
+    """Issue 12 item 13: 6 training ranks on an 8-GPU node, engine TP 2 -> CUDA_VISIBLE_DEVICES=6,7."""
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "6")
+    cfg = _cfg("rollout.placement=separate", "rollout.engine_tp_size=2", "parallel.tp_size=2")
+    (only,) = build_placements(cfg, 6)
+    assert engine_environment(only, [only], cfg, 6) == {"CUDA_VISIBLE_DEVICES": "6,7"}
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    colocated = build_placements(_cfg("rollout.engine_tp_size=2", "parallel.tp_size=2"), 8)  # auto: 4 engines
+    assert [engine_environment(p, colocated, cfg, 8) for p in colocated] == [
+        {"CUDA_VISIBLE_DEVICES": devices} for devices in ("0,1", "2,3", "4,5", "6,7")
+    ]
+
+
+def test_cpu_engines_sharing_a_node_get_their_own_cores(monkeypatch):
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    cfg = _cfg("rollout.num_engines=2")
+    placements = build_placements(cfg, 2)
+    assert [p.leader_rank for p in placements] == [0, 1]
+    assert [engine_environment(p, placements, cfg, 2) for p in placements] == [
+        {"VLLM_CPU_OMP_THREADS_BIND": "0"},
+        {"VLLM_CPU_OMP_THREADS_BIND": "1"},
+    ]
+    (alone,) = build_placements(_cfg(), 2)  # auto on CPU: one engine, vLLM's own binding
+    assert engine_environment(alone, [alone], cfg, 2) == {}
+
+
+def test_the_files_path_refuses_several_engines(monkeypatch):
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    cfg = _cfg("rollout.weight_sync=files")
+    with pytest.raises(ValueError, match="rollout.weight_sync=files feeds one engine, but rollout.num_engines=auto"
+                                         " gives 8 here"):  # fmt: skip
+        build_placements(cfg, 8)
+    assert len(build_placements(_cfg("rollout.weight_sync=files", "rollout.num_engines=1"), 8)) == 1
