@@ -34,9 +34,12 @@ class StepWeights:
     Attributes:
         raw_advantages: ``[B]`` fp32 group-relative advantages A_i (GTPO_SPEC section 2).
         advantages: ``[B]`` fp32 advantages used by the loss (A_i - gamma <H>_i, section 4).
-        keep_mask: ``[B]`` bool delta_i (True = completion enters the loss).
+        keep_mask: ``[B]`` bool delta_i of the entropy filter (True = completion enters the loss; a dropped one
+            still counts in the loss normaliser, GTPO_SPEC section 1).
         conflict_weights: ``[B, S]`` fp32 lambda before the filter (section 3), 0 off the response.
-        token_weights: ``[B, S]`` fp32 lambda * delta_i (and overlong filtering), 0 off the response.
+        token_weights: ``[B, S]`` fp32 lambda * delta_i * loss_row_mask, 0 off the response.
+        loss_row_mask: ``[B]`` bool, False on rows removed from the objective (``skip_uniform_groups``,
+            ``overlong_filter``): weight 0 and no count in the loss normaliser (``ops.compute_normalizer``).
     """
 
     raw_advantages: torch.Tensor
@@ -44,6 +47,7 @@ class StepWeights:
     keep_mask: torch.Tensor
     conflict_weights: torch.Tensor
     token_weights: torch.Tensor
+    loss_row_mask: torch.Tensor
 
 
 def compute_step_weights(
@@ -73,8 +77,6 @@ def compute_step_weights(
         advantages=raw_B,
         only_negative=cfg.entropy_only_negative,
     )
-    if cfg.skip_uniform_groups:
-        keep_B = keep_B & filter_uniform_groups(rewards, group_size).repeat_interleave(group_size)
     conflict_adv_B = raw_B * keep_B if cfg.exclude_filtered_from_conflicts else raw_B
     ids, mask = batch.input_ids, batch.response_mask
     if cfg.conflict_mode == "off":
@@ -93,15 +95,30 @@ def compute_step_weights(
             lambda_BS = lambda_BS / conflict_normalizers(
                 ids, mask, conflict_adv_B, group_size, mode=cfg.conflict_mode
             ).unsqueeze(-1)
-    row_keep_B = keep_B & ~batch.extras["truncated"] if cfg.overlong_filter else keep_B
+    loss_row_B = build_loss_row_mask(batch, rewards, cfg)
     advantages_B = apply_entropy_penalty(raw_B, seq_entropy, cfg.entropy_penalty)
     return StepWeights(
         raw_advantages=raw_B,
         advantages=advantages_B,
         keep_mask=keep_B,
         conflict_weights=lambda_BS,
-        token_weights=lambda_BS * row_keep_B.unsqueeze(-1),
+        token_weights=lambda_BS * (keep_B & loss_row_B).unsqueeze(-1),
+        loss_row_mask=loss_row_B,
     )
+
+
+def build_loss_row_mask(batch: TrainBatch, rewards: torch.Tensor, cfg: AlgorithmConfig) -> torch.Tensor:
+    """``[B]`` bool, False on rows the switches remove from the objective (loss and normaliser), True elsewhere.
+
+    ``skip_uniform_groups`` removes every row of a group whose rewards are all equal (GTPO_SPEC section 4; the one
+    rule of ``data.sampling.filter_uniform_groups``); ``overlong_filter`` removes truncated rows (DAPO, section 5).
+    """
+    keep_B = torch.ones(batch.num_sequences, dtype=torch.bool)
+    if cfg.skip_uniform_groups:
+        keep_B &= filter_uniform_groups(rewards, cfg.group_size).repeat_interleave(cfg.group_size)
+    if cfg.overlong_filter:
+        keep_B &= ~batch.extras["truncated"]
+    return keep_B
 
 
 def weight_metrics(weights: StepWeights, response_mask: torch.Tensor) -> dict[str, float]:
@@ -109,7 +126,8 @@ def weight_metrics(weights: StepWeights, response_mask: torch.Tensor) -> dict[st
 
     ``gtpo/conflict_frac_pos``: response tokens of A > 0 completions whose lambda differs from 1 (amplified);
     ``gtpo/conflict_frac_neg``: response tokens of A < 0 completions with lambda = 0; both over all response
-    tokens, and ``gtpo/conflict_frac`` is their sum. ``gtpo/filtered_frac``: completions with delta = 0.
+    tokens, and ``gtpo/conflict_frac`` is their sum. ``gtpo/filtered_frac``: completions with delta = 0 (entropy
+    filter); ``gtpo/removed_frac``: completions removed by ``skip_uniform_groups`` / ``overlong_filter``.
     """
     num_tokens = response_mask.sum().clamp(min=1).float()
     lam = weights.conflict_weights
@@ -118,6 +136,7 @@ def weight_metrics(weights: StepWeights, response_mask: torch.Tensor) -> dict[st
     frac_pos, frac_neg = float(pos.sum() / num_tokens), float(neg.sum() / num_tokens)
     return {
         "gtpo/filtered_frac": float((~weights.keep_mask).float().mean()),
+        "gtpo/removed_frac": float((~weights.loss_row_mask).float().mean()),
         "gtpo/conflict_frac": frac_pos + frac_neg,
         "gtpo/conflict_frac_pos": frac_pos,
         "gtpo/conflict_frac_neg": frac_neg,

@@ -181,6 +181,7 @@ class Trainer:
     ) -> TrainBatch:
         local.advantages = weights.advantages[rows]
         local.token_weights = weights.token_weights[rows]
+        local.loss_row_mask = weights.loss_row_mask[rows]
         # One update per batch: r = exp(logp - stopgrad(logp)) = 1 with gradient (GTPO_SPEC section 1).
         local.old_logprobs = old_logprobs if self.cfg.algorithm.num_updates_per_batch > 1 else None
         return local

@@ -8,6 +8,7 @@ nothing) and run through ``get_forward_backward_func()`` with ``forward_step.for
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from functools import partial
@@ -309,7 +310,8 @@ class MegatronPolicy:
         embedding copies). ``batch.advantages`` is required; ``token_weights=None`` means weight 1 on every
         response token; ``old_logprobs=None`` means one update per batch (ratio 1 with gradient);
         ``ref_logprobs`` feeds the optional KL term; ``loss.max_response_length`` selects Dr. GRPO's constant
-        normaliser.
+        normaliser. Rows where ``batch.loss_row_mask`` is False are removed (``TrainBatch.loss_mask``): no loss term
+        and no count in the normaliser (``ops.losses``).
 
         Returns:
             Metrics identical on every rank: ``loss`` (the step objective, summed over micro-batches and DP),
@@ -322,6 +324,7 @@ class MegatronPolicy:
         """
         if batch.advantages is None:
             raise ValueError("batch.advantages is None; fill TrainBatch.advantages before train_step")
+        batch = dataclasses.replace(batch, response_mask=batch.loss_mask)  # removed rows leave loss and normaliser
         normalizer = global_normalizer(
             [batch.response_mask], loss.aggregation, group=self.groups.dp, max_response_length=loss.max_response_length
         ).to(self.device)

@@ -52,6 +52,9 @@ class TrainBatch:
         token_weights: ``[B, S]`` fp32 per-token multiplier: conflict weight lambda (section 3) times the entropy
             filter's delta_i (section 4), 0 off the response.
         ref_logprobs: ``[B, S]`` fp32 reference-policy log-probs for the optional GRPO KL term, else None.
+        loss_row_mask: ``[B]`` bool, True on rows in the objective; False on rows a switch removes (uniform-reward
+            groups under ``skip_uniform_groups``, truncated rows under ``overlong_filter``): they leave the loss and
+            its normaliser (``loss_mask``). None: every row is in the objective.
     """
 
     input_ids: torch.Tensor
@@ -61,7 +64,19 @@ class TrainBatch:
     advantages: torch.Tensor | None = None
     token_weights: torch.Tensor | None = None
     ref_logprobs: torch.Tensor | None = None
+    loss_row_mask: torch.Tensor | None = None
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def loss_mask(self) -> torch.Tensor:
+        """``[B, S]`` bool: ``response_mask`` on the rows of ``loss_row_mask``, False on removed rows.
+
+        The mask the loss and its normaliser take (``ops.losses``: which rows count); entropy-filtered rows keep
+        their response tokens here.
+        """
+        if self.loss_row_mask is None:
+            return self.response_mask
+        return self.response_mask & self.loss_row_mask.unsqueeze(-1)
 
     @property
     def num_sequences(self) -> int:
@@ -82,5 +97,6 @@ class TrainBatch:
             advantages=take(self.advantages),
             token_weights=take(self.token_weights),
             ref_logprobs=take(self.ref_logprobs),
+            loss_row_mask=take(self.loss_row_mask),
             extras={k: v[rows] for k, v in self.extras.items()},
         )

@@ -168,6 +168,15 @@ def test_dynamic_sampling_resamples_until_groups_vary(tmp_path):
     assert loss.aggregation == "token-mean" and loss.clip_eps_high == 0.28
 
 
+def test_removed_rows_reach_the_policy_as_a_loss_row_mask(tmp_path):
+    trainer = _trainer(tmp_path, "algorithm.skip_uniform_groups=true", engine=FakeEngine(uniform_rounds=1))
+    for step in (1, 2):
+        trainer.step(step)
+    (uniform, _), (varied, _) = trainer.policy.train_batches
+    assert uniform.loss_row_mask.tolist() == [False] * 8 and not uniform.loss_mask.any()  # the policy skips it
+    assert varied.loss_row_mask.all() and torch.equal(varied.loss_mask, varied.response_mask)
+
+
 class _RecordingEngine(FakeEngine):
     def generate(self, prompt_ids, n, sampling):
         self.events.append("generate")
