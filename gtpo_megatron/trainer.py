@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import shutil
 import signal
 import time
 from typing import TYPE_CHECKING
@@ -271,23 +270,28 @@ class Trainer:
         barrier(group=self._world)
         if self.groups.rank == 0:
             for old in run_dir.list_checkpoints(self.checkpoint_dir)[: -self.cfg.checkpoint.keep_last]:
-                shutil.rmtree(old, ignore_errors=True)
+                run_dir.remove_checkpoint(old)
         barrier(group=self._world)
 
     def _maybe_resume(self) -> int:
-        """Load the newest checkpoint when ``resume=true``; returns the number of completed steps."""
-        checkpoints = run_dir.list_checkpoints(self.checkpoint_dir) if self.cfg.resume else []
-        if not checkpoints:
+        """Load the newest complete checkpoint when ``resume=true``; returns the number of completed steps.
+
+        Incomplete step folders are skipped with a warning (``run_dir.newest_checkpoint``).
+        """
+        newest = run_dir.newest_checkpoint(self.checkpoint_dir) if self.cfg.resume else None
+        if newest is None:
             if self.cfg.resume:
-                logger.warning("resume=true but %s holds no checkpoint; starting from step 0", self.checkpoint_dir)
+                logger.warning(
+                    "resume=true but %s holds no complete checkpoint; starting from step 0", self.checkpoint_dir
+                )
             return 0
-        state = self.policy.load_checkpoint(str(checkpoints[-1]))
+        state = self.policy.load_checkpoint(str(newest))
         self.initial_entropy = state.get("initial_entropy")
         self.loader_state = state.get("loader")
         if self.collector is not None and self.loader_state is not None:
             self.collector.loader.load_state_dict(self.loader_state)
         self._sync_weights()
-        logger.info("resumed from %s (step %d)", checkpoints[-1], state["step"])
+        logger.info("resumed from %s (step %d)", newest, state["step"])
         return int(state["step"])
 
     def close(self) -> None:

@@ -6,10 +6,11 @@ owned by ``run_dir``)::
     <root>/step_000010/         one dist checkpoint (Megatron's format: sharded tensors + common.pt)
     <root>/latest               text file holding the name of the newest complete checkpoint folder
 
-Atomicity: every rank writes into ``run_dir.temporary_dir(<root>/<name>)``; after a barrier global rank 0 renames
-it to ``<root>/<name>`` and then replaces ``latest`` (``run_dir.write_latest``: write-to-temp + ``os.replace``). A
-killed save therefore leaves at most a stale ``.tmp`` folder (removed by the next save of the same name) and never
-a dangling ``latest``.
+Atomicity: every rank writes into ``run_dir.temporary_dir(<root>/<name>)``; after a barrier global rank 0 writes
+the completeness marker (``run_dir.mark_complete``: the files and their sizes, written last), renames the folder to
+``<root>/<name>`` and then replaces ``latest`` (``run_dir.write_latest``: write-to-temp + ``os.replace``). A killed
+save therefore leaves at most a stale ``.tmp`` folder (removed by the next save of the same name) and never a
+dangling ``latest``; a folder that lost files afterwards is refused (``run_dir.checkpoint_problem``).
 
 Resharding: model and optimizer tensors are saved as Megatron ``ShardedTensor`` s in the model's global layout
 (the distributed optimizer in its ``fully_reshardable`` format), so a checkpoint written with one TP/PP/DP layout
@@ -30,7 +31,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from gtpo_megatron.run_dir import resolve_checkpoint_dir, temporary_dir, write_latest
+from gtpo_megatron.run_dir import (
+    mark_complete,
+    remove_checkpoint,
+    resolve_checkpoint_dir,
+    temporary_dir,
+    write_latest,
+)
 
 if TYPE_CHECKING:
     from gtpo_megatron.parallel.groups import ParallelGroups
@@ -138,8 +145,9 @@ def save_checkpoint(path: str | Path, policy, trainer_state: dict) -> Path:
         dist_checkpointing.save(state, str(tmp))
     dist.barrier(group=world)
     if policy.groups.rank == 0:
+        mark_complete(tmp)
         if final.exists():
-            shutil.rmtree(final)
+            remove_checkpoint(final)
         os.replace(tmp, final)
         write_latest(final)
     dist.barrier(group=world)

@@ -10,6 +10,7 @@ import torch
 
 from gtpo_megatron.rewards.registry import RewardResult
 from gtpo_megatron.rollout.types import Completion, PromptCompletions
+from gtpo_megatron.run_dir import mark_complete
 
 EOS = 2
 
@@ -116,8 +117,9 @@ class FakePolicy:
         yield "lm_head.weight", torch.zeros(2, 2)
 
     def save_checkpoint(self, path, trainer_state):
-        Path(path).mkdir(parents=True)
+        Path(path).mkdir(parents=True, exist_ok=True)
         (Path(path) / "state.json").write_text(json.dumps(trainer_state))
+        mark_complete(path)
         self.saved.append(path)
 
     def load_checkpoint(self, path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 
@@ -140,6 +141,22 @@ def test_resume_continues_with_the_same_prompts(tmp_path):
     assert resumed.collector.engine.events[:2] == ["wake_up", "synced"]  # weights pushed right after loading
     lines = [json.loads(line) for line in (tmp_path / "cut" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines] == [1, 2, 3, 4]
+
+
+def test_resume_skips_incomplete_checkpoints_with_a_warning(tmp_path, caplog):
+    full = _trainer(tmp_path / "full")
+    full.run()
+    stopped = _trainer(tmp_path / "cut", "trainer.max_steps=2")
+    stopped.run()
+    root = tmp_path / "cut" / "checkpoints"
+    (root / "step_000003").mkdir()
+    (root / "step_000003" / "state.json").write_text("{}")  # a folder with one file is not a checkpoint
+    with caplog.at_level(logging.WARNING, logger="gtpo_megatron.run_dir"):
+        resumed = _trainer(tmp_path / "cut", "resume=true")
+        resumed.run()
+    assert "step_000003 is not a complete checkpoint (no complete.json" in caplog.text
+    prompts = lambda engine: [call[0] for call in engine.calls]  # noqa: E731
+    assert prompts(resumed.collector.engine) == prompts(full.collector.engine)[2:]  # resumed from step 2
 
 
 def test_sigterm_saves_after_the_current_step_and_stops(tmp_path):
