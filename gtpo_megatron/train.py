@@ -16,6 +16,7 @@ import torch
 
 from gtpo_megatron.config import load_config, save_config
 from gtpo_megatron.logging import setup_logging
+from gtpo_megatron.preemption import ignore_stop_signals_in_children
 from gtpo_megatron.run_dir import check_fresh_run, config_path
 
 
@@ -77,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
             groups.dp_size,
         )
     torch.manual_seed(cfg.trainer.seed)
+    if cfg.checkpoint.save_on_sigusr1:
+        ignore_stop_signals_in_children()  # before the engine, reward and wandb processes start
     trainer = build_trainer(cfg, groups)
     try:
         trainer.run()

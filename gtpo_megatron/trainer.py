@@ -3,21 +3,27 @@
 A step, as ``Trainer.step`` reads: rollout (rank 0 samples and scores, then broadcasts) -> old-logprob pass
 (each data-parallel rank on its rows) -> advantages, entropy filter and conflict weights on the full batch
 (GTPO_SPEC sections 2-4) -> train (``policy.train_step``) -> weight sync into the engine -> metrics. ``run``
-adds logging and checkpoints (every ``checkpoint.every_n_steps``, after the last step and on SIGTERM).
+adds logging and checkpoints (every ``checkpoint.every_n_steps``, after the last step and on a stop signal).
+
+Stop signals (``preemption``): SIGUSR1 saves at the next step boundary and stops; SIGTERM aborts the step in
+flight at its next safe point and saves the last completed step. The safe points, where every rank takes the same
+decision: rank 0's rollout (SIGTERM interrupts it; the broadcast then carries "aborted" to every rank), before the
+training update (any rank's SIGTERM aborts: the previous step is saved), before the weight sync (the update is done:
+this step is saved, its sync skipped) and the step's end (any signal: this step is saved).
 
 Ranks: global rank 0 owns the rollout engine and the reward pool (``RolloutCollector``); every rank receives the
 whole step's completions, builds the same full batch and keeps its data-parallel share (``parallel.row_shard``).
 Collectives per step, all through ``parallel.collectives``: one object broadcast (world), one all-gather of the
 sequence entropies (dp), one global mean for <H>_ini on the first step of the ``paper`` filter (dp), one all-reduce
-of the mismatch sums (dp), the policy's own, the weight gather (model-parallel group of dp replica 0) and one MAX
-all-reduce of the stop flag (world); a save adds two barriers (world).
+of the mismatch sums (dp), the policy's own, the weight gather (model-parallel group of dp replica 0) and three MAX
+all-reduces of the stop flags (world: before the update, before the sync, at the end); a save adds two barriers
+(world).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import signal
 import time
 from typing import TYPE_CHECKING
 
@@ -38,6 +44,7 @@ from gtpo_megatron.parallel import (
     reduce_metric_sums,
     row_shard,
 )
+from gtpo_megatron.preemption import StepInterrupted, StopRequests
 from gtpo_megatron.rollout.batch import collate_completions, mismatch_sums, rollout_metrics
 from gtpo_megatron.rollout.collector import RolloutCollector, StepRollout
 from gtpo_megatron.rollout.push import push_weights
@@ -62,6 +69,14 @@ class PhaseTimer:
         start = time.perf_counter()
         yield
         self.seconds[f"time/{name}_s"] = time.perf_counter() - start
+
+
+class StepAborted(Exception):  # noqa: N818 - a decision, not an error
+    """Every rank left step ``completed_step + 1`` at the same safe point; ``completed_step`` is the last whole one."""
+
+    def __init__(self, completed_step: int) -> None:
+        super().__init__(f"step {completed_step + 1} aborted")
+        self.completed_step = completed_step
 
 
 class Trainer:
@@ -98,7 +113,10 @@ class Trainer:
         self.loader_state: dict | None = None
         self._dp_group = groups.dp if groups.dp_size > 1 else None
         self._world = dist.group.WORLD
-        self._stop_requested = False
+        self.stop_requests = StopRequests(
+            on_sigterm=cfg.checkpoint.save_on_sigterm, on_sigusr1=cfg.checkpoint.save_on_sigusr1
+        )
+        self._last_saved_step = 0
         self._offload_enabled = cfg.rollout.offload_train_state and _cuda_available()
         if cfg.rollout.offload_train_state and not self._offload_enabled:
             logger.warning(
@@ -113,6 +131,8 @@ class Trainer:
         with timer.phase("step"):
             with timer.phase("rollout"):
                 rollout = self._rollout(step)
+            if rollout is None:  # rank 0 left the rollout on SIGTERM; every rank received None
+                raise StepAborted(step - 1)
             batch = collate_completions(rollout.groups, pad_token_id=self.pad_token_id)
             rows = row_shard(batch.num_sequences, rank=self.groups.dp_rank, size=self.groups.dp_size)
             local = batch.select(rows)
@@ -130,10 +150,13 @@ class Trainer:
                     initial_entropy=self.initial_entropy,
                 )
                 train_batch = self._train_batch(local, weights, rows, old_logprobs)
+            if self._agree(self.stop_requests.abort_requested):  # safe point: the weights are still step - 1's
+                raise StepAborted(step - 1)
             with timer.phase("train"):
                 train_metrics = self._train(train_batch)
+            aborting = self._agree(self.stop_requests.abort_requested)  # the update is done: skip only the sync
             with timer.phase("sync"):
-                sync_metrics = self._sync_weights()
+                sync_metrics = {} if aborting else self._sync_weights()
         self.loader_state = rollout.loader_state
         metrics = self._step_metrics(rollout, batch, weights, seq_entropy, old_logprobs, local)
         metrics.update({f"train/{k}": v for k, v in train_metrics.items()})
@@ -142,23 +165,39 @@ class Trainer:
         metrics["perf/response_tokens_per_s"] = float(batch.response_mask.sum()) / metrics["time/step_s"]
         return metrics
 
-    def _rollout(self, step: int) -> StepRollout:
+    def _rollout(self, step: int) -> StepRollout | None:
         """Rank 0 samples and scores (engine sleeps afterwards when colocated); every rank gets the result.
 
-        With ``rollout.offload_train_state`` (CUDA) every rank's gradient buffers and optimizer states leave the
-        GPU for the duration (the previous ``train_step`` consumed the gradients) and are back before it returns.
+        None on every rank when a SIGTERM made rank 0 leave the rollout. With ``rollout.offload_train_state``
+        (CUDA) every rank's gradient buffers and optimizer states leave the GPU for the duration (the previous
+        ``train_step`` consumed the gradients) and are back before it returns.
         """
         rollout = None
         if self._offload_enabled:
             self.policy.offload_train_state()
         if self.collector is not None:
-            rollout = self.collector.collect(step)
-            if self.cfg.rollout.placement == "colocated":
+            rollout = self._collect(step)
+            if rollout is not None and self.cfg.rollout.placement == "colocated":
                 self.collector.engine.sleep()
         rollout = broadcast_object(rollout, src=0, group=self._world)
         if self._offload_enabled:
             self.policy.restore_train_state()
         return rollout
+
+    def _collect(self, step: int) -> StepRollout | None:
+        """Rank 0's rollout and reward phase, or None when a SIGTERM interrupted it.
+
+        Under Slurm the SIGTERM also reaches the engine's and the reward pool's processes, so any failure of the
+        phase after a SIGTERM counts as the interruption; without one, errors propagate.
+        """
+        try:
+            with self.stop_requests.interruptible():
+                return self.collector.collect(step)
+        except (StepInterrupted, Exception) as err:
+            if not self.stop_requests.abort_requested:
+                raise
+            logger.warning("SIGTERM during the rollout of step %d: rollout abandoned (%s)", step, type(err).__name__)
+            return None
 
     def _old_logprob_pass(self, local: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """Log pi_old at the sampling temperature and entropy at ``entropy_temperature`` (section 4), ``[b, S]``."""
@@ -236,37 +275,50 @@ class Trainer:
     def run(self) -> None:
         """Resume if asked, run the remaining steps with logging and checkpoints, then plot the curves."""
         start = self._maybe_resume()
-        previous = signal.signal(signal.SIGTERM, self._on_sigterm) if self.cfg.checkpoint.save_on_sigterm else None
-        try:
+        self._last_saved_step = start
+        with self.stop_requests.installed():
             for step in range(start + 1, self.cfg.trainer.max_steps + 1):
-                metrics = self.step(step)
+                try:
+                    metrics = self.step(step)
+                except StepAborted as aborted:
+                    self._save_after_abort(aborted.completed_step)
+                    break
                 self.sink.log(step, metrics)
                 if step % self.cfg.trainer.log_every == 0:
                     self.sink.write(format_step_line(step, metrics))
-                stop = self._agree_on_stop()
+                stop = self._agree(self.stop_requests.stop_requested)
                 every = self.cfg.checkpoint.every_n_steps
                 if stop or step == self.cfg.trainer.max_steps or (every and step % every == 0):
                     self.save(step)
                 if stop:
-                    self.sink.write(f"SIGTERM: saved step {step} and stopped; resume with resume=true")
+                    self.sink.write(
+                        f"{self.stop_requests.describe()}: saved step {step} and stopped; resume with resume=true"
+                    )
                     break
-        finally:
-            if previous is not None:
-                signal.signal(signal.SIGTERM, previous)
         if self.groups.rank == 0 and self.sink.path.exists():
             plot_curves(self.sink.path, run_dir.curves_path(self.cfg.output_dir))
 
-    def _on_sigterm(self, signum, frame) -> None:
-        self._stop_requested = True
+    def _agree(self, flag: bool) -> bool:
+        """True on every rank when ``flag`` is True on any rank (one MAX all-reduce on the world)."""
+        return any_rank(flag, group=self._world)
 
-    def _agree_on_stop(self) -> bool:
-        """True on every rank when any rank got SIGTERM (one MAX all-reduce on the world)."""
-        return any_rank(self._stop_requested, group=self._world)
+    def _save_after_abort(self, completed_step: int) -> None:
+        """Save the last completed step after an aborted one (unless it is saved already, or there is none)."""
+        what = self.stop_requests.describe()
+        if completed_step == 0:
+            self.sink.write(f"{what}: step 1 aborted; no step completed, nothing saved")
+            return
+        if completed_step != self._last_saved_step:
+            self.save(completed_step)
+        self.sink.write(
+            f"{what}: step {completed_step + 1} aborted; step {completed_step} saved; resume with resume=true"
+        )
 
     def save(self, step: int) -> None:
         """Checkpoint model, optimizer and trainer state under ``checkpoints/step_NNNNNN``; prune old ones."""
         state = {"step": step, "initial_entropy": self.initial_entropy, "loader": self.loader_state}
         self.policy.save_checkpoint(str(run_dir.checkpoint_dir(self.cfg.output_dir, step)), state)
+        self._last_saved_step = step
         barrier(group=self._world)
         if self.groups.rank == 0:
             for old in run_dir.list_checkpoints(self.checkpoint_dir)[: -self.cfg.checkpoint.keep_last]:

@@ -415,11 +415,15 @@ class CheckpointConfig:
     """When checkpoints are written and how many are kept (``checkpoint.*``)."""
 
     every_n_steps: int = 10
-    """Save every N steps (and after the last step); 0 saves only at the end and on SIGTERM."""
+    """Save every N steps (and after the last step); 0 saves only at the end and on a stop signal."""
     keep_last: int = 2
     """Checkpoints kept under output_dir/checkpoints (older ones are deleted)."""
     save_on_sigterm: bool = True
-    """On SIGTERM finish the current step, save and exit cleanly."""
+    """On SIGTERM (preemption; SIGKILL follows ~30 s later) abort the step in flight at its next safe point, save
+    the last completed step and exit cleanly (``gtpo_megatron.preemption``)."""
+    save_on_sigusr1: bool = True
+    """On SIGUSR1 (Slurm's early warning, ``--signal=B:USR1@<seconds>`` in ``launch/submit.sbatch``) finish the
+    step in flight, save it and exit cleanly."""
 
     def __post_init__(self) -> None:
         _require(self.every_n_steps >= 0, "checkpoint.every_n_steps", self.every_n_steps, "must be >= 0", "use 10")

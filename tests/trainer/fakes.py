@@ -1,16 +1,26 @@
-"""Small stand-ins for the policy, engine, reward pool and tokenizer (the loop's own logic is what is tested)."""
+"""Small stand-ins for the policy, engine, reward pool and tokenizer (the loop's own logic is what is tested), and
+a ``Trainer`` built from them in a one-process gloo world."""
 
 from __future__ import annotations
 
 import json
+import os
+import socket
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch
+import torch.distributed as dist
 
+from gtpo_megatron.config import LoggingConfig, load_config
+from gtpo_megatron.data.datasets import load_problems
+from gtpo_megatron.data.loader import PromptLoader
+from gtpo_megatron.logging import MetricSink
 from gtpo_megatron.rewards.registry import RewardResult
+from gtpo_megatron.rollout.collector import RolloutCollector
 from gtpo_megatron.rollout.types import Completion, PromptCompletions
-from gtpo_megatron.run_dir import mark_complete
+from gtpo_megatron.run_dir import list_checkpoints, mark_complete
+from gtpo_megatron.trainer import Trainer
 
 EOS = 2
 
@@ -141,4 +151,56 @@ def single_rank_groups():
         tp=None,
         pp=None,
         mp=None,
+    )
+
+
+def one_rank_process_group():
+    """A one-process gloo world for the trainer's collectives (use as a module-scoped autouse fixture)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def make_trainer(tmp_path, *overrides, engine=None, policy=None):
+    """A ``Trainer`` over the fakes: 2 synthetic prompts x 4 completions per step, 4 steps, a save every 2."""
+    cfg = load_config(
+        None,
+        [
+            "model=builtin:tiny-qwen2",
+            f"output_dir={tmp_path}",
+            "rollout.num_prompts=2",
+            "algorithm.group_size=4",
+            "trainer.max_steps=4",
+            "checkpoint.every_n_steps=2",
+            "checkpoint.keep_last=1",
+            "logging.wandb_mode=disabled",
+            "logging.progress=false",
+            *overrides,
+        ],
+    )
+    loader = PromptLoader(load_problems("synthetic", limit=50), batch_size=2, seed=0)
+    collector = RolloutCollector(
+        engine=engine or FakeEngine(),
+        reward_pool=FakeRewardPool(),
+        tokenizer=FakeTokenizer(),
+        loader=loader,
+        rollout_cfg=cfg.rollout,
+        algorithm_cfg=cfg.algorithm,
+        reward_cfg=cfg.reward,
+        extraction="strict",
+    )
+    start = max([int(p.name[5:]) for p in list_checkpoints(tmp_path / "checkpoints")] + [0]) if cfg.resume else 0
+    sink = MetricSink(
+        tmp_path,
+        cfg=LoggingConfig(wandb_mode="disabled", progress=False),
+        run_config={},
+        max_steps=cfg.trainer.max_steps,
+        start_step=start,
+    )
+    return Trainer(
+        cfg, groups=single_rank_groups(), policy=policy or FakePolicy(), collector=collector, pad_token_id=0, sink=sink
     )

@@ -5,20 +5,12 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
 
 import pytest
 import torch
-import torch.distributed as dist
 
-from gtpo_megatron.config import LoggingConfig, load_config
-from gtpo_megatron.data.datasets import load_problems
-from gtpo_megatron.data.loader import PromptLoader
-from gtpo_megatron.logging import MetricSink
-from gtpo_megatron.rollout.collector import RolloutCollector
 from gtpo_megatron.run_dir import list_checkpoints
-from gtpo_megatron.trainer import Trainer
-from tests.trainer.fakes import FakeEngine, FakePolicy, FakeRewardPool, FakeTokenizer, single_rank_groups
+from tests.trainer.fakes import FakeEngine, FakePolicy, FakeRewardPool, make_trainer, one_rank_process_group
 
 CONTRACT_KEYS = {
     "reward/mean",
@@ -44,59 +36,11 @@ CONTRACT_KEYS = {
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_rank_world():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
-def _trainer(tmp_path, *overrides, engine=None, policy=None):
-    cfg = load_config(
-        None,
-        [
-            "model=builtin:tiny-qwen2",
-            f"output_dir={tmp_path}",
-            "rollout.num_prompts=2",
-            "algorithm.group_size=4",
-            "trainer.max_steps=4",
-            "checkpoint.every_n_steps=2",
-            "checkpoint.keep_last=1",
-            "logging.wandb_mode=disabled",
-            "logging.progress=false",
-            *overrides,
-        ],
-    )
-    loader = PromptLoader(load_problems("synthetic", limit=50), batch_size=2, seed=0)
-    collector = RolloutCollector(
-        engine=engine or FakeEngine(),
-        reward_pool=FakeRewardPool(),
-        tokenizer=FakeTokenizer(),
-        loader=loader,
-        rollout_cfg=cfg.rollout,
-        algorithm_cfg=cfg.algorithm,
-        reward_cfg=cfg.reward,
-        extraction="strict",
-    )
-    start = max([int(p.name[5:]) for p in list_checkpoints(tmp_path / "checkpoints")] + [0]) if cfg.resume else 0
-    sink = MetricSink(
-        tmp_path,
-        cfg=LoggingConfig(wandb_mode="disabled", progress=False),
-        run_config={},
-        max_steps=cfg.trainer.max_steps,
-        start_step=start,
-    )
-    return Trainer(
-        cfg, groups=single_rank_groups(), policy=policy or FakePolicy(), collector=collector, pad_token_id=0, sink=sink
-    )
+one_rank_world = pytest.fixture(scope="module", autouse=True)(one_rank_process_group)
 
 
 def test_step_phases_feed_the_policy_and_engine(tmp_path):
-    trainer = _trainer(tmp_path)
+    trainer = make_trainer(tmp_path)
     metrics = trainer.step(1)
     assert CONTRACT_KEYS <= set(metrics)
     batch, loss = trainer.policy.train_batches[0]
@@ -117,7 +61,7 @@ def test_step_phases_feed_the_policy_and_engine(tmp_path):
 
 
 def test_run_writes_metrics_curves_and_prunes_checkpoints(tmp_path):
-    trainer = _trainer(tmp_path)
+    trainer = make_trainer(tmp_path)
     trainer.run()
     trainer.close()
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -128,11 +72,11 @@ def test_run_writes_metrics_curves_and_prunes_checkpoints(tmp_path):
 
 
 def test_resume_continues_with_the_same_prompts(tmp_path):
-    full = _trainer(tmp_path / "full")
+    full = make_trainer(tmp_path / "full")
     full.run()
-    stopped = _trainer(tmp_path / "cut", "trainer.max_steps=2")
+    stopped = make_trainer(tmp_path / "cut", "trainer.max_steps=2")
     stopped.run()
-    resumed = _trainer(tmp_path / "cut", "resume=true")
+    resumed = make_trainer(tmp_path / "cut", "resume=true")
     resumed.run()
     prompts = lambda engine: [call[0] for call in engine.calls]  # noqa: E731
     assert prompts(resumed.collector.engine) == prompts(full.collector.engine)[2:]
@@ -144,15 +88,15 @@ def test_resume_continues_with_the_same_prompts(tmp_path):
 
 
 def test_resume_skips_incomplete_checkpoints_with_a_warning(tmp_path, caplog):
-    full = _trainer(tmp_path / "full")
+    full = make_trainer(tmp_path / "full")
     full.run()
-    stopped = _trainer(tmp_path / "cut", "trainer.max_steps=2")
+    stopped = make_trainer(tmp_path / "cut", "trainer.max_steps=2")
     stopped.run()
     root = tmp_path / "cut" / "checkpoints"
     (root / "step_000003").mkdir()
     (root / "step_000003" / "state.json").write_text("{}")  # a folder with one file is not a checkpoint
     with caplog.at_level(logging.WARNING, logger="gtpo_megatron.run_dir"):
-        resumed = _trainer(tmp_path / "cut", "resume=true")
+        resumed = make_trainer(tmp_path / "cut", "resume=true")
         resumed.run()
     assert "step_000003 is not a complete checkpoint (no complete.json" in caplog.text
     prompts = lambda engine: [call[0] for call in engine.calls]  # noqa: E731
@@ -160,7 +104,7 @@ def test_resume_skips_incomplete_checkpoints_with_a_warning(tmp_path, caplog):
 
 
 def test_sigterm_saves_after_the_current_step_and_stops(tmp_path):
-    trainer = _trainer(tmp_path, "checkpoint.every_n_steps=0")
+    trainer = make_trainer(tmp_path, "checkpoint.every_n_steps=0")
     original = trainer.step
 
     def step_then_signal(step):
@@ -175,7 +119,7 @@ def test_sigterm_saves_after_the_current_step_and_stops(tmp_path):
 
 
 def test_dynamic_sampling_resamples_until_groups_vary(tmp_path):
-    trainer = _trainer(tmp_path, "algorithm=dapo", engine=FakeEngine(uniform_rounds=1))
+    trainer = make_trainer(tmp_path, "algorithm=dapo", engine=FakeEngine(uniform_rounds=1))
     metrics = trainer.step(1)
     assert metrics["rollout/num_rounds"] == 2.0
     seeds = [call[2].seed for call in trainer.collector.engine.calls]
@@ -186,7 +130,7 @@ def test_dynamic_sampling_resamples_until_groups_vary(tmp_path):
 
 
 def test_removed_rows_reach_the_policy_as_a_loss_row_mask(tmp_path):
-    trainer = _trainer(tmp_path, "algorithm.skip_uniform_groups=true", engine=FakeEngine(uniform_rounds=1))
+    trainer = make_trainer(tmp_path, "algorithm.skip_uniform_groups=true", engine=FakeEngine(uniform_rounds=1))
     for step in (1, 2):
         trainer.step(step)
     (uniform, _), (varied, _) = trainer.policy.train_batches
@@ -214,7 +158,7 @@ def test_train_state_is_offloaded_around_the_rollout(tmp_path, monkeypatch):
     monkeypatch.setattr("gtpo_megatron.trainer._cuda_available", lambda: True)
     engine, policy = _RecordingEngine(), _RecordingPolicy()
     policy.events = engine.events  # one timeline for both
-    trainer = _trainer(tmp_path, "rollout.offload_train_state=true", engine=engine, policy=policy)
+    trainer = make_trainer(tmp_path, "rollout.offload_train_state=true", engine=engine, policy=policy)
     trainer.step(1)
     trainer.step(2)
     one_step = [
@@ -233,12 +177,12 @@ def test_train_state_is_offloaded_around_the_rollout(tmp_path, monkeypatch):
 
 def test_train_state_offload_is_off_by_default_and_warns_without_cuda(tmp_path, monkeypatch, caplog):
     policy = _RecordingPolicy()
-    _trainer(tmp_path, policy=policy).step(1)
+    make_trainer(tmp_path, policy=policy).step(1)
     assert "offload_train_state" not in policy.events and "restore_train_state" not in policy.events
     monkeypatch.setattr("gtpo_megatron.trainer._cuda_available", lambda: False)
     policy = _RecordingPolicy()
     with caplog.at_level("WARNING"):
-        trainer = _trainer(tmp_path / "cpu", "rollout.offload_train_state=true", policy=policy)
+        trainer = make_trainer(tmp_path / "cpu", "rollout.offload_train_state=true", policy=policy)
     assert "rollout.offload_train_state=true has no effect without CUDA" in caplog.text
     trainer.step(1)
     assert "offload_train_state" not in policy.events
@@ -254,7 +198,7 @@ class _FailingRewardPool(FakeRewardPool):
 
 @pytest.mark.parametrize(("max_error_frac", "stops"), [(0.5, False), (0.25, True)])
 def test_grader_failures_above_reward_max_error_frac_stop_the_step(tmp_path, max_error_frac, stops):
-    trainer = _trainer(tmp_path, f"reward.max_error_frac={max_error_frac}")
+    trainer = make_trainer(tmp_path, f"reward.max_error_frac={max_error_frac}")
     trainer.collector.reward_pool = _FailingRewardPool()
     if stops:
         with pytest.raises(RuntimeError, match=r"reward 'fake' failed to grade 3 of 8 answers.*boxed"):
