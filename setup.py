@@ -45,6 +45,7 @@ setup(
             "gtpo-eval=gtpo_megatron.evaluation.cli:main",
             "gtpo-compare=gtpo_megatron.evaluation.compare:main",
             "gtpo-plan=gtpo_megatron.plan.cli:main",
+            "gtpo-data=gtpo_megatron.data.download:main",
         ]
     },
 )

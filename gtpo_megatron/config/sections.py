@@ -345,7 +345,8 @@ class DataConfig:
     source: str = "synthetic"
     """``gsm8k|math500|aime24|aime25|amc23|math|synthetic`` or a Hugging Face dataset name."""
     path: str | None = None
-    """jsonl file; None uses the source's default file (``../shared/data``) or the HF dataset."""
+    """jsonl file; None uses the source's file in the data folder (``$GTPO_DATA_DIR``, see ``gtpo-data``) or the
+    Hugging Face dataset."""
     split: str = "train"
     """Split for HF datasets and the default files."""
     limit: int | None = None
