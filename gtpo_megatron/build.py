@@ -7,6 +7,7 @@ loader; the other ranks get the step's completions by broadcast.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import math
@@ -18,7 +19,7 @@ from gtpo_megatron import run_dir
 from gtpo_megatron.builtin_models import resolve_model_path
 from gtpo_megatron.config import GTPOConfig, config_to_dict
 from gtpo_megatron.logging import MetricSink
-from gtpo_megatron.trainer import Trainer
+from gtpo_megatron.trainer import PhaseTimer, Trainer
 
 if TYPE_CHECKING:
     from gtpo_megatron.megatron_adapter.optimizer import OptimSettings
@@ -103,6 +104,7 @@ def build_collector(cfg: GTPOConfig, model_path: str, tokenizer):
         seed=rollout.seed,
         enable_sleep_mode=rollout.placement == "colocated" and torch.cuda.is_available(),
         max_num_seqs=max(16, rollout.num_prompts * cfg.algorithm.group_size),
+        verbose=cfg.logging.verbose,
     )
     pool = RewardPool(cfg.reward.name, num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s)
     return RolloutCollector(
@@ -117,23 +119,73 @@ def build_collector(cfg: GTPOConfig, model_path: str, tokenizer):
     )
 
 
-def build_trainer(cfg: GTPOConfig, groups: ParallelGroups) -> Trainer:
-    """All components of a run on this rank; ``groups`` from ``parallel.groups.init_distributed``."""
+def build_trainer(cfg: GTPOConfig, groups: ParallelGroups, *, timer: PhaseTimer | None = None) -> Trainer:
+    """All components of a run on this rank; ``groups`` from ``parallel.groups.init_distributed``.
+
+    Global rank 0 builds its rollout side (prompts, vLLM engine, reward pool: ``build_collector``) in a background
+    thread while the policy loads and the metric sink starts: the engine's start is mostly its own processes
+    starting, so it overlaps the model build instead of following it. ``timer`` records the start-up phases
+    (``time/startup/<phase>_s``).
+    """
     from transformers import AutoTokenizer
 
-    model_path = resolve_model_path(cfg.model.name_or_path)
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    timer = timer or PhaseTimer()
+    with timer.phase("startup/tokenizer"):
+        model_path = resolve_model_path(cfg.model.name_or_path)
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
     pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    policy = build_policy(cfg, model_path, groups)
-    collector = build_collector(cfg, model_path, tokenizer) if groups.rank == 0 else None
+    rollout_side = None
+    if groups.rank == 0:
+        rollout_side = _in_background(timer, "startup/rollout_side", build_collector, cfg, model_path, tokenizer)
+    sink = None
+    try:
+        with timer.phase("startup/policy"):
+            policy = build_policy(cfg, model_path, groups)
+        with timer.phase("startup/metric_sink"):
+            sink = _build_sink(cfg, groups)
+        with timer.phase("startup/rollout_side_wait"):
+            collector = rollout_side.result() if rollout_side is not None else None
+    except BaseException:
+        _discard(rollout_side, sink)
+        raise
+    return Trainer(cfg, groups=groups, policy=policy, collector=collector, pad_token_id=pad_token_id, sink=sink)
+
+
+def _build_sink(cfg: GTPOConfig, groups: ParallelGroups) -> MetricSink:
+    """The metric sink (enabled on rank 0), continuing the newest complete checkpoint's metrics on resume."""
     checkpoints = run_dir.list_checkpoints(run_dir.checkpoints_dir(cfg.output_dir)) if cfg.resume else []
-    start_step = run_dir.checkpoint_step(checkpoints[-1]) if checkpoints else 0
-    sink = MetricSink(
+    return MetricSink(
         cfg.output_dir,
         cfg=cfg.logging,
         run_config=config_to_dict(cfg),
         max_steps=cfg.trainer.max_steps,
-        start_step=start_step,
+        start_step=run_dir.checkpoint_step(checkpoints[-1]) if checkpoints else 0,
         enabled=groups.rank == 0,
     )
-    return Trainer(cfg, groups=groups, policy=policy, collector=collector, pad_token_id=pad_token_id, sink=sink)
+
+
+def _in_background(timer: PhaseTimer, phase: str, fn, *args) -> concurrent.futures.Future:
+    """``fn(*args)`` started in a thread of its own, timed as ``phase``; ``future.result()`` returns or raises.
+
+    Submitted to a one-worker pool that is shut down at once, so no other job can queue behind it.
+    """
+
+    def timed():
+        with timer.phase(phase):
+            return fn(*args)
+
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="gtpo-build")
+    future = pool.submit(timed)
+    pool.shutdown(wait=False)
+    return future
+
+
+def _discard(rollout_side: concurrent.futures.Future | None, sink: MetricSink | None) -> None:
+    """After a failed build: close the sink and the rollout side, once that is built (it cannot be interrupted)."""
+    if sink is not None:
+        sink.close()
+    if rollout_side is None or rollout_side.exception() is not None:
+        return
+    collector = rollout_side.result()
+    collector.engine.close()
+    collector.reward_pool.close()

@@ -440,6 +440,10 @@ class LoggingConfig:
     wandb_project: str = "gtpo-megatron"
     progress: bool = True
     """Show a progress bar on rank 0."""
+    verbose: bool = False
+    """Show third-party logs in full: vLLM's INFO lines (engine configuration, loads, requests) and the warnings
+    hidden as harmless here (vLLM's, listed in ``rollout/vllm_logging.py``; Megatron's fallbacks for absent Apex and
+    Transformer Engine, named once instead: ``logging.quiet_known_warnings``)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -50,6 +50,7 @@ from pathlib import Path
 import torch
 
 from gtpo_megatron.builtin_models import resolve_model_path
+from gtpo_megatron.rollout import vllm_logging
 from gtpo_megatron.rollout.engine import NamedTensor, SamplingConfig, validate_prompt_ids
 from gtpo_megatron.rollout.types import Completion, PromptCompletions
 
@@ -87,18 +88,25 @@ def check_prompt_indices(prompt_indices: Sequence[int] | None, num_prompts: int)
 
 
 @contextlib.contextmanager
-def _engine_environment(*, cpu_kvcache_space_gib: float, in_process: bool | None, model_path: str) -> Iterator[None]:
+def _engine_environment(
+    *, cpu_kvcache_space_gib: float, in_process: bool | None, model_path: str, quiet_logs: dict | None
+) -> Iterator[None]:
     """Set the vLLM environment variables this engine needs while it starts, then restore the caller's values.
 
     vLLM reads them when the engine (and its child processes) start; restoring them keeps one engine's choice
     (for example in-process mode) from leaking into later engines or into processes the caller spawns. vLLM's
-    in-process engine freezes its environment cache, so the cache is cleared first.
+    in-process engine freezes its environment cache, so the cache is cleared first. ``quiet_logs``: the keyword
+    arguments of ``vllm_logging.child_log_environment`` (its config file lives while the engine starts), or None
+    for vLLM's own logging.
     """
     wanted = {"VLLM_CPU_KVCACHE_SPACE": str(math.ceil(cpu_kvcache_space_gib))}  # vLLM parses whole GiB
     if in_process is not None:
         wanted["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
     if Path(model_path).is_dir() and "HF_HUB_OFFLINE" not in os.environ:
         wanted["HF_HUB_OFFLINE"] = "1"
+    log_folder = tempfile.TemporaryDirectory(prefix="gtpo-vllm-logging-") if quiet_logs is not None else None
+    if log_folder is not None:
+        wanted.update(vllm_logging.child_log_environment(log_folder.name, **quiet_logs))
     saved = {key: os.environ.get(key) for key in wanted}
     os.environ.update(wanted)
     import vllm.envs
@@ -107,6 +115,8 @@ def _engine_environment(*, cpu_kvcache_space_gib: float, in_process: bool | None
     try:
         yield
     finally:
+        if log_folder is not None:
+            log_folder.cleanup()
         for key, value in saved.items():
             if value is None:
                 os.environ.pop(key, None)
@@ -189,6 +199,8 @@ class VLLMEngine:
             child process; None keeps the environment's choice (default multiprocess).
         staging_dir: parent folder of the weight staging folder; default ``/dev/shm`` if writable, else the
             system temp folder.
+        verbose: vLLM's full logging (INFO, every warning); False: WARNING without the records that this
+            project's settings make harmless (``vllm_logging``).
 
     Raises:
         ValueError: unknown ``dtype`` or ``cpu_kvcache_space_gib <= 0``.
@@ -210,6 +222,7 @@ class VLLMEngine:
         max_num_seqs: int = 64,
         in_process: bool | None = None,
         staging_dir: str | None = None,
+        verbose: bool = False,
     ) -> None:
         if dtype not in _DTYPES:
             raise ValueError(f"dtype={dtype!r} is not supported; choose one of {list(_DTYPES)}")
@@ -217,6 +230,9 @@ class VLLMEngine:
             raise ValueError(f"cpu_kvcache_space_gib={cpu_kvcache_space_gib} must be > 0 GiB; use 1")
         self.model_path = resolve_model_path(model_path)
         self.max_model_len = max_model_len
+        quiet_logs = None if verbose else {"tied_embeddings": vllm_logging.ties_embeddings(self.model_path)}
+        if quiet_logs is not None:
+            vllm_logging.quiet_this_process(**quiet_logs)
         try:
             from vllm import LLM
             from vllm.platforms import current_platform
@@ -229,8 +245,18 @@ class VLLMEngine:
         self._sleep_enabled = enable_sleep_mode and not current_platform.is_cpu()
         if enable_sleep_mode and not self._sleep_enabled:
             logger.warning("enable_sleep_mode=True has no effect on CPU: vLLM's CPU worker cannot sleep")
+        if quiet_logs is not None:
+            vllm_logging.quiet_this_process(**quiet_logs)
+            if quiet_logs["tied_embeddings"]:
+                logger.info(
+                    "tied embeddings: vLLM reloads the LM head through embed_tokens, so its 'ParallelLMHead: Failed "
+                    "to load weights' at each weight sync is expected and hidden (logging.verbose=true shows it)"
+                )
         env = _engine_environment(
-            cpu_kvcache_space_gib=cpu_kvcache_space_gib, in_process=in_process, model_path=self.model_path
+            cpu_kvcache_space_gib=cpu_kvcache_space_gib,
+            in_process=in_process,
+            model_path=self.model_path,
+            quiet_logs=quiet_logs,
         )
         with env:
             self._llm = LLM(
