@@ -58,7 +58,7 @@ def compute_step_weights(
     *,
     initial_entropy: float | None,
 ) -> StepWeights:
-    """Advantages, the entropy filter and conflict weights of the full batch (GTPO_SPEC sections 2-4).
+    """:func:`compute_weights` of a ``TrainBatch`` (its ``input_ids``, ``response_mask`` and ``truncated`` extra).
 
     Args:
         batch: the full (unsharded) step batch from ``collate_completions``.
@@ -67,6 +67,47 @@ def compute_step_weights(
         cfg: algorithm section.
         initial_entropy: <H>_ini for the ``paper`` filter (None for the other modes).
     """
+    return compute_weights(
+        batch.input_ids,
+        batch.response_mask,
+        rewards,
+        seq_entropy,
+        cfg,
+        initial_entropy=initial_entropy,
+        truncated=batch.extras.get("truncated"),
+    )
+
+
+def compute_weights(
+    input_ids: torch.Tensor,
+    response_mask: torch.Tensor,
+    rewards: torch.Tensor,
+    seq_entropy: torch.Tensor,
+    cfg: AlgorithmConfig,
+    *,
+    initial_entropy: float | None,
+    truncated: torch.Tensor | None = None,
+) -> StepWeights:
+    """Advantages, the entropy filter and conflict weights of a whole step (GTPO_SPEC sections 2-4).
+
+    Args:
+        input_ids: ``[B, S]`` int token ids, rows group by group (``cfg.group_size`` consecutive rows per prompt);
+            only the columns where ``response_mask`` is True are read (any padding side, any pad id).
+        response_mask: ``[B, S]`` bool, True on response tokens.
+        rewards: ``[B]`` rewards.
+        seq_entropy: ``[B]`` per-completion mean entropy <H>_i in nats.
+        cfg: algorithm section.
+        initial_entropy: <H>_ini for the ``paper`` filter (None for the other modes).
+        truncated: ``[B]`` bool, completions cut at the token limit; required by ``cfg.overlong_filter``.
+
+    Raises:
+        ValueError: ``cfg.overlong_filter`` without ``truncated``, and the checks of the ``ops`` functions.
+    """
+    if cfg.overlong_filter and truncated is None:
+        raise ValueError(
+            "algorithm.overlong_filter=true needs truncated ([B] bool: finish_reason == 'length'); pass it or "
+            "set algorithm.overlong_filter=false"
+        )
     group_size = cfg.group_size
     raw_B = compute_group_advantages(rewards, group_size, estimator=cfg.advantage_estimator)
     keep_B = entropy_keep_mask(
@@ -78,13 +119,12 @@ def compute_step_weights(
         only_negative=cfg.entropy_only_negative,
     )
     conflict_adv_B = raw_B * keep_B if cfg.exclude_filtered_from_conflicts else raw_B
-    ids, mask = batch.input_ids, batch.response_mask
     if cfg.conflict_mode == "off":
-        lambda_BS = mask.float()
+        lambda_BS = response_mask.float()
     else:
         lambda_BS = build_conflict_weights(
-            ids,
-            mask,
+            input_ids,
+            response_mask,
             conflict_adv_B,
             group_size,
             amplification=cfg.conflict_amplification,
@@ -93,9 +133,9 @@ def compute_step_weights(
         )
         if cfg.normalize_by_conflicts:
             lambda_BS = lambda_BS / conflict_normalizers(
-                ids, mask, conflict_adv_B, group_size, mode=cfg.conflict_mode
+                input_ids, response_mask, conflict_adv_B, group_size, mode=cfg.conflict_mode
             ).unsqueeze(-1)
-    loss_row_B = build_loss_row_mask(batch, rewards, cfg)
+    loss_row_B = build_loss_row_mask(rewards, cfg, truncated=truncated)
     advantages_B = apply_entropy_penalty(raw_B, seq_entropy, cfg.entropy_penalty)
     return StepWeights(
         raw_advantages=raw_B,
@@ -107,17 +147,20 @@ def compute_step_weights(
     )
 
 
-def build_loss_row_mask(batch: TrainBatch, rewards: torch.Tensor, cfg: AlgorithmConfig) -> torch.Tensor:
+def build_loss_row_mask(
+    rewards: torch.Tensor, cfg: AlgorithmConfig, *, truncated: torch.Tensor | None = None
+) -> torch.Tensor:
     """``[B]`` bool, False on rows the switches remove from the objective (loss and normaliser), True elsewhere.
 
     ``skip_uniform_groups`` removes every row of a group whose rewards are all equal (GTPO_SPEC section 4; the one
-    rule of ``data.sampling.filter_uniform_groups``); ``overlong_filter`` removes truncated rows (DAPO, section 5).
+    rule of ``data.sampling.filter_uniform_groups``); ``overlong_filter`` removes the rows where ``truncated``
+    (``[B]`` bool) is True (DAPO, section 5); :func:`compute_weights` checks that it is given.
     """
-    keep_B = torch.ones(batch.num_sequences, dtype=torch.bool)
+    keep_B = torch.ones(rewards.shape[0], dtype=torch.bool)
     if cfg.skip_uniform_groups:
         keep_B &= filter_uniform_groups(rewards, cfg.group_size).repeat_interleave(cfg.group_size)
     if cfg.overlong_filter:
-        keep_B &= ~batch.extras["truncated"]
+        keep_B &= ~truncated
     return keep_B
 
 

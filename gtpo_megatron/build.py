@@ -22,55 +22,27 @@ from gtpo_megatron.logging import MetricSink
 from gtpo_megatron.trainer import PhaseTimer, Trainer
 
 if TYPE_CHECKING:
-    from gtpo_megatron.megatron_adapter.optimizer import OptimSettings
     from gtpo_megatron.megatron_adapter.policy import MegatronPolicy
     from gtpo_megatron.parallel.groups import ParallelGroups
 
 logger = logging.getLogger(__name__)
 
 
-def optim_settings(cfg: GTPOConfig) -> OptimSettings:
-    """Adam and LR schedule of a run, derived from the optim, parallel, trainer and algorithm sections.
-
-    The learning rate decays (cosine to ``min_lr``, or constant when ``min_lr == lr``) over every optimizer step of
-    the run (``max_steps * num_updates_per_batch``).
-    """
-    from gtpo_megatron.megatron_adapter.optimizer import OptimSettings
-
-    optim = cfg.optim
-    return OptimSettings(
-        lr=optim.lr,
-        min_lr=optim.min_lr,
-        warmup_steps=optim.warmup_steps,
-        total_steps=max(cfg.trainer.max_steps * cfg.algorithm.num_updates_per_batch, optim.warmup_steps + 1),
-        decay_style="constant" if optim.min_lr == optim.lr else "cosine",
-        weight_decay=optim.weight_decay,
-        adam_beta1=optim.adam_beta1,
-        adam_beta2=optim.adam_beta2,
-        clip_grad=optim.clip_grad,
-        use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
-    )
-
-
 def build_policy(
     cfg: GTPOConfig, model_path: str, groups: ParallelGroups, *, padding_tp_size: int | None = None
 ) -> MegatronPolicy:
-    """``MegatronPolicy`` of the model at ``model_path`` with the model, optim, algorithm and trainer sections.
+    """``MegatronPolicy`` of the model at ``model_path`` with the run's ``PolicySettings``.
+
+    ``megatron_adapter.settings.policy_settings`` derives them from the model, parallel and optim sections.
 
     ``padding_tp_size``: build with the vocabulary/head padding of a run at that TP size (to load its checkpoint
     at another layout; see ``MegatronPolicy.from_pretrained``).
     """
     from gtpo_megatron.megatron_adapter.policy import MegatronPolicy
+    from gtpo_megatron.megatron_adapter.settings import policy_settings
 
-    return MegatronPolicy.from_pretrained(
-        dataclasses.replace(cfg.model, name_or_path=model_path),
-        groups=groups,
-        optim=optim_settings(cfg),
-        micro_batch_size=cfg.optim.micro_batch_size,
-        logprob_chunk_size=cfg.algorithm.logprob_chunk_size,
-        seed=cfg.trainer.seed,
-        padding_tp_size=padding_tp_size,
-    )
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, name_or_path=model_path))
+    return MegatronPolicy.from_pretrained(policy_settings(cfg), groups=groups, padding_tp_size=padding_tp_size)
 
 
 def build_collector(cfg: GTPOConfig, model_path: str, tokenizer):
@@ -105,6 +77,8 @@ def build_collector(cfg: GTPOConfig, model_path: str, tokenizer):
         enable_sleep_mode=rollout.placement == "colocated" and torch.cuda.is_available(),
         max_num_seqs=max(16, rollout.num_prompts * cfg.algorithm.group_size),
         verbose=cfg.logging.verbose,
+        # Started from a Megatron checkpoint: the HF folder may hold no weights; the trainer pushes the policy's.
+        load_format="dummy" if cfg.model.megatron_checkpoint is not None else "auto",
     )
     pool = RewardPool(cfg.reward.name, num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s)
     return RolloutCollector(

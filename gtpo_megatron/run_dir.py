@@ -19,6 +19,12 @@ file the marker lists is there with the listed size (:func:`checkpoint_problem`)
 every other file (:func:`mark_complete`), and :func:`remove_checkpoint` deletes it first, so an interrupted save, a
 half-deleted folder, a partial copy or a truncated file is never taken for a checkpoint: resume picks the newest
 complete one and warns about the others (:func:`newest_checkpoint`).
+
+A Megatron-LM / Megatron-Bridge checkpoint (``model.megatron_checkpoint``, a starting policy written by another
+trainer) is laid out the way those trainers write it::
+
+    latest_checkpointed_iteration.txt   the newest iteration number, or "release"
+    iter_0000100/                       one dist checkpoint (torch_dist) per saved iteration (``release/``)
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ CHECKPOINT_PREFIX = "step_"
 LATEST_FILE = "latest"
 HF_SUBDIR = "hf"
 COMPLETE_MARKER = "complete.json"
+MEGATRON_LM_TRACKER = "latest_checkpointed_iteration.txt"
 logger = logging.getLogger(__name__)
 
 
@@ -265,3 +272,39 @@ def run_config_path(step_dir: str | Path) -> Path:
 def hf_export_dir(step_dir: str | Path) -> Path:
     """``<step dir>/hf``: where a checkpoint's Hugging Face export goes by default."""
     return Path(step_dir) / HF_SUBDIR
+
+
+def resolve_megatron_lm_checkpoint(path: str | Path) -> Path:
+    """The dist-checkpoint folder of a Megatron-LM / Megatron-Bridge checkpoint (module docstring).
+
+    Args:
+        path: an iteration folder itself (it holds ``metadata.json``), or the checkpoint root whose
+            ``latest_checkpointed_iteration.txt`` names the iteration (``iter_NNNNNNN``) or ``release``.
+
+    Raises:
+        ValueError: ``path`` is neither, or the folder the tracker names does not exist (names ``path``, what was
+            looked for and the fix).
+    """
+    path = Path(path)
+    if (path / "metadata.json").is_file():
+        return path
+    tracker = path / MEGATRON_LM_TRACKER
+    if not tracker.is_file():
+        raise ValueError(
+            f"model.megatron_checkpoint={str(path)!r} holds neither a dist checkpoint (metadata.json) nor "
+            f"{MEGATRON_LM_TRACKER}; give a Megatron-LM/Megatron-Bridge checkpoint root or one iter_NNNNNNN folder"
+        )
+    marker = tracker.read_text().strip()
+    if marker != "release" and not marker.isdigit():
+        raise ValueError(
+            f"model.megatron_checkpoint={str(path)!r}: {MEGATRON_LM_TRACKER} holds {marker!r}, neither an iteration "
+            "number nor 'release'; point model.megatron_checkpoint at the iter_NNNNNNN folder to load"
+        )
+    folder = path / (marker if marker == "release" else f"iter_{int(marker):07d}")
+    if not (folder / "metadata.json").is_file():
+        raise ValueError(
+            f"model.megatron_checkpoint={str(path)!r}: {MEGATRON_LM_TRACKER} says {marker!r} but {folder} is not a "
+            "dist checkpoint (torch_dist format, with metadata.json); convert legacy per-rank checkpoints with "
+            "Megatron-LM's checkpoint converter"
+        )
+    return folder

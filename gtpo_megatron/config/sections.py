@@ -44,7 +44,15 @@ class ModelConfig:
     when they do not divide it, e.g. SmolLM2-135M's 3 groups x 3 heads at TP=2 (see
     ``megatron_adapter/head_padding.py``). Export and weight sync strip the padding."""
     megatron_overrides: dict[str, object] = field(default_factory=dict)
-    """Extra ``TransformerConfig`` fields (checked against Megatron's dataclass in ``GTPOConfig.validate``)."""
+    """Extra ``TransformerConfig`` fields (checked against Megatron's dataclass in ``GTPOConfig.validate``); the
+    fields a section or the HF config sets are refused (``megatron_adapter.settings.OWNED_FIELDS``)."""
+    megatron_checkpoint: str | None = None
+    """A Megatron-LM / Megatron-Bridge checkpoint (``torch_dist`` format: the root holding
+    ``latest_checkpointed_iteration.txt``, or one ``iter_NNNNNNN`` folder) whose model weights are the starting
+    policy, loaded at any TP/PP layout; weights only (no optimizer state, RNG or iteration count). ``name_or_path``
+    then supplies the HF config and tokenizer only (its folder needs no weights); the vLLM engine starts with
+    dummy weights and receives these by a weight push before the first rollout. null: start from
+    ``name_or_path``'s weights."""
 
     def __post_init__(self) -> None:
         _require(
@@ -61,6 +69,13 @@ class ModelConfig:
             "must be >= 1",
             "use 128 (Megatron's default)",
         )
+        _require(
+            self.megatron_checkpoint is None or (bool(self.megatron_checkpoint) and not self.pad_attention_heads),
+            "model.megatron_checkpoint/model.pad_attention_heads",
+            (self.megatron_checkpoint, self.pad_attention_heads),
+            "a Megatron checkpoint is loaded as written (unpadded heads) and must not be empty",
+            "set model.pad_attention_heads=false and give the checkpoint folder, or model.megatron_checkpoint=null",
+        )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -72,11 +87,14 @@ class ParallelConfig:
     pp_size: int = 1
     """Pipeline-parallel size (shards layers)."""
     sequence_parallel: bool = False
-    """Megatron sequence parallelism (needs tp_size > 1)."""
+    """Megatron sequence parallelism (needs tp_size > 1): activations outside the tensor-parallel regions are split
+    over the TP ranks along the sequence; with Megatron's local layer specs the norms are
+    ``megatron_adapter.model.SequenceParallelRMSNorm``."""
     use_distributed_optimizer: bool = False
     """Shard optimizer states over data-parallel ranks (Megatron distributed optimizer)."""
     backend: Literal["auto", "nccl", "gloo"] = "auto"
-    """torch.distributed backend; ``auto`` is nccl with CUDA and gloo otherwise."""
+    """torch.distributed backend; ``auto`` is ``cpu:gloo,cuda:nccl`` with CUDA (NCCL for CUDA tensors, gloo for CPU
+    tensors and objects; ``parallel.groups.CUDA_BACKEND``) and gloo otherwise; ``nccl`` is NCCL alone."""
 
     def __post_init__(self) -> None:
         for name in ("tp_size", "pp_size"):

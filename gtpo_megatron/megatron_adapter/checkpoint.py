@@ -31,6 +31,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from gtpo_megatron.parallel.collectives import barrier
 from gtpo_megatron.run_dir import (
     mark_complete,
     remove_checkpoint,
@@ -166,21 +167,21 @@ def save_checkpoint(path: str | Path, policy, trainer_state: dict, *, rng: dict 
     if policy.groups.rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-    dist.barrier(group=world)
+    barrier(group=world)
     with cuda_to_cpu_mode():
         state = _sharded_state_dict(policy, is_loading=False, rng=rng or rng_state())
         state.update(
             scheduler=policy.scheduler.state_dict(), trainer_state=trainer_state, layout=_layout(policy.groups)
         )
         dist_checkpointing.save(state, str(tmp))
-    dist.barrier(group=world)
+    barrier(group=world)
     if policy.groups.rank == 0:
         mark_complete(tmp)
         if final.exists():
             remove_checkpoint(final)
         os.replace(tmp, final)
         write_latest(final)
-    dist.barrier(group=world)
+    barrier(group=world)
     return final
 
 

@@ -121,10 +121,34 @@ def policy_loss_closure(logits: torch.Tensor, batch: MicroBatch, settings: LossS
         ``[b, S]`` tensors of ``token_logprobs_entropy``.
     """
     logprobs, entropy = token_logprobs_entropy(logits, batch, settings)
-    spec = settings.loss
-    if spec is None:
+    if settings.loss is None:
         zero = logprobs.new_zeros(())
         return zero, {"logprobs": logprobs.detach(), "entropy": entropy}
+    loss, metrics = policy_loss(logprobs, entropy, batch, settings.loss, settings.normalizer)
+    return loss * settings.loss_scale, metrics
+
+
+def policy_loss(
+    logprobs: torch.Tensor, entropy: torch.Tensor | None, batch: MicroBatch, spec: LossSpec, normalizer: torch.Tensor
+):
+    """The ops loss of one micro-batch from its per-token log-probs (the loss half of ``policy_loss_closure``).
+
+    Args:
+        logprobs: ``[b, S]`` fp32 log pi_theta in the ``TrainBatch`` column convention, differentiable.
+        entropy: ``[b, S]`` detached token entropy in nats (for the ``entropy_sum`` metric), or None.
+        batch: the micro-batch (``response_mask``, ``advantages``, ``token_weights``, ``old_logprobs``,
+            ``ref_logprobs`` are read; ``token_weights=None`` means weight 1 on every response token).
+        spec: the step objective.
+        normalizer: fp32 scalar the loss sum is divided by (the step's global ``N``; 1 gives the plain sum).
+
+    Returns:
+        ``(loss, metrics)``: the ops loss ``S / normalizer`` (fp32 scalar, differentiable w.r.t. ``logprobs``) and
+        detached fp32 scalars: the ops sums/counts plus ``loss`` and, when ``old_logprobs`` is given,
+        ``logprob_diff_max`` (max |log pi_theta - log pi_old| on response tokens; reduce with MAX).
+
+    Raises:
+        ValueError: whatever the registered loss rejects (shapes, aggregation, KL settings).
+    """
     token_weights = batch.token_weights
     if token_weights is None:
         token_weights = batch.response_mask.float()
@@ -134,7 +158,7 @@ def policy_loss_closure(logits: torch.Tensor, batch: MicroBatch, settings: LossS
         advantages=batch.advantages,
         token_weights=token_weights,
         response_mask=batch.response_mask,
-        normalizer=settings.normalizer,
+        normalizer=normalizer,
         aggregation=spec.aggregation,
         clip_eps_low=spec.clip_eps_low,
         clip_eps_high=spec.clip_eps_high,
@@ -147,15 +171,16 @@ def policy_loss_closure(logits: torch.Tensor, batch: MicroBatch, settings: LossS
     if batch.old_logprobs is not None:
         diff = torch.where(batch.response_mask, (logprobs.detach() - batch.old_logprobs).abs(), 0.0)
         metrics["logprob_diff_max"] = diff.max() if diff.numel() else diff.new_zeros(())
-    return loss * settings.loss_scale, metrics
+    return loss, metrics
 
 
-def forward_step(data_iterator, model, *, settings: LossSettings):
+def forward_step(data_iterator, model, *, settings: LossSettings, loss_fn=policy_loss_closure):
     """Megatron ``forward_step_func``: run this stage on the next ``MicroBatch``; return output and loss closure.
 
     On non-first stages ``input_ids`` is ignored by ``GPTModel`` (the activation comes from the previous stage);
-    on non-last stages the closure is never called. Bind ``settings`` with ``functools.partial``.
+    on non-last stages the closure is never called. Bind ``settings`` (and another ``loss_fn(logits, batch,
+    settings)``, e.g. ``loss_forms.per_token_loss``) with ``functools.partial``.
     """
     batch: MicroBatch = next(data_iterator)
     output = model(batch.input_ids, batch.position_ids, batch.attention_mask)
-    return output, partial(policy_loss_closure, batch=batch, settings=settings)
+    return output, partial(loss_fn, batch=batch, settings=settings)

@@ -7,7 +7,11 @@ HF config setting is reproduced or why a checkpoint is refused. Dropout is 0 (RL
 
 Layer specs: Transformer Engine specs when ``transformer_engine`` imports, Megatron's local specs otherwise; the
 choice is logged once. The local spec gets an explicit causal mask from ``forward_step`` (see
-``causal_attention_mask``); TE applies the causal mask itself.
+``causal_attention_mask``); TE applies the causal mask itself. With sequence parallelism the local spec's norms are
+``SequenceParallelRMSNorm`` (Megatron's own torch norm refuses sequence parallelism).
+
+Config: ``transformer_config_from_hf`` builds the ``TransformerConfig`` from ``settings.PolicySettings`` (the
+config sections, resolved once) and the HF config, through pure functions per source of fields.
 
 Vocabulary padding: the embedding and output layer have ``padded_vocab_size`` rows, the tokenizer vocabulary
 rounded up to a multiple of ``make_vocab_size_divisible_by * tp_size`` so that each TP rank holds an equal,
@@ -25,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +43,9 @@ from gtpo_megatron.megatron_adapter.hf_features import (
     sliding_window_settings,
 )
 from gtpo_megatron.megatron_adapter.output_layer import use_fp32_output_layer
+
+if TYPE_CHECKING:
+    from gtpo_megatron.megatron_adapter.settings import PolicySettings
 
 logger = logging.getLogger(__name__)
 
@@ -77,21 +85,76 @@ def _add_biases(spec, biases: LinearBiases):
             attention, submodules=dataclasses.replace(attention.submodules, linear_proj=linear_proj)
         )
     if biases.mlp:
-        mlp = dataclasses.replace(
+        submodules = mlp_submodules(mlp)
+        mlp = _with_mlp_submodules(
             mlp,
-            submodules=dataclasses.replace(
-                mlp.submodules,
-                linear_fc1=_with_bias(mlp.submodules.linear_fc1),
-                linear_fc2=_with_bias(mlp.submodules.linear_fc2),
+            dataclasses.replace(
+                submodules,
+                linear_fc1=_with_bias(submodules.linear_fc1),
+                linear_fc2=_with_bias(submodules.linear_fc2),
             ),
         )
     return dataclasses.replace(spec, submodules=dataclasses.replace(layer, self_attention=attention, mlp=mlp))
 
 
-def select_layer_spec(*, qk_layernorm: bool, biases: LinearBiases):
+def mlp_submodules(mlp):
+    """The ``MLPSubmodules`` of a layer spec's ``mlp`` entry.
+
+    megatron-core 0.16 gives a ``ModuleSpec`` (``.submodules``); 0.17+ give ``functools.partial(MLP...,
+    submodules=...)`` (the keyword).
+    """
+    return mlp.keywords["submodules"] if isinstance(mlp, functools.partial) else mlp.submodules
+
+
+def _with_mlp_submodules(mlp, submodules):
+    """A copy of the ``mlp`` spec entry (either form of :func:`mlp_submodules`) with other submodules."""
+    if isinstance(mlp, functools.partial):
+        return functools.partial(mlp.func, *mlp.args, **{**mlp.keywords, "submodules": submodules})
+    return dataclasses.replace(mlp, submodules=submodules)
+
+
+class SequenceParallelRMSNorm:
+    """The local spec's ``torch.nn.RMSNorm`` made usable with sequence parallelism (``WrappedTorchNorm`` refuses it).
+
+    What Megatron's ``WrappedTorchNorm`` builds, plus a tag: under sequence parallelism each TP rank normalises its
+    slice of the sequence, so the weight's gradient is a partial sum; the weight carries the ``sequence_parallel``
+    tag, the one TE's and Apex's norms set, and Megatron's ``finalize_model_grads`` sums tagged gradients over the TP
+    group. The same class serves the q/k norms, whose gradients Megatron sums over TP anyway (``qk_layernorm``).
+    Same parameters and state-dict names.
+    """
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **unused):  # noqa: D102 (see the class)
+        norm = torch.nn.RMSNorm(normalized_shape=hidden_size, eps=eps)
+        norm.weight.sequence_parallel = config.sequence_parallel
+        return norm
+
+
+def _with_sequence_parallel_norms(spec):
+    """A copy of the local GPT layer ``spec`` whose norms are :class:`SequenceParallelRMSNorm`."""
+    from megatron.core.transformer.identity_op import IdentityOp
+
+    layer = spec.submodules
+    attention = layer.self_attention.submodules
+    qk = {
+        name: SequenceParallelRMSNorm
+        for name in ("q_layernorm", "k_layernorm")
+        if getattr(attention, name) is not IdentityOp
+    }
+    attention_spec = dataclasses.replace(layer.self_attention, submodules=dataclasses.replace(attention, **qk))
+    layer = dataclasses.replace(
+        layer,
+        input_layernorm=SequenceParallelRMSNorm,
+        pre_mlp_layernorm=SequenceParallelRMSNorm,
+        self_attention=attention_spec,
+    )
+    return dataclasses.replace(spec, submodules=layer)
+
+
+def select_layer_spec(*, qk_layernorm: bool, biases: LinearBiases, sequence_parallel: bool = False):
     """Return ``(layer_spec, "transformer_engine" | "local")`` and log which one is used.
 
     ``biases``: the o_proj and MLP biases get their own linear classes (the q/k/v bias is ``add_qkv_bias``).
+    ``sequence_parallel``: the local spec gets :class:`SequenceParallelRMSNorm` norms (TE's support it natively).
     """
     from megatron.core.models.gpt import gpt_layer_specs
 
@@ -101,53 +164,94 @@ def select_layer_spec(*, qk_layernorm: bool, biases: LinearBiases):
     else:
         spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization="RMSNorm")
         backend = "local"
+        if sequence_parallel:
+            spec = _with_sequence_parallel_norms(spec)
     logger.info("Megatron GPT layer spec: %s", backend)
     return _add_biases(spec, biases), backend
 
 
-def transformer_config_from_hf(
-    hf_config,
-    *,
-    tp_size: int,
-    pp_size: int,
-    params_dtype: torch.dtype,
-    recompute_granularity: str | None = None,
-    recompute_method: str | None = None,
-    recompute_num_layers: int | None = None,
-    pad_attention_heads: bool = False,
-    padding_tp_size: int | None = None,
-):
-    """Translate an HF decoder config into a Megatron ``TransformerConfig`` for a TP x PP layout.
+def _block_spec(layer_spec, backend: str, config):
+    """What ``GPTModel`` builds its decoder from: the layer spec, or the block's submodules.
 
-    ``params_dtype`` is the parameter dtype (fp32 or bf16; bf16 also sets ``bf16=True`` so Megatron's optimizer
-    keeps fp32 main weights). Recompute options pass through unchanged (``"full"``/``"selective"``).
-    ``pad_attention_heads``: when the KV groups do not divide ``tp_size``, give Megatron ``G_pad`` groups (the
-    next multiple of ``tp_size``) with the HF heads per group; ``kv_channels`` stays the HF head_dim
-    (``head_padding``; the weights are padded by ``hf_conversion``). ``padding_tp_size``: pad as a run at that
-    TP size did (``head_padding.padded_num_query_groups``).
+    With sequence parallelism on the local spec: this stage's layers and a :class:`SequenceParallelRMSNorm` final norm.
+    """
+    if backend != "local" or not config.sequence_parallel:
+        return layer_spec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    num_layers = get_num_layers_to_build(config)
+    return TransformerBlockSubmodules(layer_specs=[layer_spec] * num_layers, layer_norm=SequenceParallelRMSNorm)
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def transformer_config_from_hf(hf_config, settings: PolicySettings, *, padding_tp_size: int | None = None):
+    """The Megatron ``TransformerConfig`` of ``settings`` for the HF decoder ``hf_config``.
+
+    The fields come from four places, merged in this order: this package's engine defaults (no dropout, no fused
+    kernels, CPU initialisation without CUDA; ``model.megatron_overrides`` may change them), the HF config
+    (:func:`hf_transformer_fields`), the settings (:func:`settings_transformer_fields`) and the overrides (which
+    ``PolicySettings`` has checked against ``settings.OWNED_FIELDS``). ``padding_tp_size``: pad the KV groups as a
+    run at that TP size did (``head_padding.padded_num_query_groups``).
 
     Raises:
         ValueError: an HF config feature that cannot be built (``hf_features``: model type, activation, RoPE
             variant, attention layer types), heads or KV groups not divisible by ``tp_size`` (without
-            ``pad_attention_heads``), layers not divisible by ``pp_size``.
+            ``model.pad_attention_heads``), layers not divisible by ``pp_size``.
     """
     from megatron.core.transformer import TransformerConfig
 
+    fields = {
+        **_engine_fields(),
+        **hf_transformer_fields(hf_config, settings, padding_tp_size=padding_tp_size),
+        **settings_transformer_fields(settings),
+    }
+    return TransformerConfig(**{**fields, **settings.model.megatron_overrides})
+
+
+def _engine_fields() -> dict:
+    """This package's choices for the fields no config sets (RL fine-tuning: no dropout; portable kernels)."""
+    return dict(
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        attention_softmax_in_fp32=True,
+    )
+
+
+def hf_transformer_fields(hf_config, settings: PolicySettings, *, padding_tp_size: int | None = None) -> dict:
+    """The architecture fields of the ``TransformerConfig``, read from the HF config (see ``hf_features``).
+
+    ``settings.model.pad_attention_heads``: when the KV groups do not divide ``tp_size``, give Megatron ``G_pad``
+    groups (the next multiple of ``tp_size``) with the HF heads per group; ``kv_channels`` stays the HF head_dim
+    (``head_padding``; the weights are padded by ``hf_conversion``).
+
+    Raises:
+        ValueError: as :func:`transformer_config_from_hf`.
+    """
     check_hf_config(hf_config)
     num_heads = hf_config.num_attention_heads
     num_groups = getattr(hf_config, "num_key_value_heads", None) or num_heads
     padded_groups = padded_num_query_groups(
         num_heads=num_heads,
         num_query_groups=num_groups,
-        tp_size=tp_size,
-        pad_attention_heads=pad_attention_heads,
+        tp_size=settings.tp_size,
+        pad_attention_heads=settings.model.pad_attention_heads,
         padding_tp_size=padding_tp_size,
     )
-    if hf_config.num_hidden_layers % pp_size:
-        raise ValueError(f"num_hidden_layers={hf_config.num_hidden_layers} is not divisible by pp_size={pp_size}")
+    if hf_config.num_hidden_layers % settings.pp_size:
+        raise ValueError(
+            f"num_hidden_layers={hf_config.num_hidden_layers} is not divisible by pp_size={settings.pp_size}"
+        )
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
-    on_cpu = not torch.cuda.is_available()
-    return TransformerConfig(
+    return dict(
         num_layers=hf_config.num_hidden_layers,
         hidden_size=hf_config.hidden_size,
         ffn_hidden_size=hf_config.intermediate_size,
@@ -162,29 +266,34 @@ def transformer_config_from_hf(
         add_qkv_bias=linear_biases(hf_config).qkv,
         qk_layernorm=hf_config.model_type == "qwen3",
         **sliding_window_settings(hf_config),
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        tensor_model_parallel_size=tp_size,
-        pipeline_model_parallel_size=pp_size,
-        params_dtype=params_dtype,
-        pipeline_dtype=params_dtype,
-        bf16=params_dtype == torch.bfloat16,
-        fp16=params_dtype == torch.float16,
-        use_cpu_initialization=on_cpu,
+    )
+
+
+def settings_transformer_fields(settings: PolicySettings) -> dict:
+    """The fields the config sections set: layout, sequence parallelism, precision, recompute, and the contracts.
+
+    ``model.params_dtype`` bf16 also sets ``bf16=True`` (Megatron's optimizer keeps fp32 main weights);
+    ``model.recompute`` ``full`` recomputes every layer one at a time (``uniform``, 1 layer), ``selective`` the core
+    attention only. ``calculate_per_token_loss=False`` and ``perform_initialization=True`` are contracts: see
+    ``forward_step``'s module docstring and the comment below.
+    """
+    dtype = _DTYPES[settings.model.params_dtype]
+    full = settings.model.recompute == "full"
+    return dict(
+        tensor_model_parallel_size=settings.tp_size,
+        pipeline_model_parallel_size=settings.pp_size,
+        sequence_parallel=settings.sequence_parallel,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=False,
+        recompute_granularity=None if settings.model.recompute == "none" else settings.model.recompute,
+        recompute_method="uniform" if full else None,
+        recompute_num_layers=1 if full else None,
+        calculate_per_token_loss=False,
         # Weights are overwritten from the HF checkpoint, but Megatron only tags TP-sharded weights
         # (``tensor_model_parallel``, read by grad-norm/clipping) inside its init path: keep it on.
         perform_initialization=True,
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        apply_rope_fusion=False,
-        persist_layer_norm=False,
-        gradient_accumulation_fusion=False,
-        attention_softmax_in_fp32=True,
-        calculate_per_token_loss=False,  # see forward_step's module docstring for the normalisation contract
-        recompute_granularity=recompute_granularity,
-        recompute_method=recompute_method,
-        recompute_num_layers=recompute_num_layers,
     )
 
 
@@ -205,7 +314,8 @@ def build_gpt_model(
     Returns:
         ``GPTModel`` with ``parallel_output=True`` (logits stay ``[B, S, V/tp]``, fp32 with ``fp32_output_layer``,
         else in the parameter dtype) and attribute ``layer_spec_backend`` set to ``"transformer_engine"`` or
-        ``"local"``.
+        ``"local"``; every parameter in ``config.params_dtype``; on the current CUDA device when CUDA is available,
+        else on the CPU.
 
     Collectives: with tied embeddings and PP > 1, one all-reduce on Megatron's embedding group (done inside
     ``GPTModel``); run it under ``cpu_compat.cuda_to_cpu_mode()`` on CPU.
@@ -215,10 +325,12 @@ def build_gpt_model(
     """
     from megatron.core.models.gpt import GPTModel
 
-    spec, backend = select_layer_spec(qk_layernorm=config.qk_layernorm, biases=linear_biases(hf_config))
+    spec, backend = select_layer_spec(
+        qk_layernorm=config.qk_layernorm, biases=linear_biases(hf_config), sequence_parallel=config.sequence_parallel
+    )
     model = GPTModel(
         config=config,
-        transformer_layer_spec=spec,
+        transformer_layer_spec=_block_spec(spec, backend, config),
         vocab_size=padded_vocab_size,
         max_sequence_length=getattr(hf_config, "max_position_embeddings", 4096),
         pre_process=pre_process,
@@ -231,7 +343,26 @@ def build_gpt_model(
     model.layer_spec_backend = backend
     if fp32_output_layer and post_process and config.params_dtype != torch.float32:
         use_fp32_output_layer(model.output_layer)
+    _to_params_dtype(model, config.params_dtype)
+    if torch.cuda.is_available():
+        # Megatron's parallel layers allocate on the current device, but plain torch modules of the local spec
+        # (its RMSNorms) are built on the CPU; Megatron-LM's get_model moves the whole stage the same way.
+        model.cuda(torch.cuda.current_device())
     return model
+
+
+def _to_params_dtype(model, params_dtype: torch.dtype) -> None:
+    """Give every floating-point parameter ``params_dtype``, in place (buffers keep theirs).
+
+    Megatron's parallel layers are built in ``params_dtype``, the local spec's torch RMSNorms in fp32. Megatron's
+    16-bit optimizer (``Float16OptimizerWithFloat16Params``) keeps fp32 parameters in a separate group that its
+    ``sharded_state_dict`` does not map, so a checkpoint save fails on them; Megatron-LM avoids them with
+    ``Float16Module``, which casts the whole stage. The ``.data`` swap keeps each parameter object and its Megatron
+    attributes (tensor-parallel and sequence-parallel tags).
+    """
+    for param in model.parameters():
+        if param.is_floating_point() and param.dtype != params_dtype:
+            param.data = param.data.to(params_dtype)
 
 
 def causal_attention_mask(seq_len: int, backend: str) -> torch.Tensor | None:

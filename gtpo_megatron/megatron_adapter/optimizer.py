@@ -1,9 +1,10 @@
 """Megatron DDP wrapper, Megatron Adam optimizer, LR schedule and the non-finite-gradient guard.
 
-GPU: Megatron's distributed optimizer (sharded fp32 main weights and Adam states over the DP group) by default.
-CPU: the same Megatron code runs through ``cpu_compat``; the default there is the *non*-distributed Megatron
-optimizer (full fp32 main weights on every DP rank), logged as the CPU fallback. ``use_distributed_optimizer=True``
-may be forced on CPU too (it works with the shim, FEASIBILITY section 2).
+The DDP config, the optimizer config and the schedule's arguments are built by the pure functions
+:func:`ddp_config`, :func:`optimizer_config` and :func:`scheduler_kwargs` from ``settings.OptimSettings`` (which
+``settings.policy_settings`` derives from the config sections). ``use_distributed_optimizer`` selects Megatron's
+distributed optimizer (sharded fp32 main weights and Adam states over the DP group); the CPU shim runs both
+(FEASIBILITY section 2), and the plain one is logged as the CPU fallback.
 
 Precision: fp32 parameters, or bf16 parameters with fp32 main weights, fp32 gradient reduction and fp32 Adam
 states (``Float16OptimizerWithFloat16Params`` / distributed optimizer). No loss scaler (bf16 does not need one).
@@ -14,77 +15,39 @@ from __future__ import annotations
 import logging
 import math
 import warnings
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from gtpo_megatron.megatron_adapter.cpu_compat import cpu_compat_needed, cuda_to_cpu_mode
 
+if TYPE_CHECKING:
+    from gtpo_megatron.megatron_adapter.settings import OptimSettings
+
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class OptimSettings:
-    """Adam + schedule settings (plain values; the trainer maps its ``optim`` config section onto them).
-
-    ``lr`` is the peak learning rate; linear warm-up over ``warmup_steps`` from 0, then ``decay_style``
-    (``"constant"``, ``"linear"`` or ``"cosine"``) down to ``min_lr`` at ``total_steps``. ``clip_grad`` is the
-    global L2 gradient-norm clip (0 disables clipping; the norm is still reported).
-    """
-
-    lr: float = 1e-6
-    min_lr: float = 0.0
-    warmup_steps: int = 0
-    total_steps: int = 1_000_000
-    decay_style: str = "constant"
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0
-    use_distributed_optimizer: bool | None = None
-
-    def __post_init__(self) -> None:
-        if self.lr <= 0 or not 0 <= self.min_lr <= self.lr:
-            raise ValueError(f"optim.lr={self.lr} must be > 0 and optim.min_lr={self.min_lr} in [0, lr]")
-        if not 0 <= self.warmup_steps < self.total_steps:
-            raise ValueError(
-                f"optim.warmup_steps={self.warmup_steps} must be in [0, optim.total_steps={self.total_steps})"
-            )
-        if self.decay_style not in ("constant", "linear", "cosine"):
-            raise ValueError(f"optim.decay_style={self.decay_style!r}; choose constant, linear or cosine")
-
-    def distributed(self) -> bool:
-        """Whether to use Megatron's distributed optimizer (default: on GPU yes, on CPU no)."""
-        if self.use_distributed_optimizer is None:
-            return not cpu_compat_needed()
-        return self.use_distributed_optimizer
-
-
-def wrap_ddp(model, transformer_config, *, settings: OptimSettings):
-    """Wrap an unwrapped ``GPTModel`` stage in Megatron's ``DistributedDataParallel`` (fp32 grad buffers).
+def ddp_config(settings: OptimSettings):
+    """Megatron's ``DistributedDataParallelConfig``: fp32 gradient buffers, no overlap, sum of pre-scaled grads.
 
     ``average_in_collective=False``: the gradient is pre-scaled by ``1/dp_size`` and summed, which
     ``forward_step``'s normalisation arithmetic relies on (any averaging variant gives the same factor).
     """
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed import DistributedDataParallelConfig
 
-    ddp_config = DistributedDataParallelConfig(
+    return DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=False,
-        use_distributed_optimizer=settings.distributed(),
+        use_distributed_optimizer=settings.use_distributed_optimizer,
         average_in_collective=False,
     )
-    with cuda_to_cpu_mode():
-        return DistributedDataParallel(config=transformer_config, ddp_config=ddp_config, module=model)
 
 
-def build_optimizer(ddp_model, *, settings: OptimSettings, params_dtype: torch.dtype):
-    """Megatron Adam(W) over the DDP model; returns ``(optimizer, lr_scheduler)``."""
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+def optimizer_config(settings: OptimSettings, *, params_dtype: torch.dtype):
+    """Megatron's ``OptimizerConfig`` for Adam(W) with the settings' lr, betas, weight decay and clipping."""
+    from megatron.core.optimizer import OptimizerConfig
 
-    config = OptimizerConfig(
+    return OptimizerConfig(
         optimizer="adam",
         lr=settings.lr,
         min_lr=settings.min_lr,
@@ -95,14 +58,17 @@ def build_optimizer(ddp_model, *, settings: OptimSettings, params_dtype: torch.d
         clip_grad=settings.clip_grad,
         bf16=params_dtype == torch.bfloat16,
         params_dtype=params_dtype,
-        use_distributed_optimizer=settings.distributed(),
+        use_distributed_optimizer=settings.use_distributed_optimizer,
     )
-    if cpu_compat_needed() and not settings.distributed():
-        logger.warning("CPU fallback: Megatron's non-distributed Adam (full fp32 optimizer state on every DP rank)")
-    with cuda_to_cpu_mode():
-        optimizer = get_megatron_optimizer(config, [ddp_model])
-    scheduler = OptimizerParamScheduler(
-        optimizer,
+
+
+def scheduler_kwargs(settings: OptimSettings) -> dict:
+    """Keyword arguments of Megatron's ``OptimizerParamScheduler`` besides the optimizer.
+
+    Linear warm-up from 0 (a constant ``lr`` without warm-up), ``decay_style`` to ``min_lr`` at ``total_steps``,
+    constant weight decay.
+    """
+    return dict(
         init_lr=0.0 if settings.warmup_steps else settings.lr,
         max_lr=settings.lr,
         min_lr=settings.min_lr,
@@ -114,7 +80,26 @@ def build_optimizer(ddp_model, *, settings: OptimSettings, params_dtype: torch.d
         wd_incr_steps=settings.total_steps,
         wd_incr_style="constant",
     )
-    return optimizer, scheduler
+
+
+def wrap_ddp(model, transformer_config, *, settings: OptimSettings):
+    """Wrap an unwrapped ``GPTModel`` stage in Megatron's ``DistributedDataParallel`` (:func:`ddp_config`)."""
+    from megatron.core.distributed import DistributedDataParallel
+
+    with cuda_to_cpu_mode():
+        return DistributedDataParallel(config=transformer_config, ddp_config=ddp_config(settings), module=model)
+
+
+def build_optimizer(ddp_model, *, settings: OptimSettings, params_dtype: torch.dtype):
+    """Megatron Adam(W) over the DDP model and its LR schedule; returns ``(optimizer, lr_scheduler)``."""
+    from megatron.core.optimizer import get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    if cpu_compat_needed() and not settings.use_distributed_optimizer:
+        logger.warning("CPU fallback: Megatron's non-distributed Adam (full fp32 optimizer state on every DP rank)")
+    with cuda_to_cpu_mode():
+        optimizer = get_megatron_optimizer(optimizer_config(settings, params_dtype=params_dtype), [ddp_model])
+    return optimizer, OptimizerParamScheduler(optimizer, **scheduler_kwargs(settings))
 
 
 def global_grad_norm(optimizer) -> float:

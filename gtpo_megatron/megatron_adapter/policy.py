@@ -15,26 +15,24 @@ from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 
 from gtpo_megatron.builtin_models import resolve_model_path
 from gtpo_megatron.megatron_adapter import hf_conversion
 from gtpo_megatron.megatron_adapter import model as model_lib
 from gtpo_megatron.megatron_adapter.cpu_compat import cuda_to_cpu_mode, install_cpu_compat
 from gtpo_megatron.megatron_adapter.forward_step import LossSettings, MicroBatch, forward_step
-from gtpo_megatron.megatron_adapter.optimizer import OptimSettings, build_optimizer, optimizer_step, wrap_ddp
+from gtpo_megatron.megatron_adapter.optimizer import build_optimizer, optimizer_step, wrap_ddp
 from gtpo_megatron.megatron_adapter.step_metrics import reduce_step_metrics
-from gtpo_megatron.ops import LossSpec
-from gtpo_megatron.parallel.collectives import global_normalizer
-from gtpo_megatron.plan.layout import padded_vocab_size
+from gtpo_megatron.ops import LossSpec, compute_normalizer
+from gtpo_megatron.parallel.collectives import barrier, broadcast_, global_normalizer
 from gtpo_megatron.rollout.types import TrainBatch
 
 if TYPE_CHECKING:
     from gtpo_megatron.config import ModelConfig
+    from gtpo_megatron.megatron_adapter.settings import PolicySettings
     from gtpo_megatron.parallel.groups import ParallelGroups
 
 logger = logging.getLogger(__name__)
-_PARAMS_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def _log_head_padding(geometry: hf_conversion.ModelGeometry, pad_attention_heads: bool) -> None:
@@ -56,27 +54,6 @@ def _log_head_padding(geometry: hf_conversion.ModelGeometry, pad_attention_heads
         )
 
 
-def _params_dtype(model: ModelConfig) -> torch.dtype:
-    if model.params_dtype not in _PARAMS_DTYPES:
-        raise ValueError(
-            f"model.params_dtype={model.params_dtype!r}: the Megatron policy trains in "
-            f"{sorted(_PARAMS_DTYPES)}; set model.params_dtype=bfloat16 (or float32)"
-        )
-    return _PARAMS_DTYPES[model.params_dtype]
-
-
-def _recompute_settings(model: ModelConfig) -> dict:
-    """Megatron's recompute fields for ``model.recompute`` (full: every layer, one at a time)."""
-    if model.recompute == "none":
-        return {}
-    full = model.recompute == "full"
-    return {
-        "recompute_granularity": model.recompute,
-        "recompute_method": "uniform" if full else None,
-        "recompute_num_layers": 1 if full else None,
-    }
-
-
 def _build_stage(hf_config, config, groups: ParallelGroups, *, padded_vocab_size: int, seed: int):
     """This rank's ``GPTModel`` stage, initialised from ``seed`` (torch and Megatron's model-parallel RNG)."""
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
@@ -91,6 +68,27 @@ def _build_stage(hf_config, config, groups: ParallelGroups, *, padded_vocab_size
             pre_process=groups.is_first_pp_stage,
             post_process=groups.is_last_pp_stage,
         )
+
+
+def _padded_vocab(settings: PolicySettings, hf_config, *, padding_tp_size: int | None) -> int:
+    """``V``: the Megatron checkpoint's embedding rows when starting from one, else the tokenizer's padded."""
+    checkpoint = settings.model.megatron_checkpoint
+    if checkpoint is not None:
+        from gtpo_megatron.megatron_adapter.external_checkpoint import checkpoint_padded_vocab_size
+
+        tp_size = math.lcm(settings.tp_size, padding_tp_size or settings.tp_size)
+        return checkpoint_padded_vocab_size(checkpoint, vocab_size=hf_config.vocab_size, tp_size=tp_size)
+    return settings.padded_vocab_size(hf_config.vocab_size, padding_tp_size=padding_tp_size)
+
+
+def _load_initial_weights(gpt_model, model: ModelConfig, hf_path: str, geometry, *, tp_rank: int) -> None:
+    """This rank's shard of the starting weights: ``model.megatron_checkpoint`` if set, else the HF folder."""
+    if model.megatron_checkpoint is not None:
+        from gtpo_megatron.megatron_adapter.external_checkpoint import load_model_weights
+
+        load_model_weights(gpt_model, model.megatron_checkpoint)
+    else:
+        hf_conversion.load_hf_weights(gpt_model, hf_path, geometry, tp_rank=tp_rank)
 
 
 class MegatronPolicy:
@@ -128,78 +126,60 @@ class MegatronPolicy:
 
     @classmethod
     def from_pretrained(
-        cls,
-        model: ModelConfig,
-        *,
-        groups: ParallelGroups,
-        optim: OptimSettings | None = None,
-        micro_batch_size: int = 1,
-        logprob_chunk_size: int | None = None,
-        seed: int = 1234,
-        padding_tp_size: int | None = None,
+        cls, settings: PolicySettings, *, groups: ParallelGroups, padding_tp_size: int | None = None
     ) -> MegatronPolicy:
-        """Build this rank's stage and load its shard of the HF checkpoint ``model.name_or_path``.
+        """Build this rank's stage and load its shard of the starting weights.
+
+        The weights come from ``model.megatron_checkpoint`` when it is set (a Megatron-LM / Megatron-Bridge dist
+        checkpoint, model tensors only, at any layout; ``external_checkpoint``), else from the HF checkpoint
+        ``model.name_or_path`` (which always supplies the HF config).
 
         Args:
-            model: the model section: ``name_or_path`` (local HF folder with safetensors, or a ``builtin:`` name,
-                see ``builtin_models.resolve_model_path``), ``params_dtype`` (``float32`` or ``bfloat16``; fp32
-                main weights in the optimizer), ``make_vocab_size_divisible_by`` (vocabulary padding multiple,
-                times ``tp_size``), ``recompute`` (Megatron activation recompute) and ``pad_attention_heads``
-                (when the KV groups do not divide ``tp_size``, pad the Megatron model with all-zero KV groups up
-                to the next multiple of ``tp_size``: exact for forward and training; HF export and weight
-                streaming drop them; checkpoints keep them; see ``head_padding``).
-            groups: the ``ParallelGroups`` of ``init_distributed`` (TP/PP sizes come from it).
-            optim: Adam and LR-schedule settings (``build.optim_settings`` derives them from the config sections);
-                None: ``OptimSettings()``.
-            micro_batch_size: rows per micro-batch (>= 1).
-            logprob_chunk_size: tokens per chunk in the vocab-parallel log-prob op (None = one chunk).
-            seed: seeds torch and Megatron's model-parallel RNG tracker.
+            settings: everything the policy is built from (``settings.policy_settings`` derives it from the config
+                sections): ``model.name_or_path`` (local HF folder with safetensors, or a ``builtin:`` name, see
+                ``builtin_models.resolve_model_path``), the parameter dtype, vocabulary padding, head padding
+                (when the KV groups do not divide ``tp_size``, all-zero KV groups up to the next multiple: exact for
+                forward and training; HF export and weight streaming drop them; checkpoints keep them; see
+                ``head_padding``), recompute, sequence parallelism, ``megatron_overrides``, Adam and the LR schedule,
+                micro-batch and log-prob chunk sizes, the seed. The Megatron configs are built from it by
+                ``model.transformer_config_from_hf`` and ``optimizer.ddp_config`` / ``optimizer_config``.
+            groups: the ``ParallelGroups`` of ``init_distributed``; their TP/PP sizes must be the settings'.
             padding_tp_size: pad the vocabulary (and, with ``pad_attention_heads``, the KV groups) as a run at
                 this TP size did, so that its checkpoint loads at ``groups.tp_size`` (e.g. a TP=2 run exported
                 in one process). Default: ``groups.tp_size``.
 
         Raises:
-            ValueError: bad ``micro_batch_size``/``params_dtype``, heads or KV groups not divisible by ``tp_size``
-                without ``pad_attention_heads``, or an HF config / checkpoint this converter cannot handle.
+            ValueError: groups of another layout than the settings', heads or KV groups not divisible by
+                ``tp_size`` without ``pad_attention_heads``, or an HF config / checkpoint this converter cannot
+                handle.
         """
         from megatron.core.distributed import finalize_model_grads
         from transformers import AutoConfig
 
-        if micro_batch_size < 1:
-            raise ValueError(f"micro_batch_size={micro_batch_size} must be >= 1")
-        params_dtype = _params_dtype(model)
-        optim = optim or OptimSettings()
-        hf_path = resolve_model_path(model.name_or_path)
+        if (groups.tp_size, groups.pp_size) != (settings.tp_size, settings.pp_size):
+            raise ValueError(
+                f"the process groups have tp_size={groups.tp_size}, pp_size={groups.pp_size} but the policy settings "
+                f"tp_size={settings.tp_size}, pp_size={settings.pp_size}; build both from parallel.tp_size/pp_size"
+            )
+        hf_path = resolve_model_path(settings.model.name_or_path)
         install_cpu_compat()
         hf_config = AutoConfig.from_pretrained(hf_path)
-        config = model_lib.transformer_config_from_hf(
-            hf_config,
-            tp_size=groups.tp_size,
-            pp_size=groups.pp_size,
-            params_dtype=params_dtype,
-            pad_attention_heads=model.pad_attention_heads,
-            padding_tp_size=padding_tp_size,
-            **_recompute_settings(model),
-        )
-        vocab_size = padded_vocab_size(
-            hf_config.vocab_size,
-            make_vocab_size_divisible_by=model.make_vocab_size_divisible_by,
-            tp_size=math.lcm(groups.tp_size, padding_tp_size or groups.tp_size),
-        )
+        config = model_lib.transformer_config_from_hf(hf_config, settings, padding_tp_size=padding_tp_size)
+        vocab_size = _padded_vocab(settings, hf_config, padding_tp_size=padding_tp_size)
         geometry = hf_conversion.ModelGeometry.from_hf(
             hf_config,
             padded_vocab_size=vocab_size,
             tp_size=groups.tp_size,
-            pad_attention_heads=model.pad_attention_heads,
+            pad_attention_heads=settings.model.pad_attention_heads,
             padding_tp_size=padding_tp_size,
         )
-        _log_head_padding(geometry, model.pad_attention_heads)
-        gpt_model = _build_stage(hf_config, config, groups, padded_vocab_size=vocab_size, seed=seed)
-        hf_conversion.load_hf_weights(gpt_model, hf_path, geometry, tp_rank=groups.tp_rank)
-        ddp_model = wrap_ddp(gpt_model, config, settings=optim)
+        _log_head_padding(geometry, settings.model.pad_attention_heads)
+        gpt_model = _build_stage(hf_config, config, groups, padded_vocab_size=vocab_size, seed=settings.seed)
+        _load_initial_weights(gpt_model, settings.model, hf_path, geometry, tp_rank=groups.tp_rank)
+        ddp_model = wrap_ddp(gpt_model, config, settings=settings.optim)
         config.finalize_model_grads_func = finalize_model_grads
         config.no_sync_func = ddp_model.no_sync
-        optimizer, scheduler = build_optimizer(ddp_model, settings=optim, params_dtype=params_dtype)
+        optimizer, scheduler = build_optimizer(ddp_model, settings=settings.optim, params_dtype=config.params_dtype)
         return cls(
             ddp_model=ddp_model,
             optimizer=optimizer,
@@ -208,20 +188,28 @@ class MegatronPolicy:
             hf_config=hf_config,
             geometry=geometry,
             hf_path=hf_path,
-            micro_batch_size=micro_batch_size,
-            logprob_chunk_size=logprob_chunk_size,
+            micro_batch_size=settings.micro_batch_size,
+            logprob_chunk_size=settings.logprob_chunk_size,
         )
 
     # ----------------------------------------------------------------------------------------- micro-batches
     def _micro_batches(self, batch: TrainBatch) -> list[MicroBatch]:
-        """Cut ``batch`` into equal micro-batches (padding rows: all masks False, advantages 0)."""
+        """Cut ``batch`` into equal micro-batches (padding rows: all masks False, advantages 0).
+
+        With sequence parallelism Megatron splits the sequence over the TP ranks, so the columns are right-padded
+        to a multiple of ``tp_size`` too (masked out and causally invisible, like the batch's own padding).
+        """
         rows, seq_len = batch.input_ids.shape
         pad = (-rows) % self.micro_batch_size
+        pad_columns = (-seq_len) % self.groups.tp_size if self.model.config.sequence_parallel else 0
+        seq_len += pad_columns
 
         def prepare(t: torch.Tensor | None) -> torch.Tensor | None:
             if t is None:
                 return None
             t = torch.cat([t, t.new_zeros((pad, *t.shape[1:]))]) if pad else t
+            if pad_columns and t.dim() == 2:
+                t = torch.cat([t, t.new_zeros((t.shape[0], pad_columns))], dim=1)
             return t.to(self.device)
 
         tensors = {
@@ -278,11 +266,11 @@ class MegatronPolicy:
         rows, seq_len = batch.input_ids.shape
         if self.groups.is_last_pp_stage:
             both = torch.stack([torch.cat([d["logprobs"] for d in store]), torch.cat([d["entropy"] for d in store])])
-            both = both[:, :rows].float().contiguous()
+            both = both[:, :rows, :seq_len].float().contiguous()
         else:
             both = torch.empty(2, rows, seq_len, dtype=torch.float32, device=self.device)
         if self.groups.pp_size > 1:
-            dist.broadcast(both, src=self.groups.pp_last_global_rank, group=self.groups.pp)
+            broadcast_(both, src=self.groups.pp_last_global_rank, group=self.groups.pp)
         self.ddp_model.train()
         return both[0].cpu(), both[1].cpu()
 
@@ -331,9 +319,8 @@ class MegatronPolicy:
         if batch.advantages is None:
             raise ValueError("batch.advantages is None; fill TrainBatch.advantages before train_step")
         batch = dataclasses.replace(batch, response_mask=batch.loss_mask)  # removed rows leave loss and normaliser
-        normalizer = global_normalizer(
-            [batch.response_mask], loss.aggregation, group=self.groups.dp, max_response_length=loss.max_response_length
-        ).to(self.device)
+        local = compute_normalizer(batch.response_mask, loss.aggregation, max_response_length=loss.max_response_length)
+        normalizer = global_normalizer(local, group=self.groups.dp).to(self.device)
         if float(normalizer) <= 0:
             logger.warning("train_step: no response tokens on any DP rank; step skipped")
             return {"normalizer": 0.0}
@@ -401,7 +388,7 @@ class MegatronPolicy:
             tokenizer_source=self.hf_path,
             write=self.groups.rank == 0,
         )
-        dist.barrier(group=self.groups.mp)
+        barrier(group=self.groups.mp)
 
     def save_checkpoint(self, path: str, trainer_state: dict) -> None:
         """``checkpoint.save_checkpoint`` of the state at the end of the last ``train_step``.

@@ -5,8 +5,8 @@ pipeline stage; see ``forward_step.policy_loss_closure``). Keys ending in ``_max
 keys are sums or counts and are reduced with SUM: first over micro-batches, then over the DP group, then broadcast
 from the last pipeline stage to the other stages. Means are derived afterwards from the global sums.
 
-Collectives: one ``broadcast_object_list`` on the PP group (key names; skipped when ``pp_size == 1``), up to two
-all-reduces on the DP group (SUM and MAX), one broadcast on the PP group.
+Collectives (all through ``parallel.collectives``): one object broadcast on the PP group (key names), up to two
+all-reduces on the DP group (SUM and MAX), one broadcast on the PP group; the PP ones only when ``pp_size > 1``.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
+
+from gtpo_megatron.parallel.collectives import all_reduce_, broadcast_, broadcast_object
 
 if TYPE_CHECKING:
     from gtpo_megatron.parallel.groups import ParallelGroups
@@ -46,21 +47,19 @@ def reduce_step_metrics(
     """
     keys = sorted(store[0]) if groups.is_last_pp_stage else None
     if groups.pp_size > 1:
-        box = [keys]
-        dist.broadcast_object_list(box, src=groups.pp_last_global_rank, group=groups.pp)
-        keys = box[0]
+        keys = broadcast_object(keys, src=groups.pp_last_global_rank, group=groups.pp)
     if groups.is_last_pp_stage:
         totals = _local_totals(store, keys).to(device)
         is_max = torch.tensor([k.endswith("_max") for k in keys], device=device)
         summed, maxed = totals.where(~is_max, 0.0), totals.where(is_max, float("-inf"))
-        dist.all_reduce(summed, group=groups.dp)
+        all_reduce_(summed, op="sum", group=groups.dp)
         if bool(is_max.any()):
-            dist.all_reduce(maxed, op=dist.ReduceOp.MAX, group=groups.dp)
+            all_reduce_(maxed, op="max", group=groups.dp)
         totals = torch.where(is_max, maxed, summed)
     else:
         totals = torch.empty(len(keys), dtype=torch.float32, device=device)
     if groups.pp_size > 1:
-        dist.broadcast(totals, src=groups.pp_last_global_rank, group=groups.pp)
+        broadcast_(totals, src=groups.pp_last_global_rank, group=groups.pp)
     metrics = dict(zip(keys, totals.tolist()))
     num_tokens = metrics.get("num_tokens", 0.0)
     for mean_key, sum_key in _MEANS.items():

@@ -29,6 +29,7 @@ from gtpo_megatron.ops.losses import (
     get_policy_loss,
     register_policy_loss,
 )
+from gtpo_megatron.ops.packing import PackedLayout
 
 __all__ = [
     "ADVANTAGE_ESTIMATOR_REGISTRY",
@@ -39,6 +40,7 @@ __all__ = [
     "LN2",
     "LossSpec",
     "OVERLAP_MODES",
+    "PackedLayout",
     "POLICY_LOSS_REGISTRY",
     "PolicyLossFn",
     "apply_entropy_penalty",

@@ -3,7 +3,8 @@
 GTPO_SPEC sections 1 and 4: the policy log-probs (with gradient) and the full-vocabulary Shannon entropy (nats)
 come out of one pass over the logits. Under tensor parallelism each rank holds a contiguous vocabulary shard
 (rank r owns global columns ``r*V/tp .. (r+1)*V/tp - 1``, Megatron's ``parallel_output=True`` layout); the softmax
-statistics are combined with two all-reduces on ``tp_group``.
+statistics are combined with two all-reduces on ``tp_group``, issued through ``parallel.collectives.all_reduce_``
+(the package's one collectives module, which imports torch only).
 
 Dimension legend: P prompts, G group size, B = P*G sequences, T response tokens, S full sequence,
 N flattened tokens, V padded vocabulary (Megatron output width), V/tp local vocabulary shard; internally the
@@ -31,6 +32,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from gtpo_megatron.parallel.collectives import all_reduce_
 
 _LOG_P_FLOOR = -1.0e4
 """Floor for ``log p`` in the entropy gradient: every fp32 ``exp`` below about -104 is exactly 0, so flooring
@@ -60,11 +63,6 @@ def _tp_size_rank(tp_group) -> tuple[int, int]:
     if tp_group is None:
         return 1, 0
     return dist.get_world_size(tp_group), dist.get_rank(tp_group)
-
-
-def _all_reduce(tensor: torch.Tensor, op, tp_group) -> None:
-    if tp_group is not None:
-        dist.all_reduce(tensor, op=op, group=tp_group)
 
 
 def _chunks(outer: int, inner: int, chunk_size: int | None) -> list[tuple[int, int, int, int]]:
@@ -157,7 +155,7 @@ def _global_statistics(local, target_ids, local_ids, in_shard, tp_group, setting
         local_max_N = torch.full((num_tokens,), float("-inf"), dtype=torch.float32, device=device)
         sums_kN = torch.zeros((num_sums, num_tokens), dtype=torch.float32, device=device)
     max_N = local_max_N.clone()
-    _all_reduce(max_N, dist.ReduceOp.MAX, tp_group)
+    all_reduce_(max_N, op="max", group=tp_group)
     if settings.check_inputs:
         _refuse_bad_rows(max_N, target_ids, settings)
     # Re-base from the local max m to the global max M; a shard row with no mass (m = -inf, sums 0) is based at
@@ -174,7 +172,7 @@ def _global_statistics(local, target_ids, local_ids, in_shard, tp_group, setting
         target_cols = local_ids.clamp(0, settings.valid_width - 1).view(local.shape[:2] + (1,))
         picked = local.gather(2, target_cols).view(-1).float()
         stats_kN[1] = torch.where(in_shard, (picked - max_N) / settings.temperature, 0.0)
-    _all_reduce(stats_kN, dist.ReduceOp.SUM, tp_group)
+    all_reduce_(stats_kN, op="sum", group=tp_group)
     return max_N, stats_kN
 
 

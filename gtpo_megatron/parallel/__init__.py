@@ -8,24 +8,30 @@ from __future__ import annotations
 
 from gtpo_megatron.parallel.collectives import (
     all_gather_rows,
+    all_reduce_,
     all_reduce_sum,
     any_rank,
     barrier,
+    broadcast_,
     broadcast_object,
     global_mean,
     global_normalizer,
+    group_device,
     reduce_metric_sums,
     row_shard,
 )
 
 __all__ = [
     "all_gather_rows",
+    "all_reduce_",
     "all_reduce_sum",
     "any_rank",
     "barrier",
+    "broadcast_",
     "broadcast_object",
     "global_mean",
     "global_normalizer",
+    "group_device",
     "reduce_metric_sums",
     "row_shard",
 ]

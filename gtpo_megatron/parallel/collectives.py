@@ -1,43 +1,82 @@
-"""The trainer's collectives and the step's global statistics, over explicit process groups.
+"""Every collective the package issues itself, over explicit process groups (torch only: no package imports).
 
-Global statistics (STYLE section 3: statistics split from decisions; the policy's loss normaliser, <H>_ini), the
-data-parallel row layout of a step and the trainer's control messages (rollout broadcast, stop flag, barriers).
+The primitives (:func:`all_reduce_`, :func:`broadcast_`, :func:`all_reduce_sum`, :func:`broadcast_object`,
+:func:`barrier`), the step's global statistics (STYLE section 3: statistics split from decisions; the policy's loss
+normaliser, <H>_ini), the data-parallel row layout of a step and the trainer's control messages (rollout broadcast,
+stop flag). The ops layer's vocab-parallel log-prob op issues its TP all-reduces through :func:`all_reduce_` too,
+which is why this module imports nothing from the package. The one other caller of ``torch.distributed``
+collectives is the weight gather (``megatron_adapter/hf_stream.py``); ``tests/distributed/test_collective_device.py``
+enforces both rules.
+
+Devices: a tensor collective runs on its group's device (:func:`group_device`: the current CUDA device for a group
+with an NCCL backend, including the ``cuda:nccl`` half of the ``cpu:gloo,cuda:nccl`` default group that
+``parallel.groups.init_distributed`` creates on GPU machines; the CPU otherwise). Tensors elsewhere are moved there
+and the results come back on the input's device, so CPU tensors work with an NCCL group. Object collectives and
+barriers let torch pick the device (the CPU through gloo when the group has one).
+
 Each function takes the group it works on as the keyword ``group``. ``group=None`` has exactly one meaning: "this
 process is the whole group" (single process, or a statistic that is local by design); it never falls back to the
-default world group. Tensors travel on the group's device (CUDA for
-NCCL, CPU otherwise) and come back on the input's device. Every function returns new values and leaves its inputs
-unmodified; the collectives are not differentiable and are listed per function.
+default world group. The collectives are not differentiable and are listed per function.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 
-from gtpo_megatron.ops.losses import compute_normalizer
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
 
-def _group_device(group: dist.ProcessGroup) -> torch.device:
-    """Where ``group``'s collectives run: the current CUDA device for NCCL, else the CPU."""
-    if dist.get_backend(group) == "nccl":
+def group_device(group: dist.ProcessGroup) -> torch.device:
+    """The device of ``group``'s tensor collectives: the current CUDA device when it has an NCCL backend, else CPU."""
+    if "nccl" in str(dist.get_backend(group)):
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
+def all_reduce_(tensor: torch.Tensor, *, op: Literal["sum", "max"], group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Reduce ``tensor`` over ``group`` IN PLACE (moved to the group's device for the collective); returns it.
+
+    For buffers the caller owns (the log-prob op's statistics, metric totals); :func:`all_reduce_sum` returns a copy.
+
+    Collectives: one all-reduce (``op``: SUM or MAX) on ``group`` (none when ``group`` is None).
+    """
+    if group is None:
+        return tensor
+    device = group_device(group)
+    work = tensor if tensor.device == device else tensor.to(device)
+    dist.all_reduce(work, op=_REDUCE_OPS[op], group=group)
+    if work is not tensor:
+        tensor.copy_(work)
+    return tensor
+
+
 def all_reduce_sum(tensor: torch.Tensor, *, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """A copy of ``tensor`` summed over ``group``, on ``tensor``'s device.
+    """A copy of ``tensor`` summed over ``group``, on ``tensor``'s device (the input is not modified).
 
     Collectives: one SUM all-reduce on ``group`` (none when ``group`` is None).
     """
-    out = tensor.detach().clone()
+    return all_reduce_(tensor.detach().clone(), op="sum", group=group)
+
+
+def broadcast_(tensor: torch.Tensor, *, src: int, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Overwrite ``tensor`` with global rank ``src``'s copy on every rank of ``group`` (in place); returns it.
+
+    Every rank passes a tensor of the same shape and dtype (the receivers' values are ignored).
+
+    Collectives: one broadcast on ``group`` (none when ``group`` is None).
+    """
     if group is None:
-        return out
-    work = out.to(_group_device(group))
-    dist.all_reduce(work, op=dist.ReduceOp.SUM, group=group)
-    return work.to(tensor.device)
+        return tensor
+    device = group_device(group)
+    work = tensor if tensor.device == device else tensor.to(device)
+    dist.broadcast(work, src=src, group=group)
+    if work is not tensor:
+        tensor.copy_(work)
+    return tensor
 
 
 def row_shard(num_rows: int, *, rank: int, size: int) -> slice:
@@ -92,42 +131,24 @@ def any_rank(flag: bool, *, group: dist.ProcessGroup | None) -> bool:
 
     Collectives: one MAX all-reduce of a 1-element tensor on ``group`` (none when ``group`` is None).
     """
-    if group is None:
-        return flag
-    value = torch.tensor([1.0 if flag else 0.0], device=_group_device(group))
-    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
-    return bool(value.item())
+    return bool(all_reduce_(torch.tensor([1.0 if flag else 0.0]), op="max", group=group).item())
 
 
-def global_normalizer(
-    response_masks: Sequence[torch.Tensor],
-    aggregation: str,
-    *,
-    group: dist.ProcessGroup | None,
-    max_response_length: int | None = None,
-) -> torch.Tensor:
-    """The step's loss normaliser: ``compute_normalizer`` summed over the given masks and the data-parallel group.
+def global_normalizer(local_normalizer: torch.Tensor, *, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """The step's loss normaliser: this rank's count summed over the data-parallel group.
 
     Args:
-        response_masks: this rank's masks of the step (its micro-batches, or all its rows as one mask), each
-            ``[b, T]`` bool (True = response token).
-        aggregation: as ``gtpo_megatron.ops.compute_normalizer``.
+        local_normalizer: fp32 scalar, ``ops.compute_normalizer`` of this rank's rows of the step (summed over its
+            micro-batches when they are counted apart).
         group: the data-parallel group of the step (None: single replica).
-        max_response_length: Dr. GRPO's constant (see ``compute_normalizer``).
 
     Returns:
-        fp32 scalar on the masks' device, identical on every rank of ``group``; 0 when no rank has a response
-        token (the caller skips such a step: dividing by it is undefined).
+        fp32 scalar on ``local_normalizer``'s device, identical on every rank of ``group``; 0 when no rank has a
+        response token (the caller skips such a step: dividing by it is undefined).
 
     Collectives: one SUM all-reduce on ``group``.
-
-    Raises:
-        ValueError: empty ``response_masks`` or the errors of ``compute_normalizer``.
     """
-    if len(response_masks) == 0:
-        raise ValueError("response_masks is empty; pass the masks of every micro-batch of the step")
-    local = sum(compute_normalizer(m, aggregation, max_response_length=max_response_length) for m in response_masks)
-    return all_reduce_sum(local, group=group)
+    return all_reduce_sum(local_normalizer.float(), group=group)
 
 
 def global_mean(values: torch.Tensor, *, group: dist.ProcessGroup | None, mask: torch.Tensor | None = None):

@@ -19,6 +19,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+CUDA_BACKEND = "cpu:gloo,cuda:nccl"
+"""The default process group's backend on a GPU machine: ``parallel.collectives`` runs tensor collectives on the
+CUDA device (NCCL) and torch runs object collectives and barriers on the CPU (gloo)."""
+
 
 @dataclass(frozen=True)
 class ParallelGroups:
@@ -31,7 +35,8 @@ class ParallelGroups:
         tp_rank, pp_rank, dp_rank, rank: this process's rank in each group / globally.
         pp_first_global_rank / pp_last_global_rank: global ranks of stage 0 and stage ``pp_size - 1`` of this
             rank's pipeline (the source for broadcasts of last-stage results).
-        backend: ``"nccl"`` or ``"gloo"``.
+        backend: the default group's backend: ``"cpu:gloo,cuda:nccl"`` (:data:`CUDA_BACKEND`), ``"nccl"`` or
+            ``"gloo"``.
     """
 
     tp: dist.ProcessGroup
@@ -71,14 +76,15 @@ def init_distributed(
     """Initialise ``torch.distributed`` (if needed) and Megatron model parallelism; return the groups.
 
     Reads ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` (torchrun) when the default process group does
-    not exist yet. ``backend=None`` picks NCCL when CUDA is available and gloo otherwise. On CUDA the device is
-    set from ``LOCAL_RANK``.
+    not exist yet. ``backend=None`` picks :data:`CUDA_BACKEND` when CUDA is available (NCCL for CUDA tensors, gloo
+    for CPU tensors and pickled objects, in every group Megatron derives from the default one) and gloo otherwise.
+    On CUDA the device is set from ``LOCAL_RANK``.
 
     Raises:
         ValueError: if ``tp_size * pp_size`` does not divide the world size.
     """
     if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        backend = CUDA_BACKEND if torch.cuda.is_available() else "gloo"
     if not dist.is_initialized():
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))

@@ -23,6 +23,7 @@ import sys
 from dataclasses import dataclass
 
 from gtpo_megatron.config import GTPOConfig, load_config
+from gtpo_megatron.megatron_adapter.settings import PolicySettings, policy_settings
 from gtpo_megatron.plan.architectures import Architecture, resolve_architecture
 from gtpo_megatron.plan.layout import Layout, check_layout
 from gtpo_megatron.plan.memory import (
@@ -98,20 +99,23 @@ def _check_args(args: argparse.Namespace) -> None:
             raise ValueError(f"{flag}={value:g}: {rule}; {fix}")
 
 
-def training_shape(cfg: GTPOConfig, layout: Layout) -> TrainingShape:
-    """The planner's :class:`TrainingShape` from a loaded ``GTPOConfig`` and a checked :class:`Layout`."""
+def training_shape(settings: PolicySettings, layout: Layout, *, seq_length: int) -> TrainingShape:
+    """The planner's :class:`TrainingShape` of sequences of ``seq_length`` tokens on a checked :class:`Layout`.
+
+    Every Megatron-side number comes from the policy's ``PolicySettings``, the object Megatron is built from.
+    """
     return TrainingShape(
         tp_size=layout.tp_size,
         pp_size=layout.pp_size,
         dp_size=layout.dp_size,
-        micro_batch_size=cfg.optim.micro_batch_size,
-        seq_length=cfg.rollout.max_prompt_len + cfg.rollout.max_tokens,
+        micro_batch_size=settings.micro_batch_size,
+        seq_length=seq_length,
         num_microbatches=layout.num_microbatches,
-        param_bytes=DTYPE_BYTES[cfg.model.params_dtype],
-        sequence_parallel=cfg.parallel.sequence_parallel,
-        distributed_optimizer=cfg.parallel.use_distributed_optimizer,
-        recompute=cfg.model.recompute,
-        logprob_chunk_size=cfg.algorithm.logprob_chunk_size,
+        param_bytes=DTYPE_BYTES[settings.model.params_dtype],
+        sequence_parallel=settings.sequence_parallel,
+        distributed_optimizer=settings.optim.use_distributed_optimizer,
+        recompute=settings.model.recompute,
+        logprob_chunk_size=settings.logprob_chunk_size,
     )
 
 
@@ -243,19 +247,20 @@ def run(argv: list[str] | None = None) -> tuple[int, str]:
     try:
         _check_args(args)
         cfg = load_config(args.config, list(args.overrides))
+        settings = policy_settings(cfg)  # what the run builds Megatron from: the plan reports on the same values
         arch = resolve_architecture(cfg.model.name_or_path)
         layout = check_layout(
-            arch, world_size=args.gpus, tp_size=cfg.parallel.tp_size, pp_size=cfg.parallel.pp_size,
+            arch, world_size=args.gpus, tp_size=settings.tp_size, pp_size=settings.pp_size,
             engine_tp_size=cfg.rollout.engine_tp_size, placement=cfg.rollout.placement,
             num_prompts=cfg.rollout.num_prompts, group_size=cfg.algorithm.group_size,
-            micro_batch_size=cfg.optim.micro_batch_size,
-            make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by, gpus_per_node=args.gpus_per_node,
-            pad_attention_heads=cfg.model.pad_attention_heads,
+            micro_batch_size=settings.micro_batch_size,
+            make_vocab_size_divisible_by=settings.model.make_vocab_size_divisible_by,
+            gpus_per_node=args.gpus_per_node, pad_attention_heads=settings.model.pad_attention_heads,
         )  # fmt: skip
         cfg.validate(layout.train_world_size, check_registries=False)  # the torchrun world
     except ValueError as err:
         return 2, f"gtpo-plan: {args.config} on {args.gpus} GPUs: {err}"
-    shape = training_shape(cfg, layout)
+    shape = training_shape(settings, layout, seq_length=cfg.rollout.max_prompt_len + cfg.rollout.max_tokens)
     gpu_mem = int(args.gpu_mem * GIB)
     stages = [estimate_stage(arch, shape, padded_vocab_size=layout.padded_vocab_size, stage=s)
               for s in sorted({0, layout.pp_size - 1})]  # fmt: skip

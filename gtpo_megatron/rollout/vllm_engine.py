@@ -13,8 +13,9 @@ prompt once for its G requests.
 
 Weight updates (``RolloutEngine`` contract in ``rollout/engine.py``): every bucket is written as one safetensors
 shard into a private staging folder (``/dev/shm`` when available, so it stays in RAM); ``finish_weight_update``
-then calls the workers' ``reload_weights(weights_path=folder)`` once (through ``WeightReloadExtension``, which also
-re-packs a tied LM head) and resets the prefix cache. vLLM's reload re-runs ``process_weights_after_loading``,
+then has every worker reload them once (``WeightReloadExtension``: vLLM's ``reload_weights`` fed with the folder's
+tensors, which works whatever the engine's load format, ``dummy`` included; it also re-packs a tied LM head) and
+resets the prefix cache. vLLM's reload re-runs ``process_weights_after_loading``,
 which the CPU backend needs because it pre-packs linear weights; a raw ``model.load_weights`` would silently leave
 the packed copies stale (``../shared/FEASIBILITY.md`` section 4).
 
@@ -140,19 +141,32 @@ class WeightReloadExtension:
         return dict(getattr(self.model_runner.get_model(), "packed_modules_mapping", {}))
 
     def gtpo_reload_weights(self, weights_path: str) -> None:
-        """``reload_weights`` from a folder of safetensors shards, then re-pack a tied LM head.
+        """``reload_weights`` of the tensors in a folder of safetensors shards, then re-pack a tied LM head.
 
-        vLLM's layerwise reload re-processes only the modules whose weights were loaded. With tied embeddings the
-        LM head loads nothing (it shares ``embed_tokens.weight``), so on CPU its pre-packed GEMM copy would keep
-        the old values; re-running its ``process_weights_after_loading`` (which keeps ``weight``) refreshes it.
+        The tensors are passed as ``weights_iterator`` (one layerwise reload, as from a path), not as
+        ``weights_path``: vLLM reloads a path through the engine's model loader, which a ``dummy``-format engine
+        lacks. vLLM's layerwise reload re-processes only the modules whose weights were loaded. With tied
+        embeddings the LM head loads nothing (it shares ``embed_tokens.weight``), so on CPU its pre-packed GEMM
+        copy would keep the old values; re-running its ``process_weights_after_loading`` (which keeps ``weight``)
+        refreshes it.
         """
-        self.reload_weights(weights_path=weights_path)
+        self.reload_weights(weights_iterator=_staged_tensors(weights_path))
         model = self.model_runner.get_model()
         lm_head = getattr(model, "lm_head", None)
         quant_method = getattr(lm_head, "quant_method", None)
         tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
         if tied and quant_method is not None and not lm_head.weight.is_meta:
             quant_method.process_weights_after_loading(lm_head)
+
+
+def _staged_tensors(folder: str) -> Iterator[NamedTensor]:
+    """``(name, tensor)`` of every safetensors shard in ``folder``, shard by shard (one shard in memory at a time)."""
+    from safetensors import safe_open
+
+    for shard in sorted(Path(folder).glob("*.safetensors")):
+        with safe_open(str(shard), "pt") as handle:
+            for name in handle.keys():
+                yield name, handle.get_tensor(name)
 
 
 def check_fused_groups_complete(names: set[str], packed_modules: dict[str, list[str]]) -> None:
@@ -201,9 +215,12 @@ class VLLMEngine:
             system temp folder.
         verbose: vLLM's full logging (INFO, every warning); False: WARNING without the records that this
             project's settings make harmless (``vllm_logging``).
+        load_format: ``"auto"`` loads the weights of ``model_path``; ``"dummy"`` starts from random weights (the
+            folder needs only the config and tokenizer) that the caller replaces with a weight update before
+            the first ``generate``, e.g. a policy started from a Megatron checkpoint.
 
     Raises:
-        ValueError: unknown ``dtype`` or ``cpu_kvcache_space_gib <= 0``.
+        ValueError: unknown ``dtype`` or ``load_format``, or ``cpu_kvcache_space_gib <= 0``.
         RuntimeError: vLLM is not installed or not importable.
     """
 
@@ -223,9 +240,12 @@ class VLLMEngine:
         in_process: bool | None = None,
         staging_dir: str | None = None,
         verbose: bool = False,
+        load_format: str = "auto",
     ) -> None:
         if dtype not in _DTYPES:
             raise ValueError(f"dtype={dtype!r} is not supported; choose one of {list(_DTYPES)}")
+        if load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format={load_format!r} is not supported; choose 'auto' or 'dummy'")
         if cpu_kvcache_space_gib <= 0:
             raise ValueError(f"cpu_kvcache_space_gib={cpu_kvcache_space_gib} must be > 0 GiB; use 1")
         self.model_path = resolve_model_path(model_path)
@@ -277,6 +297,7 @@ class VLLMEngine:
                     else {}
                 ),
                 logprobs_mode="processed_logprobs",
+                load_format=load_format,
                 use_tqdm_on_load=False,
                 worker_extension_cls=f"{__name__}.WeightReloadExtension",
             )

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from gtpo_megatron.config import ModelConfig
+from gtpo_megatron.megatron_adapter.settings import PolicySettings
 from gtpo_megatron.rollout.types import TrainBatch
 from tests.helpers.references import ref_logprobs_entropy
 
@@ -23,6 +24,12 @@ LOGITS_ATOL = 1e-4  # fp32 transformer stacks (up to 30 layers) with different m
 def model_section(path: str, **fields) -> ModelConfig:
     """The model section of a test policy: fp32 parameters unless ``fields`` say otherwise."""
     return ModelConfig(**{"name_or_path": path, "params_dtype": "float32", **fields})
+
+
+def settings_at(groups, model: ModelConfig, **fields) -> PolicySettings:
+    """``PolicySettings`` of a test policy of ``model`` at the TP/PP layout of ``groups`` (``fields``: ``optim``,
+    ``micro_batch_size``, ``sequence_parallel``, ...)."""
+    return PolicySettings(model=model, tp_size=groups.tp_size, pp_size=groups.pp_size, **fields)
 
 
 def make_batch(

@@ -19,6 +19,8 @@ from gtpo_megatron.megatron_adapter.hf_features import (
     sliding_window_settings,
 )
 from gtpo_megatron.megatron_adapter.model import transformer_config_from_hf
+from gtpo_megatron.megatron_adapter.settings import PolicySettings
+from tests.adapter.megatron_helpers import model_section
 
 SMALL = dict(
     vocab_size=1000,
@@ -63,7 +65,7 @@ def test_sliding_window_settings():
 
 def test_transformer_config_carries_biases_and_windows():
     def build(hf):
-        return transformer_config_from_hf(hf, tp_size=2, pp_size=2, params_dtype=torch.float32)
+        return transformer_config_from_hf(hf, PolicySettings(model=model_section("x"), tp_size=2, pp_size=2))
 
     llama = build(LlamaConfig(**SMALL, attention_bias=True, mlp_bias=True))
     # q/k/v through add_qkv_bias; o_proj and MLP biases through per-module classes, never add_bias_linear
@@ -75,14 +77,14 @@ def test_transformer_config_carries_biases_and_windows():
 
 
 def test_layer_spec_biases():
-    from gtpo_megatron.megatron_adapter.model import select_layer_spec
+    from gtpo_megatron.megatron_adapter.model import mlp_submodules, select_layer_spec
 
     spec, _ = select_layer_spec(qk_layernorm=False, biases=LinearBiases(qkv=True, proj=True, mlp=False))
-    attention, mlp = spec.submodules.self_attention.submodules, spec.submodules.mlp.submodules
+    attention, mlp = spec.submodules.self_attention.submodules, mlp_submodules(spec.submodules.mlp)
     assert attention.linear_proj.__name__.startswith("Biased")
     assert not mlp.linear_fc1.__name__.startswith("Biased") and not mlp.linear_fc2.__name__.startswith("Biased")
     plain, _ = select_layer_spec(qk_layernorm=False, biases=LinearBiases(qkv=False, proj=False, mlp=True))
-    assert plain.submodules.mlp.submodules.linear_fc2.__name__.startswith("Biased")
+    assert mlp_submodules(plain.submodules.mlp).linear_fc2.__name__.startswith("Biased")
     assert not plain.submodules.self_attention.submodules.linear_proj.__name__.startswith("Biased")
 
 

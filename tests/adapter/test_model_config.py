@@ -9,6 +9,13 @@ from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 from gtpo_megatron.megatron_adapter import cpu_compat
 from gtpo_megatron.megatron_adapter.hf_features import rope_settings
 from gtpo_megatron.megatron_adapter.model import transformer_config_from_hf
+from gtpo_megatron.megatron_adapter.settings import PolicySettings
+from tests.adapter.megatron_helpers import model_section
+
+
+def _settings(tp: int = 1, pp: int = 1, **model_fields) -> PolicySettings:
+    return PolicySettings(model=model_section("x", **model_fields), tp_size=tp, pp_size=pp)
+
 
 SMALL = dict(
     vocab_size=1000,
@@ -23,7 +30,7 @@ SMALL = dict(
 
 def test_architecture_flags():
     def build(hf, tp=2, pp=2):
-        return transformer_config_from_hf(hf, tp_size=tp, pp_size=pp, params_dtype=torch.float32)
+        return transformer_config_from_hf(hf, _settings(tp, pp))
 
     llama, qwen2 = build(LlamaConfig(**SMALL)), build(Qwen2Config(**SMALL))
     assert (llama.add_qkv_bias, qwen2.add_qkv_bias) == (False, True)
@@ -31,19 +38,17 @@ def test_architecture_flags():
     assert llama.normalization == "RMSNorm" and llama.layernorm_epsilon == 1e-6
     qwen3 = build(Qwen3Config(**SMALL, head_dim=32))
     assert qwen3.qk_layernorm and qwen3.kv_channels == 32
-    bf16 = transformer_config_from_hf(LlamaConfig(**SMALL), tp_size=1, pp_size=1, params_dtype=torch.bfloat16)
+    bf16 = transformer_config_from_hf(LlamaConfig(**SMALL), _settings(params_dtype="bfloat16"))
     assert bf16.bf16 and bf16.params_dtype == torch.bfloat16
 
 
 def test_invalid_layouts_name_the_field():
     with pytest.raises(ValueError, match="num_key_value_heads=2 must both be divisible by tp_size=4"):
-        transformer_config_from_hf(LlamaConfig(**SMALL), tp_size=4, pp_size=1, params_dtype=torch.float32)
+        transformer_config_from_hf(LlamaConfig(**SMALL), _settings(tp=4))
     with pytest.raises(ValueError, match="num_hidden_layers=4 is not divisible by pp_size=3"):
-        transformer_config_from_hf(LlamaConfig(**SMALL), tp_size=1, pp_size=3, params_dtype=torch.float32)
+        transformer_config_from_hf(LlamaConfig(**SMALL), _settings(pp=3))
     with pytest.raises(ValueError, match="hidden_act='gelu'"):
-        transformer_config_from_hf(
-            LlamaConfig(**SMALL, hidden_act="gelu"), tp_size=1, pp_size=1, params_dtype=torch.float32
-        )
+        transformer_config_from_hf(LlamaConfig(**SMALL, hidden_act="gelu"), _settings())
 
 
 def test_head_padding_config_and_error():
@@ -53,7 +58,7 @@ def test_head_padding_config_and_error():
 
     smollm2 = LlamaConfig(**{**SMALL, "hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3})
     with pytest.raises(ValueError) as error:
-        transformer_config_from_hf(smollm2, tp_size=2, pp_size=1, params_dtype=torch.float32)
+        transformer_config_from_hf(smollm2, _settings(tp=2))
     for part in (
         "num_attention_heads=9",
         "num_key_value_heads=3",
@@ -63,17 +68,13 @@ def test_head_padding_config_and_error():
         "[1, 3]",
     ):
         assert part in str(error.value), (part, str(error.value))
-    config = transformer_config_from_hf(
-        smollm2, tp_size=2, pp_size=1, params_dtype=torch.float32, pad_attention_heads=True
-    )
+    config = transformer_config_from_hf(smollm2, _settings(tp=2, pad_attention_heads=True))
     assert (config.num_attention_heads, config.num_query_groups, config.kv_channels) == (12, 4, 64)
     geometry = ModelGeometry.from_hf(smollm2, padded_vocab_size=1024, tp_size=2, pad_attention_heads=True)
     assert (geometry.num_heads, geometry.num_query_groups, geometry.num_pad_groups) == (9, 3, 1)
     assert (geometry.padded_num_heads, geometry.padded_num_query_groups) == (12, 4)
     for tp in (1, 3):  # divisible: padding is a no-op
-        same = transformer_config_from_hf(
-            smollm2, tp_size=tp, pp_size=1, params_dtype=torch.float32, pad_attention_heads=True
-        )
+        same = transformer_config_from_hf(smollm2, _settings(tp=tp, pad_attention_heads=True))
         assert (same.num_attention_heads, same.num_query_groups) == (9, 3)
     mha = ModelGeometry.from_hf(
         LlamaConfig(**{**SMALL, "num_attention_heads": 5, "num_key_value_heads": 5, "hidden_size": 80}),

@@ -23,7 +23,7 @@ import torch
 
 from gtpo_megatron import run_dir
 from gtpo_megatron.ops import LossSpec
-from tests.adapter.megatron_helpers import TINY_QWEN2, make_batch, model_section
+from tests.adapter.megatron_helpers import TINY_QWEN2, make_batch, model_section, settings_at
 from tests.helpers.dist_harness import run_distributed
 
 pytestmark = pytest.mark.distributed
@@ -33,17 +33,16 @@ RESHARD_ATOL = 1e-5  # same math, different TP/PP split: fp32 summation-order no
 
 
 def _policy(tp: int, pp: int, distributed_optimizer: bool):
-    from gtpo_megatron.megatron_adapter.optimizer import OptimSettings
     from gtpo_megatron.megatron_adapter.policy import MegatronPolicy
+    from gtpo_megatron.megatron_adapter.settings import OptimSettings
     from gtpo_megatron.parallel.groups import init_distributed
 
     groups = init_distributed(tp_size=tp, pp_size=pp)
     optim = OptimSettings(
         lr=1e-3, warmup_steps=1, total_steps=10, decay_style="cosine", use_distributed_optimizer=distributed_optimizer
     )
-    return MegatronPolicy.from_pretrained(
-        model_section(TINY_QWEN2), groups=groups, optim=optim, micro_batch_size=2, seed=7
-    )
+    settings = settings_at(groups, model_section(TINY_QWEN2), optim=optim, micro_batch_size=2, seed=7)
+    return MegatronPolicy.from_pretrained(settings, groups=groups)
 
 
 def _batch():
@@ -120,3 +119,27 @@ def test_checkpoint_resume_is_exact_and_reshards(tmp_path):
         handle.truncate(listed[largest] // 2)
     (Path(root) / "latest").write_text("step_000002")
     run_distributed(_resume, 2, root)  # fresh processes: nothing survives from the first run but the files
+
+
+def _bf16_round_trip(rank: int, world_size: int, root: str) -> None:
+    from gtpo_megatron.megatron_adapter.policy import MegatronPolicy
+    from gtpo_megatron.megatron_adapter.settings import OptimSettings
+    from gtpo_megatron.parallel.groups import init_distributed
+
+    groups = init_distributed(tp_size=1, pp_size=1)
+    model = model_section(TINY_QWEN2, params_dtype="bfloat16")
+    settings = settings_at(groups, model, optim=OptimSettings(lr=1e-3, total_steps=10), micro_batch_size=2, seed=7)
+    policy = MegatronPolicy.from_pretrained(settings, groups=groups)
+    assert {p.dtype for p in policy.model.parameters()} == {torch.bfloat16}  # the local spec's RMSNorms included
+    policy.train_step(_batch(), LOSS)
+    policy.save_checkpoint(f"{root}/step_000001", {"step": 1})
+    expected, _ = policy.compute_logprobs(_batch())
+    reloaded = MegatronPolicy.from_pretrained(settings, groups=groups)
+    assert reloaded.load_checkpoint(root)["step"] == 1
+    assert torch.equal(reloaded.compute_logprobs(_batch())[0], expected)
+
+
+def test_checkpoint_bf16_params_round_trip(tmp_path):
+    """bf16 parameters: Megatron's 16-bit optimizer maps every parameter in its sharded state (found on an H200:
+    the local spec's fp32 RMSNorms made the save fail with "Param id ... does not match any model sharded param")."""
+    run_distributed(_bf16_round_trip, 1, str(tmp_path / "checkpoints"))

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.adapter.megatron_helpers import save_random_hf_model
+from tests.adapter.megatron_helpers import model_section, save_random_hf_model, settings_at
 from tests.helpers.dist_harness import run_distributed
 
 pytestmark = pytest.mark.distributed
@@ -82,9 +82,8 @@ def _build(path: str, groups, params_dtype: torch.dtype, fp32_output_layer: bool
     from gtpo_megatron.plan.layout import padded_vocab_size
 
     hf_config = AutoConfig.from_pretrained(path)
-    config = model_lib.transformer_config_from_hf(
-        hf_config, tp_size=groups.tp_size, pp_size=1, params_dtype=params_dtype
-    )
+    model = model_section(path, params_dtype=str(params_dtype).removeprefix("torch."))
+    config = model_lib.transformer_config_from_hf(hf_config, settings_at(groups, model))
     padded = padded_vocab_size(VOCAB, make_vocab_size_divisible_by=128, tp_size=groups.tp_size)
     with cuda_to_cpu_mode():
         model_parallel_cuda_manual_seed(0)

@@ -29,6 +29,7 @@ from tests.adapter.megatron_helpers import (
     megatron_named_params,
     model_section,
     save_random_hf_model,
+    settings_at,
 )
 from tests.helpers.dist_harness import run_distributed
 
@@ -42,14 +43,13 @@ OPTIM = dict(lr=1e-3, weight_decay=0.1, adam_eps=1e-4)
 
 
 def _build(path: str, tp: int, *, optim: dict | None = None, **model_fields):
-    from gtpo_megatron.megatron_adapter.optimizer import OptimSettings
     from gtpo_megatron.megatron_adapter.policy import MegatronPolicy
+    from gtpo_megatron.megatron_adapter.settings import OptimSettings
     from gtpo_megatron.parallel.groups import init_distributed
 
     groups = init_distributed(tp_size=tp, pp_size=1)
-    return MegatronPolicy.from_pretrained(
-        model_section(path, **model_fields), groups=groups, optim=OptimSettings(**(optim or {}))
-    )
+    settings = settings_at(groups, model_section(path, **model_fields), optim=OptimSettings(**(optim or {})))
+    return MegatronPolicy.from_pretrained(settings, groups=groups)
 
 
 def _save_three_group_llama(out_dir: str) -> None:

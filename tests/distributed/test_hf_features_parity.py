@@ -65,9 +65,10 @@ def _configs() -> dict:
 def _build(path: str, tp: int, pp: int):
     from gtpo_megatron.megatron_adapter.policy import MegatronPolicy
     from gtpo_megatron.parallel.groups import init_distributed
-    from tests.adapter.megatron_helpers import model_section
+    from tests.adapter.megatron_helpers import model_section, settings_at
 
-    return MegatronPolicy.from_pretrained(model_section(path), groups=init_distributed(tp_size=tp, pp_size=pp))
+    groups = init_distributed(tp_size=tp, pp_size=pp)
+    return MegatronPolicy.from_pretrained(settings_at(groups, model_section(path)), groups=groups)
 
 
 def _check_refusal(out_root: str, rank: int) -> None:

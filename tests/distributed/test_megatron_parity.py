@@ -26,6 +26,7 @@ from tests.adapter.megatron_helpers import (
     load_hf_model,
     model_section,
     save_random_hf_model,
+    settings_at,
 )
 from tests.helpers.dist_harness import run_distributed
 
@@ -57,7 +58,7 @@ def _build(path: str, tp: int, pp: int, **model_fields):
     from gtpo_megatron.parallel.groups import init_distributed
 
     groups = init_distributed(tp_size=tp, pp_size=pp)
-    return MegatronPolicy.from_pretrained(model_section(path, **model_fields), groups=groups)
+    return MegatronPolicy.from_pretrained(settings_at(groups, model_section(path, **model_fields)), groups=groups)
 
 
 def _save_tiny_qwen3(out_dir: str) -> None:

@@ -29,6 +29,7 @@ from tests.adapter.megatron_helpers import (
     model_section,
     reference_grads,
     reference_token_logprobs,
+    settings_at,
 )
 from tests.helpers.dist_harness import run_distributed
 
@@ -63,8 +64,9 @@ def _local_rows(batch, groups):
 
 
 def _run_layout(path: str, tp: int, pp: int, aggregation: str) -> None:
-    from gtpo_megatron.megatron_adapter.optimizer import OptimSettings, global_grad_norm
+    from gtpo_megatron.megatron_adapter.optimizer import global_grad_norm
     from gtpo_megatron.megatron_adapter.policy import MegatronPolicy
+    from gtpo_megatron.megatron_adapter.settings import OptimSettings
     from gtpo_megatron.parallel.groups import init_distributed
 
     groups = init_distributed(tp_size=tp, pp_size=pp)
@@ -77,9 +79,8 @@ def _run_layout(path: str, tp: int, pp: int, aggregation: str) -> None:
     ref_loss, ref_grads = reference_grads(hf_model, batch, loss_name="gtpo", aggregation=aggregation)
     local = _local_rows(batch, groups)
     label = f"{path} tp={tp} pp={pp} dp={groups.dp_size}"
-    policy = MegatronPolicy.from_pretrained(
-        model_section(path, make_vocab_size_divisible_by=1000), groups=groups, optim=OptimSettings(lr=1e-3)
-    )
+    model = model_section(path, make_vocab_size_divisible_by=1000)
+    policy = MegatronPolicy.from_pretrained(settings_at(groups, model, optim=OptimSettings(lr=1e-3)), groups=groups)
     for micro_batch_size in (len(local.input_ids), len(local.input_ids) // 4):  # 1 vs 4 micro-batches
         policy.micro_batch_size = micro_batch_size
         policy.zero_grad()
@@ -167,16 +168,14 @@ def _check_recompute_and_bf16(path, groups, local) -> None:
     loss = _loss("seq-mean-token-mean")
     grads = []
     for recompute in ("none", "full"):
-        policy = MegatronPolicy.from_pretrained(
-            model_section(path, recompute=recompute), groups=groups, micro_batch_size=2
-        )
+        settings = settings_at(groups, model_section(path, recompute=recompute), micro_batch_size=2)
+        policy = MegatronPolicy.from_pretrained(settings, groups=groups)
         policy.forward_backward(local, loss)
         grads.append([p.main_grad.clone() for p in policy.model.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*grads)), "activation recompute changed the gradient"
     fp32_logprobs, _ = policy.compute_logprobs(local)
-    bf16 = MegatronPolicy.from_pretrained(
-        model_section(path, params_dtype="bfloat16"), groups=groups, micro_batch_size=2
-    )
+    bf16_settings = settings_at(groups, model_section(path, params_dtype="bfloat16"), micro_batch_size=2)
+    bf16 = MegatronPolicy.from_pretrained(bf16_settings, groups=groups)
     logprobs, _ = bf16.compute_logprobs(local)
     assert logprobs.dtype == torch.float32
     assert (logprobs - fp32_logprobs).abs().max().item() < 0.05  # bf16 weights/activations, fp32 softmax
@@ -185,15 +184,14 @@ def _check_recompute_and_bf16(path, groups, local) -> None:
 
 def _check_distributed_optimizer(path, groups, local) -> None:
     """Megatron's distributed optimizer (GPU default; sharded over DP) takes the same steps as the plain one."""
-    from gtpo_megatron.megatron_adapter.optimizer import OptimSettings
     from gtpo_megatron.megatron_adapter.policy import MegatronPolicy
+    from gtpo_megatron.megatron_adapter.settings import OptimSettings
 
     runs = []
     for distributed in (False, True):
         optim = OptimSettings(lr=1e-3, use_distributed_optimizer=distributed)
-        policy = MegatronPolicy.from_pretrained(
-            model_section(TINY_QWEN2), groups=groups, optim=optim, micro_batch_size=2
-        )
+        settings = settings_at(groups, model_section(TINY_QWEN2), optim=optim, micro_batch_size=2)
+        policy = MegatronPolicy.from_pretrained(settings, groups=groups)
         steps = [policy.train_step(local, _loss("seq-mean-token-mean")) for _ in range(2)]
         runs.append([(m["loss"], m["grad_norm"]) for m in steps])
     for (loss, norm), (loss_d, norm_d) in zip(*runs):

@@ -16,7 +16,9 @@ import torch.distributed as dist
 from gtpo_megatron.ops import compute_normalizer, get_policy_loss, vocab_parallel_logprobs_entropy
 from gtpo_megatron.parallel import (
     all_gather_rows,
+    all_reduce_,
     any_rank,
+    broadcast_,
     broadcast_object,
     global_mean,
     global_normalizer,
@@ -180,7 +182,7 @@ def _dp_invariance(rank, world, group) -> None:
         outputs = []
         for part, normalizer in (
             (slice(None), compute_normalizer(mask, aggregation)),
-            (mine, global_normalizer([mask[mine][:2], mask[mine][2:]], aggregation, group=group)),
+            (mine, global_normalizer(local_normalizer(mask[mine], aggregation), group=group)),
         ):
             leaf = policy[part].clone().requires_grad_()
             loss, metrics = get_policy_loss("gtpo")(
@@ -208,6 +210,11 @@ def _dp_invariance(rank, world, group) -> None:
     torch.testing.assert_close(global_mean(seq_entropy[mine], group=group, mask=keep[mine]), expected)
 
 
+def local_normalizer(mask: torch.Tensor, aggregation: str) -> torch.Tensor:
+    """This rank's count summed over two micro-batches of its rows (as a policy counts them)."""
+    return compute_normalizer(mask[:2], aggregation) + compute_normalizer(mask[2:], aggregation)
+
+
 def _trainer_collectives(rank, world, group) -> None:
     """The trainer's row gather, rollout broadcast and stop flag: every rank sees the same values."""
     full = torch.arange(3 * world, dtype=torch.float32) / 7  # each rank's [3] share, gathered back in rank order
@@ -215,8 +222,13 @@ def _trainer_collectives(rank, world, group) -> None:
     assert torch.equal(gathered, full)
     assert broadcast_object({"step": 3} if rank == 0 else None, src=0, group=group) == {"step": 3}
     assert any_rank(rank == world - 1, group=group) is True and any_rank(False, group=group) is False
-    empty = global_normalizer([torch.zeros(2, 3, dtype=torch.bool)], "token-mean", group=group)
+    empty = global_normalizer(compute_normalizer(torch.zeros(2, 3, dtype=torch.bool), "token-mean"), group=group)
     assert empty.item() == 0.0  # no rank has a response token: the policy skips the step
+    values = torch.tensor([float(rank), -float(rank)])
+    assert all_reduce_(values, op="max", group=group) is values  # in place
+    assert values.tolist() == [world - 1.0, 0.0]
+    totals = torch.full((2,), float(rank))
+    assert broadcast_(totals, src=world - 1, group=group) is totals and totals.tolist() == [world - 1.0] * 2
 
 
 def _all_cases(rank: int, world: int) -> None:
@@ -235,7 +247,8 @@ def _all_cases(rank: int, world: int) -> None:
     _refusals(rank, world, group)
     _dp_invariance(rank, world, group)
     _trainer_collectives(rank, world, group)
-    assert math.isfinite(float(global_normalizer([torch.ones(2, 2, dtype=torch.bool)], "token-mean", group=group)))
+    ones = torch.ones(2, 2, dtype=torch.bool)
+    assert math.isfinite(float(global_normalizer(compute_normalizer(ones, "token-mean"), group=group)))
 
 
 @pytest.mark.parametrize("world_size", [2, 4])

@@ -1,21 +1,31 @@
-"""Measurements of the GPU checks and the one summary table ``run_gpu_checks.sh`` prints.
+"""Outcomes and measurements of the GPU checks, and the one summary table ``run_gpu_checks.sh`` prints.
 
-A check calls :func:`record` for each number it asserts on (a max difference, a memory ratio, a time); records go
-to the JSON-lines file named by ``$GTPO_GPU_REPORT`` (set by the script; without it nothing is written). After
-pytest, ``python -m tests.gpu.report --junit J --records R`` joins pytest's JUnit XML (outcome and seconds of
-every check) with the records into one table.
+Two JSON-lines files per run, both appended while the checks run (so a check that later crashes or hangs its process
+cannot take the earlier results with it):
+
+* ``$GTPO_GPU_RESULTS``: one line per test phase, written by ``tests/gpu/results_plugin.py`` (:func:`write_result`);
+* ``$GTPO_GPU_REPORT``: the numbers a check asserts on (:func:`record`: a max difference, a memory ratio, a time).
+
+``tests/gpu/run_checks.py`` runs each group of checks in its own process and joins both files and the groups'
+exit states (:class:`GroupStatus`) into one table (:func:`build_table`).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from pathlib import Path
 
 REPORT_ENV = "GTPO_GPU_REPORT"
+RESULTS_ENV = "GTPO_GPU_RESULTS"
+
+
+def _append(env: str, line: dict) -> None:
+    path = os.environ.get(env)
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps(line) + "\n")
 
 
 def record(check: str, quantity: str, value: float, *, limit: float | None = None, unit: str = "") -> None:
@@ -28,18 +38,28 @@ def record(check: str, quantity: str, value: float, *, limit: float | None = Non
         limit: the bound the test asserts (``value <= limit``), or None when it only reports.
         unit: unit shown after the value (``"s"``, ``"GiB"``, ``"nats"``).
     """
-    path = os.environ.get(REPORT_ENV)
-    if not path:
-        return
-    line = {"check": check, "quantity": quantity, "value": float(value), "limit": limit, "unit": unit}
-    with open(path, "a") as f:
-        f.write(json.dumps(line) + "\n")
+    _append(REPORT_ENV, {"check": check, "quantity": quantity, "value": float(value), "limit": limit, "unit": unit})
+
+
+def write_result(report) -> None:
+    """Append one pytest ``TestReport`` (setup, call or teardown of a check) to ``$GTPO_GPU_RESULTS``."""
+    reason = ""
+    if report.skipped and isinstance(report.longrepr, tuple):
+        reason = str(report.longrepr[2]).removeprefix("Skipped: ")
+    elif report.failed:
+        reason = getattr(report.longrepr, "reprcrash", None)
+        reason = reason.message if reason is not None else str(report.longrepr)
+    path, _, name = report.nodeid.partition("::")
+    reason = reason.strip().splitlines()[0][:110] if reason and reason.strip() else ""
+    _append(RESULTS_ENV, {"module": Path(path).stem, "name": name, "when": report.when, "outcome": report.outcome,
+                          "seconds": report.duration, "reason": reason})  # fmt: skip
 
 
 @dataclass
 class CheckRow:
-    """One test in the table: outcome, seconds, reason (skip/fail message) and its measurements."""
+    """One check in the table: its test module, outcome, seconds, reason (skip/fail message) and measurements."""
 
+    module: str
     name: str
     outcome: str
     seconds: float
@@ -47,47 +67,36 @@ class CheckRow:
     measurements: list[str] = field(default_factory=list)
 
 
-def read_junit(path: str | Path) -> list[CheckRow]:
-    """Outcome (``passed``/``failed``/``error``/``skipped``), seconds and first message line of every test case."""
-    rows = []
-    for case in ET.parse(path).getroot().iter("testcase"):
-        outcome, reason = "passed", ""
-        for tag in ("failure", "error", "skipped"):
-            node = case.find(tag)
-            if node is not None:
-                outcome = {"failure": "failed"}.get(tag, tag)
-                reason = (node.get("message") or node.text or "").strip().splitlines()[0][:100]
-                break
-        rows.append(CheckRow(case.get("name", "?"), outcome, float(case.get("time", 0.0)), reason))
-    return rows
+@dataclass(frozen=True)
+class GroupStatus:
+    """How one group's process ended: ``status`` is ``"ok"``, ``"failed"``, ``"timeout"``, ``"crashed"`` or
+    ``"not run"``; ``detail`` says why (exit code, time limit, log file)."""
+
+    name: str
+    status: str
+    seconds: float
+    detail: str = ""
 
 
-def _format_measurement(item: dict) -> str:
-    text = f"{item['quantity']} = {item['value']:.3g}{(' ' + item['unit']) if item['unit'] else ''}"
-    return text + (f" (limit {item['limit']:.3g})" if item["limit"] is not None else "")
+def read_results(path: str | Path) -> list[CheckRow]:
+    """The checks of a results file in order, each with its final outcome.
 
-
-def build_table(rows: list[CheckRow], records: list[dict]) -> str:
-    """The summary table: one block per check, measurements indented under it, totals at the end.
-
-    A record goes under the row of the same name, else under the last row of that test function (the records of a
-    parametrised test carry the parameters in their ``quantity``).
+    A failed setup or teardown is an ``error``, a failed call ``failed``, a skip in any phase ``skipped``; a check
+    whose call never reported (its process died during it) is ``crashed``.
     """
-    by_name = {row.name: row for row in rows}
-    last_of_function = {row.name.split("[", 1)[0]: row for row in rows}
-    for item in records:
-        row = by_name.get(item["check"]) or last_of_function.get(item["check"])
-        if row is not None:
-            row.measurements.append(_format_measurement(item))
-    width = max([len(r.name) for r in rows] + [5])
-    lines = [f"{'check':<{width}}  {'result':<8} {'seconds':>8}  detail", "-" * (width + 40)]
-    for row in rows:
-        lines.append(f"{row.name:<{width}}  {row.outcome:<8} {row.seconds:8.1f}  {row.reason}".rstrip())
-        lines.extend(f"{'':<{width}}    {m}" for m in row.measurements)
-    counts = {o: sum(r.outcome == o for r in rows) for o in ("passed", "failed", "error", "skipped")}
-    lines.append("-" * (width + 40))
-    lines.append(", ".join(f"{n} {o}" for o, n in counts.items()) + f"; {sum(r.seconds for r in rows):.1f} s")
-    return "\n".join(lines)
+    rows: dict[str, CheckRow] = {}
+    lines = Path(path).read_text().splitlines() if Path(path).exists() else []
+    for item in (json.loads(line) for line in lines if line):
+        crashed = CheckRow(item["module"], item["name"], "crashed", 0.0, "no result: its process died or was killed")
+        row = rows.setdefault(item["name"], crashed)
+        row.seconds += item["seconds"]
+        if item["outcome"] == "skipped":
+            row.outcome, row.reason = "skipped", item["reason"]
+        elif item["outcome"] == "failed":
+            row.outcome, row.reason = ("failed" if item["when"] == "call" else "error"), item["reason"]
+        elif item["when"] == "call":
+            row.outcome, row.reason = "passed", ""
+    return list(rows.values())
 
 
 def read_records(path: str | Path) -> list[dict]:
@@ -96,16 +105,42 @@ def read_records(path: str | Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line] if path.exists() else []
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Print the summary table of one run of the GPU checks."""
-    parser = argparse.ArgumentParser(description="summary table of tests/gpu/run_gpu_checks.sh")
-    parser.add_argument("--junit", required=True, help="pytest --junitxml output")
-    parser.add_argument("--records", required=True, help="JSON lines written through $GTPO_GPU_REPORT")
-    args = parser.parse_args(argv)
-    if not Path(args.junit).exists():
-        raise SystemExit(f"no pytest report at {args.junit}: pytest did not finish (see its output above)")
-    print(build_table(read_junit(args.junit), read_records(args.records)))
+def _format_measurement(item: dict) -> str:
+    text = f"{item['quantity']} = {item['value']:.3g}{(' ' + item['unit']) if item['unit'] else ''}"
+    return text + (f" (limit {item['limit']:.3g})" if item["limit"] is not None else "")
 
 
-if __name__ == "__main__":
-    main()
+def attach_records(rows: list[CheckRow], records: list[dict]) -> None:
+    """Put each record under the row of the same name, else under the last row of that test function (the records
+    of a parametrised test carry the parameters in their ``quantity``)."""
+    by_name = {row.name: row for row in rows}
+    last_of_function = {row.name.split("[", 1)[0]: row for row in rows}
+    for item in records:
+        row = by_name.get(item["check"]) or last_of_function.get(item["check"])
+        if row is not None:
+            row.measurements.append(_format_measurement(item))
+
+
+OUTCOMES = ("passed", "failed", "error", "crashed", "skipped")
+
+
+def build_table(groups: list[tuple[GroupStatus, list[CheckRow]]]) -> str:
+    """The summary table: per group a header line, then one line per check (status, seconds, reason) with its
+    measurements indented under it; the totals at the end."""
+    rows = [row for _, group_rows in groups for row in group_rows]
+    width = max([len(r.name) + 2 for r in rows] + [30])
+    lines = [f"{'check':<{width}}  {'status':<8} {'seconds':>8}  key numbers / reason", "-" * (width + 60)]
+    for status, group_rows in groups:
+        detail = f": {status.detail}" if status.detail else ""
+        lines.append(f"{status.name} [{status.status}, {status.seconds:.1f} s{detail}]")
+        for row in group_rows:
+            lines.append(f"  {row.name:<{width - 2}}  {row.outcome:<8} {row.seconds:8.1f}  {row.reason}".rstrip())
+            lines.extend(f"{'':<{width}}    {m}" for m in row.measurements)
+    counts = {o: sum(r.outcome == o for r in rows) for o in OUTCOMES}
+    bad_groups = [s.name for s, _ in groups if s.status not in ("ok", "failed")]
+    lines.append("-" * (width + 60))
+    lines.append(
+        ", ".join(f"{n} {o}" for o, n in counts.items())
+        + f"; groups not finished: {bad_groups or 'none'}; {sum(s.seconds for s, _ in groups):.1f} s"
+    )
+    return "\n".join(lines)

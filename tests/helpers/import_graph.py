@@ -2,7 +2,8 @@
 
 An edge ``a -> b`` is an ``import``/``from ... import`` of package module ``b`` anywhere in module ``a`` (module
 level or lazily inside a function); ``from pkg import name`` points at ``pkg.name`` when that is a module, else at
-``pkg``. Imports under ``if TYPE_CHECKING:`` are annotations only and are kept apart (``Imports.type_only``).
+``pkg``. Imports under ``if TYPE_CHECKING:`` are annotations only and are kept apart (``Imports.type_only``);
+imports inside a function body are also recorded in ``Imports.deferred`` (they run only when the function does).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ PACKAGE = "gtpo_megatron"
 # Lowest layer first (STYLE.md section 2, refined): a module may import its own layer and the layers below it.
 # Each layer lists module prefixes; the longest matching prefix decides.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("collectives: torch.distributed calls", ("gtpo_megatron.parallel.collectives",)),
     ("ops: torch math", ("gtpo_megatron.ops",)),
     (
         "torch-free helpers",
@@ -38,6 +40,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         ("gtpo_megatron.rollout", "gtpo_megatron.megatron_adapter", "gtpo_megatron.policy", "gtpo_megatron.logging"),
     ),
     ("algorithm", ("gtpo_megatron.algorithm",)),
+    ("plugin API", ("gtpo_megatron.plugin",)),
     ("trainer", ("gtpo_megatron.trainer", "gtpo_megatron.build")),
     ("entry points", ("gtpo_megatron.train", "gtpo_megatron.evaluation", "gtpo_megatron.plan.cli")),
 ]
@@ -45,11 +48,15 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
 
 @dataclass
 class Imports:
-    """What one module imports: third-party/stdlib module names and package modules (runtime and type-only)."""
+    """What one module imports: third-party/stdlib module names and package modules (runtime and type-only).
+
+    ``deferred``: the names of ``external`` and ``runtime`` imported only inside function bodies.
+    """
 
     external: set[str] = field(default_factory=set)
     runtime: set[str] = field(default_factory=set)
     type_only: set[str] = field(default_factory=set)
+    deferred: set[str] = field(default_factory=set)
 
 
 def package_modules(root: Path) -> dict[str, Path]:
@@ -67,6 +74,14 @@ def _type_checking_nodes(tree: ast.AST) -> set[int]:
     ids = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            ids.update(id(sub) for child in node.body for sub in ast.walk(child))
+    return ids
+
+
+def _function_body_nodes(tree: ast.AST) -> set[int]:
+    ids = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
             ids.update(id(sub) for child in node.body for sub in ast.walk(child))
     return ids
 
@@ -93,10 +108,12 @@ def read_imports(root: Path) -> dict[str, Imports]:
     out = {}
     for name, path in modules.items():
         tree = ast.parse(path.read_text())
-        type_only = _type_checking_nodes(tree)
+        type_only, in_functions = _type_checking_nodes(tree), _function_body_nodes(tree)
         found = Imports()
         for node in ast.walk(tree):
             for target in _targets(node, name, path.name == "__init__.py", modules):
+                if id(node) in in_functions:
+                    found.deferred.add(target)
                 if target.split(".")[0] != PACKAGE:
                     found.external.add(target)
                     continue
@@ -174,13 +191,20 @@ def cycles(imports: dict[str, Imports]) -> list[list[str]]:
 
 
 def closure(imports: dict[str, Imports], start: str) -> set[str]:
-    """``start`` and every package module it imports at runtime, transitively (``__init__`` of parents included)."""
-    seen, todo = set(), [start]
+    """``start`` and every package module it imports at runtime, transitively (``__init__`` of parents included).
+
+    A module's lazy (function-body) imports count, since its functions may be called; a parent package contributes
+    its module-level imports only, which are all that importing a submodule runs (the package root, for example,
+    imports the plugin lazily in its ``__getattr__``).
+    """
+    full, parent_only, todo = set(), set(), [(start, False)]
     while todo:
-        name = todo.pop()
-        if name in seen:
+        name, as_parent = todo.pop()
+        if name in full or (as_parent and name in parent_only):
             continue
-        seen.add(name)
+        (parent_only if as_parent else full).add(name)
         parents = [".".join(name.split(".")[:i]) for i in range(1, name.count(".") + 1)]
-        todo += [p for p in parents if p in imports] + sorted(imports[name].runtime)
-    return seen
+        todo += [(p, True) for p in parents if p in imports]
+        followed = imports[name].runtime - imports[name].deferred if as_parent else imports[name].runtime
+        todo += [(m, False) for m in sorted(followed)]
+    return full | parent_only

@@ -6,11 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from gtpo_megatron.ops import compute_normalizer
 from gtpo_megatron.parallel import (
     all_gather_rows,
+    all_reduce_,
     all_reduce_sum,
     any_rank,
     barrier,
+    broadcast_,
     broadcast_object,
     global_mean,
     global_normalizer,
@@ -22,10 +25,11 @@ from tests.helpers.batches import conflict_batch
 
 def test_local_statistics():
     mask = torch.tensor([[True, True, False], [False, False, False], [True, False, False]])
-    assert global_normalizer([mask, mask[:1]], "token-mean", group=None).item() == 5.0
-    assert global_normalizer([mask, mask[:1]], "seq-mean-token-mean", group=None).item() == 3.0
-    assert global_normalizer([mask[1:2]], "token-mean", group=None).item() == 0.0  # empty step: the caller skips it
-    assert global_normalizer([mask], "seq-mean-token-sum", group=None, max_response_length=4).item() == 8.0
+    local = compute_normalizer(mask, "token-mean") + compute_normalizer(mask[:1], "token-mean")
+    normalizer = global_normalizer(local, group=None)
+    assert normalizer.item() == 5.0 and normalizer is not local
+    empty = compute_normalizer(mask[1:2], "token-mean")
+    assert global_normalizer(empty, group=None).item() == 0.0  # empty step: the caller skips it
     values = torch.tensor([1.0, 2.0, 6.0])
     assert global_mean(values, group=None).item() == 3.0
     assert global_mean(values, group=None, mask=torch.tensor([True, False, True])).item() == 3.5
@@ -36,8 +40,9 @@ def test_local_statistics():
     out = all_reduce_sum(source, group=None)
     out += 1
     assert torch.equal(source, torch.ones(2))  # a copy, never the input
-    with pytest.raises(ValueError, match="response_masks is empty"):
-        global_normalizer([], "token-mean", group=None)
+    buffer = torch.tensor([2.0, 3.0])
+    assert all_reduce_(buffer, op="max", group=None) is buffer and broadcast_(buffer, src=0, group=None) is buffer
+    assert buffer.tolist() == [2.0, 3.0]
 
 
 def test_row_shard_is_the_one_data_parallel_row_layout():

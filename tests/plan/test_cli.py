@@ -155,3 +155,16 @@ def test_yaml_syntax_error_exits_2(tmp_path) -> None:
     bad.write_text("model:\n  name_or_path: x\n  bad: [1, 2\noutput_dir: y\n")
     status, text = run(["--config", str(bad), "--gpus", "8"])
     assert status == 2 and "invalid YAML at line 4" in text
+
+
+def test_plan_imports_no_torch() -> None:
+    """gtpo-plan runs where torch is not installed: the policy settings it reports on are torch-free."""
+    probe = "import sys, gtpo_megatron.plan.cli; sys.exit('torch' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", probe], cwd=CONFIGS.parent, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_plan_refuses_what_the_policy_cannot_build() -> None:
+    recipe = str(SCALE_RECIPES[0])
+    status, text = run(["--config", recipe, "--gpus", str(_gpus(SCALE_RECIPES[0])), "model.params_dtype=float16"])
+    assert status == 2 and "model.params_dtype='float16': the Megatron policy trains in" in text

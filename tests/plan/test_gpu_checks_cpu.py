@@ -1,4 +1,6 @@
-"""CPU tests of the GPU-check machinery: the summary table, the records, and the ops checks run on the CPU.
+"""CPU tests of the GPU-check machinery: results and records, the table, the group runner, the wheel requirements,
+and the whole ``run_gpu_checks.sh --dry-run`` (every check's CPU-capable part: the ops with fewer tokens, Megatron,
+the 2-step trainer run on gloo).
 
 They live outside ``tests/gpu`` (whose tests the root conftest skips without CUDA) so that they run in the default
 suite and ``run_gpu_checks.sh`` cannot rot while no GPU is around.
@@ -10,51 +12,60 @@ import json
 import os
 import subprocess
 import sys
+import time
+import zipfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
-import torch
 
-from tests.gpu import report
+from tests.gpu import prepare, report, run_checks
 
 REPO = Path(__file__).resolve().parents[2]
-JUNIT = """<?xml version="1.0" encoding="utf-8"?>
-<testsuites><testsuite name="pytest" tests="4">
-  <testcase classname="tests.gpu.test_gpu_ops" name="test_a[fp32]" time="1.25"/>
-  <testcase classname="tests.gpu.test_gpu_ops" name="test_b" time="2.5">
-    <failure message="AssertionError: assert 0.3 &lt;= 0.05&#10;second line">traceback</failure></testcase>
-  <testcase classname="tests.gpu.test_gpu_policy_rollout" name="test_c" time="0.0">
-    <skipped type="pytest.skip" message="vLLM is not installed">skip</skipped></testcase>
-  <testcase classname="tests.gpu.test_gpu_policy_rollout" name="test_d" time="0.5">
-    <error message="fixture failed">boom</error></testcase>
-</testsuite></testsuites>
-"""
 
 
-def test_summary_table_joins_outcomes_and_records(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    (tmp_path / "junit.xml").write_text(JUNIT)
+def _result(module, name, when, outcome, seconds=0.5, reason=""):
+    return {"module": module, "name": name, "when": when, "outcome": outcome, "seconds": seconds, "reason": reason}
+
+
+def test_results_records_and_table(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    lines = [
+        _result("test_gpu_ops", "test_a[fp32]", "setup", "passed"),
+        _result("test_gpu_ops", "test_a[fp32]", "call", "passed"),
+        _result("test_gpu_ops", "test_b", "call", "failed", reason="AssertionError: assert 0.3 <= 0.05"),
+        _result("test_gpu_ops", "test_c", "setup", "skipped", 0.0, "skipped: no TE (transformer_engine: ImportError)"),
+        _result("test_gpu_trainer", "test_d", "setup", "failed", reason="fixture failed"),
+        _result("test_gpu_trainer", "test_e", "setup", "passed"),  # its call never reported: the process died
+    ]  # fmt: skip
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
     monkeypatch.setenv(report.REPORT_ENV, str(tmp_path / "records.jsonl"))
     report.record("test_a", "max |d logprobs| fp32", 3.2e-7, limit=2e-5, unit="nats")
     report.record("test_b", "mean |d logprob|", 0.3, limit=0.05)
-    report.record("test_gone", "not in the junit file", 1.0)  # dropped: no such test
-    rows = report.read_junit(tmp_path / "junit.xml")
+    report.record("test_gone", "not a check", 1.0)  # dropped: no such check
+    rows = report.read_results(tmp_path / "results.jsonl")
     assert [(r.name, r.outcome, r.seconds) for r in rows] == [
-        ("test_a[fp32]", "passed", 1.25), ("test_b", "failed", 2.5), ("test_c", "skipped", 0.0),
-        ("test_d", "error", 0.5)]  # fmt: skip
-    assert rows[1].reason == "AssertionError: assert 0.3 <= 0.05"
-    table = report.build_table(rows, report.read_records(tmp_path / "records.jsonl"))
+        ("test_a[fp32]", "passed", 1.0), ("test_b", "failed", 0.5), ("test_c", "skipped", 0.0),
+        ("test_d", "error", 0.5), ("test_e", "crashed", 0.5)]  # fmt: skip
+    report.attach_records(rows, report.read_records(tmp_path / "records.jsonl"))
+    ops = report.GroupStatus("ops", "failed", 3.0, "see ops.log")
+    trainer = report.GroupStatus("trainer", "timeout", 100.0, "killed after 100 s")
+    table = report.build_table([(ops, rows[:3]), (trainer, rows[3:])])
     lines = table.splitlines()
-    a = next(i for i, line in enumerate(lines) if line.startswith("test_a[fp32]"))
-    assert "passed" in lines[a] and "max |d logprobs| fp32 = 3.2e-07 nats (limit 2e-05)" in lines[a + 1]
-    assert "vLLM is not installed" in table and "not in the junit file" not in table
-    assert "mean |d logprob| = 0.3 (limit 0.05)" in lines[a + 3]  # under test_b, the next row
-    assert lines[-1] == "1 passed, 1 failed, 1 error, 1 skipped; 4.2 s"
+    a = next(i for i, line in enumerate(lines) if line.lstrip().startswith("test_a[fp32]"))
+    assert lines[a - 1] == "ops [failed, 3.0 s: see ops.log]" and "passed" in lines[a]
+    assert "max |d logprobs| fp32 = 3.2e-07 nats (limit 2e-05)" in lines[a + 1]
+    assert "mean |d logprob| = 0.3 (limit 0.05)" in lines[a + 3] and "not a check" not in table
+    assert "skipped: no TE" in table and "trainer [timeout, 100.0 s: killed after 100 s]" in table
+    assert lines[-1] == "1 passed, 1 failed, 1 error, 1 crashed, 1 skipped; groups not finished: ['trainer']; 103.0 s"
 
 
-def test_record_is_silent_without_the_environment_variable(tmp_path: Path, monkeypatch) -> None:
+def test_record_and_results_are_silent_without_their_files(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.delenv(report.REPORT_ENV, raising=False)
+    monkeypatch.delenv(report.RESULTS_ENV, raising=False)
     monkeypatch.chdir(tmp_path)
     report.record("test_a", "x", 1.0)
+    report.write_result(SimpleNamespace(nodeid="f.py::t", when="call", outcome="passed", duration=1.0,
+                                        skipped=False, failed=False, longrepr=None))  # fmt: skip
     assert list(tmp_path.iterdir()) == []
     monkeypatch.setenv(report.REPORT_ENV, str(tmp_path / "r.jsonl"))
     report.record("test_a", "x", 1.0, unit="s")
@@ -62,22 +73,64 @@ def test_record_is_silent_without_the_environment_variable(tmp_path: Path, monke
         "check": "test_a", "quantity": "x", "value": 1.0, "limit": None, "unit": "s"}  # fmt: skip
 
 
-def test_ops_checks_pass_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The CUDA checks' arithmetic and tolerances, run on the CPU (one log-prob case, every loss)."""
-    from tests.gpu import test_gpu_ops
+def test_runner_keeps_results_when_a_group_hangs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    checks = tmp_path / "checks"
+    checks.mkdir()
+    (checks / "test_hangs.py").write_text(
+        "import time, pytest\npytestmark = pytest.mark.gpu\n"
+        "def test_first():\n    pass\ndef test_hangs():\n    time.sleep(600)\n"
+    )
+    (checks / "test_after.py").write_text("import pytest\npytestmark = pytest.mark.gpu\ndef test_ok():\n    pass\n")
+    groups = (run_checks.Group("hangs", str(checks / "test_hangs.py"), 8),
+              run_checks.Group("after", str(checks / "test_after.py"), 60))  # fmt: skip
+    monkeypatch.setattr(run_checks, "GROUPS", groups)
+    start = time.monotonic()
+    status = run_checks.main(["--out", str(tmp_path / "out"), "--dry-run", "--budget", "120"])
+    assert status == 1 and time.monotonic() - start < 100
+    summary = (tmp_path / "out" / "summary.txt").read_text()
+    assert "hangs [timeout" in summary and "after [ok" in summary
+    outcomes = {r.name: r.outcome for r in report.read_results(tmp_path / "out" / "results.jsonl")}
+    assert outcomes == {"test_first": "passed", "test_hangs": "crashed", "test_ok": "passed"}
 
-    monkeypatch.setattr(test_gpu_ops, "DEVICE", torch.device("cpu"))
-    monkeypatch.setattr(test_gpu_ops, "NUM_TOKENS", 48)  # float64 over 152k columns is slow on 2 cores
-    test_gpu_ops.test_logprobs_entropy_cuda_vs_float64(torch.bfloat16, 2e-2, 1000)
-    for name in sorted(test_gpu_ops.LOSS_CASES):
-        test_gpu_ops.test_policy_loss_cuda_vs_float64(name)
+
+def _wheel(folder: Path, name: str, version: str, requires: list[str]) -> Path:
+    path = folder / f"{name}-{version}-py3-none-any.whl"
+    metadata = f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n" + "".join(
+        f"Requires-Dist: {r}\n" for r in requires
+    )
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr(f"{name}-{version}.dist-info/METADATA", metadata)
+    return path
 
 
-def test_run_gpu_checks_dry_run_prints_the_table(tmp_path: Path) -> None:
-    result = subprocess.run(["bash", "tests/gpu/run_gpu_checks.sh", "--dry-run", "-k", "policy_loss"], cwd=REPO,
-                            env={**os.environ, "OUT_DIR": str(tmp_path), "PYTHON": sys.executable},
-                            capture_output=True,
-                            text=True, timeout=300)  # fmt: skip
-    assert result.returncode == 0, result.stdout + result.stderr
+def test_prepare_checks_every_requirement_of_every_wheel(tmp_path: Path) -> None:
+    good = [
+        _wheel(tmp_path, "alpha", "1.0", ["torch>=2.6", "beta<=2.0,>=1.5", "colorama; sys_platform == 'win32'",
+                                          "pytest-cov; extra == 'test'", "typing; python_version < '3.5'"]),
+        _wheel(tmp_path, "beta", "2.0", ["sympy"]),
+    ]  # fmt: skip
+    prepare.check_requirements(good)  # the image has torch and sympy; the markers exclude the other three
+    other = tmp_path / "other"
+    other.mkdir()
+    bad = [good[0], _wheel(other, "beta", "2.5", []), _wheel(other, "gamma", "1.0", ["wandb"])]
+    with pytest.raises(SystemExit, match=r"alpha-1.0-py3-none-any.whl requires beta<=2.0,>=1.5; .*requires wandb"):
+        prepare.check_requirements(bad)
+
+
+def test_run_gpu_checks_dry_run_runs_every_group(tmp_path: Path) -> None:
+    """``--dry-run``: every group runs in its own process on the CPU and the table lists every check."""
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable}
+    result = subprocess.run(["bash", "tests/gpu/run_gpu_checks.sh", "--dry-run"], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     summary = (tmp_path / "summary.txt").read_text()
-    assert "test_policy_loss_cuda_vs_float64[gtpo]" in summary and summary.splitlines()[-1].startswith("0 passed")
+    for line in (
+        "ops [ok",
+        "megatron [ok",
+        "trainer [ok",
+        "vllm [ok",
+        "test_trainer_run_two_steps[cpu:gloo,cuda:nccl]",
+    ):
+        assert line in summary, summary
+    assert "skipped: no TE" in summary and "dry run: peak CUDA memory needs CUDA" in summary
+    assert summary.splitlines()[-1].split(";")[0].endswith("0 crashed, 7 skipped")

@@ -1,5 +1,6 @@
 """Small stand-ins for the policy, engine, reward pool and tokenizer (the loop's own logic is what is tested), and
-a ``Trainer`` built from them in a one-process gloo world."""
+``fake_rollout_trainer``: a ``Trainer`` whose rollouts come from them, around any policy (a fake or the real one),
+and ``make_trainer``: one over the fake policy too, in a one-process gloo world (``one_rank_process_group``)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
-from gtpo_megatron.config import LoggingConfig, load_config
+from gtpo_megatron.config import GTPOConfig, LoggingConfig, load_config
 from gtpo_megatron.data.datasets import load_problems
 from gtpo_megatron.data.loader import PromptLoader
 from gtpo_megatron.logging import MetricSink
@@ -182,25 +183,35 @@ def make_trainer(tmp_path, *overrides, engine=None, policy=None):
             *overrides,
         ],
     )
-    loader = PromptLoader(load_problems("synthetic", limit=50), batch_size=2, seed=0)
-    collector = RolloutCollector(
-        engine=engine or FakeEngine(),
-        reward_pool=FakeRewardPool(),
-        tokenizer=FakeTokenizer(),
-        loader=loader,
-        rollout_cfg=cfg.rollout,
-        algorithm_cfg=cfg.algorithm,
-        reward_cfg=cfg.reward,
-        extraction="strict",
-    )
     start = max([int(p.name[5:]) for p in list_checkpoints(tmp_path / "checkpoints")] + [0]) if cfg.resume else 0
+    return fake_rollout_trainer(
+        cfg, groups=single_rank_groups(), policy=policy or FakePolicy(), engine=engine, start_step=start
+    )
+
+
+def fake_rollout_trainer(cfg: GTPOConfig, *, groups, policy, engine=None, start_step: int = 0) -> Trainer:
+    """A ``Trainer`` of ``policy`` whose global rank 0 samples with ``engine`` (default ``FakeEngine()``) and scores
+    with ``FakeRewardPool`` on synthetic prompts (``FakeTokenizer``); metrics go to ``cfg.output_dir`` without wandb or
+    a progress bar. ``start_step``: the step a resumed run continues from (the sink drops later records)."""
+    collector = None
+    if groups.rank == 0:
+        loader = PromptLoader(load_problems("synthetic", limit=50), batch_size=cfg.rollout.num_prompts, seed=0)
+        collector = RolloutCollector(
+            engine=engine or FakeEngine(),
+            reward_pool=FakeRewardPool(),
+            tokenizer=FakeTokenizer(),
+            loader=loader,
+            rollout_cfg=cfg.rollout,
+            algorithm_cfg=cfg.algorithm,
+            reward_cfg=cfg.reward,
+            extraction="strict",
+        )
     sink = MetricSink(
-        tmp_path,
+        cfg.output_dir,
         cfg=LoggingConfig(wandb_mode="disabled", progress=False),
         run_config={},
         max_steps=cfg.trainer.max_steps,
-        start_step=start,
+        start_step=start_step,
+        enabled=groups.rank == 0,
     )
-    return Trainer(
-        cfg, groups=single_rank_groups(), policy=policy or FakePolicy(), collector=collector, pad_token_id=0, sink=sink
-    )
+    return Trainer(cfg, groups=groups, policy=policy, collector=collector, pad_token_id=0, sink=sink)

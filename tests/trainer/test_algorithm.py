@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from gtpo_megatron.algorithm import compute_step_weights, weight_metrics
+from gtpo_megatron.ops import compute_normalizer
 from gtpo_megatron.parallel import global_normalizer
 from gtpo_megatron.rollout.batch import collate_completions
 from tests.helpers.batches import EOS, algorithm_section, conflict_batch, make_group
@@ -100,9 +101,8 @@ def _step_normalizer(batch, rewards, entropy, cfg, *, max_response_length=None, 
     """The normaliser the policy uses for this step: ``global_normalizer`` on the batch's ``loss_mask``."""
     weights = compute_step_weights(batch, rewards, entropy, cfg, initial_entropy=initial_entropy)
     batch.token_weights, batch.loss_row_mask = weights.token_weights, weights.loss_row_mask
-    normalizer = global_normalizer(
-        [batch.loss_mask], cfg.aggregation, group=None, max_response_length=max_response_length
-    )
+    local = compute_normalizer(batch.loss_mask, cfg.aggregation, max_response_length=max_response_length)
+    normalizer = global_normalizer(local, group=None)
     return float(normalizer), weights
 
 

@@ -55,3 +55,17 @@ def test_unknown_data_source_fails_before_model_loading(monkeypatch, capsys):
     assert "data.source='gsm8'" in err and "did you mean 'gsm8k'" in err
     assert main(["--config", DEMO, "data=gsm8k", "output_dir=/tmp/gtpo-unused"]) == 2
     assert "/no/such/dir/gsm8k/train.jsonl does not exist" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "override, fragment",
+    [
+        ("model.megatron_overrides={sequence_parallel: true}", "sequence_parallel (set by parallel.sequence_parallel)"),
+        ("model.params_dtype=float16", "model.params_dtype='float16': the Megatron policy trains in"),
+    ],
+)
+def test_policy_settings_errors_exit_2_before_any_process_group(override, fragment, monkeypatch, capsys):
+    for key, value in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(key, value)
+    assert main(["--config", DEMO, override, "output_dir=/tmp/gtpo-unused"]) == 2
+    assert fragment in capsys.readouterr().err

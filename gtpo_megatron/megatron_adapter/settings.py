@@ -1,0 +1,202 @@
+"""What a run hands Megatron, resolved once from the config sections: ``PolicySettings`` (torch-free).
+
+``policy_settings(cfg)`` is the one place that reads the ``model``, ``parallel`` and ``optim`` sections (and the
+trainer/algorithm fields the LR schedule and the log-prob op need) for the policy. ``MegatronPolicy`` builds the
+Megatron ``TransformerConfig`` (``model.transformer_config_from_hf``), the DDP config and the optimizer config
+(``optimizer.ddp_config``, ``optimizer.optimizer_config``, ``optimizer.scheduler_kwargs``) from these settings and
+nothing else, and ``gtpo-plan`` reports on the same object, so the plan and the run cannot disagree.
+
+``model.megatron_overrides`` may set any other ``TransformerConfig`` field (``GTPOConfig.validate`` checks the names
+against Megatron's dataclass); the fields listed in :data:`OWNED_FIELDS` are refused, each with the config field (or
+HF ``config.json`` entry) that sets it, so that an override can neither contradict a section nor the checkpoint.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from gtpo_megatron.plan.layout import padded_vocab_size
+
+if TYPE_CHECKING:
+    from gtpo_megatron.config import GTPOConfig, ModelConfig
+
+PARAMS_DTYPES = ("float32", "bfloat16")
+"""Parameter dtypes the Megatron policy trains in (float16 would need a loss scaler)."""
+
+_FROM_HF = "the model's config.json"
+OWNED_FIELDS: dict[str, str] = {
+    "tensor_model_parallel_size": "parallel.tp_size",
+    "pipeline_model_parallel_size": "parallel.pp_size",
+    "sequence_parallel": "parallel.sequence_parallel",
+    "params_dtype": "model.params_dtype",
+    "pipeline_dtype": "model.params_dtype",
+    "bf16": "model.params_dtype",
+    "fp16": "model.params_dtype",
+    "recompute_granularity": "model.recompute",
+    "recompute_method": "model.recompute",
+    "recompute_num_layers": "model.recompute",
+    "calculate_per_token_loss": "the loss normalisation contract (megatron_adapter/forward_step.py)",
+    "perform_initialization": "the tensor-parallel weight tags Megatron sets while initialising (model.py)",
+    **dict.fromkeys(
+        (
+            "num_layers",
+            "hidden_size",
+            "ffn_hidden_size",
+            "num_attention_heads",
+            "num_query_groups",
+            "kv_channels",
+            "normalization",
+            "layernorm_epsilon",
+            "gated_linear_unit",
+            "activation_func",
+            "add_bias_linear",
+            "add_qkv_bias",
+            "qk_layernorm",
+            "window_size",
+            "window_attn_skip_freq",
+        ),
+        _FROM_HF,
+    ),
+}
+"""``TransformerConfig`` fields set from a config section, from the HF config or by a contract of this package:
+``model.megatron_overrides`` may not set them (``tests/adapter/test_config_wiring.py`` keeps this list equal to what
+``model.transformer_config_from_hf`` derives)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class OptimSettings:
+    """Adam and LR-schedule settings (plain values; ``policy_settings`` maps the ``optim`` section onto them).
+
+    Linear warm-up over ``warmup_steps`` from 0 to ``lr``, then ``decay_style`` (``"constant"``, ``"linear"`` or
+    ``"cosine"``) down to ``min_lr`` at ``total_steps``. ``clip_grad`` is the global L2 gradient-norm clip (0 disables
+    clipping; the norm is still reported).
+
+    Raises:
+        ValueError: ``lr <= 0``, ``min_lr`` outside ``[0, lr]``, ``warmup_steps`` outside ``[0, total_steps)`` or an
+            unknown ``decay_style``.
+    """
+
+    lr: float = 1e-6
+    min_lr: float = 0.0
+    warmup_steps: int = 0
+    total_steps: int = 1_000_000
+    decay_style: str = "constant"
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    use_distributed_optimizer: bool = False
+    """Megatron's distributed optimizer (fp32 main weights and Adam states sharded over the DP group)."""
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0 or not 0 <= self.min_lr <= self.lr:
+            raise ValueError(f"optim.lr={self.lr} must be > 0 and optim.min_lr={self.min_lr} in [0, lr]")
+        if not 0 <= self.warmup_steps < self.total_steps:
+            raise ValueError(
+                f"optim.warmup_steps={self.warmup_steps} must be in [0, optim.total_steps={self.total_steps})"
+            )
+        if self.decay_style not in ("constant", "linear", "cosine"):
+            raise ValueError(f"optim.decay_style={self.decay_style!r}; choose constant, linear or cosine")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PolicySettings:
+    """Everything ``MegatronPolicy.from_pretrained`` builds from (see the module docstring).
+
+    Attributes:
+        model: the ``model`` section (weights, parameter dtype, vocabulary and head padding, recompute, overrides).
+        tp_size, pp_size: the layout the policy is built for (``parallel.*``; the process groups must match).
+        sequence_parallel: Megatron sequence parallelism (``parallel.sequence_parallel``; needs ``tp_size > 1``).
+        optim: Adam, clipping, the LR schedule and the distributed optimizer.
+        micro_batch_size: rows per micro-batch of Megatron's schedule (``optim.micro_batch_size``).
+        logprob_chunk_size: tokens per chunk of the log-prob op (``algorithm.logprob_chunk_size``; None: one chunk).
+        seed: seeds torch and Megatron's model-parallel RNG (``trainer.seed``).
+
+    Raises:
+        ValueError: ``model.params_dtype`` not in :data:`PARAMS_DTYPES`, ``micro_batch_size < 1``, sequence
+            parallelism at ``tp_size == 1``, or an override of an :data:`OWNED_FIELDS` field.
+    """
+
+    model: ModelConfig
+    tp_size: int = 1
+    pp_size: int = 1
+    sequence_parallel: bool = False
+    optim: OptimSettings = field(default_factory=OptimSettings)
+    micro_batch_size: int = 1
+    logprob_chunk_size: int | None = None
+    seed: int = 1234
+
+    def __post_init__(self) -> None:
+        if self.model.params_dtype not in PARAMS_DTYPES:
+            raise ValueError(
+                f"model.params_dtype={self.model.params_dtype!r}: the Megatron policy trains in "
+                f"{list(PARAMS_DTYPES)}; set model.params_dtype=bfloat16 (or float32)"
+            )
+        if self.micro_batch_size < 1:
+            raise ValueError(f"optim.micro_batch_size={self.micro_batch_size} must be >= 1")
+        if self.sequence_parallel and self.tp_size < 2:
+            raise ValueError(
+                f"parallel.sequence_parallel=true needs parallel.tp_size > 1 (got {self.tp_size}); "
+                "set parallel.sequence_parallel=false"
+            )
+        check_overrides(self.model.megatron_overrides)
+
+    def padded_vocab_size(self, vocab_size: int, *, padding_tp_size: int | None = None) -> int:
+        """``V`` of the embedding and output layer (``plan.layout.padded_vocab_size``).
+
+        Padded at ``tp_size``, or at ``lcm(tp_size, padding_tp_size)`` to load a checkpoint of another layout.
+        """
+        tp = math.lcm(self.tp_size, padding_tp_size or self.tp_size)
+        return padded_vocab_size(vocab_size, make_vocab_size_divisible_by=self.model.make_vocab_size_divisible_by,
+                                 tp_size=tp)  # fmt: skip
+
+
+def check_overrides(overrides: dict[str, object]) -> None:
+    """Refuse ``model.megatron_overrides`` keys in :data:`OWNED_FIELDS`.
+
+    Raises:
+        ValueError: naming every such key and what sets it instead.
+    """
+    owned = {key: OWNED_FIELDS[key] for key in overrides if key in OWNED_FIELDS}
+    if owned:
+        sources = ", ".join(f"{key} (set by {source})" for key, source in sorted(owned.items()))
+        raise ValueError(
+            f"model.megatron_overrides sets {sources}: these fields are not free; set the named config field "
+            "instead, or drop the override"
+        )
+
+
+def policy_settings(cfg: GTPOConfig) -> PolicySettings:
+    """The run's ``PolicySettings``: the model, parallel and optim sections, ``trainer.seed``, the chunk size.
+
+    The learning rate decays (cosine to ``min_lr``, or constant when ``min_lr == lr``) over every optimizer step of
+    the run (``trainer.max_steps * algorithm.num_updates_per_batch``).
+
+    Raises:
+        ValueError: see :class:`PolicySettings`.
+    """
+    optim = cfg.optim
+    return PolicySettings(
+        model=cfg.model,
+        tp_size=cfg.parallel.tp_size,
+        pp_size=cfg.parallel.pp_size,
+        sequence_parallel=cfg.parallel.sequence_parallel,
+        optim=OptimSettings(
+            lr=optim.lr,
+            min_lr=optim.min_lr,
+            warmup_steps=optim.warmup_steps,
+            total_steps=max(cfg.trainer.max_steps * cfg.algorithm.num_updates_per_batch, optim.warmup_steps + 1),
+            decay_style="constant" if optim.min_lr == optim.lr else "cosine",
+            weight_decay=optim.weight_decay,
+            adam_beta1=optim.adam_beta1,
+            adam_beta2=optim.adam_beta2,
+            clip_grad=optim.clip_grad,
+            use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
+        ),
+        micro_batch_size=optim.micro_batch_size,
+        logprob_chunk_size=cfg.algorithm.logprob_chunk_size,
+        seed=cfg.trainer.seed,
+    )

@@ -1,0 +1,51 @@
+"""What the GPU checks share: the device (CUDA, or the CPU in a dry run), the model, a one-rank process group.
+
+``run_gpu_checks.sh --dry-run`` sets ``GTPO_GPU_DRY_RUN=1``: the checks then run their CPU-capable parts on the CPU
+(gloo instead of NCCL, fp32, smaller sizes) and skip the CUDA-only ones with a reason, so the whole pipeline (wheel
+install, imports, model cache, collection, the summary table) is exercised on a machine without a GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+
+import pytest
+import torch
+
+DRY_RUN = os.environ.get("GTPO_GPU_DRY_RUN") == "1"
+DEVICE = torch.device("cpu") if DRY_RUN else torch.device("cuda")
+MODEL = os.environ.get("GTPO_GPU_MODEL", "builtin:tiny-llama")
+"""The model of the Megatron and trainer checks (``run_gpu_checks.sh --prepare`` ships ``builtin:tiny-llama``)."""
+
+
+def needs_cuda(what: str) -> None:
+    """Skip the calling check in a dry run (``what`` needs a real GPU)."""
+    if DRY_RUN:
+        pytest.skip(f"dry run: {what} needs CUDA")
+
+
+def needs_module(name: str, label: str) -> None:
+    """Skip the calling check when module ``name`` does not import, saying ``"skipped: no <label>"``."""
+    try:
+        __import__(name)
+    except Exception as err:  # a broken install (TE without its CUDA libraries) counts as absent
+        pytest.skip(f"skipped: no {label} ({name}: {type(err).__name__})")
+
+
+@contextlib.contextmanager
+def single_rank_world(backend: str | None = None):
+    """A one-rank process group and Megatron TP = PP = 1 (``init_distributed``; ``backend=None``: its default,
+    ``cpu:gloo,cuda:nccl`` with CUDA, gloo in a dry run); yields the ``ParallelGroups`` and tears both down."""
+    from gtpo_megatron.parallel.groups import destroy_distributed, init_distributed
+
+    with socket.socket() as sock:  # a free port for the rendezvous
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    groups = init_distributed(tp_size=1, pp_size=1, backend="gloo" if DRY_RUN else backend)
+    try:
+        yield groups
+    finally:
+        destroy_distributed()
