@@ -156,7 +156,7 @@ def build_loss_row_mask(
     rule of ``data.sampling.filter_uniform_groups``); ``overlong_filter`` removes the rows where ``truncated``
     (``[B]`` bool) is True (DAPO, section 5); :func:`compute_weights` checks that it is given.
     """
-    keep_B = torch.ones(rewards.shape[0], dtype=torch.bool)
+    keep_B = torch.ones(rewards.shape[0], dtype=torch.bool, device=rewards.device)
     if cfg.skip_uniform_groups:
         keep_B &= filter_uniform_groups(rewards, cfg.group_size).repeat_interleave(cfg.group_size)
     if cfg.overlong_filter:
