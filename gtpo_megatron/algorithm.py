@@ -38,13 +38,16 @@ class StepWeights:
     Attributes:
         raw_advantages: ``[B]`` fp32 group-relative advantages A_i (GTPO_SPEC section 2); the loss subtracts
             ``gamma <H>_i`` itself (``ops.policy_objective``).
-        keep_mask: ``[B]`` bool row decision independent of the entropy (``skip_uniform_groups``; True = keep);
-            the loss ANDs the entropy filter's delta_i into it.
+        keep_mask: ``[B]`` bool row decision independent of the entropy: ``loss_row_mask`` (True = keep); the loss
+            ANDs the entropy filter's delta_i into it.
         conflict_weights: ``[B, S]`` fp32 lambda of section 3 before any normalisation (1 or w on P+ rows, 0 or 1
             on P- rows), 0 off the response; the conflict metrics read it.
         token_weights: ``[B, S]`` fp32 per-token multiplier the loss receives: lambda (divided by
-            ``max(1, n_i)`` with ``normalize_by_conflicts``), 0 on rows of DAPO's overlong filter and off the
+            ``max(1, n_i)`` with ``normalize_by_conflicts``), 0 on rows removed by ``loss_row_mask`` and off the
             response.
+        loss_row_mask: ``[B]`` bool, False on rows removed from the objective (``skip_uniform_groups``,
+            ``overlong_filter``): weight 0 and no count in the loss normaliser (``TrainBatch.loss_mask``); rows the
+            entropy filter drops still count (GTPO_SPEC section 1).
         advantages: None (the loss computes ``A_i - gamma <H>_i``), or, after :func:`with_entropy_terms`, ``[B]``
             fp32 ``A_i - gamma <H>_i`` (``keep_mask`` then holds delta_i and ``token_weights`` lambda * delta_i).
     """
@@ -53,6 +56,7 @@ class StepWeights:
     keep_mask: torch.Tensor
     conflict_weights: torch.Tensor
     token_weights: torch.Tensor
+    loss_row_mask: torch.Tensor
     advantages: torch.Tensor | None = None
 
 
@@ -153,9 +157,8 @@ def compute_weights(
         )
     group_size = cfg.group_size
     raw_B = compute_group_advantages(rewards, group_size, estimator=cfg.advantage_estimator)
-    keep_B = torch.ones_like(raw_B, dtype=torch.bool)
-    if cfg.skip_uniform_groups:
-        keep_B = filter_uniform_groups(rewards if scores is None else scores, group_size).repeat_interleave(group_size)
+    loss_row_B = build_loss_row_mask(rewards if scores is None else scores, cfg, truncated=truncated)
+    keep_B = loss_row_B
     if cfg.conflict_mode == "off":
         lambda_BS = weights_BS = response_mask.float()
     else:
@@ -173,9 +176,31 @@ def compute_weights(
         if cfg.normalize_by_conflicts:
             counts_B = conflict_normalizers(input_ids, response_mask, sign_B, group_size, mode=cfg.conflict_mode)
             weights_BS = lambda_BS / counts_B.unsqueeze(-1)
+    return StepWeights(
+        raw_advantages=raw_B,
+        keep_mask=keep_B,
+        conflict_weights=lambda_BS,
+        token_weights=weights_BS * loss_row_B.unsqueeze(-1),
+        loss_row_mask=loss_row_B,
+    )
+
+
+def build_loss_row_mask(
+    scores: torch.Tensor, cfg: AlgorithmConfig, *, truncated: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``[B]`` bool, False on rows the switches remove from the objective (loss and normaliser), True elsewhere.
+
+    ``skip_uniform_groups`` removes every row of a group whose task ``scores`` are all equal (GTPO_SPEC section 4;
+    the one rule of ``data.sampling.filter_uniform_groups``; scores, not rewards shaped by an overlong penalty);
+    ``overlong_filter`` removes the rows where ``truncated`` (``[B]`` bool) is True (DAPO, section 5);
+    :func:`compute_weights` checks that it is given.
+    """
+    keep_B = torch.ones(scores.shape[0], dtype=torch.bool, device=scores.device)
+    if cfg.skip_uniform_groups:
+        keep_B &= filter_uniform_groups(scores, cfg.group_size).repeat_interleave(cfg.group_size)
     if cfg.overlong_filter:
-        weights_BS = weights_BS * ~truncated.unsqueeze(-1)
-    return StepWeights(raw_advantages=raw_B, keep_mask=keep_B, conflict_weights=lambda_BS, token_weights=weights_BS)
+        keep_B &= ~truncated.bool()
+    return keep_B
 
 
 def with_entropy_terms(weights: StepWeights, seq_entropy: torch.Tensor, loss_spec: LossSpec) -> StepWeights:
@@ -228,7 +253,8 @@ def conflict_metrics(weights: StepWeights, response_mask: torch.Tensor) -> dict[
 
     ``gtpo/conflict_frac_pos``: response tokens of A > 0 completions with lambda > 1 (amplified);
     ``gtpo/conflict_frac_neg``: response tokens of A < 0 completions with lambda = 0; both over all response
-    tokens, and ``gtpo/conflict_frac`` is their sum (``normalize_by_conflicts`` changes none of them).
+    tokens, and ``gtpo/conflict_frac`` is their sum (``normalize_by_conflicts`` changes none of them);
+    ``gtpo/removed_frac``: completions removed by ``skip_uniform_groups`` / ``overlong_filter`` (``loss_row_mask``).
     """
     num_tokens = response_mask.sum().clamp(min=1).float()
     lam = weights.conflict_weights
@@ -236,6 +262,7 @@ def conflict_metrics(weights: StepWeights, response_mask: torch.Tensor) -> dict[
     neg = response_mask & (weights.raw_advantages < 0).unsqueeze(-1) & (lam == 0)
     frac_pos, frac_neg = float(pos.sum() / num_tokens), float(neg.sum() / num_tokens)
     return {
+        "gtpo/removed_frac": float((~weights.loss_row_mask).float().mean()),
         "gtpo/conflict_frac": frac_pos + frac_neg,
         "gtpo/conflict_frac_pos": frac_pos,
         "gtpo/conflict_frac_neg": frac_neg,

@@ -9,6 +9,7 @@ prompt loader and gets the step's completions from the rollout exchange. With
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import math
@@ -30,7 +31,7 @@ from gtpo_megatron.plan.engines import (
     relay_workers,
     resolve_num_engines,
 )
-from gtpo_megatron.trainer import Trainer
+from gtpo_megatron.trainer import PhaseTimer, Trainer
 
 if TYPE_CHECKING:
     from gtpo_megatron.megatron_adapter.policy import MegatronPolicy
@@ -189,6 +190,7 @@ def build_collector(cfg: GTPOConfig, model_path: str, tokenizer, placement: Engi
         enable_sleep_mode=rollout.placement == "colocated" and torch.cuda.is_available(),
         max_num_seqs=max(16, rollout.num_prompts * cfg.algorithm.group_size),
         environment=environment,
+        verbose=cfg.logging.verbose,
         # Started from a Megatron checkpoint: the HF folder may hold no weights; the trainer pushes the policy's.
         load_format="dummy" if cfg.model.megatron_checkpoint is not None else "auto",
     )
@@ -240,31 +242,46 @@ def build_weight_sync(
                                 dtype=getattr(torch, engine_dtype(cfg)))  # fmt: skip
 
 
-def build_trainer(cfg: GTPOConfig, groups: ParallelGroups) -> Trainer:
-    """All components of a run on this rank; ``groups`` from ``parallel.groups.init_distributed``."""
+def build_trainer(cfg: GTPOConfig, groups: ParallelGroups, *, timer: PhaseTimer | None = None) -> Trainer:
+    """All components of a run on this rank; ``groups`` from ``parallel.groups.init_distributed``.
+
+    Every engine leader builds its rollout side (vLLM engine, reward pool: ``build_collector``) in a background
+    thread while the policy (and the KL reference) load and the metric sink starts: the engine's start is mostly its
+    own processes starting, so it overlaps the model build instead of following it. The engine's environment
+    variables (its devices or CPU cores) are set while it starts; CUDA is initialised by ``init_distributed`` before,
+    so the policy's devices do not change. Then every rank joins the weight sync (collective). ``timer`` records the
+    start-up phases (``time/startup/<phase>_s``).
+    """
     from transformers import AutoTokenizer
 
-    model_path = resolve_model_path(cfg.model.name_or_path)
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    timer = timer or PhaseTimer()
+    with timer.phase("startup/tokenizer"):
+        model_path = resolve_model_path(cfg.model.name_or_path)
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
     pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    policy = build_policy(cfg, model_path, groups)
     placements = build_placements(cfg, groups.world_size)
     mine = next((p for p in placements if p.leader_rank == groups.rank), None)
-    collector = None
+    rollout_side = None
     if mine is not None:
         environment = engine_environment(mine, placements, cfg, groups.world_size)
-        collector = build_collector(cfg, model_path, tokenizer, mine, environment)
-    weight_sync = build_weight_sync(cfg, groups, collector.engine if collector is not None else None, placements)
-    checkpoints = run_dir.list_checkpoints(run_dir.checkpoints_dir(cfg.output_dir)) if cfg.resume else []
-    start_step = run_dir.checkpoint_step(checkpoints[-1]) if checkpoints else 0
-    sink = MetricSink(
-        cfg.output_dir,
-        cfg=cfg.logging,
-        run_config=config_to_dict(cfg),
-        max_steps=cfg.trainer.max_steps,
-        start_step=start_step,
-        enabled=groups.rank == 0,
-    )
+        rollout_side = _in_background(
+            timer, "startup/rollout_side", build_collector, cfg, model_path, tokenizer, mine, environment
+        )
+    sink = None
+    try:
+        with timer.phase("startup/policy"):
+            policy = build_policy(cfg, model_path, groups)
+            reference = build_reference(cfg, model_path, groups)
+        with timer.phase("startup/metric_sink"):
+            sink = _build_sink(cfg, groups)
+        with timer.phase("startup/rollout_side_wait"):
+            collector = rollout_side.result() if rollout_side is not None else None
+        with timer.phase("startup/weight_sync"):
+            engine = collector.engine if collector is not None else None
+            weight_sync = build_weight_sync(cfg, groups, engine, placements)
+    except BaseException:
+        _discard(rollout_side, sink)
+        raise
     return Trainer(
         cfg,
         groups=groups,
@@ -273,7 +290,47 @@ def build_trainer(cfg: GTPOConfig, groups: ParallelGroups) -> Trainer:
         loader=build_loader(cfg, tokenizer),
         pad_token_id=pad_token_id,
         sink=sink,
-        reference=build_reference(cfg, model_path, groups),
+        reference=reference,
         num_engines=len(placements),
         weight_sync=weight_sync,
     )
+
+
+def _build_sink(cfg: GTPOConfig, groups: ParallelGroups) -> MetricSink:
+    """The metric sink (enabled on rank 0), continuing the newest complete checkpoint's metrics on resume."""
+    checkpoints = run_dir.list_checkpoints(run_dir.checkpoints_dir(cfg.output_dir)) if cfg.resume else []
+    return MetricSink(
+        cfg.output_dir,
+        cfg=cfg.logging,
+        run_config=config_to_dict(cfg),
+        max_steps=cfg.trainer.max_steps,
+        start_step=run_dir.checkpoint_step(checkpoints[-1]) if checkpoints else 0,
+        enabled=groups.rank == 0,
+    )
+
+
+def _in_background(timer: PhaseTimer, phase: str, fn, *args) -> concurrent.futures.Future:
+    """``fn(*args)`` started in a thread of its own, timed as ``phase``; ``future.result()`` returns or raises.
+
+    Submitted to a one-worker pool that is shut down at once, so no other job can queue behind it.
+    """
+
+    def timed():
+        with timer.phase(phase):
+            return fn(*args)
+
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="gtpo-build")
+    future = pool.submit(timed)
+    pool.shutdown(wait=False)
+    return future
+
+
+def _discard(rollout_side: concurrent.futures.Future | None, sink: MetricSink | None) -> None:
+    """After a failed build: close the sink and the rollout side, once that is built (it cannot be interrupted)."""
+    if sink is not None:
+        sink.close()
+    if rollout_side is None or rollout_side.exception() is not None:
+        return
+    collector = rollout_side.result()
+    collector.engine.close()
+    collector.reward_pool.close()

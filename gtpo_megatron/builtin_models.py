@@ -10,11 +10,19 @@ Built-in names (materialised once into a cache folder, atomically):
 
 Any other string is returned unchanged (a local folder, or a hub name for users who are online).
 The cache folder is ``$GTPO_CACHE_DIR`` or ``~/.cache/gtpo_megatron``.
+
+Building is safe when several processes (the ranks of one job, or two jobs) ask for the same model at once on an
+empty cache: the build runs under a file lock (``<cache>/.<name>.lock``, the ``filelock`` package), into a
+temporary sibling folder that is renamed into place only when complete, and every process checks the folder is
+complete (config, weights, tokenizer: :func:`missing_model_files`) before using it. An incomplete folder (a build
+killed by an older version, a partial copy) is rebuilt with a warning instead of failing every later run.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
+import logging
 import os
 import shutil
 import tempfile
@@ -23,6 +31,8 @@ from pathlib import Path
 BUILTIN_PREFIX = "builtin:"
 _SMOLLM2 = "smollm2-135m-instruct"
 _TINY = {"tiny-llama": "llama", "tiny-qwen2": "qwen2"}
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+logger = logging.getLogger(__name__)
 
 
 def cache_dir() -> Path:
@@ -49,10 +59,42 @@ def resolve_model_path(name_or_path: str) -> str:
     check_model(name_or_path)
     name = name_or_path[len(BUILTIN_PREFIX) :]
     target = local_model_folder(name_or_path)
-    if not (target / "config.json").exists():
+    if missing_model_files(target):
         builder = _build_smollm2 if name == _SMOLLM2 else (lambda out: _build_tiny(out, _TINY[name]))
-        _atomic_build(target, builder)
+        _locked_build(target, builder)
     return str(target)
+
+
+def missing_model_files(folder: str | Path) -> list[str]:
+    """What ``folder`` lacks to be a usable Hugging Face model folder (empty list: complete).
+
+    Complete means: ``config.json`` that parses, the weights (``model.safetensors``, or an index and every shard it
+    names) and the tokenizer (``tokenizer.json`` and ``tokenizer_config.json``).
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        return ["the folder"]
+    missing = [name for name in ("config.json", *_TOKENIZER_FILES) if not (folder / name).is_file()]
+    if "config.json" not in missing and _read_json(folder / "config.json") is None:
+        missing.append("a readable config.json")
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = (_read_json(index) or {}).get("weight_map")
+        if not weight_map:
+            missing.append("a readable model.safetensors.index.json")
+        else:
+            missing += sorted({shard for shard in weight_map.values() if not (folder / shard).is_file()})
+    elif not (folder / "model.safetensors").is_file():
+        missing.append("model.safetensors")
+    return missing
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
 
 
 def check_model(name_or_path: str) -> None:
@@ -74,19 +116,38 @@ def check_model(name_or_path: str) -> None:
         )
 
 
-def _atomic_build(target: Path, builder) -> None:
-    """Build into a temporary sibling folder, then rename it into place (safe against concurrent builders)."""
+def _locked_build(target: Path, builder) -> None:
+    """Build ``target`` once across processes: under a file lock, into a temporary sibling, renamed when complete.
+
+    A process that waited for the lock finds the folder complete and returns. An incomplete folder is moved aside
+    and rebuilt, with a warning naming what it lacked.
+    """
+    from filelock import FileLock
+
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
-    try:
-        builder(tmp)
+    with FileLock(str(target.parent / f".{target.name}.lock")):
+        missing = missing_model_files(target)
+        if not missing:
+            return  # another process built it while this one waited
+        if target.exists():
+            logger.warning("built-in model folder %s is incomplete (missing %s); rebuilding it", target, missing)
+            _remove(target)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
         try:
-            tmp.rename(target)
-        except OSError:  # another process finished first
-            if not (target / "config.json").exists():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+            builder(tmp)
+            still_missing = missing_model_files(tmp)
+            if still_missing:
+                raise RuntimeError(f"building {target.name} produced an incomplete folder (missing {still_missing})")
+            os.replace(tmp, target)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _remove(folder: Path) -> None:
+    """Delete ``folder``: renamed aside first, so that no reader sees it half-deleted."""
+    trash = Path(tempfile.mkdtemp(prefix=f".{folder.name}-stale-", dir=folder.parent))
+    os.replace(folder, trash / folder.name)
+    shutil.rmtree(trash, ignore_errors=True)
 
 
 def smollm2_gguf_path() -> Path:

@@ -12,11 +12,14 @@ network) logs a warning and the run continues with jsonl only.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import math
 import os
+import re
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +41,37 @@ CURVES = (
     ("entropy/completion_mean", "entropy, mean over completions (nats)"),
 )
 logger = logging.getLogger(__name__)
+
+
+# Third-party warnings about optional accelerators and settings this project does not use, by message start;
+# ``report_optional_accelerators`` names the absent accelerators once instead.
+_KNOWN_WARNINGS = (
+    "Transformer Engine and Apex are not installed",  # megatron-core: each module names its fallback
+    "Apex is not installed",  # megatron-core: torch LayerNorm/RMSNorm fallback
+    "full scope is deprecated",  # megatron-core's own default of cuda_graph_scope; no CUDA graphs here
+)
+_KNOWN_CPU_WARNINGS = ("When using async grad allreduce it is recommended",)  # CUDA_DEVICE_MAX_CONNECTIONS
+_ACCELERATORS = {"Apex": "apex", "Transformer Engine": "transformer_engine"}
+
+
+def quiet_known_warnings(*, cuda: bool) -> None:
+    """Hide the third-party warnings of ``_KNOWN_WARNINGS`` (and, without CUDA, the CUDA-only hints) in this process.
+
+    Call before megatron-core is imported (it warns at import). ``logging.verbose=true`` skips this call.
+    """
+    for message in _KNOWN_WARNINGS + (() if cuda else _KNOWN_CPU_WARNINGS):
+        warnings.filterwarnings("ignore", message=re.escape(message), category=UserWarning)
+
+
+def report_optional_accelerators(log: logging.Logger) -> None:
+    """Say once which optional accelerators (Apex, Transformer Engine) are not installed, and what that means."""
+    absent = [name for name, module in _ACCELERATORS.items() if importlib.util.find_spec(module) is None]
+    if absent:
+        log.info(
+            "optional accelerators not installed: %s; megatron-core uses its PyTorch implementations instead "
+            "(same results; fused kernels are faster on GPU: bash launch/install.sh gpu)",
+            ", ".join(absent),
+        )
 
 
 def setup_logging(rank: int) -> logging.Logger:
@@ -136,6 +170,17 @@ def format_step_line(step: int, metrics: dict[str, float]) -> str:
     )
     parts = [f"{k}={metrics[k]:.4g}" for k in keys if k in metrics]
     return f"step {step}: " + " ".join(parts)
+
+
+def format_startup_line(seconds: dict[str, float], total_s: float) -> str:
+    """The start-up summary line from the ``time/startup/<phase>_s`` entries of ``seconds`` (rounded to 0.1 s).
+
+    ``rollout_side`` (rank 0's prompts, vLLM engine and reward pool) runs in parallel with ``policy`` and
+    ``metric_sink``; ``rollout_side_wait`` is what the main thread waited for it afterwards.
+    """
+    prefix, suffix = "time/startup/", "_s"
+    parts = [f"{k[len(prefix) : -len(suffix)]} {v:.1f}" for k, v in seconds.items() if k.startswith(prefix)]
+    return f"start-up {total_s:.1f} s before step 1: " + ", ".join(parts) + " (rollout_side overlaps policy)"
 
 
 def plot_curves(metrics_jsonl: str | Path, out_png: str | Path) -> None:

@@ -5,7 +5,9 @@ module imports neither megatron nor vllm: they load inside the functions that ne
 
 1. **Step weights** (:func:`compute_gtpo_weights`): advantages ``[B]`` and per-token weights ``[B, T]`` (conflict
    lambda times the entropy filter's delta, GTPO_SPEC sections 2-4) from plain tensors and an ``AlgorithmConfig``.
-   Compute them on whole groups, before splitting the batch over data-parallel ranks (section 8).
+   Compute them on whole groups, before splitting the batch over data-parallel ranks (section 8). Rows that
+   ``skip_uniform_groups`` / ``overlong_filter`` remove (``loss_row_mask`` False) leave the loss and its normaliser:
+   give the loss and :func:`loss_normalizer` a response mask that is False on them (``ops.losses``: which rows count).
 2. **The loss** in both of Megatron's ``loss_func`` conventions (derivations in
    ``megatron_adapter/loss_forms.py``): :func:`per_token_loss` returns ``(loss_sum, num_tokens, metrics)`` for
    ``calculate_per_token_loss=True``; :func:`legacy_loss` returns ``(loss, metrics)`` with the step's global
@@ -121,7 +123,11 @@ def compute_gtpo_weights(
         fp32, ``keep_mask`` ``[B]`` bool (delta_i), ``conflict_weights`` (lambda before ``normalize_by_conflicts``)
         and ``token_weights`` (lambda * delta_i: feed these to the loss) fp32 in the shape of ``response_mask``, 0
         off the response (``algorithm.with_entropy_terms``; :func:`loss_settings` keeps the loss from applying the
-        entropy terms again).
+        entropy terms again), and ``loss_row_mask`` ``[B]`` bool, False on the rows ``skip_uniform_groups`` /
+        ``overlong_filter`` remove: the response mask of the loss and of :func:`loss_normalizer` must be False on
+        them (``response_mask & loss_row_mask[:, None]``; packed: the unpacked mask of each sequence), so that they
+        count in no normaliser. An entropy-filtered row (``keep_mask`` False, ``loss_row_mask`` True) keeps its
+        response mask: it counts in the normaliser with weight 0 (GTPO_SPEC section 1).
 
     Raises:
         ValueError: shapes (one reward per sequence), a bool mask, ``group_size`` not dividing B, the ``paper``
@@ -156,7 +162,8 @@ def loss_normalizer(
 
     Args:
         response_masks: this rank's response masks of every micro-batch of the step, ``[b, S]`` bool each (unpack
-            packed rows first: ``PackedLayout.unpack``).
+            packed rows first: ``PackedLayout.unpack``), False on the rows removed from the objective
+            (``StepWeights.loss_row_mask``, :func:`compute_gtpo_weights`).
         spec: the step objective (its aggregation picks tokens or sequences; Dr. GRPO's constant L).
         group: the data-parallel group (None: a single replica).
 

@@ -40,7 +40,10 @@ class Policy(Protocol):
         ...
 
     def save_checkpoint(self, path: str, trainer_state: dict) -> None:
-        """Save the model, optimizer and ``trainer_state`` (plain values) to the folder ``path``; all ranks call."""
+        """Save the model, optimizer and ``trainer_state`` (plain values) to the folder ``path``; all ranks call.
+
+        The folder must end complete in ``run_dir``'s sense (``run_dir.mark_complete`` after the last file).
+        """
         ...
 
     def load_checkpoint(self, path: str) -> dict:

@@ -6,12 +6,19 @@ A run folder (``output_dir``) holds::
     metrics.jsonl                    one JSON object per step (``logging.MetricSink``)
     curves.png                       reward, accuracy and entropy curves (``trainer.py``)
     checkpoints/step_000010/         one Megatron dist checkpoint per saved step (``megatron_adapter.checkpoint``)
+    checkpoints/step_000010/complete.json   written last: the checkpoint's files and sizes (completeness marker)
     checkpoints/.step_000010.tmp/    a save in progress, renamed into place when complete
     checkpoints/latest               text file: the name of the newest complete checkpoint folder
     checkpoints/step_000010/hf/      its Hugging Face export, made on demand (``evaluation.checkpoint_export``)
 
 Checkpoint folders are named ``step_`` plus the 1-based step number on six digits; only folders named that way
 count as checkpoints (temporary folders never do).
+
+Completeness, defined once here: a checkpoint folder is complete when its ``complete.json`` marker exists and every
+file the marker lists is there with the listed size (:func:`checkpoint_problem`). The writer adds the marker after
+every other file (:func:`mark_complete`), and :func:`remove_checkpoint` deletes it first, so an interrupted save, a
+half-deleted folder, a partial copy or a truncated file is never taken for a checkpoint: resume picks the newest
+complete one and warns about the others (:func:`newest_checkpoint`).
 
 A Megatron-LM / Megatron-Bridge checkpoint (``model.megatron_checkpoint``, a starting policy written by another
 trainer) is laid out the way those trainers write it::
@@ -22,7 +29,10 @@ trainer) is laid out the way those trainers write it::
 
 from __future__ import annotations
 
+import json
+import logging
 import os
+import shutil
 from pathlib import Path
 
 CONFIG_FILE = "config.yaml"
@@ -32,7 +42,9 @@ CHECKPOINTS_DIR = "checkpoints"
 CHECKPOINT_PREFIX = "step_"
 LATEST_FILE = "latest"
 HF_SUBDIR = "hf"
+COMPLETE_MARKER = "complete.json"
 MEGATRON_LM_TRACKER = "latest_checkpointed_iteration.txt"
+logger = logging.getLogger(__name__)
 
 
 def config_path(output_dir: str | Path) -> Path:
@@ -67,10 +79,13 @@ def checkpoint_step(folder: str | Path) -> int:
         ValueError: the name is not ``step_`` followed by digits.
     """
     name = Path(folder).name
-    digits = name[len(CHECKPOINT_PREFIX) :]
-    if not name.startswith(CHECKPOINT_PREFIX) or not digits.isdigit():
+    if not _is_step_name(name):
         raise ValueError(f"checkpoint folder {name!r} is not named {CHECKPOINT_PREFIX}<step>, e.g. step_000010")
-    return int(digits)
+    return int(name[len(CHECKPOINT_PREFIX) :])
+
+
+def _is_step_name(name: str) -> bool:
+    return name.startswith(CHECKPOINT_PREFIX) and name[len(CHECKPOINT_PREFIX) :].isdigit()
 
 
 def temporary_dir(final: str | Path) -> Path:
@@ -79,25 +94,87 @@ def temporary_dir(final: str | Path) -> Path:
     return final.parent / f".{final.name}.tmp"
 
 
-def list_checkpoints(folder: str | Path) -> list[Path]:
-    """Complete checkpoint folders ``step_NNNNNN`` in the checkpoint root ``folder``, oldest first."""
+def _step_folders(folder: str | Path) -> list[Path]:
+    """Every folder named ``step_NNNNNN`` in the checkpoint root ``folder`` (complete or not), oldest first."""
     folder = Path(folder)
     if not folder.is_dir():
         return []
-    return sorted(
-        p
-        for p in folder.iterdir()
-        if p.is_dir() and p.name.startswith(CHECKPOINT_PREFIX) and p.name[len(CHECKPOINT_PREFIX) :].isdigit()
-    )
+    return sorted(p for p in folder.iterdir() if p.is_dir() and _is_step_name(p.name))
+
+
+def mark_complete(folder: str | Path) -> None:
+    """Write ``folder/complete.json`` listing every file under ``folder`` and its size; call after the last write.
+
+    The marker goes to a temporary name first and is renamed into place, so it is either absent or whole.
+    """
+    folder = Path(folder)
+    files = {
+        str(p.relative_to(folder)): p.stat().st_size
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and p.name != COMPLETE_MARKER
+    }
+    tmp = folder / f".{COMPLETE_MARKER}.tmp"
+    tmp.write_text(json.dumps({"files": files}, indent=0))
+    os.replace(tmp, folder / COMPLETE_MARKER)
+
+
+def checkpoint_problem(folder: str | Path) -> str | None:
+    """Why ``folder`` is not a complete checkpoint (one line), or None when it is (module docstring)."""
+    folder = Path(folder)
+    marker = folder / COMPLETE_MARKER
+    if not marker.is_file():
+        return f"no {COMPLETE_MARKER} (its save did not finish)"
+    try:
+        files = json.loads(marker.read_text())["files"]
+    except (ValueError, KeyError, TypeError):
+        return f"{COMPLETE_MARKER} is unreadable"
+    for name, size in files.items():
+        path = folder / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != size:
+            return f"{name} has {path.stat().st_size} bytes, {COMPLETE_MARKER} lists {size}"
+    return None
+
+
+def remove_checkpoint(folder: str | Path) -> None:
+    """Delete a checkpoint folder, its completeness marker first (a killed delete leaves an incomplete folder)."""
+    folder = Path(folder)
+    (folder / COMPLETE_MARKER).unlink(missing_ok=True)
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def list_checkpoints(folder: str | Path) -> list[Path]:
+    """Complete checkpoint folders ``step_NNNNNN`` in the checkpoint root ``folder``, oldest first."""
+    return [p for p in _step_folders(folder) if checkpoint_problem(p) is None]
+
+
+def newest_checkpoint(folder: str | Path) -> Path | None:
+    """The newest complete checkpoint in the checkpoint root ``folder`` (None: there is none).
+
+    Logs one warning per step folder that is not complete, naming what is wrong and whether it was skipped.
+    """
+    complete = list_checkpoints(folder)
+    for step_folder in _step_folders(folder):
+        problem = checkpoint_problem(step_folder)
+        if problem is not None:
+            newer = not complete or step_folder.name > complete[-1].name
+            logger.warning(
+                "%s is not a complete checkpoint (%s); %s",
+                step_folder,
+                problem,
+                "skipped: resuming from an older one" if newer else "ignored",
+            )
+    return complete[-1] if complete else None
 
 
 def check_fresh_run(output_dir: str | Path, *, resume: bool) -> None:
-    """A fresh run (``resume=false``) never writes over an earlier run's checkpoints and metrics.
+    """A fresh run (``resume=false``) never writes over an earlier run's checkpoints (complete or not) and metrics.
 
     Raises:
-        ValueError: ``output_dir`` holds a checkpoint and ``resume`` is False (names both fixes).
+        ValueError: ``output_dir`` holds a checkpoint folder and ``resume`` is False (names both fixes).
     """
-    earlier = list_checkpoints(checkpoints_dir(output_dir))
+    earlier = _step_folders(checkpoints_dir(output_dir))
     if not resume and earlier:
         raise ValueError(
             f"output_dir={str(output_dir)!r} holds checkpoints of an earlier run (last: {earlier[-1].name}); "
@@ -114,17 +191,42 @@ def write_latest(final: str | Path) -> None:
 
 
 def resolve_checkpoint_dir(path: str | Path) -> Path:
-    """``path`` itself if it is a checkpoint folder, else the folder named by ``path/latest``.
+    """The complete checkpoint that ``path`` (a step folder or a checkpoint root) designates.
+
+    A step folder is returned as it is; for a root, the folder its ``latest`` file names when that one is complete,
+    else the newest complete one (:func:`newest_checkpoint`, which warns about the others).
 
     Raises:
-        ValueError: ``path`` is neither a checkpoint folder nor a root with a ``latest`` file.
+        ValueError: ``path`` is an incomplete step folder (names what is wrong), or a root without a complete
+            checkpoint, or neither.
     """
     path = Path(path)
-    if (path / "common.pt").exists() or (path / "metadata.json").exists():
+    if _is_step_folder(path):
+        problem = checkpoint_problem(path)
+        if problem is not None:
+            raise ValueError(
+                f"checkpoint path={str(path)!r} is not a complete checkpoint ({problem}); pass a complete one or "
+                "its checkpoints/ root (the newest complete checkpoint is taken)"
+            )
         return path
-    if (path / LATEST_FILE).exists():
-        return path / (path / LATEST_FILE).read_text().strip()
-    raise ValueError(f"checkpoint path={str(path)!r} holds no checkpoint and no {LATEST_FILE!r} file")
+    pointer = path / LATEST_FILE
+    if pointer.exists():
+        named = path / pointer.read_text().strip()
+        if checkpoint_problem(named) is None:
+            return named
+    newest = newest_checkpoint(path)
+    if newest is None:
+        raise ValueError(
+            f"checkpoint path={str(path)!r} holds no complete checkpoint (step_NNNNNN with {COMPLETE_MARKER})"
+        )
+    return newest
+
+
+def _is_step_folder(path: Path) -> bool:
+    """``path`` is meant as one checkpoint (complete or not): its marker, Megatron's files or a ``step_`` name."""
+    return any((path / name).exists() for name in (COMPLETE_MARKER, "common.pt", "metadata.json")) or (
+        _is_step_name(path.name) and path.is_dir()
+    )
 
 
 def is_megatron_checkpoint(path: str | Path) -> bool:
@@ -133,8 +235,7 @@ def is_megatron_checkpoint(path: str | Path) -> bool:
     if not path.is_dir():
         return False
     return (
-        (path / "common.pt").exists()
-        or (path / "metadata.json").exists()
+        _is_step_folder(path)
         or (path / LATEST_FILE).exists()
         or ((path / CONFIG_FILE).exists() and (path / CHECKPOINTS_DIR / LATEST_FILE).exists())
     )

@@ -11,12 +11,20 @@ import argparse
 import os
 import socket
 import sys
+import time
+from pathlib import Path
 
 import torch
 
 from gtpo_megatron.config import load_config, save_config
-from gtpo_megatron.logging import setup_logging
+from gtpo_megatron.logging import (
+    format_startup_line,
+    quiet_known_warnings,
+    report_optional_accelerators,
+    setup_logging,
+)
 from gtpo_megatron.megatron_adapter.settings import policy_settings
+from gtpo_megatron.preemption import ignore_stop_signals_in_children
 from gtpo_megatron.run_dir import check_fresh_run, config_path, resolve_megatron_lm_checkpoint
 
 
@@ -51,26 +59,57 @@ def _check_inputs(cfg) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Run one training job; returns the exit code (0 on success, 2 on a config error, printed without a traceback)."""
+    imported, age = time.perf_counter(), _process_age_s()
     args = parse_args(argv)
     _single_process_defaults()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
-        cfg = load_config(args.config, args.overrides)
-        cfg.validate(int(os.environ["WORLD_SIZE"]))
-        policy_settings(cfg)  # refuses what the policy cannot build (e.g. overrides of owned fields) before any init
-        _check_inputs(cfg)
-        check_fresh_run(cfg.output_dir, resume=cfg.resume)
+        cfg = _checked_config(args)
     except ValueError as err:
         print(f"gtpo-train: config error: {err}", file=sys.stderr)
         return 2
+    from gtpo_megatron.trainer import PhaseTimer
 
+    timer = PhaseTimer()
+    timer.seconds["time/startup/imports_s"] = age
+    timer.seconds["time/startup/config_s"] = time.perf_counter() - imported
+    return _train(cfg, timer, started=imported - age)
+
+
+def _process_age_s() -> float:
+    """Seconds since this process started (Linux ``/proc``; 0 elsewhere): the interpreter and the imports."""
+    try:
+        since_boot = float(Path("/proc/uptime").read_text().split()[0])
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()  # from field 3 (state) on
+        started = int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22: start time in clock ticks since boot
+    except (OSError, ValueError, IndexError):
+        return 0.0
+    return max(since_boot - started, 0.0)
+
+
+def _checked_config(args: argparse.Namespace):
+    """The validated config of ``args`` whose model and data exist (raises ``ValueError`` otherwise)."""
+    cfg = load_config(args.config, args.overrides)
+    if not cfg.logging.verbose:
+        quiet_known_warnings(cuda=torch.cuda.is_available())  # before megatron-core is imported (validate)
+    cfg.validate(int(os.environ["WORLD_SIZE"]))
+    policy_settings(cfg)  # refuses what the policy cannot build (e.g. overrides of owned fields) before any init
+    _check_inputs(cfg)
+    check_fresh_run(cfg.output_dir, resume=cfg.resume)
+    return cfg
+
+
+def _train(cfg, timer, *, started: float) -> int:
+    """Initialise the distributed groups, build the trainer, run it and tear everything down."""
     from gtpo_megatron.build import build_trainer
     from gtpo_megatron.parallel.groups import destroy_distributed, init_distributed
 
-    backend = None if cfg.parallel.backend == "auto" else cfg.parallel.backend
-    groups = init_distributed(tp_size=cfg.parallel.tp_size, pp_size=cfg.parallel.pp_size, backend=backend)
+    with timer.phase("startup/distributed_init"):
+        backend = None if cfg.parallel.backend == "auto" else cfg.parallel.backend
+        groups = init_distributed(tp_size=cfg.parallel.tp_size, pp_size=cfg.parallel.pp_size, backend=backend)
     logger = setup_logging(groups.rank)
     if groups.rank == 0:
+        report_optional_accelerators(logger)
         save_config(cfg, config_path(cfg.output_dir))
         logger.info(
             "config written to %s (world %d: tp=%d pp=%d dp=%d)",
@@ -81,7 +120,10 @@ def main(argv: list[str] | None = None) -> int:
             groups.dp_size,
         )
     torch.manual_seed(cfg.trainer.seed)
-    trainer = build_trainer(cfg, groups)
+    if cfg.checkpoint.save_on_sigusr1:
+        ignore_stop_signals_in_children()  # before the engine, reward and wandb processes start
+    trainer = build_trainer(cfg, groups, timer=timer)
+    trainer.sink.write(format_startup_line(timer.seconds, time.perf_counter() - started))
     try:
         trainer.run()
     finally:

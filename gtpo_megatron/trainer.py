@@ -7,7 +7,14 @@ measured, or conflict weights that need the entropies; timed as ``time/old_logpr
 KL term, the reference policy's pass (``time/ref_logprob_s``) -> advantages and conflict weights on the full batch
 (GTPO_SPEC sections 2-3) -> train (``policy.train_step``; the entropy filter and penalty, section 4, are decided
 inside its forward) -> weight sync into the engines -> metrics. ``run`` adds logging and checkpoints (every
-``checkpoint.every_n_steps``, after the last step and on SIGTERM).
+``checkpoint.every_n_steps``, after the last step and on a stop signal).
+
+Stop signals (``preemption``): SIGUSR1 saves at the next step boundary and stops; SIGTERM aborts the step in
+flight at its next safe point and saves the last completed step. The safe points, where every rank takes the same
+decision: the rollout (SIGTERM interrupts each engine leader's sampling; the rollout exchange then carries
+"aborted" to every rank), before the training update (any rank's SIGTERM aborts: the previous step is saved),
+before the weight sync (the update is done: this step is saved, its sync skipped) and the step's end (any signal:
+this step is saved).
 
 Ranks: each engine leader owns an engine and a reward pool (``RolloutCollector``; global rank 0 always leads one);
 every rank receives the whole step's completions, builds the same full batch and keeps its data-parallel share
@@ -15,8 +22,8 @@ every rank receives the whole step's completions, builds the same full batch and
 one all-reduce per dynamic-sampling round and one of the packed step, ``rollout.collector.collect_step``); when the
 pass before the update runs, one all-gather of the sequence entropies (dp) and, while <H>_ini is measured, one global
 mean (dp); the policy's (and the reference's) own; the weight gather (model-parallel group of dp replica 0) and its
-push to the engines (``rollout.push``: the weight group's broadcasts); one MAX all-reduce of the stop flag (world);
-a save adds two barriers (world).
+push to the engines (``rollout.push``: the weight group's broadcasts); three MAX all-reduces of the stop flags
+(world: before the update, before the sync, at the end); a save adds two barriers (world).
 """
 
 from __future__ import annotations
@@ -24,8 +31,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import shutil
-import signal
 import time
 from typing import TYPE_CHECKING
 
@@ -51,6 +56,7 @@ from gtpo_megatron.parallel import (
     global_mean,
     row_shard,
 )
+from gtpo_megatron.preemption import StopRequests
 from gtpo_megatron.rollout.batch import collate_completions, rollout_metrics
 from gtpo_megatron.rollout.collector import RolloutCollector, StepRollout, collect_step
 from gtpo_megatron.rollout.push import CollectiveWeightSync, FilesWeightSync
@@ -77,6 +83,14 @@ class PhaseTimer:
         start = time.perf_counter()
         yield
         self.seconds[f"time/{name}_s"] = time.perf_counter() - start
+
+
+class StepAborted(Exception):  # noqa: N818 - a decision, not an error
+    """Every rank left step ``completed_step + 1`` at the same safe point; ``completed_step`` is the last whole one."""
+
+    def __init__(self, completed_step: int) -> None:
+        super().__init__(f"step {completed_step + 1} aborted")
+        self.completed_step = completed_step
 
 
 class Trainer:
@@ -138,13 +152,17 @@ class Trainer:
             )
         self._dp_group = groups.dp if groups.dp_size > 1 else None
         self._world = dist.group.WORLD
-        self._stop_requested = False
         self.num_engines = num_engines
         self.weight_sync = weight_sync or FilesWeightSync(
             engine=collector.engine if collector is not None else None,
             exporting=groups.dp_rank == 0,
             bucket_bytes=cfg.rollout.weight_sync_bucket_mb * 2**20,
         )
+        self.stop_requests = StopRequests(
+            on_sigterm=cfg.checkpoint.save_on_sigterm, on_sigusr1=cfg.checkpoint.save_on_sigusr1
+        )
+        self._last_saved_step = 0
+        self._completed_state: dict | None = None  # the trainer state before the step in flight
         self._offload_enabled = cfg.rollout.offload_train_state and _cuda_available()
         if cfg.rollout.offload_train_state and not self._offload_enabled:
             logger.warning(
@@ -156,9 +174,12 @@ class Trainer:
     def step(self, step: int) -> dict[str, float]:
         """One GTPO step (1-based ``step``); returns its metrics (identical on every rank except timings)."""
         timer = PhaseTimer()
+        self._completed_state = self._trainer_state(step - 1)  # what an abort of this step saves
         with timer.phase("step"):
             with timer.phase("rollout"):
                 rollout = self._rollout(step)
+            if rollout is None:  # a SIGTERM made an engine leader leave the rollout; every rank received None
+                raise StepAborted(step - 1)
             batch = collate_completions(rollout.groups, pad_token_id=self.pad_token_id)
             rows = row_shard(batch.num_sequences, rank=self.groups.dp_rank, size=self.groups.dp_size)
             local = batch.select(rows)
@@ -181,10 +202,13 @@ class Trainer:
                     scores=torch.tensor(rollout.scores),
                 )
                 train_batch = self._train_batch(local, weights, rows, old_logprobs, seq_entropy)
+            if self._agree(self.stop_requests.abort_requested):  # safe point: the weights are still step - 1's
+                raise StepAborted(step - 1)
             with timer.phase("train"):
                 train_metrics = self._train(train_batch, spec)
+            aborting = self._agree(self.stop_requests.abort_requested)  # the update is done: skip only the sync
             with timer.phase("sync"):
-                sync_metrics = self._sync_weights()
+                sync_metrics = {} if aborting else self._sync_weights()
         metrics = rollout_metrics(
             batch, torch.tensor(rollout.scores), torch.tensor(rollout.correct), torch.tensor(rollout.format_ok)
         )
@@ -199,11 +223,12 @@ class Trainer:
         metrics["perf/response_tokens_per_s"] = float(batch.response_mask.sum()) / metrics["time/step_s"]
         return metrics
 
-    def _rollout(self, step: int) -> StepRollout:
+    def _rollout(self, step: int) -> StepRollout | None:
         """Engine leaders sample and score (engines sleep afterwards when colocated); every rank gets the result.
 
-        With ``rollout.offload_train_state`` (CUDA) every rank's gradient buffers and optimizer states leave the
-        GPU for the duration (the previous ``train_step`` consumed the gradients) and are back before it returns.
+        None on every rank when a SIGTERM made an engine leader leave the rollout. With ``rollout.offload_train_state``
+        (CUDA) every rank's gradient buffers and optimizer states leave the GPU for the duration (the previous
+        ``train_step`` consumed the gradients) and are back before it returns.
         """
         if self._offload_enabled:
             self.policy.offload_train_state()
@@ -216,8 +241,9 @@ class Trainer:
             reward_cfg=self.cfg.reward,
             num_engines=self.num_engines,
             group=self._world,
+            stop=self.stop_requests,
         )
-        if self.collector is not None and self.cfg.rollout.placement == "colocated":
+        if self.collector is not None and rollout is not None and self.cfg.rollout.placement == "colocated":
             self.collector.engine.sleep()
         if self._offload_enabled:
             self.policy.restore_train_state()
@@ -270,6 +296,7 @@ class Trainer:
         local.token_weights = weights.token_weights[rows]
         local.keep_mask = weights.keep_mask[rows]
         local.seq_entropy = None if seq_entropy is None else seq_entropy[rows]
+        local.loss_row_mask = weights.loss_row_mask[rows]
         # One update per batch: r = exp(logp - stopgrad(logp)) = 1 with gradient (GTPO_SPEC section 1).
         local.old_logprobs = old_logprobs if self.cfg.algorithm.num_updates_per_batch > 1 else None
         local.rollout_logprobs = local.extras["rollout_logprobs"] if self._measure_mismatch else None
@@ -293,67 +320,91 @@ class Trainer:
     def run(self) -> None:
         """Resume if asked, run the remaining steps with logging and checkpoints, then plot the curves."""
         start = self._maybe_resume()
-        previous = signal.signal(signal.SIGTERM, self._on_sigterm) if self.cfg.checkpoint.save_on_sigterm else None
-        try:
+        self._last_saved_step = start
+        with self.stop_requests.installed():
             for step in range(start + 1, self.cfg.trainer.max_steps + 1):
-                metrics = self.step(step)
+                try:
+                    metrics = self.step(step)
+                except StepAborted as aborted:
+                    self._save_after_abort(aborted.completed_step)
+                    break
                 self.sink.log(step, metrics)
                 if step % self.cfg.trainer.log_every == 0:
                     self.sink.write(format_step_line(step, metrics))
-                stop = self._agree_on_stop()
+                stop = self._agree(self.stop_requests.stop_requested)
                 every = self.cfg.checkpoint.every_n_steps
                 if stop or step == self.cfg.trainer.max_steps or (every and step % every == 0):
                     self.save(step)
                 if stop:
-                    self.sink.write(f"SIGTERM: saved step {step} and stopped; resume with resume=true")
+                    self.sink.write(
+                        f"{self.stop_requests.describe()}: saved step {step} and stopped; resume with resume=true"
+                    )
                     break
-        finally:
-            if previous is not None:
-                signal.signal(signal.SIGTERM, previous)
         if self.groups.rank == 0 and self.sink.path.exists():
             plot_curves(self.sink.path, run_dir.curves_path(self.cfg.output_dir))
 
-    def _on_sigterm(self, signum, frame) -> None:
-        self._stop_requested = True
+    def _agree(self, flag: bool) -> bool:
+        """True on every rank when ``flag`` is True on any rank (one MAX all-reduce on the world)."""
+        return any_rank(flag, group=self._world)
 
-    def _agree_on_stop(self) -> bool:
-        """True on every rank when any rank got SIGTERM (one MAX all-reduce on the world)."""
-        return any_rank(self._stop_requested, group=self._world)
+    def _save_after_abort(self, completed_step: int) -> None:
+        """Save the last completed step after an aborted one (unless it is saved already, or there is none)."""
+        what = self.stop_requests.describe()
+        if completed_step == 0:
+            self.sink.write(f"{what}: step 1 aborted; no step completed, nothing saved")
+            return
+        if completed_step != self._last_saved_step:
+            self.save(completed_step, state=self._completed_state)
+        self.sink.write(
+            f"{what}: step {completed_step + 1} aborted; step {completed_step} saved; resume with resume=true"
+        )
 
-    def save(self, step: int) -> None:
-        """Checkpoint model, optimizer and trainer state under ``checkpoints/step_NNNNNN``; prune old ones."""
-        state = {
+    def _trainer_state(self, step: int) -> dict:
+        """The trainer's part of a checkpoint after ``step`` completed steps: <H>_ini and the loader position."""
+        return {
             "step": step,
             "initial_entropy": self.initial_entropy,
             "initial_entropy_steps": self.initial_entropy_steps,
             "loader": self.loader.state_dict(),
         }
+
+    def save(self, step: int, *, state: dict | None = None) -> None:
+        """Checkpoint model, optimizer and trainer state under ``checkpoints/step_NNNNNN``; prune old ones.
+
+        ``state``: the trainer state to store (``_trainer_state``), taken before an aborted step began, whose
+        rollout already moved the loader; default: the current one.
+        """
+        state = state or self._trainer_state(step)
         self.policy.save_checkpoint(str(run_dir.checkpoint_dir(self.cfg.output_dir, step)), state)
+        self._last_saved_step = step
         barrier(group=self._world)
         if self.groups.rank == 0:
             for old in run_dir.list_checkpoints(self.checkpoint_dir)[: -self.cfg.checkpoint.keep_last]:
-                shutil.rmtree(old, ignore_errors=True)
+                run_dir.remove_checkpoint(old)
         barrier(group=self._world)
 
     def _maybe_resume(self) -> int:
-        """Load the newest checkpoint when ``resume=true``; returns the number of completed steps.
+        """Load the newest complete checkpoint when ``resume=true``; returns the number of completed steps.
 
-        Either way the engine then gets the policy's weights when they are not the HF folder's (a resumed run, or a
-        fresh start from ``model.megatron_checkpoint``, whose engine starts with dummy weights).
+        Incomplete step folders are skipped with a warning (``run_dir.newest_checkpoint``). Either way the engine
+        then gets the policy's weights when they are not the HF folder's (a resumed run, or a fresh start from
+        ``model.megatron_checkpoint``, whose engine starts with dummy weights).
         """
-        checkpoints = run_dir.list_checkpoints(self.checkpoint_dir) if self.cfg.resume else []
-        if not checkpoints:
+        newest = run_dir.newest_checkpoint(self.checkpoint_dir) if self.cfg.resume else None
+        if newest is None:
             if self.cfg.resume:
-                logger.warning("resume=true but %s holds no checkpoint; starting from step 0", self.checkpoint_dir)
+                logger.warning(
+                    "resume=true but %s holds no complete checkpoint; starting from step 0", self.checkpoint_dir
+                )
             if self.cfg.model.megatron_checkpoint is not None:
                 self._sync_weights()  # the engine started with dummy weights (build.build_collector)
             return 0
-        state = self.policy.load_checkpoint(str(checkpoints[-1]))
-        self._restore_initial_entropy(state, checkpoints[-1])
+        state = self.policy.load_checkpoint(str(newest))
+        self._restore_initial_entropy(state, newest)
         if state.get("loader") is not None:
             self.loader.load_state_dict(state["loader"])
         self._sync_weights()
-        logger.info("resumed from %s (step %d)", checkpoints[-1], state["step"])
+        logger.info("resumed from %s (step %d)", newest, state["step"])
         return int(state["step"])
 
     def _restore_initial_entropy(self, state: dict, path) -> None:

@@ -7,6 +7,7 @@
 #   MASTER_PORT  rendezvous port on 127.0.0.1 [29500]
 #   LOG_DIR      per-rank logs: LOG_DIR/<run id>/attempt_0/<rank>/{stdout,stderr}.log [logs/<recipe>_<date>]
 #   LOG_RANK     local ranks echoed to the console, e.g. 0 or 0,3 [0]
+# `kill -USR1 <torchrun pid>` makes the ranks save at the next step boundary and stop (torchrun forwards it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CONFIG="${CONFIG:-configs/cpu_demo.yaml}"
@@ -21,4 +22,5 @@ mkdir -p "$LOG_DIR"
 echo "run_local.sh: $NGPU ranks, config $CONFIG, per-rank logs under $LOG_DIR" >&2
 exec torchrun --nnodes=1 --nproc-per-node="$NGPU" --master-addr=127.0.0.1 --master-port="$MASTER_PORT" \
   --log-dir="$LOG_DIR" --tee=3 --local-ranks-filter="$LOG_RANK" \
+  --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 \
   -m gtpo_megatron.train --config "$CONFIG" "$@"

@@ -457,7 +457,8 @@ class DataConfig:
     source: str = "synthetic"
     """``gsm8k|math500|aime24|aime25|amc23|math|synthetic`` or a Hugging Face dataset name."""
     path: str | None = None
-    """jsonl file; None uses the source's default file (``../shared/data``) or the HF dataset."""
+    """jsonl file; None uses the source's file in the data folder (``$GTPO_DATA_DIR``, see ``gtpo-data``) or the
+    Hugging Face dataset."""
     split: str = "train"
     """Split for HF datasets and the default files."""
     limit: int | None = None
@@ -532,11 +533,15 @@ class CheckpointConfig:
     """When checkpoints are written and how many are kept (``checkpoint.*``)."""
 
     every_n_steps: int = 10
-    """Save every N steps (and after the last step); 0 saves only at the end and on SIGTERM."""
+    """Save every N steps (and after the last step); 0 saves only at the end and on a stop signal."""
     keep_last: int = 2
     """Checkpoints kept under output_dir/checkpoints (older ones are deleted)."""
     save_on_sigterm: bool = True
-    """On SIGTERM finish the current step, save and exit cleanly."""
+    """On SIGTERM (preemption; SIGKILL follows ~30 s later) abort the step in flight at its next safe point, save
+    the last completed step and exit cleanly (``gtpo_megatron.preemption``)."""
+    save_on_sigusr1: bool = True
+    """On SIGUSR1 (Slurm's early warning, ``--signal=B:USR1@<seconds>`` in ``launch/submit.sbatch``) finish the
+    step in flight, save it and exit cleanly."""
 
     def __post_init__(self) -> None:
         _require(self.every_n_steps >= 0, "checkpoint.every_n_steps", self.every_n_steps, "must be >= 0", "use 10")
@@ -552,6 +557,10 @@ class LoggingConfig:
     wandb_project: str = "gtpo-megatron"
     progress: bool = True
     """Show a progress bar on rank 0."""
+    verbose: bool = False
+    """Show third-party logs in full: vLLM's INFO lines (engine configuration, loads, requests) and the warnings
+    hidden as harmless here (vLLM's, listed in ``rollout/vllm_logging.py``; Megatron's fallbacks for absent Apex and
+    Transformer Engine, named once instead: ``logging.quiet_known_warnings``)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

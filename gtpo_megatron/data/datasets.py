@@ -3,7 +3,7 @@ r"""Problem sets: local jsonl benchmarks, Hugging Face datasets and the built-in
 Every example becomes a :class:`Problem` ``(id, question, answer, source)`` where ``answer`` is the *final*
 reference answer (``"72"``, ``"\\frac{14}{3}"``), ready for :mod:`gtpo_megatron.rewards`.
 
-Local files (default directory ``$GTPO_DATA_DIR``, else ``<repo>/../shared/data``; fields checked on every line):
+Local files (in :func:`default_data_dir`; ``gtpo-data`` downloads them once; fields checked on every line):
 
 ==========  =========================  ====================  =============================================
 source      file                       fields                answer
@@ -14,6 +14,9 @@ aime24      aime24/test.jsonl          problem, answer       as is
 aime25      aime25/test.jsonl          problem, answer       as is
 amc23       amc2023/test.jsonl         problem, answer       as is
 ==========  =========================  ====================  =============================================
+
+``gtpo-data`` (:mod:`gtpo_megatron.data.download`) writes these files from the Hugging Face datasets named in
+:data:`BENCHMARKS` (those names are also accepted as sources, with their config and split names).
 
 The benchmark files end each problem with "Please reason step by step, and put your final answer within
 \\boxed{}."; that sentence is removed, because the system prompt (:mod:`gtpo_megatron.data.prompts`) asks for the
@@ -32,9 +35,11 @@ import importlib.util
 import json
 import os
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from gtpo_megatron.builtin_models import cache_dir
 from gtpo_megatron.data.types import Problem
 from gtpo_megatron.rewards.answer_text import reference_answer
 
@@ -42,31 +47,72 @@ if TYPE_CHECKING:
     from gtpo_megatron.data.synthetic import SyntheticLevel
 
 _BOXED_SUFFIX = "Please reason step by step, and put your final answer within \\boxed{}."
-_LOCAL_FILES = {
-    "gsm8k": ("gsm8k", ("train", "test")),
-    "math500": ("math500", ("test",)),
-    "aime24": ("aime24", ("test",)),
-    "aime25": ("aime25", ("test",)),
-    "amc23": ("amc2023", ("test",)),
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    """A local benchmark: its folder under the data directory and its Hugging Face source.
+
+    ``splits`` maps each local split (the first is the default) to the hub's split name; ``hub_config`` is the
+    dataset's config name (None: the default one).
+    """
+
+    folder: str
+    hub_name: str
+    hub_config: str | None
+    splits: dict[str, str]
+
+
+BENCHMARKS = {
+    "gsm8k": Benchmark("gsm8k", "openai/gsm8k", "main", {"train": "train", "test": "test"}),
+    "math500": Benchmark("math500", "HuggingFaceH4/MATH-500", None, {"test": "test"}),
+    "aime24": Benchmark("aime24", "HuggingFaceH4/aime_2024", None, {"test": "train"}),
+    "aime25": Benchmark("aime25", "math-ai/aime25", None, {"test": "test"}),
+    "amc23": Benchmark("amc2023", "math-ai/amc23", None, {"test": "test"}),
 }
+SHARED_DATA_DIR = Path(__file__).resolve().parents[2].parent / "shared" / "data"
 _HF_ALIASES = {"math": "DigitalLearningGmbH/MATH-lighteval"}
-_QUESTION_KEYS = ("question", "problem", "prompt")
-_ANSWER_KEYS = ("answer", "solution", "final_answer")
+QUESTION_KEYS = ("question", "problem", "prompt")
+ANSWER_KEYS = ("answer", "solution", "final_answer")
 SYNTHETIC_DEFAULT_SIZE = 2000
 
 
 def default_data_dir() -> Path:
-    """``$GTPO_DATA_DIR`` if set, else ``../shared/data`` next to the repository root."""
+    """Where the benchmark folders are read from.
+
+    ``$GTPO_DATA_DIR`` when set; else ``../shared/data`` next to the repository when that folder exists (the
+    development machine); else :func:`default_download_dir`, where ``gtpo-data`` writes by default.
+    """
     env = os.environ.get("GTPO_DATA_DIR")
-    return Path(env) if env else Path(__file__).resolve().parents[2].parent / "shared" / "data"
+    if env:
+        return Path(env)
+    return SHARED_DATA_DIR if SHARED_DATA_DIR.is_dir() else default_download_dir()
+
+
+def default_download_dir() -> Path:
+    """Where ``gtpo-data`` writes by default: ``$GTPO_DATA_DIR``, else ``data/`` in the model cache folder."""
+    env = os.environ.get("GTPO_DATA_DIR")
+    return Path(env) if env else cache_dir() / "data"
+
+
+def hub_dataset(name: str, split: str) -> tuple[str, str | None, str]:
+    """``(hub name, config, hub split)`` to load for the source ``name`` and the local ``split``.
+
+    A local benchmark name or its hub name (``gsm8k``, ``openai/gsm8k``) gets the config and split naming of
+    :data:`BENCHMARKS`; ``math`` is MATH-lighteval; any other name is loaded as it is.
+    """
+    for benchmark_name, benchmark in BENCHMARKS.items():
+        if name in (benchmark_name, benchmark.hub_name):
+            return benchmark.hub_name, benchmark.hub_config, benchmark.splits.get(split, split)
+    return _HF_ALIASES.get(name, name), None, split
 
 
 def _record_to_problem(record: Any, *, source: str, default_id: str, where: str) -> Problem:
     """Validates one record and builds its :class:`Problem`; ``where`` names the file and line for errors."""
     if not isinstance(record, dict):
         raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
-    question_key = next((k for k in _QUESTION_KEYS if k in record), None)
-    answer_key = next((k for k in _ANSWER_KEYS if k in record), None)
+    question_key = next((k for k in QUESTION_KEYS if k in record), None)
+    answer_key = next((k for k in ANSWER_KEYS if k in record), None)
     if question_key is None or answer_key is None:
         missing = "question (one of question/problem/prompt)" if question_key is None else "answer (answer/solution)"
         raise ValueError(f"{where}: missing field {missing}; fields present: {sorted(record)}")
@@ -90,7 +136,7 @@ def read_jsonl(path: str | Path, *, source: str, limit: int | None = None) -> li
     if not path.is_file():
         raise FileNotFoundError(
             f"{path}: no such data file; pass path=... (data.path in configs) or set GTPO_DATA_DIR to the folder "
-            "that holds gsm8k/, math500/, aime24/, aime25/, amc2023/"
+            "that holds gsm8k/, math500/, aime24/, aime25/, amc2023/ (`gtpo-data --out DIR` downloads them)"
         )
     problems: list[Problem] = []
     seen_ids: set[str] = set()
@@ -115,11 +161,12 @@ def read_jsonl(path: str | Path, *, source: str, limit: int | None = None) -> li
     return problems
 
 
-def _load_hf(name: str, *, split: str, limit: int | None) -> list[Problem]:
-    """Loads a Hugging Face dataset split through ``datasets`` (imported lazily).
+def load_hub_rows(name: str, *, split: str) -> Any:
+    """The rows of a Hugging Face dataset split (``hub_dataset`` naming), through ``datasets`` (imported lazily).
 
     Raises:
-        RuntimeError: if ``datasets`` is not installed.
+        RuntimeError: ``datasets`` is not installed, or the download failed (offline, unknown name): the message
+            names the dataset, the error and the offline alternatives.
     """
     try:
         import datasets
@@ -129,7 +176,20 @@ def _load_hf(name: str, *, split: str, limit: int | None) -> list[Problem]:
             "(pip install datasets) plus network access or a warm HF cache; offline, use a local jsonl via "
             "path=... or the built-in 'synthetic' source"
         ) from exc
-    rows = datasets.load_dataset(_HF_ALIASES.get(name, name), split=split)
+    hub_name, config, hub_split = hub_dataset(name, split)
+    try:
+        return datasets.load_dataset(hub_name, config, split=hub_split)
+    except Exception as exc:  # noqa: BLE001 - datasets raises many kinds (connection, offline mode, missing split)
+        raise RuntimeError(
+            f"could not load the Hugging Face dataset {hub_name!r} (config {config}, split {hub_split!r}): "
+            f"{type(exc).__name__}: {exc}. It needs network access or a warm HF cache; offline, run `gtpo-data` "
+            "on a machine that is online and copy its folder here (GTPO_DATA_DIR), or pass a local jsonl"
+        ) from exc
+
+
+def _load_hf(name: str, *, split: str, limit: int | None) -> list[Problem]:
+    """A Hugging Face dataset split as problems (:func:`load_hub_rows`, then the jsonl rules per row)."""
+    rows = load_hub_rows(name, split=split)
     count = len(rows) if limit is None else min(limit, len(rows))
     source = name.split("/")[-1]
     return [
@@ -159,24 +219,23 @@ def check_source(
         return
     if source == "synthetic":
         return
-    if source in _LOCAL_FILES:
-        folder, splits = _LOCAL_FILES[source]
+    if source in BENCHMARKS:
+        splits = list(BENCHMARKS[source].splits)
         split = split or splits[0]
         if split not in splits:
             raise ValueError(
-                f"{prefix}split={split!r}: {source!r} has only the split(s) {list(splits)}; "
-                f"use {prefix}split={splits[0]}"
+                f"{prefix}split={split!r}: {source!r} has only the split(s) {splits}; use {prefix}split={splits[0]}"
             )
-        file = (Path(data_dir) if data_dir else default_data_dir()) / folder / f"{split}.jsonl"
+        file = (Path(data_dir) if data_dir else default_data_dir()) / BENCHMARKS[source].folder / f"{split}.jsonl"
         if not file.is_file():
             raise ValueError(
-                f"{prefix}source={source!r}: {file} does not exist; point GTPO_DATA_DIR (gtpo-eval: "
-                "--data-dir) at the folder that holds gsm8k/, math500/, aime24/, aime25/, amc2023/, or "
-                f"give {prefix}path=FILE.jsonl"
+                f"{prefix}source={source!r}: {file} does not exist; download the benchmarks once with "
+                f"`gtpo-data --out DIR {source}` (needs `pip install datasets` and network) and set GTPO_DATA_DIR=DIR "
+                f"(gtpo-eval: --data-dir DIR), or give {prefix}path=FILE.jsonl"
             )
         return
     if importlib.util.find_spec("datasets") is None:
-        known = ["synthetic", *_LOCAL_FILES]
+        known = ["synthetic", *BENCHMARKS]
         near = difflib.get_close_matches(source, known, n=1) if source not in _HF_ALIASES else []
         fix = f"did you mean {near[0]!r}? Otherwise" if near else f"use one of {known} or"
         what = f"the Hugging Face dataset {_HF_ALIASES[source]!r}" if source in _HF_ALIASES else "not a local source"
@@ -225,11 +284,11 @@ def load_problems(
 
         num = SYNTHETIC_DEFAULT_SIZE if limit is None else limit
         return generate_problems(num, seed=seed, split=split or "train", difficulty=difficulty)
-    if source in _LOCAL_FILES:
-        folder, splits = _LOCAL_FILES[source]
+    if source in BENCHMARKS:
+        splits = list(BENCHMARKS[source].splits)
         split = split or splits[0]
         if split not in splits:
-            raise ValueError(f"split={split!r} does not exist for {source!r}; available splits: {list(splits)}")
+            raise ValueError(f"split={split!r} does not exist for {source!r}; available splits: {splits}")
         base = Path(data_dir) if data_dir else default_data_dir()
-        return read_jsonl(base / folder / f"{split}.jsonl", source=source, limit=limit)
+        return read_jsonl(base / BENCHMARKS[source].folder / f"{split}.jsonl", source=source, limit=limit)
     return _load_hf(source, split=split or "train", limit=limit)

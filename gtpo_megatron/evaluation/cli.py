@@ -2,7 +2,7 @@ r"""``gtpo-eval``: pass@k / maj@k of a model on math benchmarks with vLLM (issue
 
 Example (the acceptance contract)::
 
-    gtpo-eval --model builtin:smollm2-135m-instruct --benchmarks gsm8k --data-dir ../shared/data \
+    gtpo-eval --model builtin:smollm2-135m-instruct --benchmarks gsm8k --data-dir data \
         --limit 5 --n 4 --k 1,4 --output OUT
 
 writes ``OUT/results.json`` (``results[benchmark]["pass@1"]``, ``["pass@4"]``, ``["maj@4"]``, fractions in [0, 1]),
@@ -51,8 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--data-dir",
         default=None,
-        help="folder holding gsm8k/, math500/, aime24/, aime25/, amc2023/ (default: $GTPO_DATA_DIR, "
-        "else ../shared/data next to the repository)",
+        help="folder holding gsm8k/, math500/, aime24/, aime25/, amc2023/ (`gtpo-data --out DIR` writes it; "
+        "default: $GTPO_DATA_DIR, else ../shared/data next to the repository, else ~/.cache/gtpo_megatron/data)",
     )
     p.add_argument("--limit", type=int, default=None, help="first N problems of each benchmark")
     p.add_argument("--n", type=int, default=64, help="completions sampled per problem")

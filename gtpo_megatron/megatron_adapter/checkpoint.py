@@ -6,10 +6,11 @@ owned by ``run_dir``)::
     <root>/step_000010/         one dist checkpoint (Megatron's format: sharded tensors + common.pt)
     <root>/latest               text file holding the name of the newest complete checkpoint folder
 
-Atomicity: every rank writes into ``run_dir.temporary_dir(<root>/<name>)``; after a barrier global rank 0 renames
-it to ``<root>/<name>`` and then replaces ``latest`` (``run_dir.write_latest``: write-to-temp + ``os.replace``). A
-killed save therefore leaves at most a stale ``.tmp`` folder (removed by the next save of the same name) and never
-a dangling ``latest``.
+Atomicity: every rank writes into ``run_dir.temporary_dir(<root>/<name>)``; after a barrier global rank 0 writes
+the completeness marker (``run_dir.mark_complete``: the files and their sizes, written last), renames the folder to
+``<root>/<name>`` and then replaces ``latest`` (``run_dir.write_latest``: write-to-temp + ``os.replace``). A killed
+save therefore leaves at most a stale ``.tmp`` folder (removed by the next save of the same name) and never a
+dangling ``latest``; a folder that lost files afterwards is refused (``run_dir.checkpoint_problem``).
 
 Resharding: model and optimizer tensors are saved as Megatron ``ShardedTensor`` s in the model's global layout
 (the distributed optimizer in its ``fully_reshardable`` format), so a checkpoint written with one TP/PP/DP layout
@@ -31,7 +32,13 @@ import torch
 import torch.distributed as dist
 
 from gtpo_megatron.parallel.collectives import barrier
-from gtpo_megatron.run_dir import resolve_checkpoint_dir, temporary_dir, write_latest
+from gtpo_megatron.run_dir import (
+    mark_complete,
+    remove_checkpoint,
+    resolve_checkpoint_dir,
+    temporary_dir,
+    write_latest,
+)
 
 if TYPE_CHECKING:
     from gtpo_megatron.parallel.groups import ParallelGroups
@@ -45,7 +52,8 @@ def _layout(groups: ParallelGroups) -> dict[str, int]:
     return {"tp_size": groups.tp_size, "pp_size": groups.pp_size, "dp_size": groups.dp_size}
 
 
-def _rng_state() -> dict:
+def rng_state() -> dict:
+    """This process's RNG states (python, numpy, torch, CUDA, Megatron's model-parallel tracker), as saved."""
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
     return {
@@ -110,11 +118,39 @@ def _sharded_state_dict(policy, *, is_loading: bool, rng: dict | None) -> dict:
     return state
 
 
-def save_checkpoint(path: str | Path, policy, trainer_state: dict) -> Path:
+def _sigterm_proof_write_queue() -> None:
+    """Serve Megatron's write-results queue from a process that ignores the stop signals (once per process).
+
+    megatron-core's ``torch_dist`` writer (0.16 and 0.19 alike) reports through a queue served by a spawned
+    ``multiprocessing`` manager process, created at the first save and kept in
+    ``filesystem_async._results_queue``. On preemption SIGTERM reaches every process of the job (Slurm signals the
+    whole step; torchrun signals each worker's process group), which kills that server and every later save with
+    it, the one meant to save the run included (SIGUSR1, forwarded the same way, too). Started here first, the
+    server ignores both (SIGKILL still ends it, and it exits with the trainer). It is forked, not spawned: it starts
+    in milliseconds (a SIGTERM during a spawned interpreter's start-up would kill it before it ignores the signal)
+    and does not re-import the trainer. The writer processes Megatron forks for each save inherit the trainer's own
+    handlers and survive as well. Without that module attribute (another megatron-core) nothing is done.
+    """
+    import multiprocessing
+    from multiprocessing.managers import SyncManager
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    from gtpo_megatron.preemption import ignore_stop_signals
+
+    if getattr(filesystem_async, "_results_queue", False) is not None:
+        return
+    manager = SyncManager(ctx=multiprocessing.get_context("fork"))
+    manager.start(ignore_stop_signals)
+    filesystem_async._results_queue = manager.Queue()  # the proxy keeps the manager alive
+
+
+def save_checkpoint(path: str | Path, policy, trainer_state: dict, *, rng: dict | None = None) -> Path:
     """Save ``policy`` and ``trainer_state`` to the checkpoint folder ``path``; all ranks call.
 
     ``trainer_state`` must hold plain Python values and tensors only: it is read back with ``torch.load``'s
-    default ``weights_only=True`` (as global rank 0's copy; every rank should pass the same value).
+    default ``weights_only=True`` (as global rank 0's copy; every rank should pass the same value). ``rng``: the
+    RNG states to store (a :func:`rng_state` taken earlier, e.g. at the last step boundary); None: the current ones.
 
     ``path``'s parent is the checkpoint root whose ``latest`` file is updated. Returns the final folder.
 
@@ -124,6 +160,7 @@ def save_checkpoint(path: str | Path, policy, trainer_state: dict) -> Path:
 
     from gtpo_megatron.megatron_adapter.cpu_compat import cuda_to_cpu_mode
 
+    _sigterm_proof_write_queue()
     final = Path(path)
     tmp = temporary_dir(final)
     world = dist.group.WORLD
@@ -132,15 +169,16 @@ def save_checkpoint(path: str | Path, policy, trainer_state: dict) -> Path:
         tmp.mkdir(parents=True)
     barrier(group=world)
     with cuda_to_cpu_mode():
-        state = _sharded_state_dict(policy, is_loading=False, rng=_rng_state())
+        state = _sharded_state_dict(policy, is_loading=False, rng=rng or rng_state())
         state.update(
             scheduler=policy.scheduler.state_dict(), trainer_state=trainer_state, layout=_layout(policy.groups)
         )
         dist_checkpointing.save(state, str(tmp))
     barrier(group=world)
     if policy.groups.rank == 0:
+        mark_complete(tmp)
         if final.exists():
-            shutil.rmtree(final)
+            remove_checkpoint(final)
         os.replace(tmp, final)
         write_latest(final)
     barrier(group=world)
@@ -171,7 +209,7 @@ def load_checkpoint(path: str | Path, policy) -> dict:
         )
     _check_loadable(policy.optimizer)
     with cuda_to_cpu_mode():
-        template = _sharded_state_dict(policy, is_loading=True, rng=_rng_state() if same_layout else None)
+        template = _sharded_state_dict(policy, is_loading=True, rng=rng_state() if same_layout else None)
         loaded = dist_checkpointing.load(template, str(folder))
         policy.model.load_state_dict(loaded["model"])
         policy.optimizer.load_state_dict(loaded["optimizer"])

@@ -8,6 +8,7 @@ nothing) and run through ``get_forward_backward_func()`` with ``forward_step.for
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from functools import partial
@@ -123,6 +124,7 @@ class MegatronPolicy:
         self.micro_batch_size = micro_batch_size
         self.logprob_chunk_size = logprob_chunk_size
         self.device = next(self.model.parameters()).device
+        self._step_end_rng: dict | None = None  # RNG states after the last train_step (or the loaded ones)
 
     @property
     def model(self):
@@ -307,16 +309,21 @@ class MegatronPolicy:
     def train_step(self, batch: TrainBatch, loss: LossSpec) -> dict[str, float]:
         """One optimizer step over all micro-batches of ``batch`` (this DP rank's rows).
 
-        ``forward_backward`` (arguments and batch fields documented there) followed by ``optimizer_step``.
+        ``forward_backward`` (arguments and batch fields documented there) followed by ``optimizer_step``; the
+        RNG states at its end are what ``save_checkpoint`` stores.
 
         Returns:
             Metrics identical on every rank: those of ``forward_backward`` plus ``grad_norm``, ``lr``, ``skipped``.
         """
+        from gtpo_megatron.megatron_adapter.checkpoint import rng_state
+
         metrics = self.forward_backward(batch, loss)
         if metrics.get("normalizer", 0.0) <= 0:
             self.zero_grad()
-            return dict(metrics, skipped=1.0)
-        metrics.update(optimizer_step(self.optimizer, self.scheduler, self.ddp_model))
+            metrics = dict(metrics, skipped=1.0)
+        else:
+            metrics.update(optimizer_step(self.optimizer, self.scheduler, self.ddp_model))
+        self._step_end_rng = rng_state()
         return metrics
 
     def forward_backward(self, batch: TrainBatch, loss: LossSpec) -> dict[str, float]:
@@ -331,7 +338,9 @@ class MegatronPolicy:
         (<H>_i of a pass before the update; None: measured in this forward) feed ``ops.policy_objective``, which
         applies the entropy filter and penalty of ``loss``; ``old_logprobs=None`` means one update per batch
         (ratio 1 with gradient); ``ref_logprobs`` feeds the optional KL term; ``rollout_logprobs`` turns on the
-        mismatch sums; ``loss.max_response_length`` selects Dr. GRPO's constant normaliser.
+        mismatch sums; ``loss.max_response_length`` selects Dr. GRPO's constant normaliser. Rows where
+        ``batch.loss_row_mask`` is False are removed (``TrainBatch.loss_mask``): no loss term and no count in the
+        normaliser (``ops.losses``).
 
         Returns:
             Metrics identical on every rank: ``loss`` (the step objective, summed over micro-batches and DP),
@@ -350,6 +359,7 @@ class MegatronPolicy:
             )
         if batch.advantages is None:
             raise ValueError("batch.advantages is None; fill TrainBatch.advantages before train_step")
+        batch = dataclasses.replace(batch, response_mask=batch.loss_mask)  # removed rows leave loss and normaliser
         local = compute_normalizer(batch.response_mask, loss.aggregation, max_response_length=loss.max_response_length)
         normalizer = global_normalizer(local, group=self.groups.dp).to(self.device)
         if float(normalizer) <= 0:
@@ -423,13 +433,19 @@ class MegatronPolicy:
         barrier(group=self.groups.mp)
 
     def save_checkpoint(self, path: str, trainer_state: dict) -> None:
-        """``checkpoint.save_checkpoint`` of model, optimizer, LR schedule, RNG and ``trainer_state``."""
+        """``checkpoint.save_checkpoint`` of the state at the end of the last ``train_step``.
+
+        Model, optimizer, LR schedule, ``trainer_state`` and the RNG states taken at the end of that ``train_step``
+        (or by the last ``load_checkpoint``), so that a save after an aborted step stores the step boundary's state.
+        """
         from gtpo_megatron.megatron_adapter.checkpoint import save_checkpoint
 
-        save_checkpoint(path, self, trainer_state)
+        save_checkpoint(path, self, trainer_state, rng=self._step_end_rng)
 
     def load_checkpoint(self, path: str) -> dict:
         """``checkpoint.load_checkpoint`` into this policy (any TP/PP layout); returns the trainer state."""
-        from gtpo_megatron.megatron_adapter.checkpoint import load_checkpoint
+        from gtpo_megatron.megatron_adapter.checkpoint import load_checkpoint, rng_state
 
-        return load_checkpoint(path, self)
+        trainer_state = load_checkpoint(path, self)
+        self._step_end_rng = rng_state()
+        return trainer_state

@@ -14,6 +14,16 @@ Aggregations (the per-token term is ``l_{i,t} = -min(r A, clip(r) A) * w_{i,t}``
 - ``seq-mean-token-sum``: ``sum_{i,t} l_{i,t} / normalizer``; normaliser = number of sequences, or for Dr. GRPO
   the constant ``num_sequences * max_response_length`` (``compute_normalizer(..., max_response_length=L)``).
 
+Which rows count (every aggregation): the loss and its normaliser see the rows of ``response_mask``. A row that a
+switch removes from the objective (``algorithm.skip_uniform_groups``: a group whose rewards are all equal;
+``algorithm.overlong_filter``: a truncated completion) must arrive with an all-False ``response_mask`` row
+(``TrainBatch.loss_mask``): it then counts in no normaliser (neither its tokens nor its sequence) and no term of the
+loss, KL included, acts on it, so the kept rows' gradients do not shrink with the number of removed rows. A
+completion dropped by the entropy filter is NOT removed: GTPO_SPEC section 1 writes the objective as
+``(1/G) sum_i delta_i (...)`` over all G completions, with ``delta_i = 0`` inside the sum, so it keeps its
+``response_mask`` and counts in the normaliser (as a sequence and, with ``token-mean``, with its tokens); only its
+``token_weights`` are 0.
+
 Ratio: with ``old_logprobs=None`` (one update per batch, the paper's setting) ``r = exp(logp - stopgrad(logp))``,
 which is exactly 1 with the policy gradient attached; otherwise ``r = exp(policy_logprobs - old_logprobs)`` clipped
 PPO-style to ``[1 - clip_eps_low, 1 + clip_eps_high]``.
@@ -167,7 +177,8 @@ def compute_normalizer(
     """This micro-batch's local count for ``aggregation``; the caller sums it over the step and all-reduces.
 
     Args:
-        response_mask: ``[B, T]`` bool, True on response tokens.
+        response_mask: ``[B, T]`` bool, True on response tokens of the rows in the objective (module docstring:
+            removed rows all False, entropy-filtered rows unchanged).
         aggregation: one of :data:`AGGREGATIONS`.
         max_response_length: Dr. GRPO's constant: with ``seq-mean-token-sum`` the count becomes
             ``num_sequences * max_response_length`` (tokens budget), independent of the sampled lengths.

@@ -15,24 +15,54 @@ Public API (stable; details in each module's docstring):
 - ``grade``, ``same_answer``, ``reference_answer``: the pieces the rewards are built from;
   ``grading_deadline``/``GradingTimeout``: the per-answer time bound.
 
-Depends only on the stdlib, math-verify and SymPy (no torch), so reward workers start fast.
+Depends only on the stdlib, math-verify and SymPy (no torch), so reward workers start fast. The names that need
+math-verify and SymPy (about 2 s to import) load on first use, so that importing the light text helpers (the data
+loaders read reference answers with ``reference_answer``) does not import them on every training rank.
 """
 
 from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from gtpo_megatron.rewards.answer_text import EXTRACTION_MODES, check_extraction, default_extraction, reference_answer
 from gtpo_megatron.rewards.deadline import GradingTimeout, grading_deadline
-from gtpo_megatron.rewards.math_answer import Verdict, grade, same_answer
-from gtpo_megatron.rewards.pool import RewardPool, check_grader_failures
-from gtpo_megatron.rewards.registry import (
-    REWARD_REGISTRY,
-    RewardFn,
-    RewardResult,
-    decimal_tolerance,
-    get_reward,
-    register_reward,
-    reward_span,
-)
+
+if TYPE_CHECKING:
+    from gtpo_megatron.rewards.math_answer import Verdict, grade, same_answer
+    from gtpo_megatron.rewards.pool import RewardPool, check_grader_failures
+    from gtpo_megatron.rewards.registry import (
+        REWARD_REGISTRY,
+        RewardFn,
+        RewardResult,
+        decimal_tolerance,
+        get_reward,
+        register_reward,
+        reward_span,
+    )
+
+_LAZY = {
+    "Verdict": "math_answer",
+    "grade": "math_answer",
+    "same_answer": "math_answer",
+    "RewardPool": "pool",
+    "check_grader_failures": "pool",
+    "REWARD_REGISTRY": "registry",
+    "RewardFn": "registry",
+    "RewardResult": "registry",
+    "decimal_tolerance": "registry",
+    "get_reward": "registry",
+    "register_reward": "registry",
+    "reward_span": "registry",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """The math-verify based names of ``_LAZY``, imported from their module on first use (PEP 562)."""
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+
 
 __all__ = [
     "EXTRACTION_MODES",

@@ -36,7 +36,6 @@ from typing import Any
 
 from gtpo_megatron.rewards.answer_text import STRICT, check_extraction
 from gtpo_megatron.rewards.deadline import GradingTimeout, grading_deadline
-from gtpo_megatron.rewards.math_answer import same_answer
 from gtpo_megatron.rewards.registry import RewardFn, RewardResult, decimal_tolerance, get_reward
 
 KILL_GRACE_S = 2.0
@@ -47,6 +46,8 @@ _FAILED = RewardResult(score=0.0, correct=False, format_ok=False, extracted=None
 
 def _worker_main(conn: Connection, reward: str | RewardFn, timeout_s: float) -> None:
     """Worker loop: resolve the reward once, say ready, then answer ``(index, job, kwargs)`` messages."""
+    from gtpo_megatron.rewards.math_answer import same_answer  # math-verify: imported by the workers only
+
     jobs = {
         "score": get_reward(reward) if isinstance(reward, str) else reward,
         "same": functools.partial(same_answer, decimal_abs_tol=decimal_tolerance(reward)),

@@ -40,7 +40,6 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from gtpo_megatron.rewards.answer_text import STRICT
-from gtpo_megatron.rewards.math_answer import grade
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,6 +147,8 @@ def paper_format_score(completion: str) -> float:
 
 def _judge(completion: str, reference: str, extraction: str, name: str) -> tuple[bool, bool, str | None]:
     """``(correct, format_ok, extracted)`` shared by every registered reward."""
+    from gtpo_megatron.rewards.math_answer import grade  # math-verify: imported where grading happens
+
     verdict = grade(completion, reference, extraction=extraction, decimal_abs_tol=decimal_tolerance(name))
     format_ok = paper_format_score(completion) == PAPER_FORMAT_SCORE
     return verdict.correct, format_ok, verdict.extracted

@@ -23,6 +23,7 @@ given the same weights.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -36,10 +37,13 @@ from gtpo_megatron.data.sampling import choose_groups, filter_uniform_groups, sh
 from gtpo_megatron.data.types import Problem
 from gtpo_megatron.parallel.collectives import all_reduce_sum
 from gtpo_megatron.plan.engines import engine_prompt_range
+from gtpo_megatron.preemption import StepInterrupted, StopRequests
 from gtpo_megatron.rewards.pool import check_grader_failures
 from gtpo_megatron.rewards.registry import reward_span
 from gtpo_megatron.rollout.engine import RolloutEngine, SamplingConfig
 from gtpo_megatron.rollout.exchange import ENGINE_COUNTERS, EngineTally, RowLayout, ScoredGroup, pack_rows, unpack_rows
+
+logger = logging.getLogger(__name__)
 
 _SEEDS_PER_STEP = 1000
 
@@ -161,7 +165,8 @@ def collect_step(
     reward_cfg: RewardConfig,
     num_engines: int,
     group: dist.ProcessGroup | None,
-) -> StepRollout:
+    stop: StopRequests | None = None,
+) -> StepRollout | None:
     """Sample, score, select and share this step's ``num_prompts`` groups (module docstring); every rank calls.
 
     Args:
@@ -173,9 +178,12 @@ def collect_step(
         reward_cfg: the reward section (its reward's range scales the overlong penalty).
         num_engines: engines sharing the step (each leader writes its counters in its own row).
         group: the world group (None: a one-process run).
+        stop: the run's stop requests: a SIGTERM interrupts this leader's sampling (``StopRequests.interruptible``)
+            and the step is abandoned on every rank; None: nothing interrupts it.
 
     Returns:
-        The same ``StepRollout`` on every rank.
+        The same ``StepRollout`` on every rank, or None on every rank when a SIGTERM made any leader leave its
+        rollout (the exchange still runs, so no rank waits in a collective the others skip).
 
     Collectives: with dynamic sampling one SUM all-reduce of ``[P]`` varied flags per round; then one SUM
     all-reduce of the packed rows and counters (``rollout/exchange.py``), all on ``group``.
@@ -185,7 +193,7 @@ def collect_step(
             next collective or are stopped by torchrun).
     """
     num_prompts, group_size = rollout_cfg.num_prompts, algorithm_cfg.group_size
-    sampled, varied, tally = _sample_rounds(collector, loader, step, algorithm_cfg, num_prompts, group)
+    sampled, varied, tally = _sample_rounds(collector, loader, step, algorithm_cfg, num_prompts, group, stop)
     chosen = choose_groups(varied, num_prompts) if algorithm_cfg.dynamic_sampling else list(range(num_prompts))
     slots = {}
     for slot, flat in enumerate(chosen):
@@ -198,12 +206,15 @@ def collect_step(
     if collector is not None:
         counters[collector.engine_index] = tally.as_tensor()
     summed = all_reduce_sum(torch.cat([rows.reshape(-1), counters.reshape(-1)]), group=group)
+    counters = summed[rows.numel() :].reshape(counters.shape)
+    if counters[:, ENGINE_COUNTERS.index("aborted")].sum() > 0:
+        return None
     gathered = unpack_rows(summed[: rows.numel()].reshape(rows.shape), group_size=group_size, layout=layout)
     scores = torch.tensor(gathered.scores, dtype=torch.float32)
     rewards = shape_rewards(scores, torch.tensor(gathered.lengths), algorithm_cfg, max_tokens=rollout_cfg.max_tokens,
                             reward_span=reward_span(reward_cfg.name))  # fmt: skip
     varied_frac = torch.tensor(varied).float().mean() if varied else filter_uniform_groups(scores, group_size).float()
-    stats = _engine_stats(summed[rows.numel() :].reshape(counters.shape))
+    stats = _engine_stats(counters)
     stats["rollout/num_rounds"] = float(len(sampled))
     stats["rollout/varied_group_frac"] = float(varied_frac.mean())
     return StepRollout(groups=gathered.groups, scores=gathered.scores, rewards=rewards.tolist(),
@@ -217,17 +228,21 @@ def _sample_rounds(
     algorithm_cfg: AlgorithmConfig,
     num_prompts: int,
     group: dist.ProcessGroup | None,
+    stop: StopRequests | None,
 ) -> tuple[list[dict[int, ScoredGroup]], list[bool], EngineTally]:
     """Run the step's rounds on this rank.
 
     Returns this rank's scored groups per round, the global varied flags (dynamic sampling only: one all-reduce per
-    round, decided on task scores) and this leader's counters.
+    round, decided on task scores) and this leader's counters (``aborted`` set when a SIGTERM interrupted it; its
+    later rounds then only take part in the all-reduces).
     """
     rounds = algorithm_cfg.dynamic_sampling_max_rounds if algorithm_cfg.dynamic_sampling else 1
     tally, sampled, varied = EngineTally(), [], []
     for round_index in range(rounds):
         problems = loader.next_batch()
-        scored = collector.sample_round(step, round_index, problems, tally) if collector is not None else {}
+        scored = {}
+        if collector is not None and not tally.aborted:
+            scored = _sample_interruptibly(collector, step, round_index, problems, tally, stop)
         sampled.append(scored)
         if not algorithm_cfg.dynamic_sampling:
             break
@@ -238,6 +253,32 @@ def _sample_rounds(
         if sum(varied) >= num_prompts:
             break
     return sampled, varied, tally
+
+
+def _sample_interruptibly(
+    collector: RolloutCollector,
+    step: int,
+    round_index: int,
+    problems: list[Problem],
+    tally: EngineTally,
+    stop: StopRequests | None,
+) -> dict[int, ScoredGroup]:
+    """``collector.sample_round``, left at once on SIGTERM (then ``tally.aborted = 1`` and nothing is returned).
+
+    Under Slurm the SIGTERM also reaches the engine's and the reward pool's processes, so any failure of the round
+    after a SIGTERM counts as the interruption; without one, errors propagate.
+    """
+    if stop is None:
+        return collector.sample_round(step, round_index, problems, tally)
+    try:
+        with stop.interruptible():
+            return collector.sample_round(step, round_index, problems, tally)
+    except (StepInterrupted, Exception) as err:
+        if not stop.abort_requested:
+            raise
+        logger.warning("SIGTERM during the rollout of step %d: rollout abandoned (%s)", step, type(err).__name__)
+        tally.aborted = 1.0
+        return {}
 
 
 def _engine_stats(counters: torch.Tensor) -> dict[str, float]:

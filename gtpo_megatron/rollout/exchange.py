@@ -23,8 +23,9 @@ import torch
 from gtpo_megatron.rollout.types import Completion, PromptCompletions
 
 _HEAD = ("prompt_len", "response_len", "score", "correct", "format_ok", "truncated")
-ENGINE_COUNTERS = ("tokens", "generate_s", "reward_s", "num_timeouts", "num_errors")
-"""Per-engine counters of a step: generated tokens, seconds generating and scoring, grader timeouts and errors."""
+ENGINE_COUNTERS = ("tokens", "generate_s", "reward_s", "num_timeouts", "num_errors", "aborted")
+"""Per-engine counters of a step: generated tokens, seconds generating and scoring, grader timeouts and errors, and
+1 when a SIGTERM made the leader leave its rollout (``preemption``)."""
 
 
 @dataclass
@@ -46,6 +47,7 @@ class EngineTally:
     reward_s: float = 0.0
     num_timeouts: float = 0.0
     num_errors: float = 0.0
+    aborted: float = 0.0
 
     def as_tensor(self) -> torch.Tensor:
         """``[K]`` float64 in ``ENGINE_COUNTERS`` order."""

@@ -55,11 +55,14 @@ class TrainBatch:
             (section 3, with any ``normalize_by_conflicts`` division and DAPO's overlong filter), 0 off the
             response; the loss multiplies in the entropy filter's delta_i.
         ref_logprobs: ``[B, S]`` fp32 reference-policy log-probs for the optional GRPO KL term, else None.
-        keep_mask: ``[B]`` bool row decision made without the entropy (``skip_uniform_groups``), else None (all).
+        keep_mask: ``[B]`` bool row decision made without the entropy (``loss_row_mask``), else None (all).
         seq_entropy: ``[B]`` fp32 <H>_i in nats from a pass before the update, else None (the loss measures it in
             the training forward).
         rollout_logprobs: ``[B, S]`` fp32 log-probs of the rollout engine, set when the loss should measure the
             train/rollout mismatch; else None.
+        loss_row_mask: ``[B]`` bool, True on rows in the objective; False on rows a switch removes (uniform-reward
+            groups under ``skip_uniform_groups``, truncated rows under ``overlong_filter``): they leave the loss and
+            its normaliser (``loss_mask``). None: every row is in the objective.
     """
 
     input_ids: torch.Tensor
@@ -69,10 +72,22 @@ class TrainBatch:
     advantages: torch.Tensor | None = None
     token_weights: torch.Tensor | None = None
     ref_logprobs: torch.Tensor | None = None
+    loss_row_mask: torch.Tensor | None = None
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
     keep_mask: torch.Tensor | None = None
     seq_entropy: torch.Tensor | None = None
     rollout_logprobs: torch.Tensor | None = None
+
+    @property
+    def loss_mask(self) -> torch.Tensor:
+        """``[B, S]`` bool: ``response_mask`` on the rows of ``loss_row_mask``, False on removed rows.
+
+        The mask the loss and its normaliser take (``ops.losses``: which rows count); entropy-filtered rows keep
+        their response tokens here.
+        """
+        if self.loss_row_mask is None:
+            return self.response_mask
+        return self.response_mask & self.loss_row_mask.unsqueeze(-1)
 
     @property
     def num_sequences(self) -> int:
@@ -93,6 +108,7 @@ class TrainBatch:
             advantages=take(self.advantages),
             token_weights=take(self.token_weights),
             ref_logprobs=take(self.ref_logprobs),
+            loss_row_mask=take(self.loss_row_mask),
             extras={k: v[rows] for k, v in self.extras.items()},
             keep_mask=take(self.keep_mask),
             seq_entropy=take(self.seq_entropy),

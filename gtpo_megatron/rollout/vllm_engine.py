@@ -52,6 +52,7 @@ from pathlib import Path
 import torch
 
 from gtpo_megatron.builtin_models import resolve_model_path
+from gtpo_megatron.rollout import vllm_logging
 from gtpo_megatron.rollout.engine import (
     NamedTensor,
     SamplingConfig,
@@ -70,19 +71,29 @@ _FINISH_REASONS = ("stop", "length")
 
 @contextlib.contextmanager
 def _engine_environment(
-    *, cpu_kvcache_space_gib: float, in_process: bool | None, model_path: str, extra: Mapping[str, str]
+    *,
+    cpu_kvcache_space_gib: float,
+    in_process: bool | None,
+    model_path: str,
+    extra: Mapping[str, str],
+    quiet_logs: dict | None,
 ) -> Iterator[None]:
     """Set the vLLM environment variables this engine needs while it starts, then restore the caller's values.
 
     vLLM reads them when the engine (and its child processes) start; restoring them keeps one engine's choice
     (for example in-process mode, its devices or its CPU cores) from leaking into later engines or into processes
     the caller spawns. vLLM's in-process engine freezes its environment cache, so the cache is cleared first.
+    ``quiet_logs``: the keyword arguments of ``vllm_logging.child_log_environment`` (its config file lives while the
+    engine starts), or None for vLLM's own logging.
     """
     wanted = {"VLLM_CPU_KVCACHE_SPACE": str(math.ceil(cpu_kvcache_space_gib)), **extra}  # vLLM parses whole GiB
     if in_process is not None:
         wanted["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
     if Path(model_path).is_dir() and "HF_HUB_OFFLINE" not in os.environ:
         wanted["HF_HUB_OFFLINE"] = "1"
+    log_folder = tempfile.TemporaryDirectory(prefix="gtpo-vllm-logging-") if quiet_logs is not None else None
+    if log_folder is not None:
+        wanted.update(vllm_logging.child_log_environment(log_folder.name, **quiet_logs))
     saved = {key: os.environ.get(key) for key in wanted}
     os.environ.update(wanted)
     import vllm.envs
@@ -91,6 +102,8 @@ def _engine_environment(
     try:
         yield
     finally:
+        if log_folder is not None:
+            log_folder.cleanup()
         for key, value in saved.items():
             if value is None:
                 os.environ.pop(key, None)
@@ -125,6 +138,8 @@ class VLLMEngine:
             system temp folder.
         environment: extra variables for the engine's processes while it starts, e.g. ``CUDA_VISIBLE_DEVICES``
             (its GPUs) or ``VLLM_CPU_OMP_THREADS_BIND`` (its CPU cores); see ``plan/engines.py``.
+        verbose: vLLM's full logging (INFO, every warning); False: WARNING without the records that this
+            project's settings make harmless (``vllm_logging``).
         load_format: ``"auto"`` loads the weights of ``model_path``; ``"dummy"`` starts from random weights (the
             folder needs only the config and tokenizer) that the caller replaces with a weight update before
             the first ``generate``, e.g. a policy started from a Megatron checkpoint.
@@ -150,6 +165,7 @@ class VLLMEngine:
         in_process: bool | None = None,
         staging_dir: str | None = None,
         environment: Mapping[str, str] | None = None,
+        verbose: bool = False,
         load_format: str = "auto",
     ) -> None:
         if dtype not in _DTYPES:
@@ -160,6 +176,9 @@ class VLLMEngine:
             raise ValueError(f"cpu_kvcache_space_gib={cpu_kvcache_space_gib} must be > 0 GiB; use 1")
         self.model_path = resolve_model_path(model_path)
         self.max_model_len = max_model_len
+        quiet_logs = None if verbose else {"tied_embeddings": vllm_logging.ties_embeddings(self.model_path)}
+        if quiet_logs is not None:
+            vllm_logging.quiet_this_process(**quiet_logs)
         try:
             from vllm import LLM
             from vllm.platforms import current_platform
@@ -172,11 +191,19 @@ class VLLMEngine:
         self._sleep_enabled = enable_sleep_mode and not current_platform.is_cpu()
         if enable_sleep_mode and not self._sleep_enabled:
             logger.warning("enable_sleep_mode=True has no effect on CPU: vLLM's CPU worker cannot sleep")
+        if quiet_logs is not None:
+            vllm_logging.quiet_this_process(**quiet_logs)
+            if quiet_logs["tied_embeddings"]:
+                logger.info(
+                    "tied embeddings: vLLM reloads the LM head through embed_tokens, so its 'ParallelLMHead: Failed "
+                    "to load weights' at each weight sync is expected and hidden (logging.verbose=true shows it)"
+                )
         env = _engine_environment(
             cpu_kvcache_space_gib=cpu_kvcache_space_gib,
             in_process=in_process,
             model_path=self.model_path,
             extra=dict(environment or {}),
+            quiet_logs=quiet_logs,
         )
         with env:
             self._llm = LLM(

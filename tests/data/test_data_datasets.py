@@ -1,4 +1,4 @@
-"""jsonl readers for ../shared/data, error messages naming file and line, HF fallback error."""
+"""jsonl readers for the benchmark files, error messages naming file and line, Hugging Face sources."""
 
 from __future__ import annotations
 
@@ -10,8 +10,16 @@ from pathlib import Path
 import pytest
 
 from gtpo_megatron.data import default_data_dir, load_problems, read_jsonl
+from tests.helpers.data import needs_benchmark_data
 
-needs_data = pytest.mark.skipif(not (default_data_dir() / "gsm8k").is_dir(), reason="../shared/data not present")
+needs_data = needs_benchmark_data(
+    "gsm8k/train.jsonl",
+    "gsm8k/test.jsonl",
+    "math500/test.jsonl",
+    "aime24/test.jsonl",
+    "aime25/test.jsonl",
+    "amc2023/test.jsonl",
+)
 
 
 @needs_data
@@ -117,8 +125,8 @@ def test_duplicate_ids_and_empty_fields_are_rejected(tmp_path: Path) -> None:
 def test_hugging_face_rows_are_read_with_the_same_rules(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[tuple[str, str]] = []
 
-    def load_dataset(name: str, split: str) -> list[dict[str, str]]:
-        calls.append((name, split))
+    def load_dataset(name: str, config: str | None = None, *, split: str) -> list[dict[str, str]]:
+        calls.append((name, config, split))
         return [
             {"problem": "p0?", "solution": "so $\\boxed{\\frac{1}{2}}$"},
             {"problem": "p1?", "solution": "\\boxed{3}"},
@@ -126,7 +134,9 @@ def test_hugging_face_rows_are_read_with_the_same_rules(monkeypatch: pytest.Monk
 
     monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
     problems = load_problems("math", limit=1)
-    assert calls == [("DigitalLearningGmbH/MATH-lighteval", "train")]
+    assert calls == [("DigitalLearningGmbH/MATH-lighteval", None, "train")]
     assert [(p.id, p.question, p.answer, p.source) for p in problems] == [("math-0", "p0?", "\\frac{1}{2}", "math")]
     assert [p.answer for p in load_problems("someone/set", split="test")] == ["\\frac{1}{2}", "3"]
-    assert calls[-1] == ("someone/set", "test")
+    assert calls[-1] == ("someone/set", None, "test")
+    load_problems("openai/gsm8k", split="test")  # a benchmark's hub name: its config, its split names
+    assert calls[-1] == ("openai/gsm8k", "main", "test")

@@ -2,9 +2,11 @@
 
 Two separate 2-rank runs share one checkpoint root:
 1. TP=2: one optimizer step, save (``step_000001``), then record the log-probs, a random draw and two more steps;
-2. fresh processes, TP=2: load via ``latest``; the trainer state, log-probs, the random draw and the next two
-   steps' loss / grad norm / lr must be *identical* (exact equality: same layout, same arithmetic); loading into
-   Megatron's distributed optimizer fails with a clear RuntimeError on CPU (a megatron-core 0.16.1-0.19.2 limitation);
+2. a truncated copy ``step_000002`` is named by ``latest`` (a newer incomplete checkpoint); fresh processes, TP=2:
+   load the root, which skips the truncated copy (``run_dir`` completeness); the trainer state, log-probs, the
+   random draw and the next two steps' loss / grad norm / lr must be *identical* (exact equality: same layout,
+   same arithmetic); loading into Megatron's distributed optimizer fails with a clear RuntimeError on CPU (a
+   megatron-core 0.16.1-0.19.2 limitation);
    then the same processes switch to PP=2 (a different layout) and load again: log-probs and the next two steps
    agree within fp32 noise (1e-5), which needs the model and the Adam state resharded correctly (the second step
    depends on both moments).
@@ -12,11 +14,14 @@ Two separate 2-rank runs share one checkpoint root:
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
+from gtpo_megatron import run_dir
 from gtpo_megatron.ops import LossSpec
 from tests.adapter.megatron_helpers import TINY_QWEN2, make_batch, model_section, settings_at
 from tests.helpers.dist_harness import run_distributed
@@ -104,6 +109,15 @@ def test_checkpoint_resume_is_exact_and_reshards(tmp_path):
     run_distributed(_first_run, 2, root)
     assert (Path(root) / "latest").read_text() == "step_000001"
     assert sorted(p.name for p in Path(root).iterdir()) == ["expected.pt", "latest", "step_000001"]
+    step = Path(root) / "step_000001"
+    listed = json.loads((step / run_dir.COMPLETE_MARKER).read_text())["files"]
+    assert run_dir.checkpoint_problem(step) is None and "common.pt" in listed and len(listed) > 2
+    truncated = Path(root) / "step_000002"  # a newer copy that lost the end of its largest shard
+    shutil.copytree(step, truncated)
+    largest = max(listed, key=listed.get)
+    with open(truncated / largest, "r+b") as handle:
+        handle.truncate(listed[largest] // 2)
+    (Path(root) / "latest").write_text("step_000002")
     run_distributed(_resume, 2, root)  # fresh processes: nothing survives from the first run but the files
 
 

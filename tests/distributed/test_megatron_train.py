@@ -97,7 +97,27 @@ def _run_layout(path: str, tp: int, pp: int, aggregation: str) -> None:
         _check_nonfinite_guard(policy, local)
         _check_recompute_and_bf16(path, groups, local)
     if groups.dp_size == 2:
+        _check_removed_rows(policy, local, groups)
         _check_distributed_optimizer(path, groups, local)
+
+
+def _check_removed_rows(policy, local, groups) -> None:
+    """Rows whose ``loss_row_mask`` is False (skip_uniform_groups, overlong_filter) leave the loss and the
+    normaliser: the step equals the one with their response tokens masked out by hand (issue 12 item 5)."""
+    removed = local.select(slice(None))
+    removed.loss_row_mask = torch.arange(local.num_sequences) != 0
+    by_hand = local.select(slice(None))
+    by_hand.response_mask = local.response_mask.clone()
+    by_hand.response_mask[0] = False
+    results = []
+    for batch in (local, removed, by_hand):
+        policy.zero_grad()
+        metrics = policy.forward_backward(batch, _loss("token-mean"))
+        results.append((metrics["normalizer"], [p.main_grad.clone() for p in policy.model.parameters()]))
+    dropped = local.response_mask[0].sum().float().reshape(1)
+    dist.all_reduce(dropped, group=groups.dp)  # row 0 of every DP rank
+    assert results[1][0] == results[0][0] - dropped.item() == results[2][0]
+    assert all(torch.equal(a, b) for a, b in zip(results[1][1], results[2][1]))
 
 
 def _check_logprob_pass(policy, local, ref_logprobs, ref_entropy, groups, label) -> None:

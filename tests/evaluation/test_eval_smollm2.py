@@ -15,6 +15,7 @@ from gtpo_megatron.evaluation.cli import build_parser, config_from_args
 from gtpo_megatron.evaluation.evaluate import run_evaluation
 from gtpo_megatron.rollout.engine import SamplingConfig
 from gtpo_megatron.rollout.vllm_engine import VLLMEngine
+from tests.helpers.data import needs_benchmark_data
 from tests.integration.test_vllm_engine import check_structure, max_abs_diff
 
 pytestmark = pytest.mark.integration
@@ -46,10 +47,9 @@ def test_generate_chat_prompts_matches_hf(engine):
     assert max_abs_diff(model, prompts, outputs, temperature=1.0) < SMOL_ATOL
 
 
+@needs_benchmark_data("gsm8k/test.jsonl")
 def test_gsm8k_five_problems_is_reproducible(engine, tmp_path):
     data_dir = default_data_dir()
-    if not (data_dir / "gsm8k" / "test.jsonl").exists():
-        pytest.skip(f"no GSM8K test file under {data_dir}")
     argv = [
         "--model",
         MODEL,

@@ -10,6 +10,7 @@ from gtpo_megatron.evaluation.cli import build_parser, config_from_args
 from gtpo_megatron.evaluation.compare import compare_runs, load_metrics
 from gtpo_megatron.evaluation.evaluate import markdown_report, resolve_hf_model, run_evaluation
 from gtpo_megatron.rollout.types import Completion, PromptCompletions
+from gtpo_megatron.run_dir import mark_complete
 
 SCRIPT = [  # completions per problem, in prompt order
     ["<reasoning>a</reasoning>\n<answer>5</answer>", "<answer>4</answer>", "the answer is 4", "no idea"],
@@ -125,6 +126,9 @@ def test_model_folder_detection(tmp_path):
     orphan = tmp_path / "orphan" / "step_000001"  # a gtpo-train step folder moved out of its run dir
     orphan.mkdir(parents=True)
     (orphan / "metadata.json").write_text("{}")
+    with pytest.raises(ValueError, match="is not a complete checkpoint"):
+        resolve_hf_model(str(orphan))
+    mark_complete(orphan)
     with pytest.raises(FileNotFoundError, match="config.yaml"):
         resolve_hf_model(str(orphan))
     (tmp_path / "empty").mkdir()

@@ -24,6 +24,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         (
             "gtpo_megatron.builtin_models",
             "gtpo_megatron.run_dir",
+            "gtpo_megatron.preemption",
             "gtpo_megatron.plan.architectures",
             "gtpo_megatron.plan.layout",
             "gtpo_megatron.plan.memory",

@@ -189,3 +189,21 @@ def test_registry_and_validation_errors():
     with pytest.raises(ValueError, match="max_response_length"):
         compute_normalizer(b["mask"], "token-mean", max_response_length=4)
     assert compute_normalizer(b["mask"], "seq-mean-token-sum", max_response_length=6).item() == 7 * 6
+
+
+@pytest.mark.parametrize("name,aggregation,kl_coef", CASES)
+def test_removed_rows_are_as_if_deleted(name, aggregation, kl_coef):
+    # Rows removed from the objective (skip_uniform_groups, overlong_filter) arrive with an all-False mask
+    # (TrainBatch.loss_mask): loss, gradient and normaliser equal those of the batch without them, KL included.
+    b = _batch()
+    removed = torch.tensor([True, False, False, False, True, False, False, True])
+    masked = dict(b, mask=b["mask"] & ~removed.unsqueeze(-1))
+    kept = {k: v[~removed] if torch.is_tensor(v) else v for k, v in b.items()}
+    max_len = 6 if aggregation == "seq-mean-token-sum" else None
+    normalizer = compute_normalizer(masked["mask"], aggregation, max_response_length=max_len)
+    assert torch.equal(normalizer, compute_normalizer(kept["mask"], aggregation, max_response_length=max_len))
+    loss, _, grad = _call(name, masked, normalizer, aggregation, kl_coef=kl_coef)
+    want, _, want_grad = _call(name, kept, normalizer, aggregation, kl_coef=kl_coef)
+    torch.testing.assert_close(loss, want, atol=1e-7, rtol=1e-6)
+    torch.testing.assert_close(grad[~removed], want_grad, atol=1e-8, rtol=0)
+    assert torch.equal(grad[removed], torch.zeros_like(grad[removed]))

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 import shlex
+import signal
 import subprocess
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -48,6 +50,7 @@ def test_run_local_defaults_and_overrides(tmp_path: Path) -> None:
     assert call[0] == "torchrun"
     assert "--nproc-per-node=2" in call  # no GPU visible: 2 CPU ranks
     assert "--master-port=29500" in call and f"--log-dir={log_dir}" in call and "--tee=3" in call
+    assert "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1" in call  # USR1: save and stop
     assert call[-6:] == ["-m", "gtpo_megatron.train", "--config", "configs/cpu_demo.yaml", "trainer.max_steps=3",
                          "output_dir=runs/a b"]  # fmt: skip
     assert log_dir.is_dir()
@@ -86,6 +89,42 @@ def test_submit_sbatch_one_torchrun_per_node_at_the_head_node(tmp_path: Path) ->
                 "--rdzv-id=4242", f"--log-dir={tmp_path / 'l'}/node_{node}"} <= set(call)  # fmt: skip
         assert call[-5:] == ["-m", "gtpo_megatron.train", "--config", "configs/llama3.1-70b_math_gtpo_64gpu.yaml",
                              "optim.lr=2e-6"]  # fmt: skip
+
+
+# srun that waits like a running job; on SIGUSR1 it records it (srun forwards it to its tasks) and exits with 3.
+WAITING_SRUN = """#!/usr/bin/env bash
+printf 'srun' >> "$RECORD"; for a in "$@"; do printf ' %q' "$a" >> "$RECORD"; done; printf '\\n' >> "$RECORD"
+trap 'echo "srun got USR1" >> "$RECORD"; exit 3' USR1
+for _ in $(seq 600); do sleep 0.1; done
+"""
+
+
+def test_submit_sbatch_asks_for_usr1_and_forwards_it_to_the_ranks(tmp_path: Path) -> None:
+    text = (REPO / "launch" / "submit.sbatch").read_text()
+    assert "#SBATCH --signal=B:USR1@300" in text
+    env = {
+        **_fake_bin(tmp_path),
+        "SLURM_SUBMIT_DIR": str(REPO),
+        "SLURM_NNODES": "1",
+        "SLURM_JOB_ID": "7",
+        "SLURM_JOB_NODELIST": "gpu-node-07",
+        "LOG_DIR": str(tmp_path / "l"),
+    }
+    (tmp_path / "bin" / "srun").write_text(WAITING_SRUN)
+    job = subprocess.Popen(["bash", "launch/submit.sbatch", "configs/x.yaml"], cwd=REPO, env=env,
+                           stderr=subprocess.PIPE, text=True)  # fmt: skip
+    record = tmp_path / "calls.txt"
+    deadline = time.monotonic() + 30
+    while not (record.exists() and "\n" in record.read_text()):  # srun started (its line is complete)
+        assert job.poll() is None and time.monotonic() < deadline
+        time.sleep(0.1)
+    (torchrun,) = [a for a in shlex.split(record.read_text().splitlines()[0]) if "exec torchrun" in a]
+    assert "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1" in torchrun
+    assert '--shutdown-timeout="$GTPO_SHUTDOWN_TIMEOUT"' in torchrun
+    job.send_signal(signal.SIGUSR1)  # what Slurm does 300 s before the time limit
+    assert job.wait(timeout=30) == 3  # the batch shell waited for srun and kept its exit status
+    assert record.read_text().splitlines()[-1] == "srun got USR1"
+    assert "the ranks save at the next step boundary" in job.stderr.read()
 
 
 def test_submit_sbatch_outside_slurm_fails_with_a_hint(tmp_path: Path) -> None:

@@ -14,7 +14,7 @@ from tests.helpers.batches import algorithm_section, conflict_batch
 
 REWARDS = torch.tensor([1.0, 1.0, 0.0, 0.0])
 ENTROPY = torch.tensor([0.1, 0.9, 0.3, 0.4])
-WEIGHT_FIELDS = ("raw_advantages", "advantages", "keep_mask", "conflict_weights", "token_weights")
+WEIGHT_FIELDS = ("raw_advantages", "advantages", "keep_mask", "conflict_weights", "token_weights", "loss_row_mask")
 
 
 def test_same_weights_as_the_trainer():
@@ -33,6 +33,27 @@ def test_same_weights_as_the_trainer():
     assert ours.advantages.shape == (4,) and ours.token_weights.shape == batch.input_ids.shape
 
 
+def test_removed_rows_as_the_trainer():
+    # overlong_filter removes truncated row 1 (loss_row_mask False: out of the loss and its normaliser, as in the
+    # trainer); skip_uniform_groups removes the whole group when its rewards are equal. The entropy filter does not.
+    batch = conflict_batch()
+    batch.extras["truncated"] = torch.tensor([False, True, False, False])
+    cfg = algorithm_section(skip_uniform_groups=True, overlong_filter=True)
+    for rewards, kept in ((REWARDS, [True, False, True, True]), (torch.ones(4), [False] * 4)):
+        ours = plugin.compute_gtpo_weights(
+            batch.input_ids, batch.response_mask, rewards, ENTROPY, cfg, initial_entropy=0.5,
+            truncated=batch.extras["truncated"],
+        )  # fmt: skip
+        spec = dataclasses.replace(build_loss_spec(cfg, RolloutConfig()), initial_entropy=0.5)
+        trainer = with_entropy_terms(
+            compute_step_weights(batch, rewards, cfg, loss_spec=spec, scores=rewards), ENTROPY, spec
+        )
+        for name in WEIGHT_FIELDS:
+            assert torch.equal(getattr(ours, name), getattr(trainer, name)), name
+        assert ours.loss_row_mask.tolist() == kept
+        assert ours.token_weights[~ours.loss_row_mask].abs().sum() == 0
+
+
 def _packed(batch, starts: list[int], width: int):
     """The rows of ``batch`` (prompt + response, padding dropped) written at ``starts`` of one row of ``width``."""
     lengths = batch.attention_mask.sum(dim=-1).tolist()
@@ -49,7 +70,7 @@ def test_packed_row_gives_the_padded_weights():
         batch.input_ids, batch.response_mask, REWARDS, ENTROPY, cfg, initial_entropy=0.5
     )
     packed = plugin.compute_gtpo_weights(ids, mask, REWARDS, ENTROPY, cfg, initial_entropy=0.5, packed=layout)
-    for name in ("raw_advantages", "advantages", "keep_mask"):
+    for name in ("raw_advantages", "advantages", "keep_mask", "loss_row_mask"):
         assert torch.equal(getattr(packed, name), getattr(padded, name)), name
     for name in ("conflict_weights", "token_weights"):
         assert getattr(packed, name).shape == (1, 28)

@@ -7,6 +7,7 @@ import pytest
 from gtpo_megatron.config import load_config
 from gtpo_megatron.data.datasets import load_problems
 from gtpo_megatron.data.loader import PromptLoader
+from gtpo_megatron.preemption import StopRequests
 from gtpo_megatron.rollout.collector import RolloutCollector, collect_step
 from gtpo_megatron.rollout.types import Completion, PromptCompletions
 from tests.trainer.fakes import EOS, FakeEngine, FakeRewardPool, FakeTokenizer, SeededFakeEngine
@@ -22,7 +23,7 @@ class _LengthsOnly(FakeEngine):
         return [PromptCompletions(list(p), [long, short][:n]) for p in prompt_ids]
 
 
-def _collect(engine, *overrides, step=1):
+def _collect(engine, *overrides, step=1, stop=None):
     cfg = load_config(None, ["model=builtin:tiny-qwen2", "output_dir=/tmp/unused", *overrides])
     collector = RolloutCollector(
         engine=engine,
@@ -35,7 +36,7 @@ def _collect(engine, *overrides, step=1):
     )
     loader = PromptLoader(load_problems("synthetic", limit=40), batch_size=cfg.rollout.num_prompts, seed=0)
     rollout = collect_step(collector, loader, step, rollout_cfg=cfg.rollout, algorithm_cfg=cfg.algorithm,
-                           reward_cfg=cfg.reward, num_engines=1, group=None)  # fmt: skip
+                           reward_cfg=cfg.reward, num_engines=1, group=None, stop=stop)  # fmt: skip
     return loader, rollout
 
 
@@ -82,3 +83,28 @@ def test_dynamic_sampling_fills_the_batch_in_sampling_order(uniform):
     assert len(rollout.groups) == 3 and len(rollout.scores) == 6
     if uniform:
         assert rollout.stats["rollout/num_rounds"] == 3 and rollout.stats["rollout/varied_group_frac"] == 0.0
+
+
+class _DiesOnSigterm(FakeEngine):
+    """A generation that fails on its first call, as vLLM's processes do when Slurm's SIGTERM reaches them too."""
+
+    def __init__(self, stop, sigterm: bool):
+        super().__init__()
+        self.stop, self.sigterm = stop, sigterm
+
+    def generate(self, prompt_ids, n, sampling, prompt_indices=None):
+        self.calls.append(([list(p) for p in prompt_ids], n, sampling))
+        self.stop.abort_requested = self.sigterm
+        raise RuntimeError("EngineCore died")
+
+
+def test_a_sigterm_in_the_rollout_abandons_the_step_on_every_rank():
+    """The leader's failure after a SIGTERM is the interruption: the exchange still runs (no rank waits) and carries
+    ``aborted``, so collect_step returns None; the same failure without a SIGTERM propagates."""
+    stop = StopRequests(on_sigterm=True, on_sigusr1=False)
+    engine = _DiesOnSigterm(stop, sigterm=True)
+    _, rollout = _collect(engine, *DAPO, stop=stop)
+    assert rollout is None and len(engine.calls) == 1  # the later dynamic-sampling rounds sample nothing
+    stop = StopRequests(on_sigterm=True, on_sigusr1=False)
+    with pytest.raises(RuntimeError, match="EngineCore died"):
+        _collect(_DiesOnSigterm(stop, sigterm=False), stop=stop)

@@ -1,16 +1,20 @@
 """Small stand-ins for the policy, engine, reward pool and tokenizer (the loop's own logic is what is tested), and
-``fake_rollout_trainer``: a ``Trainer`` whose rollouts come from them, around any policy (a fake or the real one)."""
+``fake_rollout_trainer``: a ``Trainer`` whose rollouts come from them, around any policy (a fake or the real one),
+and ``make_trainer``: one over the fake policy too, in a one-process gloo world (``one_rank_process_group``)."""
 
 from __future__ import annotations
 
 import json
+import os
 import random
+import socket
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch
+import torch.distributed as dist
 
-from gtpo_megatron.config import GTPOConfig, LoggingConfig
+from gtpo_megatron.config import GTPOConfig, LoggingConfig, load_config
 from gtpo_megatron.data.datasets import load_problems
 from gtpo_megatron.data.loader import PromptLoader
 from gtpo_megatron.logging import MetricSink
@@ -19,6 +23,7 @@ from gtpo_megatron.rewards.registry import RewardResult
 from gtpo_megatron.rollout.batch import mismatch_sums
 from gtpo_megatron.rollout.collector import RolloutCollector
 from gtpo_megatron.rollout.types import Completion, PromptCompletions
+from gtpo_megatron.run_dir import list_checkpoints, mark_complete
 from gtpo_megatron.trainer import Trainer
 
 EOS = 2
@@ -156,8 +161,9 @@ class FakePolicy:
         yield "lm_head.weight", torch.zeros(2, 2)
 
     def save_checkpoint(self, path, trainer_state):
-        Path(path).mkdir(parents=True)
+        Path(path).mkdir(parents=True, exist_ok=True)
         (Path(path) / "state.json").write_text(json.dumps(trainer_state))
+        mark_complete(path)
         self.saved.append(path)
 
     def load_checkpoint(self, path):
@@ -179,6 +185,45 @@ def single_rank_groups():
         tp=None,
         pp=None,
         mp=None,
+    )
+
+
+def one_rank_process_group():
+    """A one-process gloo world for the trainer's collectives (use as a module-scoped autouse fixture)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def make_trainer(tmp_path, *overrides, engine=None, policy=None, reference=None):
+    """A ``Trainer`` over the fakes: 2 synthetic prompts x 4 completions per step, 4 steps, a save every 2."""
+    cfg = load_config(
+        None,
+        [
+            "model=builtin:tiny-qwen2",
+            f"output_dir={tmp_path}",
+            "rollout.num_prompts=2",
+            "algorithm.group_size=4",
+            "trainer.max_steps=4",
+            "checkpoint.every_n_steps=2",
+            "checkpoint.keep_last=1",
+            "logging.wandb_mode=disabled",
+            "logging.progress=false",
+            *overrides,
+        ],
+    )
+    start = max([int(p.name[5:]) for p in list_checkpoints(tmp_path / "checkpoints")] + [0]) if cfg.resume else 0
+    return fake_rollout_trainer(
+        cfg,
+        groups=single_rank_groups(),
+        policy=policy or FakePolicy(),
+        engine=engine,
+        start_step=start,
+        reference=reference,
     )
 
 

@@ -18,9 +18,11 @@ from gtpo_megatron.algorithm import (
     conflict_metrics,
     needs_old_logprob_pass,
     objective_metrics,
+    with_entropy_terms,
 )
 from gtpo_megatron.config import RolloutConfig
-from gtpo_megatron.ops import sequence_terms
+from gtpo_megatron.ops import compute_normalizer, sequence_terms
+from gtpo_megatron.parallel import global_normalizer
 from gtpo_megatron.rollout.batch import collate_completions
 from tests.helpers.batches import EOS, algorithm_section, conflict_batch, make_group
 
@@ -145,12 +147,14 @@ def test_uniform_group_skip_and_overlong_filter():
     rewards = torch.tensor([1.0, 1.0, 1.0, 0.0])
     cfg = algorithm_section(group_size=2, skip_uniform_groups=True, overlong_filter=True)
     weights, _ = _weights(batch, rewards, cfg, initial_entropy=1.0)
-    assert weights.keep_mask.tolist() == [False, False, True, True]
-    assert weights.token_weights.sum(dim=-1).tolist() == [2.0, 2.0, 2.0, 0.0]  # row 3 truncated
+    assert weights.loss_row_mask.tolist() == [False, False, True, False]  # row 3 truncated
+    assert torch.equal(weights.keep_mask, weights.loss_row_mask)  # the loss ANDs delta_i into it
+    assert weights.token_weights.sum(dim=-1).tolist() == [0.0, 0.0, 2.0, 0.0]
+    assert conflict_metrics(weights, batch.response_mask)["gtpo/removed_frac"] == 0.75
     # one uniform-group rule (data.sampling.filter_uniform_groups, atol 1e-6) for this switch and dynamic sampling
     nearly_equal = torch.tensor([1.0, 1.0 + 1e-9, 1.0, 0.0])
     weights, _ = _weights(batch, nearly_equal, cfg, initial_entropy=1.0)
-    assert weights.keep_mask.tolist() == [False, False, True, True]
+    assert weights.loss_row_mask.tolist() == [False, False, True, False]
 
 
 @pytest.mark.parametrize(
@@ -212,3 +216,73 @@ def test_skip_uniform_groups_decides_on_scores_not_shaped_rewards():
     # the sibling: scores that vary while the shaped rewards are equal keep the group
     flipped, _ = _weights(batch, torch.zeros(4), cfg, initial_entropy=1.0, scores=torch.tensor([1.0, 0.0, 1.0, 0.0]))
     assert flipped.keep_mask.tolist() == [True, True, True, True]
+
+
+def _issue_batch(finish=("stop", "stop", "stop", "stop")):
+    """Issue 12 item 5: group 0 with 5 and 1 response tokens, group 1 with 3 and 3 (G = 2)."""
+    group0 = make_group([1], [[5, 5, 5, 5, EOS], [EOS]], list(finish[:2]))
+    group1 = make_group([1], [[6, 6, EOS], [7, 7, EOS]], list(finish[2:]))
+    return collate_completions([group0, group1], pad_token_id=EOS)
+
+
+def _step_normalizer(batch, rewards, entropy, cfg, *, max_response_length=None, initial_entropy=1.0):
+    """The normaliser the policy uses for this step: ``global_normalizer`` on the batch's ``loss_mask``.
+
+    Also returns the step weights with the entropy terms of ``entropy`` applied (``algorithm.with_entropy_terms``).
+    """
+    weights, spec = _weights(batch, rewards, cfg, initial_entropy=initial_entropy)
+    weights = with_entropy_terms(weights, entropy, spec)
+    batch.token_weights, batch.loss_row_mask = weights.token_weights, weights.loss_row_mask
+    local = compute_normalizer(batch.loss_mask, cfg.aggregation, max_response_length=max_response_length)
+    normalizer = global_normalizer(local, group=None)
+    return float(normalizer), weights
+
+
+@pytest.mark.parametrize(
+    "aggregation,max_response_length,expected,without_switch",
+    [
+        ("token-mean", None, 6.0, 12.0),  # the issue's input: group 1's 3 + 3 tokens
+        ("seq-mean-token-mean", None, 2.0, 4.0),  # removed rows do not count as sequences
+        ("seq-mean-token-sum", None, 2.0, 4.0),
+        ("seq-mean-token-sum", 8, 16.0, 32.0),  # Dr. GRPO's constant: kept sequences x L
+    ],
+)
+def test_skipped_uniform_groups_leave_the_normaliser(aggregation, max_response_length, expected, without_switch):
+    rewards = torch.tensor([0.0, 0.0, 1.0, 0.0])
+    cfg = algorithm_section("grpo", group_size=2, aggregation=aggregation, skip_uniform_groups=True)
+    normalizer, weights = _step_normalizer(
+        _issue_batch(), rewards, torch.zeros(4), cfg, max_response_length=max_response_length
+    )
+    assert normalizer == expected
+    assert weights.loss_row_mask.tolist() == [False, False, True, True]
+    off = algorithm_section("grpo", group_size=2, aggregation=aggregation)
+    assert (
+        _step_normalizer(_issue_batch(), rewards, torch.zeros(4), off, max_response_length=max_response_length)[0]
+        == without_switch
+    )
+
+
+@pytest.mark.parametrize("aggregation,expected", [("token-mean", 3.0), ("seq-mean-token-mean", 1.0)])
+def test_overlong_filtered_rows_leave_the_normaliser(aggregation, expected):
+    # rows 0 (5 tokens) and 3 (3 tokens) truncated; group 0 is uniform too: only row 2 stays in the objective.
+    batch = _issue_batch(finish=("length", "stop", "stop", "length"))
+    cfg = algorithm_section(
+        "grpo", group_size=2, aggregation=aggregation, skip_uniform_groups=True, overlong_filter=True
+    )
+    normalizer, weights = _step_normalizer(batch, torch.tensor([0.0, 0.0, 1.0, 0.0]), torch.zeros(4), cfg)
+    assert normalizer == expected
+    assert weights.loss_row_mask.tolist() == [False, False, True, False]
+
+
+@pytest.mark.parametrize("aggregation,expected", [("seq-mean-token-mean", 4.0), ("token-mean", 12.0)])
+def test_entropy_filtered_completions_still_count_in_the_normaliser(aggregation, expected):
+    # GTPO_SPEC section 1: (1/G) sum_i delta_i (...) over ALL completions; row 1 (<H> = 0.9 > ln 2) has delta = 0
+    # but counts (as a sequence, and with its 1 token under token-mean): 4 sequences / 5 + 1 + 3 + 3 tokens.
+    cfg = algorithm_section("gtpo", group_size=2, aggregation=aggregation)
+    entropy = torch.tensor([0.1, 0.9, 0.1, 0.1])
+    normalizer, weights = _step_normalizer(
+        _issue_batch(), torch.tensor([1.0, 0.0, 1.0, 0.0]), entropy, cfg, initial_entropy=0.5
+    )
+    assert weights.keep_mask.tolist() == [True, False, True, True]
+    assert weights.token_weights[1].abs().sum() == 0
+    assert normalizer == expected

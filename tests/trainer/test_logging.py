@@ -83,3 +83,42 @@ def test_step_line_lists_known_keys_in_order():
     assert line == "step 3: reward/mean=1.25 accuracy=0.5"
     line = format_step_line(1, {"entropy/completion_mean": 0.5, "entropy/token_mean": 0.7, "format_rate": 0.25})
     assert line == "step 1: format_rate=0.25 entropy/completion_mean=0.5"
+
+
+def test_known_third_party_warnings_are_hidden_and_accelerators_named_once(monkeypatch, caplog):
+    import warnings
+
+    from gtpo_megatron.logging import quiet_known_warnings, report_optional_accelerators
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        quiet_known_warnings(cuda=False)
+        for message in (
+            "Transformer Engine and Apex are not installed. Falling back to Torch optimizers.",
+            "Apex is not installed. Falling back to Torch Norm",
+            "When using async grad allreduce it is recommended to set ...",
+            "something else",  # not on the list: shown
+        ):
+            warnings.warn(message, UserWarning, stacklevel=1)
+    assert [str(w.message) for w in caught] == ["something else"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        quiet_known_warnings(cuda=True)  # on GPU the CUDA_DEVICE_MAX_CONNECTIONS hint stays
+        warnings.warn("When using async grad allreduce it is recommended to set ...", UserWarning, stacklevel=1)
+    assert len(caught) == 1
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
+    with caplog.at_level("INFO", logger="gtpo_megatron"):
+        report_optional_accelerators(__import__("logging").getLogger("gtpo_megatron.test"))
+    assert caplog.messages == [
+        "optional accelerators not installed: Apex, Transformer Engine; megatron-core uses its PyTorch "
+        "implementations instead (same results; fused kernels are faster on GPU: bash launch/install.sh gpu)"
+    ]
+
+
+def test_startup_line_lists_the_phases():
+    from gtpo_megatron.logging import format_startup_line
+
+    seconds = {"time/startup/imports_s": 6.04, "time/startup/policy_s": 3.96, "time/step_s": 9.0}
+    assert format_startup_line(seconds, 12.34) == (
+        "start-up 12.3 s before step 1: imports 6.0, policy 4.0 (rollout_side overlaps policy)"
+    )

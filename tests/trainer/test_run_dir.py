@@ -2,14 +2,23 @@
 
 from __future__ import annotations
 
+import json
+import logging
+
 import pytest
 
 from gtpo_megatron import run_dir
 
 
-def _make(root, *names):
+def _make(root, *names, complete=True):
+    """Step folders holding two files (``common.pt`` and a shard), marked complete unless ``complete=False``."""
     for name in names:
-        (root / name).mkdir(parents=True)
+        folder = root / name
+        (folder / "model").mkdir(parents=True)
+        (folder / "common.pt").write_bytes(b"c" * 10)
+        (folder / "model" / "__0_0.distcp").write_bytes(b"w" * 100)
+        if complete:
+            run_dir.mark_complete(folder)
 
 
 def test_names(tmp_path):
@@ -30,13 +39,63 @@ def test_list_checkpoints_counts_only_complete_step_folders(tmp_path):
     _make(root, "step_000010", "step_000002", ".step_000011.tmp", "step_foo", "hf")
     (root / "latest").write_text("step_000010")
     assert [p.name for p in run_dir.list_checkpoints(root)] == ["step_000002", "step_000010"]
+    marker = json.loads((root / "step_000010" / "complete.json").read_text())
+    assert marker == {"files": {"common.pt": 10, "model/__0_0.distcp": 100}}
+
+
+def _truncated_folders(root):
+    """One complete checkpoint (step 2) and four newer folders that are not checkpoints, each another way."""
+    _make(root, "step_000002", "step_000004", "step_000005", "step_000006")
+    (root / "step_000003").mkdir()
+    (root / "step_000003" / "common.pt").write_bytes(b"c")  # a folder with one file: the save was killed
+    (root / "step_000004" / "model" / "__0_0.distcp").unlink()  # a file lost after the save (partial copy)
+    (root / "step_000005" / "model" / "__0_0.distcp").write_bytes(b"w" * 7)  # a truncated shard
+    (root / "step_000006" / "complete.json").write_text("{not json")
+
+
+def test_resume_takes_the_newest_complete_checkpoint_and_warns_about_the_rest(tmp_path, caplog):
+    root = run_dir.checkpoints_dir(tmp_path)
+    _truncated_folders(root)
+    problems = {p.name: run_dir.checkpoint_problem(p) for p in sorted(root.iterdir())}
+    assert problems == {
+        "step_000002": None,
+        "step_000003": "no complete.json (its save did not finish)",
+        "step_000004": "model/__0_0.distcp is missing",
+        "step_000005": "model/__0_0.distcp has 7 bytes, complete.json lists 100",
+        "step_000006": "complete.json is unreadable",
+    }
+    assert [p.name for p in run_dir.list_checkpoints(root)] == ["step_000002"]
+    with caplog.at_level(logging.WARNING, logger="gtpo_megatron.run_dir"):
+        assert run_dir.newest_checkpoint(root) == root / "step_000002"
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 4 and all("skipped: resuming from an older one" in m for m in warned)
+    assert "step_000005 is not a complete checkpoint (model/__0_0.distcp has 7 bytes" in warned[2]
+    # `latest` naming an incomplete folder falls back to the newest complete one; an incomplete step folder given
+    # by name is refused with the reason
+    (root / "latest").write_text("step_000005")
+    assert run_dir.resolve_checkpoint_dir(root) == root / "step_000002"
+    with pytest.raises(ValueError, match=r"step_000003' is not a complete checkpoint \(no complete.json"):
+        run_dir.resolve_checkpoint_dir(root / "step_000003")
+    for name in ("step_000002", "step_000004", "step_000005", "step_000006"):
+        run_dir.remove_checkpoint(root / name)
+    assert run_dir.newest_checkpoint(root) is None
+    with pytest.raises(ValueError, match="holds no complete checkpoint"):
+        run_dir.resolve_checkpoint_dir(root)
+
+
+def test_remove_checkpoint_drops_the_marker_first(tmp_path, monkeypatch):
+    root = run_dir.checkpoints_dir(tmp_path)
+    _make(root, "step_000001")
+    monkeypatch.setattr(run_dir.shutil, "rmtree", lambda *a, **k: None)  # as if killed before deleting any file
+    run_dir.remove_checkpoint(root / "step_000001")
+    assert run_dir.list_checkpoints(root) == [] and (root / "step_000001" / "common.pt").exists()
 
 
 def test_fresh_run_guard(tmp_path):
     run_dir.check_fresh_run(tmp_path, resume=False)  # nothing there yet
-    _make(run_dir.checkpoints_dir(tmp_path), ".step_000001.tmp")
+    (run_dir.checkpoints_dir(tmp_path) / ".step_000001.tmp").mkdir(parents=True)
     run_dir.check_fresh_run(tmp_path, resume=False)  # an interrupted save is not a checkpoint
-    _make(run_dir.checkpoints_dir(tmp_path), "step_000003")
+    _make(run_dir.checkpoints_dir(tmp_path), "step_000003", complete=False)  # incomplete: still an earlier run's
     run_dir.check_fresh_run(tmp_path, resume=True)
     with pytest.raises(
         ValueError,
@@ -49,8 +108,7 @@ def test_fresh_run_guard(tmp_path):
 def test_latest_pointer_and_resolution(tmp_path):
     (tmp_path / "config.yaml").write_text("model: m\n")
     final = run_dir.checkpoint_dir(tmp_path, 4)
-    final.mkdir(parents=True)
-    (final / "common.pt").write_bytes(b"")
+    _make(final.parent, final.name)
     run_dir.write_latest(final)
     root = run_dir.checkpoints_dir(tmp_path)
     assert (root / "latest").read_text() == "step_000004" and not (root / ".latest.tmp").exists()
@@ -59,7 +117,7 @@ def test_latest_pointer_and_resolution(tmp_path):
         assert run_dir.resolve_step_dir(path) == final
     assert run_dir.run_config_path(final) == (tmp_path / "config.yaml").resolve()
     assert not run_dir.is_megatron_checkpoint(tmp_path / "missing")
-    with pytest.raises(ValueError, match="holds no checkpoint and no 'latest' file"):
+    with pytest.raises(ValueError, match="holds no complete checkpoint"):
         run_dir.resolve_checkpoint_dir(tmp_path / "missing")
     with pytest.raises(FileNotFoundError, match="must sit at RUN_DIR/checkpoints/<step>/"):
         run_dir.run_config_path(tmp_path / "moved" / "away" / "step_000001")

@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
-import socket
 
 import pytest
 import torch
-import torch.distributed as dist
 
-from gtpo_megatron.config import load_config
 from gtpo_megatron.logging import format_step_line
 from gtpo_megatron.run_dir import list_checkpoints
 from tests.trainer.fakes import (
@@ -19,8 +17,8 @@ from tests.trainer.fakes import (
     FakePolicy,
     FakeRewardPool,
     FakeTokenizer,
-    fake_rollout_trainer,
-    single_rank_groups,
+    make_trainer,
+    one_rank_process_group,
 )
 
 CONTRACT_KEYS = {
@@ -51,46 +49,11 @@ CONTRACT_KEYS = {
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_rank_world():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
-def _trainer(tmp_path, *overrides, engine=None, policy=None, reference=None):
-    cfg = load_config(
-        None,
-        [
-            "model=builtin:tiny-qwen2",
-            f"output_dir={tmp_path}",
-            "rollout.num_prompts=2",
-            "algorithm.group_size=4",
-            "trainer.max_steps=4",
-            "checkpoint.every_n_steps=2",
-            "checkpoint.keep_last=1",
-            "logging.wandb_mode=disabled",
-            "logging.progress=false",
-            *overrides,
-        ],
-    )
-    start = max([int(p.name[5:]) for p in list_checkpoints(tmp_path / "checkpoints")] + [0]) if cfg.resume else 0
-    return fake_rollout_trainer(
-        cfg,
-        groups=single_rank_groups(),
-        policy=policy or FakePolicy(),
-        engine=engine,
-        start_step=start,
-        reference=reference,
-    )
+one_rank_world = pytest.fixture(scope="module", autouse=True)(one_rank_process_group)
 
 
 def test_step_phases_feed_the_policy_and_engine(tmp_path):
-    trainer = _trainer(tmp_path)
+    trainer = make_trainer(tmp_path)
     metrics = trainer.step(1)
     assert CONTRACT_KEYS <= set(metrics)
     batch, loss, terms = trainer.policy.train_batches[0]
@@ -115,7 +78,7 @@ def test_step_phases_feed_the_policy_and_engine(tmp_path):
 
 
 def test_run_writes_metrics_curves_and_prunes_checkpoints(tmp_path):
-    trainer = _trainer(tmp_path)
+    trainer = make_trainer(tmp_path)
     trainer.run()
     trainer.close()
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -126,11 +89,11 @@ def test_run_writes_metrics_curves_and_prunes_checkpoints(tmp_path):
 
 
 def test_resume_continues_with_the_same_prompts(tmp_path):
-    full = _trainer(tmp_path / "full")
+    full = make_trainer(tmp_path / "full")
     full.run()
-    stopped = _trainer(tmp_path / "cut", "trainer.max_steps=2")
+    stopped = make_trainer(tmp_path / "cut", "trainer.max_steps=2")
     stopped.run()
-    resumed = _trainer(tmp_path / "cut", "resume=true")
+    resumed = make_trainer(tmp_path / "cut", "resume=true")
     resumed.run()
     prompts = lambda engine: [call[0] for call in engine.calls]  # noqa: E731
     assert prompts(resumed.collector.engine) == prompts(full.collector.engine)[2:]
@@ -141,8 +104,24 @@ def test_resume_continues_with_the_same_prompts(tmp_path):
     assert [r["step"] for r in lines] == [1, 2, 3, 4]
 
 
+def test_resume_skips_incomplete_checkpoints_with_a_warning(tmp_path, caplog):
+    full = make_trainer(tmp_path / "full")
+    full.run()
+    stopped = make_trainer(tmp_path / "cut", "trainer.max_steps=2")
+    stopped.run()
+    root = tmp_path / "cut" / "checkpoints"
+    (root / "step_000003").mkdir()
+    (root / "step_000003" / "state.json").write_text("{}")  # a folder with one file is not a checkpoint
+    with caplog.at_level(logging.WARNING, logger="gtpo_megatron.run_dir"):
+        resumed = make_trainer(tmp_path / "cut", "resume=true")
+        resumed.run()
+    assert "step_000003 is not a complete checkpoint (no complete.json" in caplog.text
+    prompts = lambda engine: [call[0] for call in engine.calls]  # noqa: E731
+    assert prompts(resumed.collector.engine) == prompts(full.collector.engine)[2:]  # resumed from step 2
+
+
 def test_sigterm_saves_after_the_current_step_and_stops(tmp_path):
-    trainer = _trainer(tmp_path, "checkpoint.every_n_steps=0")
+    trainer = make_trainer(tmp_path, "checkpoint.every_n_steps=0")
     original = trainer.step
 
     def step_then_signal(step):
@@ -157,7 +136,7 @@ def test_sigterm_saves_after_the_current_step_and_stops(tmp_path):
 
 
 def test_dynamic_sampling_resamples_until_groups_vary(tmp_path):
-    trainer = _trainer(tmp_path, "algorithm=dapo", engine=FakeEngine(uniform_rounds=1))
+    trainer = make_trainer(tmp_path, "algorithm=dapo", engine=FakeEngine(uniform_rounds=1))
     metrics = trainer.step(1)
     assert metrics["rollout/num_rounds"] == 2.0
     seeds = [call[2].seed for call in trainer.collector.engine.calls]
@@ -165,6 +144,15 @@ def test_dynamic_sampling_resamples_until_groups_vary(tmp_path):
     batch, loss, _ = trainer.policy.train_batches[0]
     assert batch.advantages.abs().min() > 0  # both chosen groups come from the varied second round
     assert loss.aggregation == "token-mean" and loss.clip_eps_high == 0.28
+
+
+def test_removed_rows_reach_the_policy_as_a_loss_row_mask(tmp_path):
+    trainer = make_trainer(tmp_path, "algorithm.skip_uniform_groups=true", engine=FakeEngine(uniform_rounds=1))
+    for step in (1, 2):
+        trainer.step(step)
+    (uniform, _, _), (varied, _, _) = trainer.policy.train_batches
+    assert uniform.loss_row_mask.tolist() == [False] * 8 and not uniform.loss_mask.any()  # the policy skips it
+    assert varied.loss_row_mask.all() and torch.equal(varied.loss_mask, varied.response_mask)
 
 
 class _RecordingEngine(FakeEngine):
@@ -187,7 +175,7 @@ def test_train_state_is_offloaded_around_the_rollout(tmp_path, monkeypatch):
     monkeypatch.setattr("gtpo_megatron.trainer._cuda_available", lambda: True)
     engine, policy = _RecordingEngine(), _RecordingPolicy()
     policy.events = engine.events  # one timeline for both
-    trainer = _trainer(tmp_path, "rollout.offload_train_state=true", engine=engine, policy=policy)
+    trainer = make_trainer(tmp_path, "rollout.offload_train_state=true", engine=engine, policy=policy)
     trainer.step(1)
     trainer.step(2)
     rollout = ["offload_train_state", "generate", "sleep", "restore_train_state"]
@@ -199,12 +187,12 @@ def test_train_state_is_offloaded_around_the_rollout(tmp_path, monkeypatch):
 
 def test_train_state_offload_is_off_by_default_and_warns_without_cuda(tmp_path, monkeypatch, caplog):
     policy = _RecordingPolicy()
-    _trainer(tmp_path, policy=policy).step(1)
+    make_trainer(tmp_path, policy=policy).step(1)
     assert "offload_train_state" not in policy.events and "restore_train_state" not in policy.events
     monkeypatch.setattr("gtpo_megatron.trainer._cuda_available", lambda: False)
     policy = _RecordingPolicy()
     with caplog.at_level("WARNING"):
-        trainer = _trainer(tmp_path / "cpu", "rollout.offload_train_state=true", policy=policy)
+        trainer = make_trainer(tmp_path / "cpu", "rollout.offload_train_state=true", policy=policy)
     assert "rollout.offload_train_state=true has no effect without CUDA" in caplog.text
     trainer.step(1)
     assert "offload_train_state" not in policy.events
@@ -220,7 +208,7 @@ class _FailingRewardPool(FakeRewardPool):
 
 @pytest.mark.parametrize(("max_error_frac", "stops"), [(0.5, False), (0.25, True)])
 def test_grader_failures_above_reward_max_error_frac_stop_the_step(tmp_path, max_error_frac, stops):
-    trainer = _trainer(tmp_path, f"reward.max_error_frac={max_error_frac}")
+    trainer = make_trainer(tmp_path, f"reward.max_error_frac={max_error_frac}")
     trainer.collector.reward_pool = _FailingRewardPool()
     if stops:
         with pytest.raises(RuntimeError, match=r"reward 'fake' failed to grade 3 of 8 answers.*boxed"):
@@ -231,7 +219,7 @@ def test_grader_failures_above_reward_max_error_frac_stop_the_step(tmp_path, max
 
 def test_no_pass_before_the_update_once_initial_entropy_is_known(tmp_path):
     policy = _RecordingPolicy()
-    trainer = _trainer(tmp_path, "algorithm.initial_entropy_steps=2", policy=policy)
+    trainer = make_trainer(tmp_path, "algorithm.initial_entropy_steps=2", policy=policy)
     first, second, third = trainer.step(1), trainer.step(2), trainer.step(3)
     # Steps 1-2 measure <H>_ini (one pass each, before the update), step 3 computes everything in its forward.
     assert policy.events == ["compute_logprobs", "train_step"] * 2 + ["train_step"]
@@ -245,7 +233,7 @@ def test_no_pass_before_the_update_once_initial_entropy_is_known(tmp_path):
 
 def test_grpo_has_no_pass_before_the_update(tmp_path):
     policy = _RecordingPolicy()
-    metrics = _trainer(tmp_path, "algorithm=grpo", policy=policy).step(1)
+    metrics = make_trainer(tmp_path, "algorithm=grpo", policy=policy).step(1)
     assert policy.events == ["train_step"] and metrics["time/old_logprob_s"] == 0.0
     assert metrics["gtpo/filtered_frac"] == 0.0 and "entropy/initial" not in metrics
 
@@ -261,9 +249,9 @@ class _ShiftedReference(_RecordingPolicy):
 
 def test_kl_term_gets_reference_logprobs(tmp_path):
     with pytest.raises(ValueError, match="needs a reference policy exactly when it is > 0"):
-        _trainer(tmp_path, "algorithm=grpo", "algorithm.kl_coef=1e-6")
+        make_trainer(tmp_path, "algorithm=grpo", "algorithm.kl_coef=1e-6")
     reference, policy = _ShiftedReference(), _RecordingPolicy()
-    trainer = _trainer(tmp_path, "algorithm=grpo", "algorithm.kl_coef=1e-6", policy=policy, reference=reference)
+    trainer = make_trainer(tmp_path, "algorithm=grpo", "algorithm.kl_coef=1e-6", policy=policy, reference=reference)
     metrics = trainer.step(1)
     batch, loss, _ = policy.train_batches[0]
     assert reference.events == ["compute_logprobs"] and policy.events == ["train_step"]
@@ -275,23 +263,25 @@ def test_kl_term_gets_reference_logprobs(tmp_path):
 
 
 def test_resume_refuses_to_measure_initial_entropy_on_a_trained_policy(tmp_path):
-    _trainer(tmp_path, "trainer.max_steps=2", "algorithm.entropy_filter=fixed").run()
-    resumed = _trainer(tmp_path, "resume=true")  # the paper filter, but the checkpoint has no <H>_ini
+    make_trainer(tmp_path, "trainer.max_steps=2", "algorithm.entropy_filter=fixed").run()
+    resumed = make_trainer(tmp_path, "resume=true")  # the paper filter, but the checkpoint has no <H>_ini
     with pytest.raises(ValueError, match=r"holds <H>_ini measured over 0 of the first.*trained policy"):
         resumed.run()
     # a run that measured <H>_ini over its first step resumes with it
-    _trainer(tmp_path / "paper", "trainer.max_steps=2").run()
-    resumed = _trainer(tmp_path / "paper", "resume=true")
+    make_trainer(tmp_path / "paper", "trainer.max_steps=2").run()
+    resumed = make_trainer(tmp_path / "paper", "resume=true")
     resumed.run()
     assert resumed.initial_entropy == pytest.approx(0.375) and resumed.initial_entropy_steps == 1
     # measuring over 3 steps: a checkpoint at step 2 (2 of 3 measured) resumes and measures step 3 as the
     # uninterrupted run would; asking for more steps than the checkpoint measured after them is refused
-    _trainer(tmp_path / "three", "trainer.max_steps=2", "algorithm.initial_entropy_steps=3").run()
-    resumed = _trainer(tmp_path / "three", "resume=true", "algorithm.initial_entropy_steps=3")
+    make_trainer(tmp_path / "three", "trainer.max_steps=2", "algorithm.initial_entropy_steps=3").run()
+    resumed = make_trainer(tmp_path / "three", "resume=true", "algorithm.initial_entropy_steps=3")
     resumed.run()
     assert resumed.initial_entropy_steps == 3
     with pytest.raises(ValueError, match="measured over 3 of the first algorithm.initial_entropy_steps=5"):
-        _trainer(tmp_path / "three", "resume=true", "trainer.max_steps=6", "algorithm.initial_entropy_steps=5").run()
+        make_trainer(
+            tmp_path / "three", "resume=true", "trainer.max_steps=6", "algorithm.initial_entropy_steps=5"
+        ).run()
 
 
 class _RecordingTokenizer(FakeTokenizer):
@@ -306,7 +296,7 @@ class _RecordingTokenizer(FakeTokenizer):
 def test_collector_prompts_use_the_configured_system_prompt(tmp_path):
     from gtpo_megatron.data import SYSTEM_PROMPTS
 
-    trainer = _trainer(tmp_path)
+    trainer = make_trainer(tmp_path)
     trainer.collector.tokenizer = tokenizer = _RecordingTokenizer()
     trainer.collector.system_prompt = SYSTEM_PROMPTS["authors"]
     trainer.step(1)
@@ -318,7 +308,7 @@ def test_every_metric_consumer_reads_names_the_step_writes(tmp_path):
     from gtpo_megatron import logging as gtpo_logging
     from gtpo_megatron.evaluation.compare import METRICS
 
-    metrics = _trainer(tmp_path).step(1)
+    metrics = make_trainer(tmp_path).step(1)
     consumers = {k for k, _ in gtpo_logging.PROGRESS_KEYS} | {k for k, _ in gtpo_logging.CURVES}
     consumers |= {k for k, _ in METRICS}
     assert consumers <= set(metrics), consumers - set(metrics)

@@ -1,0 +1,120 @@
+"""Stop requests from signals: save what the run has before the job is killed (stdlib only).
+
+Two signals, two deadlines:
+
+- ``SIGUSR1``: an early warning. ``launch/submit.sbatch`` asks Slurm for ``--signal=B:USR1@<seconds>`` before the
+  time limit and forwards it to the workers (``srun`` to ``torchrun``, which forwards it to its ranks); there is
+  time to finish the step in flight, so the trainer saves at the next step boundary and stops.
+- ``SIGTERM``: preemption, the time limit, ``scancel``, or ``torchrun`` forwarding its own SIGTERM. SIGKILL follows
+  about 30 s later (Slurm's ``KillWait``, ``torchrun --shutdown-timeout``), often less than one step of a large run.
+  The trainer aborts the step in flight at its next safe point and saves the last COMPLETED step: the state after
+  the previous optimizer step (model, optimizer, RNG, loader position). A step whose optimizer update has already
+  happened is completed: only its weight sync is skipped.
+
+The handlers only set flags, except inside :meth:`StopRequests.interruptible` (rank 0's rollout, which holds no
+collective): there SIGTERM also raises :class:`StepInterrupted`, so that a long generation is left at once. Every
+other decision is taken by the trainer at its safe points with one collective over all ranks
+(``parallel.collectives.any_rank``), so that all ranks stop at the same point and none waits in a collective the
+others skip.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+from collections.abc import Iterator
+
+
+def ignore_stop_signals_in_children() -> None:
+    """Ignore SIGUSR1 in this process until ``StopRequests.installed`` handles it; call before starting helpers.
+
+    torchrun forwards a signal to each worker's whole process group and Slurm to every process of the step, so the
+    rollout engine's, the reward pool's and wandb's processes receive SIGUSR1 too, whose default action kills them:
+    the step that SIGUSR1 asks to finish would then fail. An ignored signal stays ignored in every child, forked or
+    spawned, so the helpers started after this call survive it. (SIGTERM keeps killing them: it aborts the step.)
+    """
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+
+
+def ignore_stop_signals() -> None:
+    """Ignore SIGTERM and SIGUSR1 (the initializer of a helper process that a save needs)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+
+
+class StepInterrupted(BaseException):  # noqa: N818 - like KeyboardInterrupt: library code must not swallow it
+    """Raised by the SIGTERM handler inside :meth:`StopRequests.interruptible`.
+
+    A ``BaseException``, so that a library's ``except Exception`` in the interrupted code does not swallow it.
+    """
+
+
+class StopRequests:
+    """The run's stop flags, set by signal handlers while :meth:`installed` is active.
+
+    Args:
+        on_sigterm: handle SIGTERM (``checkpoint.save_on_sigterm``); otherwise it keeps its previous handler.
+        on_sigusr1: handle SIGUSR1 (``checkpoint.save_on_sigusr1``).
+
+    Attributes:
+        abort_requested: a SIGTERM arrived: abort the step in flight at the next safe point.
+        save_requested: a SIGUSR1 arrived: save at the next step boundary and stop.
+    """
+
+    def __init__(self, *, on_sigterm: bool, on_sigusr1: bool) -> None:
+        self.abort_requested = False
+        self.save_requested = False
+        self._signals = {signal.SIGTERM: on_sigterm, signal.SIGUSR1: on_sigusr1}
+        self._interruptible = False
+
+    @property
+    def stop_requested(self) -> bool:
+        """Whether the run must stop at the next step boundary (either signal)."""
+        return self.abort_requested or self.save_requested
+
+    def describe(self) -> str:
+        """The signals received, for log lines (``"SIGTERM"``, ``"SIGUSR1"``, both, or ``"a rank's signal"``)."""
+        names = [name for name, flag in (("SIGTERM", self.abort_requested), ("SIGUSR1", self.save_requested)) if flag]
+        return " and ".join(names) or "another rank's signal"
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[StopRequests]:
+        """Install the enabled handlers for the ``with`` block, then restore the previous ones.
+
+        Signal handlers can only be set from the main thread; elsewhere (a test runner's thread) nothing is
+        installed and the flags stay False.
+        """
+        wanted = [sig for sig, enabled in self._signals.items() if enabled]
+        if threading.current_thread() is not threading.main_thread():
+            wanted = []
+        handlers = {signal.SIGTERM: self._on_sigterm, signal.SIGUSR1: self._on_sigusr1}
+        previous = {sig: signal.signal(sig, handlers[sig]) for sig in wanted}
+        try:
+            yield self
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    @contextlib.contextmanager
+    def interruptible(self) -> Iterator[None]:
+        """A block that SIGTERM leaves at once with :class:`StepInterrupted` (also when it arrived just before).
+
+        Use only around code that issues no collective (rank 0's rollout and reward phase).
+        """
+        if self.abort_requested:
+            raise StepInterrupted
+        self._interruptible = True
+        try:
+            yield
+        finally:
+            self._interruptible = False
+
+    def _on_sigterm(self, signum, frame) -> None:
+        self.abort_requested = True
+        if self._interruptible:
+            self._interruptible = False
+            raise StepInterrupted
+
+    def _on_sigusr1(self, signum, frame) -> None:
+        self.save_requested = True
