@@ -28,11 +28,11 @@ class _SlowEngine(FakeEngine):
     def __init__(self, *args, **kwargs):
         super().__init__()
 
-    def generate(self, prompt_ids, n, sampling):
+    def generate(self, prompt_ids, n, sampling, prompt_indices=None):
         if len(self.calls) + 1 == int(os.environ.get("GTPO_TEST_SLOW_CALL", "0")):
             Path(os.environ["GTPO_TEST_MARKER"]).touch()
             time.sleep(float(os.environ["GTPO_TEST_SLOW_S"]))
-        return super().generate(prompt_ids, n, sampling)
+        return super().generate(prompt_ids, n, sampling, prompt_indices)
 
 
 gtpo_megatron.rollout.vllm_engine.VLLMEngine = _SlowEngine

@@ -55,7 +55,8 @@ def two_engines(tmp_path_factory):
 
 def test_each_engine_generates_its_half_and_follows_the_collective_sync(two_engines):
     records, log = two_engines
-    assert "VLLM_CPU_OMP_THREADS_BIND='0'" in log and "VLLM_CPU_OMP_THREADS_BIND='1'" in log  # two engine processes
+    # rank 0's engine on core 0 (the other ranks log warnings only); engine 1's share shows in the token counters
+    assert "started engine 0 of 2" in log and "{'VLLM_CPU_OMP_THREADS_BIND': '0'}" in log
     for record in records:
         assert record["rollout/num_engines"] == 2
         low, high = record["rollout/tokens_per_engine_min"], record["rollout/tokens_per_engine_max"]
