@@ -59,19 +59,39 @@ def main() -> None:
         def on_step_end(self, *a, **k):
             self.seconds.append(time.perf_counter() - self._start)
 
-    cfg = GRPOConfig(output_dir=args.output, max_steps=args.steps, per_device_train_batch_size=16,
-                     num_generations=8, max_completion_length=64, temperature=0.7, learning_rate=2e-5,
-                     beta=0.0, num_iterations=1, logging_steps=1, report_to=[], save_strategy="no",
-                     use_cpu=True, bf16=False, seed=0)
+    cfg = GRPOConfig(
+        output_dir=args.output,
+        max_steps=args.steps,
+        per_device_train_batch_size=16,
+        num_generations=8,
+        max_completion_length=64,
+        temperature=0.7,
+        learning_rate=2e-5,
+        beta=0.0,
+        num_iterations=1,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        bf16=False,
+        seed=0,
+    )
     timer = StepTimer()
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
-    trainer = GRPOTrainer(model=model, processing_class=AutoTokenizer.from_pretrained(args.model),
-                          reward_funcs=_reward, args=cfg, train_dataset=_dataset(16 * args.steps),
-                          callbacks=[timer])
+    trainer = GRPOTrainer(
+        model=model,
+        processing_class=AutoTokenizer.from_pretrained(args.model),
+        reward_funcs=_reward,
+        args=cfg,
+        train_dataset=_dataset(16 * args.steps),
+        callbacks=[timer],
+    )
     trainer.train()
     later = timer.seconds[1:] or timer.seconds
-    print(f"trl/step_s {statistics.mean(later):.2f} (steps 2..{len(timer.seconds)}: "
-          f"{[round(s, 1) for s in timer.seconds]})")
+    print(
+        f"trl/step_s {statistics.mean(later):.2f} (steps 2..{len(timer.seconds)}: "
+        f"{[round(s, 1) for s in timer.seconds]})"
+    )
 
 
 if __name__ == "__main__":
