@@ -192,14 +192,9 @@ class Trainer:
                     local.ref_logprobs = self._ref_logprob_pass(local)
             with timer.phase("advantages"):
                 spec = dataclasses.replace(self.loss_spec, initial_entropy=self.initial_entropy)
-                rewards = torch.tensor(rollout.rewards)
+                rewards, scores = torch.tensor(rollout.rewards), torch.tensor(rollout.scores)
                 weights = compute_step_weights(
-                    batch,
-                    rewards,
-                    self.cfg.algorithm,
-                    loss_spec=spec,
-                    seq_entropy=seq_entropy,
-                    scores=torch.tensor(rollout.scores),
+                    batch, rewards, self.cfg.algorithm, loss_spec=spec, seq_entropy=seq_entropy, scores=scores
                 )
                 train_batch = self._train_batch(local, weights, rows, old_logprobs, seq_entropy)
             if self._agree(self.stop_requests.abort_requested):  # safe point: the weights are still step - 1's
@@ -209,6 +204,21 @@ class Trainer:
             aborting = self._agree(self.stop_requests.abort_requested)  # the update is done: skip only the sync
             with timer.phase("sync"):
                 sync_metrics = {} if aborting else self._sync_weights()
+        return self._step_metrics(rollout, batch, weights, train_metrics, {**sync_metrics, **timer.seconds})
+
+    def _step_metrics(
+        self,
+        rollout: StepRollout,
+        batch: TrainBatch,
+        weights: StepWeights,
+        train_metrics: dict[str, float],
+        measured: dict[str, float],
+    ) -> dict[str, float]:
+        """The step's metrics, identical on every rank except timings.
+
+        Rollout, conflict and objective metrics, the policy's as ``train/*``, ``measured`` (the weight sync's
+        ``sync/*`` and the phase times ``time/*``) and throughput.
+        """
         metrics = rollout_metrics(
             batch, torch.tensor(rollout.scores), torch.tensor(rollout.correct), torch.tensor(rollout.format_ok)
         )
@@ -218,7 +228,7 @@ class Trainer:
             metrics["entropy/initial"] = self.initial_entropy
         metrics.update({f"train/{k}": v for k, v in train_metrics.items()})
         metrics.update({"time/old_logprob_s": 0.0, **({"time/ref_logprob_s": 0.0} if self.reference else {})})
-        metrics.update({**rollout.stats, **sync_metrics, **timer.seconds})
+        metrics.update({**rollout.stats, **measured})
         metrics["perf/tokens_per_s"] = float(batch.attention_mask.sum()) / metrics["time/step_s"]
         metrics["perf/response_tokens_per_s"] = float(batch.response_mask.sum()) / metrics["time/step_s"]
         return metrics

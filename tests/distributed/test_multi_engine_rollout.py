@@ -15,9 +15,9 @@ from gtpo_megatron.config import load_config
 from gtpo_megatron.data.datasets import load_problems
 from gtpo_megatron.data.loader import PromptLoader
 from gtpo_megatron.parallel import broadcast_object
-from gtpo_megatron.rollout.collector import RolloutCollector, collect_step
+from gtpo_megatron.rollout.collector import collect_step
 from tests.helpers.dist_harness import run_distributed
-from tests.trainer.fakes import FakeRewardPool, FakeTokenizer, SeededFakeEngine
+from tests.trainer.fakes import SeededFakeEngine, fake_collector
 
 pytestmark = pytest.mark.distributed
 
@@ -37,17 +37,7 @@ def _step(rank: int, num_engines: int, overrides: list[str]):
     cfg = load_config(None, ["model=builtin:tiny-qwen2", "output_dir=/tmp/unused", *overrides])
     collector, engine = None, SeededFakeEngine()
     if rank < num_engines:  # world 2: leaders 0 (and 1)
-        collector = RolloutCollector(
-            engine=engine,
-            reward_pool=FakeRewardPool(),
-            tokenizer=FakeTokenizer(),
-            rollout_cfg=cfg.rollout,
-            algorithm_cfg=cfg.algorithm,
-            reward_cfg=cfg.reward,
-            extraction="lenient",
-            engine_index=rank,
-            num_engines=num_engines,
-        )
+        collector = fake_collector(cfg, engine, engine_index=rank, num_engines=num_engines)
     loader = PromptLoader(load_problems("synthetic", limit=40), batch_size=cfg.rollout.num_prompts, seed=0)
     rollout = collect_step(collector, loader, 3, rollout_cfg=cfg.rollout, algorithm_cfg=cfg.algorithm,
                            reward_cfg=cfg.reward, num_engines=num_engines, group=dist.group.WORLD)  # fmt: skip

@@ -8,9 +8,9 @@ from gtpo_megatron.config import load_config
 from gtpo_megatron.data.datasets import load_problems
 from gtpo_megatron.data.loader import PromptLoader
 from gtpo_megatron.preemption import StopRequests
-from gtpo_megatron.rollout.collector import RolloutCollector, collect_step
+from gtpo_megatron.rollout.collector import collect_step
 from gtpo_megatron.rollout.types import Completion, PromptCompletions
-from tests.trainer.fakes import EOS, FakeEngine, FakeRewardPool, FakeTokenizer, SeededFakeEngine
+from tests.trainer.fakes import EOS, FakeEngine, SeededFakeEngine, fake_collector
 
 
 class _LengthsOnly(FakeEngine):
@@ -25,15 +25,7 @@ class _LengthsOnly(FakeEngine):
 
 def _collect(engine, *overrides, step=1, stop=None):
     cfg = load_config(None, ["model=builtin:tiny-qwen2", "output_dir=/tmp/unused", *overrides])
-    collector = RolloutCollector(
-        engine=engine,
-        reward_pool=FakeRewardPool(),
-        tokenizer=FakeTokenizer(),
-        rollout_cfg=cfg.rollout,
-        algorithm_cfg=cfg.algorithm,
-        reward_cfg=cfg.reward,
-        extraction="lenient",
-    )
+    collector = fake_collector(cfg, engine)
     loader = PromptLoader(load_problems("synthetic", limit=40), batch_size=cfg.rollout.num_prompts, seed=0)
     rollout = collect_step(collector, loader, step, rollout_cfg=cfg.rollout, algorithm_cfg=cfg.algorithm,
                            reward_cfg=cfg.reward, num_engines=1, group=None, stop=stop)  # fmt: skip

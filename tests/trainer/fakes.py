@@ -227,6 +227,21 @@ def make_trainer(tmp_path, *overrides, engine=None, policy=None, reference=None)
     )
 
 
+def fake_collector(cfg: GTPOConfig, engine, *, extraction: str = "lenient", **fields) -> RolloutCollector:
+    """A ``RolloutCollector`` of ``engine`` with ``FakeRewardPool`` and ``FakeTokenizer`` and ``cfg``'s sections;
+    ``fields``: further constructor arguments (``engine_index``, ``num_engines``, ...)."""
+    return RolloutCollector(
+        engine=engine,
+        reward_pool=FakeRewardPool(),
+        tokenizer=FakeTokenizer(),
+        rollout_cfg=cfg.rollout,
+        algorithm_cfg=cfg.algorithm,
+        reward_cfg=cfg.reward,
+        extraction=extraction,
+        **fields,
+    )
+
+
 def fake_rollout_trainer(
     cfg: GTPOConfig, *, groups, policy, engine=None, start_step: int = 0, reference=None
 ) -> Trainer:
@@ -237,15 +252,7 @@ def fake_rollout_trainer(
     collector = None
     loader = PromptLoader(load_problems("synthetic", limit=50), batch_size=cfg.rollout.num_prompts, seed=0)
     if groups.rank == 0:
-        collector = RolloutCollector(
-            engine=engine or FakeEngine(),
-            reward_pool=FakeRewardPool(),
-            tokenizer=FakeTokenizer(),
-            rollout_cfg=cfg.rollout,
-            algorithm_cfg=cfg.algorithm,
-            reward_cfg=cfg.reward,
-            extraction="strict",
-        )
+        collector = fake_collector(cfg, engine or FakeEngine(), extraction="strict")
     sink = MetricSink(
         cfg.output_dir,
         cfg=LoggingConfig(wandb_mode="disabled", progress=False),
