@@ -158,11 +158,10 @@ def compute_weights(
     group_size = cfg.group_size
     raw_B = compute_group_advantages(rewards, group_size, estimator=cfg.advantage_estimator)
     loss_row_B = build_loss_row_mask(rewards if scores is None else scores, cfg, truncated=truncated)
-    keep_B = loss_row_B
     if cfg.conflict_mode == "off":
         lambda_BS = weights_BS = response_mask.float()
     else:
-        sign_B = _conflict_sign_advantages(raw_B, keep_B, cfg, loss_spec, seq_entropy)
+        sign_B = _conflict_sign_advantages(raw_B, loss_row_B, cfg, loss_spec, seq_entropy)
         lambda_BS = build_conflict_weights(
             input_ids,
             response_mask,
@@ -178,7 +177,7 @@ def compute_weights(
             weights_BS = lambda_BS / counts_B.unsqueeze(-1)
     return StepWeights(
         raw_advantages=raw_B,
-        keep_mask=keep_B,
+        keep_mask=loss_row_B,
         conflict_weights=lambda_BS,
         token_weights=weights_BS * loss_row_B.unsqueeze(-1),
         loss_row_mask=loss_row_B,

@@ -11,11 +11,12 @@ Two signals, two deadlines:
   the previous optimizer step (model, optimizer, RNG, loader position). A step whose optimizer update has already
   happened is completed: only its weight sync is skipped.
 
-The handlers only set flags, except inside :meth:`StopRequests.interruptible` (rank 0's rollout, which holds no
-collective): there SIGTERM also raises :class:`StepInterrupted`, so that a long generation is left at once. Every
-other decision is taken by the trainer at its safe points with one collective over all ranks
-(``parallel.collectives.any_rank``), so that all ranks stop at the same point and none waits in a collective the
-others skip.
+The handlers only set flags, except inside :meth:`StopRequests.interruptible` (an engine leader's sampling and
+scoring of one round, which holds no collective): there SIGTERM also raises :class:`StepInterrupted`, so that a long
+generation is left at once; the rollout exchange then tells every rank that the step was abandoned
+(``rollout.collector.collect_step``). Every other decision is taken by the trainer at its safe points with one
+collective over all ranks (``parallel.collectives.any_rank``), so that all ranks stop at the same point and none
+waits in a collective the others skip.
 """
 
 from __future__ import annotations
@@ -100,7 +101,7 @@ class StopRequests:
     def interruptible(self) -> Iterator[None]:
         """A block that SIGTERM leaves at once with :class:`StepInterrupted` (also when it arrived just before).
 
-        Use only around code that issues no collective (rank 0's rollout and reward phase).
+        Use only around code that issues no collective (an engine leader's sampling and scoring of a round).
         """
         if self.abort_requested:
             raise StepInterrupted
