@@ -49,3 +49,27 @@ def single_rank_world(backend: str | None = None):
         yield groups
     finally:
         destroy_distributed()
+
+
+def reference_train_loss(logprobs: torch.Tensor, batch) -> float:
+    """Float64 reference (``tests.helpers.references.ref_policy_loss``) of one ``train_step`` of ``batch``.
+
+    The step objective of the GPU checks' ``LOSS`` (seq-mean-token-mean, clip 0.2/0.2) over ``logprobs`` ``[B, S]``
+    and ``batch.old_logprobs``, ``advantages`` and ``token_weights``, with the response tokens moved to the left.
+    """
+    from tests.helpers.references import ref_policy_loss
+
+    lengths = batch.response_mask.sum(-1).tolist()
+    starts = batch.response_mask.int().argmax(-1).tolist()
+
+    def packed(t: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros(t.shape[0], max(lengths), dtype=torch.float64)
+        for i, (a, n) in enumerate(zip(starts, lengths, strict=True)):
+            out[i, :n] = t[i, a : a + n].double()
+        return out
+
+    return ref_policy_loss(
+        packed(logprobs), packed(batch.old_logprobs), batch.advantages.double(), packed(batch.token_weights),
+        lengths, aggregation="seq-mean-token-mean", normalizer=float(sum(n > 0 for n in lengths)), clip_low=0.2,
+        clip_high=0.2,
+    ).item()  # fmt: skip

@@ -20,9 +20,8 @@ import torch
 from gtpo_megatron.config import ModelConfig
 from gtpo_megatron.ops import LossSpec
 from tests.adapter.megatron_helpers import load_hf_model, make_batch, reference_token_logprobs
-from tests.gpu.common import MODEL, needs_module, single_rank_world
+from tests.gpu.common import MODEL, needs_module, reference_train_loss, single_rank_world
 from tests.gpu.report import record
-from tests.helpers.references import ref_policy_loss
 
 pytestmark = pytest.mark.gpu
 LOSS = LossSpec(loss_name="gtpo", aggregation="seq-mean-token-mean", clip_eps_low=0.2, clip_eps_high=0.2)
@@ -90,20 +89,7 @@ def test_train_step_on_nccl(groups, batch) -> None:
     batch.old_logprobs = torch.where(batch.response_mask, logprobs + 0.1 * torch.randn_like(logprobs), 0.0)
     before = next(policy.model.parameters()).detach().clone()
     metrics = policy.train_step(batch, LOSS)
-    lengths = batch.response_mask.sum(-1).tolist()
-    starts = batch.response_mask.int().argmax(-1).tolist()
-
-    def packed(t: torch.Tensor) -> torch.Tensor:  # response tokens moved to the left, as the reference expects
-        out = torch.zeros(t.shape[0], max(lengths), dtype=torch.float64)
-        for i, (a, n) in enumerate(zip(starts, lengths, strict=True)):
-            out[i, :n] = t[i, a : a + n].double()
-        return out
-
-    expected = ref_policy_loss(
-        packed(logprobs), packed(batch.old_logprobs), batch.advantages.double(), packed(batch.token_weights),
-        lengths, aggregation="seq-mean-token-mean", normalizer=float(sum(n > 0 for n in lengths)), clip_low=0.2,
-        clip_high=0.2,
-    ).item()  # fmt: skip
+    expected = reference_train_loss(logprobs, batch)
     batch.old_logprobs = None
     check = "test_train_step_on_nccl"
     limit = 1e-2 * (1 + abs(expected))  # the training pass recomputes the same bf16 log-probs; a wrong normaliser

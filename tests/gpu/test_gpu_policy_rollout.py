@@ -22,9 +22,8 @@ import torch
 from gtpo_megatron.config import ModelConfig
 from gtpo_megatron.ops import LossSpec
 from gtpo_megatron.rollout.types import TrainBatch
-from tests.gpu.common import DRY_RUN, MODEL, single_rank_world
+from tests.gpu.common import DRY_RUN, MODEL, reference_train_loss, single_rank_world
 from tests.gpu.report import record
-from tests.helpers.references import ref_policy_loss
 
 pytestmark = [
     pytest.mark.gpu,
@@ -125,26 +124,7 @@ def test_megatron_train_step(policy, rollout_batch: TrainBatch) -> None:
     batch.old_logprobs = torch.where(batch.response_mask, logprobs + 0.1 * torch.randn_like(logprobs), 0.0)
     before = next(policy.model.parameters()).detach().clone()
     metrics = policy.train_step(batch, LOSS)
-    lengths = batch.response_mask.sum(-1).tolist()
-    starts = batch.response_mask.int().argmax(-1).tolist()
-
-    def packed(t: torch.Tensor) -> torch.Tensor:  # response tokens moved to the left, as the reference expects
-        out = torch.zeros(t.shape[0], max(lengths), dtype=torch.float64)
-        for i, (a, n) in enumerate(zip(starts, lengths, strict=True)):
-            out[i, :n] = t[i, a : a + n].double()
-        return out
-
-    expected = ref_policy_loss(
-        packed(logprobs),
-        packed(batch.old_logprobs),
-        batch.advantages.double(),
-        packed(batch.token_weights),
-        lengths,
-        aggregation="seq-mean-token-mean",
-        normalizer=float(sum(n > 0 for n in lengths)),
-        clip_low=0.2,
-        clip_high=0.2,
-    ).item()
+    expected = reference_train_loss(logprobs, batch)
     check = "test_megatron_train_step"
     # the training pass recomputes the no-grad pass's log-probs with the same bf16 weights, so only kernel-level
     # differences remain; a wrong normaliser or sign would be off by a factor, far above 1 %
