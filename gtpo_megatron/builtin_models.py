@@ -20,9 +20,11 @@ killed by an older version, a partial copy) is rebuilt with a warning instead of
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import logging
+import multiprocessing
 import os
 import shutil
 import tempfile
@@ -60,7 +62,7 @@ def resolve_model_path(name_or_path: str) -> str:
     name = name_or_path[len(BUILTIN_PREFIX) :]
     target = local_model_folder(name_or_path)
     if missing_model_files(target):
-        builder = _build_smollm2 if name == _SMOLLM2 else (lambda out: _build_tiny(out, _TINY[name]))
+        builder = _build_smollm2 if name == _SMOLLM2 else functools.partial(_build_tiny, arch=_TINY[name])
         _locked_build(target, builder)
     return str(target)
 
@@ -134,13 +136,29 @@ def _locked_build(target: Path, builder) -> None:
             _remove(target)
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
         try:
-            builder(tmp)
+            _build_in_fresh_process(builder, tmp)
             still_missing = missing_model_files(tmp)
             if still_missing:
                 raise RuntimeError(f"building {target.name} produced an incomplete folder (missing {still_missing})")
             os.replace(tmp, target)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _build_in_fresh_process(builder, out: Path) -> None:
+    """Run ``builder(out)`` in a spawned process, which has no ``torch.distributed`` process group.
+
+    transformers' ``save_pretrained`` writes no weights and no config on a process-group rank other than 0, so a
+    build asked for by rank 1 of a job would otherwise leave a folder holding only the tokenizer.
+
+    Raises:
+        RuntimeError: the build process failed (its traceback is on stderr above).
+    """
+    proc = multiprocessing.get_context("spawn").Process(target=builder, args=(out,), name=f"build-{out.name}")
+    proc.start()
+    proc.join()
+    if proc.exitcode != 0:
+        raise RuntimeError(f"building the built-in model into {out} failed (exit code {proc.exitcode}; see above)")
 
 
 def _remove(folder: Path) -> None:
@@ -176,7 +194,7 @@ def _build_smollm2(out: Path) -> None:
     tokenizer.save_pretrained(out)
 
 
-def _build_tiny(out: Path, arch: str) -> None:
+def _build_tiny(out: Path, *, arch: str) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Qwen2Config
 

@@ -1,9 +1,9 @@
 """The built-in model cache (``builtin_models``): one build under a file lock, completeness, incomplete folders rebuilt.
 
-Issue 12 item 14: the first README command on a fresh machine failed with ``OSError: [Errno 39] Directory not
-empty`` and left a model folder holding only tokenizer files, after which every run failed the same way. The
-caches here are temporary folders (``GTPO_CACHE_DIR``) whose SmolLM2 entry links to the shared cache's (the tiny
-models take their tokenizer from it), so only ``builtin:tiny-llama`` is built.
+The first README command on a fresh machine once left a model folder holding only tokenizer files: rank 1 of the
+job won the build lock, and transformers' ``save_pretrained`` writes nothing on a process-group rank other than 0.
+Builds now run in a fresh process. The caches here are temporary folders (``GTPO_CACHE_DIR``) whose SmolLM2 entry
+links to the shared cache's (the tiny models take their tokenizer from it), so only ``builtin:tiny-llama`` is built.
 """
 
 from __future__ import annotations
@@ -38,15 +38,15 @@ def empty_cache(tmp_path, monkeypatch):
 def _build_concurrently(cache: str, record: str, start, results) -> None:
     """One 'rank': count its own builds in ``record``, wait for the other, then resolve the tiny model."""
     os.environ["GTPO_CACHE_DIR"] = cache
-    original = builtin_models._build_tiny
+    original = builtin_models._build_in_fresh_process
 
-    def counted(out, arch):
+    def counted(builder, out):
         with open(record, "a") as handle:
             handle.write(f"{os.getpid()}\n")
         time.sleep(1.0)  # widen the window in which the other process could start a build too
-        original(out, arch)
+        original(builder, out)
 
-    builtin_models._build_tiny = counted
+    builtin_models._build_in_fresh_process = counted
     start.wait()
     results.put(resolve_model_path(TINY))
 
@@ -68,6 +68,25 @@ def test_two_processes_build_once_on_an_empty_cache(empty_cache, tmp_path):
     assert missing_model_files(paths[0]) == []
     leftovers = sorted(p.name for p in empty_cache.iterdir() if p.name not in {"tiny-llama", "smollm2-135m-instruct"})
     assert leftovers == [".tiny-llama.lock"]  # no temporary build folder left behind
+
+
+def _resolve_on_rank_one(rank: int, world_size: int, cache: str) -> None:
+    """Rank 1 builds on the empty cache while rank 0 waits: the folder must be complete."""
+    import torch.distributed as dist
+
+    os.environ["GTPO_CACHE_DIR"] = cache
+    if rank == 1:
+        path = resolve_model_path(TINY)
+        assert missing_model_files(path) == [], missing_model_files(path)
+    dist.barrier()
+
+
+@pytest.mark.distributed
+def test_a_build_asked_for_by_rank_one_is_complete(empty_cache):
+    from tests.helpers.dist_harness import run_distributed
+
+    run_distributed(_resolve_on_rank_one, 2, str(empty_cache))
+    assert missing_model_files(empty_cache / "tiny-llama") == []
 
 
 def test_an_incomplete_folder_is_rebuilt_with_a_warning(empty_cache, caplog):
