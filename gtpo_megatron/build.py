@@ -69,7 +69,7 @@ def _policy_settings(cfg: GTPOConfig, model_path: str):
 def build_reference(cfg: GTPOConfig, model_path: str, groups: ParallelGroups) -> FrozenReference | None:
     """The frozen reference policy of the KL term when ``algorithm.kl_coef > 0``, else None.
 
-    The initial weights at ``model_path`` under the policy's model section and layout (GTPO_SPEC section 5).
+    The initial weights at ``model_path`` under the policy's model section and layout (docs/algorithm.md section 5).
     """
     if cfg.algorithm.kl_coef == 0:
         return None

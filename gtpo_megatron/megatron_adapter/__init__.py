@@ -1,4 +1,4 @@
-"""The only package that knows Megatron-Core's calling conventions (GTPO_SPEC section 1 training step).
+"""The only package that knows Megatron-Core's calling conventions (docs/algorithm.md section 1 training step).
 
 Modules: ``settings`` (``PolicySettings``: what the run hands Megatron, resolved once from the config sections;
 torch-free, ``gtpo-plan`` reads it too), ``cpu_compat`` (CPU shim, inert on GPU), ``model`` (``TransformerConfig``

@@ -1,4 +1,4 @@
-"""The frozen reference policy of the GRPO KL term (GTPO_SPEC section 5): the initial weights, forward only.
+"""The frozen reference policy of the GRPO KL term (docs/algorithm.md section 5): the initial weights, forward only.
 
 ``FrozenReference`` holds a ``MegatronPolicy`` built with ``trainable=False`` from the same HF checkpoint, model
 section and TP/PP layout as the trained policy: the same ``GPTModel`` stage (fp32 output layer included), no DDP

@@ -1,4 +1,4 @@
-"""Group-relative advantage estimators and their registry (GTPO_SPEC section 2).
+"""Group-relative advantage estimators and their registry (docs/algorithm.md section 2).
 
 Dimension legend: P prompts, G completions per prompt (``group_size``), B = P*G sequences laid out group by group
 (rows ``g*G .. g*G+G-1`` belong to prompt g).
@@ -91,7 +91,7 @@ def _grouped(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
 def compute_group_advantages(
     rewards: torch.Tensor, group_size: int, *, estimator: str = "group_mean", eps: float = 1e-6
 ) -> torch.Tensor:
-    """Per-completion advantages relative to each prompt group (GTPO_SPEC section 2).
+    """Per-completion advantages relative to each prompt group (docs/algorithm.md section 2).
 
     Args:
         rewards: ``[B]`` any real dtype, laid out group by group (B = P*G).

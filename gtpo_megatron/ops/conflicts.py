@@ -1,4 +1,4 @@
-"""Conflict tokens and the per-token weights lambda (GTPO_SPEC section 3).
+"""Conflict tokens and the per-token weights lambda (docs/algorithm.md section 3).
 
 Dimension legend: P prompts, G completions per prompt (``group_size``), B = P*G sequences laid out group by
 group, T token columns (response columns of a ``[B, T]`` response tensor, or the full ``[B, S]`` layout: only
@@ -102,7 +102,7 @@ def build_conflict_weights(
             P+ = {A > 0}, P- = {A < 0}, A = 0 is neither. To exclude entropy-filtered completions from conflict
             detection (the section 4 switch), pass ``advantages * entropy_keep_mask``.
         group_size: G; rows ``g*G .. g*G+G-1`` form prompt g's group.
-        amplification: w, the weight of positive conflict tokens (GTPO_SPEC ``conflict_amplification``).
+        amplification: w, the weight of positive conflict tokens (docs/algorithm.md ``conflict_amplification``).
         mode: ``prefix_suffix`` (contiguous runs from the first and from each completion's last response token)
             or ``any_position`` (every raw-conflicting position, counted from the first response token).
         overlap: a positive token in both the prefix and the suffix run gets w ``once`` (default) or w*w

@@ -1,4 +1,4 @@
-"""The entropy filter delta_i and the entropy penalty (GTPO_SPEC section 4).
+"""The entropy filter delta_i and the entropy penalty (docs/algorithm.md section 4).
 
 Dimension legend: P prompts, G group size, B = P*G sequences, T response tokens (or the full ``[B, S]`` layout).
 
@@ -52,7 +52,7 @@ def entropy_keep_mask(
 ) -> torch.Tensor:
     """delta_i as a bool mask: True = keep the completion in the loss.
 
-    Modes (GTPO_SPEC section 4): ``paper``: if ``initial_entropy > threshold`` (ln 2) keep everything, otherwise
+    Modes (docs/algorithm.md section 4): ``paper``: if ``initial_entropy > threshold`` (ln 2) keep everything, otherwise
     drop completions with ``<H>_i > threshold``; ``fixed``: drop ``<H>_i > threshold``; ``off``: keep all.
     Ties (``<H>_i == threshold``) are kept. ``only_negative`` restricts dropping to completions with A_i < 0.
 
@@ -99,7 +99,7 @@ def entropy_keep_mask(
 
 
 def apply_entropy_penalty(advantages: torch.Tensor, seq_entropy: torch.Tensor, gamma: float) -> torch.Tensor:
-    """``A_i - gamma * <H>_i`` (GTPO_SPEC section 4; gamma = 0.1 by default in the config).
+    """``A_i - gamma * <H>_i`` (docs/algorithm.md section 4; gamma = 0.1 by default in the config).
 
     Args:
         advantages: ``[B]`` advantages.

@@ -163,7 +163,7 @@ def global_mean(values: torch.Tensor, *, group: dist.ProcessGroup | None, mask: 
     """Mean of ``values`` (``[n]``, optionally only where ``mask`` is True) over all ranks of ``group``.
 
     Used for ``<H>_ini``: ``global_mean(sequence_mean_entropy(H, response_mask), group=dp_group,
-    mask=response_mask.any(-1))`` on the first step (GTPO_SPEC section 4, mode ``paper``).
+    mask=response_mask.any(-1))`` on the first step (docs/algorithm.md section 4, mode ``paper``).
 
     Returns:
         fp32 scalar; 0 when nothing is selected anywhere.

@@ -4,7 +4,7 @@ Public API (stable; details in each module's docstring):
 
 - ``get_reward(name)`` -> ``reward_fn(*, completion: str, reference: str, extraction: str) -> RewardResult`` with
   fields ``score: float``, ``correct: bool``, ``format_ok: bool``, ``extracted: str | None``. Names:
-  ``math_verify``, ``format``, ``paper`` (GTPO_SPEC section 6). ``register_reward(name)`` adds one;
+  ``math_verify``, ``format``, ``paper`` (docs/algorithm.md section 6). ``register_reward(name)`` adds one;
   ``decimal_tolerance(name)`` is its numeric rule for plain decimal answers, ``reward_span(name)`` its score range
   (highest minus lowest score).
 - Extraction modes: ``EXTRACTION_MODES`` (``strict``, ``lenient``), ``default_extraction(benchmark)``,

@@ -2,7 +2,7 @@
 
 ``RolloutEngine`` is a ``typing.Protocol``: ``rollout.vllm_engine.VLLMEngine`` is the real implementation (the only
 module that imports vLLM). ``SamplingConfig`` carries the per-call sampling parameters
-(``../shared/GTPO_SPEC.md`` section 6: temperature 0.9, top_p 1, at most 1500 new tokens in the paper).
+(``docs/algorithm.md`` section 6: temperature 0.9, top_p 1, at most 1500 new tokens in the paper).
 
 Weight updates come in two granularities:
 - ``update_weights(named_tensors)``: one complete update from any iterable of ``(hf_name, tensor)`` pairs

@@ -42,7 +42,7 @@ def test_gtpo_weights_hand_computed():
     rewards = torch.tensor([1.0, 1.0, 0.0, 0.0])
     entropy = torch.tensor([0.1, 0.2, 0.3, 0.4])
     weights, spec = _weights(batch, rewards, algorithm_section(), initial_entropy=1.0)
-    # GTPO_SPEC section 2: A = r - mean = +-0.5; section 4: A - 0.1 <H> (applied by the objective).
+    # docs/algorithm.md section 2: A = r - mean = +-0.5; section 4: A - 0.1 <H> (applied by the objective).
     assert weights.raw_advantages.tolist() == [0.5, 0.5, -0.5, -0.5]
     terms = sequence_terms(entropy, weights.raw_advantages, spec, keep_mask=weights.keep_mask)
     torch.testing.assert_close(terms.advantages, torch.tensor([0.49, 0.48, -0.53, -0.54]))
@@ -276,8 +276,8 @@ def test_overlong_filtered_rows_leave_the_normaliser(aggregation, expected):
 
 @pytest.mark.parametrize("aggregation,expected", [("seq-mean-token-mean", 4.0), ("token-mean", 12.0)])
 def test_entropy_filtered_completions_still_count_in_the_normaliser(aggregation, expected):
-    # GTPO_SPEC section 1: (1/G) sum_i delta_i (...) over ALL completions; row 1 (<H> = 0.9 > ln 2) has delta = 0
-    # but counts (as a sequence, and with its 1 token under token-mean): 4 sequences / 5 + 1 + 3 + 3 tokens.
+    # docs/algorithm.md section 1: (1/G) sum_i delta_i (...) over ALL completions; row 1 (<H> = 0.9 > ln 2) has delta
+    # = 0 but counts (as a sequence, and with its 1 token under token-mean): 4 sequences / 5 + 1 + 3 + 3 tokens.
     cfg = algorithm_section("gtpo", group_size=2, aggregation=aggregation)
     entropy = torch.tensor([0.1, 0.9, 0.1, 0.1])
     normalizer, weights = _step_normalizer(
