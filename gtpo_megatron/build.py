@@ -1,8 +1,8 @@
 """Build the real components of a run from its config: policy, rollout engines, reward pools, data, sink.
 
 Each component receives its config section. Every engine leader (``plan.engines``; global rank 0 always is one)
-owns a vLLM engine (multiprocess: the in-process engine hangs inside a multi-rank job,
-``../shared/FEASIBILITY.md`` section 2) on its devices or CPU cores and a reward pool; every rank builds the same
+owns a vLLM engine (multiprocess: the in-process engine hangs in its distributed init inside a
+multi-rank job) on its devices or CPU cores and a reward pool; every rank builds the same
 prompt loader and gets the step's completions from the rollout exchange. With
 ``rollout.weight_sync: collective`` the weight group joining rank 0 and every engine worker is built here, once.
 """

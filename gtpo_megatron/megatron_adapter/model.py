@@ -55,7 +55,7 @@ def transformer_engine_available() -> bool:
     """True when ``transformer_engine`` imports cleanly (a broken TE install counts as absent)."""
     try:
         import transformer_engine  # noqa: F401
-    except Exception:  # a meta package without CUDA raises RuntimeError, see FEASIBILITY item 3
+    except Exception:  # a meta package without CUDA raises RuntimeError (and breaks megatron)
         return False
     return True
 

@@ -1,4 +1,4 @@
-"""fp32 output layer: vocab-parallel logits computed in fp32 from 16-bit parameters (issue 13 item 5).
+"""fp32 output layer: vocab-parallel logits computed in fp32 from 16-bit parameters (``model.fp32_output_layer``).
 
 With bf16 parameters Megatron's output layer (a ``ColumnParallelLinear`` with vocab-parallel ``[s, b, V/tp]``
 output) multiplies bf16 hidden states by the bf16 weight and rounds the logits to bf16 (8 significant bits) before

@@ -76,7 +76,7 @@ def test_cpu_demo_validates_with_registries():
 
 @pytest.mark.parametrize("algorithm", ["grpo", "dapo", "gtpo"])
 def test_compare_recipe_differs_only_by_the_algorithm(algorithm):
-    """configs/compare_cpu.yaml + algorithm=NAME: the three runs of the comparison (issue 13 item 7)."""
+    """configs/compare_cpu.yaml + algorithm=NAME: the three runs of the comparison (docs/results.md)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the preset replacing the YAML's GTPO fields is announced, and expected
         cfg = load_config(CONFIGS / "compare_cpu.yaml", [f"algorithm={algorithm}"])

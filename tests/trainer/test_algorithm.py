@@ -85,7 +85,8 @@ def test_paper_filter_drops_high_entropy_and_still_defines_conflicts():
 
 
 def _sign_example():
-    """The issue-13 example: G=8, rewards [1.5]*7 + [1], every <H>_i = 0.7, [5,6,9,EOS] x7 and [5,6,8,EOS]."""
+    """docs/algorithm.md section 3's conflict_sign example: G=8, rewards [1.5]*7 + [1], every <H>_i = 0.7,
+    [5,6,9,EOS] x7 and [5,6,8,EOS]."""
     batch = collate_completions([make_group([1], [[5, 6, 9, EOS]] * 7 + [[5, 6, 8, EOS]])], pad_token_id=EOS)
     return batch, torch.tensor([1.5] * 7 + [1.0]), torch.full((8,), 0.7)
 
@@ -199,7 +200,7 @@ def test_objective_metrics_name_the_averages():
 
 
 def test_skip_uniform_groups_decides_on_scores_not_shaped_rewards():
-    """Issue 12 item 6: G=2, scores [0, 0], lengths 20 and 10, max_tokens=20, overlong buffer 4: the overlong
+    """G=2, scores [0, 0], lengths 20 and 10, max_tokens=20, overlong buffer 4: the overlong
     penalty shapes the rewards to [-1, 0], which look varied, but the group is uniform in score and is dropped."""
     from gtpo_megatron.data.sampling import shape_rewards
 
@@ -219,7 +220,7 @@ def test_skip_uniform_groups_decides_on_scores_not_shaped_rewards():
 
 
 def _issue_batch(finish=("stop", "stop", "stop", "stop")):
-    """Issue 12 item 5: group 0 with 5 and 1 response tokens, group 1 with 3 and 3 (G = 2)."""
+    """Group 0 with 5 and 1 response tokens, group 1 with 3 and 3 (G = 2)."""
     group0 = make_group([1], [[5, 5, 5, 5, EOS], [EOS]], list(finish[:2]))
     group1 = make_group([1], [[6, 6, EOS], [7, 7, EOS]], list(finish[2:]))
     return collate_completions([group0, group1], pad_token_id=EOS)
