@@ -1,7 +1,7 @@
 """Every collective the package issues itself, over explicit process groups (torch only: no package imports).
 
 The primitives (:func:`all_reduce_`, :func:`broadcast_`, :func:`all_reduce_sum`, :func:`broadcast_object`,
-:func:`barrier`), the step's global statistics (STYLE section 3: statistics split from decisions; the policy's loss
+:func:`barrier`), the step's global statistics (statistics are split from decisions; the policy's loss
 normaliser, <H>_ini), the data-parallel row layout of a step and the trainer's control messages (rollout broadcast,
 stop flag). The ops layer's vocab-parallel log-prob op issues its TP all-reduces through :func:`all_reduce_` too,
 which is why this module imports nothing from the package. The one other caller of ``torch.distributed``
