@@ -97,3 +97,14 @@ def test_no_tracked_file_cites_an_issue_number(texts):
         for match in ISSUE.finditer(text)
     ]
     assert not found, f"say what the change means instead of citing an issue number: {found}"
+
+
+def test_relative_links_of_the_documentation_resolve(texts):
+    broken = []
+    for name, text in texts.items():
+        if not name.endswith(".md"):
+            continue
+        for target in re.findall(r"\]\(([^)\s#]+)(?:#[^)]*)?\)", text):
+            if "://" not in target and not (ROOT / name).parent.joinpath(target).exists():
+                broken.append(f"{name}: {target}")
+    assert not broken, f"links to files that do not exist: {broken}"
