@@ -4,7 +4,7 @@ Usage: ``python benchmarks/bench_logprobs.py [--tokens 8192] [--vocab 151936] [-
 [--threads 2] [--repeats 3] [--entropy-grad]``
 
 Variants, each forward + backward of ``sum(g * logprobs)`` with the entropy computed and detached (GTPO's use,
-GTPO_SPEC section 4; ``--entropy-grad`` adds ``+ sum(entropy)`` to the loss in every variant):
+docs/algorithm.md section 4; ``--entropy-grad`` adds ``+ sum(entropy)`` to the loss in every variant):
 - ``naive``: ``log_softmax(logits.float())``, ``gather``, ``-sum(p * log p)`` on the full vocabulary (TP=1).
 - ``fused``: ``vocab_parallel_logprobs_entropy(..., chunk_size=C)`` on the full vocabulary (TP=1).
 - ``fused-tp2``: the same op at TP=2 as a real 2-process gloo run (each rank holds ``[N, V/2]``, one thread

@@ -1,4 +1,4 @@
-"""TRL's GRPOTrainer on the CPU demo's workload, for a step-time comparison with ``gtpo-train`` (issue 13).
+"""TRL's GRPOTrainer on the CPU demo's workload, for a step-time comparison with ``gtpo-train``.
 
 Same model folder (the built-in SmolLM2-135M-Instruct), the demo's prompts (built-in arithmetic task, the same
 system prompt and chat template), 2 prompts x 8 completions per step, 64 new tokens, temperature 0.7, lr 2e-5,

@@ -1,6 +1,6 @@
 """One step's GTPO weights (advantages, conflict weights), the step objective's spec and the step's pass structure.
 
-GTPO_SPEC sections 2-4 composed from ``ops`` (the math) on the whole step batch: advantages and lambda are
+docs/algorithm.md sections 2-4 composed from ``ops`` (the math) on the whole step batch: advantages and lambda are
 computed on complete groups before the batch is split over data-parallel ranks (section 8). The per-completion
 entropy terms (delta_i and ``A_i - gamma <H>_i``) are decided inside the training forward by
 ``ops.policy_objective`` from each completion's own tokens; only when lambda itself depends on them (or more than
@@ -36,7 +36,7 @@ class StepWeights:
     """Per-sequence and per-token quantities of one step's full batch, decided before the training forward.
 
     Attributes:
-        raw_advantages: ``[B]`` fp32 group-relative advantages A_i (GTPO_SPEC section 2); the loss subtracts
+        raw_advantages: ``[B]`` fp32 group-relative advantages A_i (docs/algorithm.md section 2); the loss subtracts
             ``gamma <H>_i`` itself (``ops.policy_objective``).
         keep_mask: ``[B]`` bool row decision independent of the entropy: ``loss_row_mask`` (True = keep); the loss
             ANDs the entropy filter's delta_i into it.
@@ -47,7 +47,7 @@ class StepWeights:
             response.
         loss_row_mask: ``[B]`` bool, False on rows removed from the objective (``skip_uniform_groups``,
             ``overlong_filter``): weight 0 and no count in the loss normaliser (``TrainBatch.loss_mask``); rows the
-            entropy filter drops still count (GTPO_SPEC section 1).
+            entropy filter drops still count (docs/algorithm.md section 1).
         advantages: None (the loss computes ``A_i - gamma <H>_i``), or, after :func:`with_entropy_terms`, ``[B]``
             fp32 ``A_i - gamma <H>_i`` (``keep_mask`` then holds delta_i and ``token_weights`` lambda * delta_i).
     """
@@ -73,7 +73,7 @@ def conflicts_need_entropy(cfg: AlgorithmConfig) -> bool:
 
 
 def needs_old_logprob_pass(cfg: AlgorithmConfig, *, initial_entropy_known: bool) -> bool:
-    """Whether a step needs a no-grad forward pass before its update (GTPO_SPEC sections 1 and 4).
+    """Whether a step needs a no-grad forward pass before its update (docs/algorithm.md sections 1 and 4).
 
     With one update per batch nothing does: <H>_i, delta_i and the penalised advantage are computed in the
     training forward. A pass is unavoidable when (a) ``num_updates_per_batch > 1`` (the ratio needs pi_old), (b)
@@ -127,7 +127,7 @@ def compute_weights(
     truncated: torch.Tensor | None = None,
     scores: torch.Tensor | None = None,
 ) -> StepWeights:
-    """Advantages, row decisions and conflict weights of a whole step (GTPO_SPEC sections 2-4).
+    """Advantages, row decisions and conflict weights of a whole step (docs/algorithm.md sections 2-4).
 
     The entropy terms (delta_i, ``A_i - gamma <H>_i``) are left to the loss (``ops.policy_objective``), or to
     :func:`with_entropy_terms` when the entropies are known beforehand.
@@ -189,8 +189,9 @@ def build_loss_row_mask(
 ) -> torch.Tensor:
     """``[B]`` bool, False on rows the switches remove from the objective (loss and normaliser), True elsewhere.
 
-    ``skip_uniform_groups`` removes every row of a group whose task ``scores`` are all equal (GTPO_SPEC section 4;
-    the one rule of ``data.sampling.filter_uniform_groups``; scores, not rewards shaped by an overlong penalty);
+    ``skip_uniform_groups`` removes every row of a group whose task ``scores`` are all equal
+    (docs/algorithm.md section 4; the one rule of ``data.sampling.filter_uniform_groups``; scores, not rewards
+    shaped by an overlong penalty);
     ``overlong_filter`` removes the rows where ``truncated`` (``[B]`` bool) is True (DAPO, section 5);
     :func:`compute_weights` checks that it is given.
     """
@@ -206,7 +207,7 @@ def with_entropy_terms(weights: StepWeights, seq_entropy: torch.Tensor, loss_spe
     """``weights`` with the entropy terms decided from known entropies, for a loss that does not apply them.
 
     ``advantages`` becomes ``A_i - gamma <H>_i``, ``keep_mask`` delta_i (and the row decisions) and
-    ``token_weights`` ``lambda * delta_i`` (``ops.sequence_terms``, GTPO_SPEC section 4). Pair the result with a
+    ``token_weights`` ``lambda * delta_i`` (``ops.sequence_terms``, docs/algorithm.md section 4). Pair the result with a
     ``LossSpec`` whose entropy filter is ``off`` and penalty 0 (as ``megatron_adapter.loss_forms.loss_settings``
     makes it), or the terms would apply twice.
 
@@ -298,7 +299,7 @@ def loss_temperature(algorithm: AlgorithmConfig, rollout: RolloutConfig) -> floa
 
 
 def build_loss_spec(algorithm: AlgorithmConfig, rollout: RolloutConfig) -> LossSpec:
-    """The step objective of ``algorithm`` (GTPO_SPEC sections 1, 4 and 5) as the policy receives it.
+    """The step objective of ``algorithm`` (docs/algorithm.md sections 1, 4 and 5) as the policy receives it.
 
     Log-probs at :func:`loss_temperature`, entropy at ``algorithm.entropy_temperature``; the entropy filter and
     penalty as configured (``initial_entropy`` stays None until the trainer has measured <H>_ini); Dr. GRPO's

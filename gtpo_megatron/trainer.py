@@ -5,7 +5,7 @@ gets the whole step) -> only where unavoidable, a no-grad pass of the policy bef
 (``algorithm.needs_old_logprob_pass``: several updates per batch, the ``paper`` filter's <H>_ini still being
 measured, or conflict weights that need the entropies; timed as ``time/old_logprob_s``, 0 when skipped) -> with a
 KL term, the reference policy's pass (``time/ref_logprob_s``) -> advantages and conflict weights on the full batch
-(GTPO_SPEC sections 2-3) -> train (``policy.train_step``; the entropy filter and penalty, section 4, are decided
+(docs/algorithm.md sections 2-3) -> train (``policy.train_step``; the entropy filter and penalty, section 4, are decided
 inside its forward) -> weight sync into the engines -> metrics. ``run`` adds logging and checkpoints (every
 ``checkpoint.every_n_steps``, after the last step and on a stop signal).
 
@@ -260,7 +260,7 @@ class Trainer:
         return rollout
 
     def _old_logprob_pass(self, local: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """The no-grad pass before the update (one forward; GTPO_SPEC section 4).
+        """The no-grad pass before the update (one forward; docs/algorithm.md section 4).
 
         Returns log pi_old ``[b, S]`` at the loss temperature and the gathered ``[B]`` <H>_i at
         ``entropy_temperature``; adds this step to <H>_ini while the ``paper`` filter measures it.
@@ -273,7 +273,7 @@ class Trainer:
         return old_logprobs, all_gather_rows(local_seq_entropy, group=self._dp_group)
 
     def _ref_logprob_pass(self, local: TrainBatch) -> torch.Tensor:
-        """Log-probs ``[b, S]`` of the frozen reference at the loss temperature (the KL term, GTPO_SPEC section 5)."""
+        """Log-probs ``[b, S]`` of the frozen reference at the loss temperature (docs/algorithm.md section 9)."""
         ref_logprobs, _ = self.reference.compute_logprobs(local, temperature=self.loss_spec.temperature)
         return ref_logprobs
 
@@ -307,7 +307,7 @@ class Trainer:
         local.keep_mask = weights.keep_mask[rows]
         local.seq_entropy = None if seq_entropy is None else seq_entropy[rows]
         local.loss_row_mask = weights.loss_row_mask[rows]
-        # One update per batch: r = exp(logp - stopgrad(logp)) = 1 with gradient (GTPO_SPEC section 1).
+        # One update per batch: r = exp(logp - stopgrad(logp)) = 1 with gradient (docs/algorithm.md section 1).
         local.old_logprobs = old_logprobs if self.cfg.algorithm.num_updates_per_batch > 1 else None
         local.rollout_logprobs = local.extras["rollout_logprobs"] if self._measure_mismatch else None
         return local
@@ -434,7 +434,8 @@ class Trainer:
                 f"resume=true with algorithm.entropy_filter=paper: checkpoint {path} (step {done}) holds <H>_ini "
                 f"measured over {self.initial_entropy_steps} of the first algorithm.initial_entropy_steps="
                 f"{cfg.initial_entropy_steps} steps, and measuring it now would read the trained policy, not the "
-                "initial one (GTPO_SPEC section 4); resume with the entropy filter the run was started with, or set "
+                "initial one (docs/algorithm.md section 4); resume with the entropy filter the run was started with, "
+                "or set "
                 "algorithm.entropy_filter=fixed with algorithm.entropy_threshold=TAU, or start a fresh run "
                 "(resume=false, a new output_dir)"
             )

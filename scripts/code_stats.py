@@ -47,6 +47,7 @@ def file_stats(path: Path) -> tuple[int, int, list[str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Print the statistics of ``paths``; returns the exit status."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("paths", nargs="*", default=["gtpo_megatron"])
     parser.add_argument("--list", action="store_true", help="name the functions with long docstrings")

@@ -4,8 +4,9 @@ Usage: ``python scripts/write_paper_recipes.py`` (rewrites the 24 files; ``tests
 the committed files equal :func:`render_recipes`). Each file stays a complete recipe (every field, no includes);
 this script is the one owner of the values they share, so a change of, say, the Adam betas is made once here.
 
-Values: GTPO_SPEC section 6 where it speaks; where it is silent, the authors' code (github.com/winstonsmith1897/GTPO,
-``config.yaml`` and ``train_model.py``): AdamW betas, weight decay, cosine schedule with warm-up, the 4000-token
+Values: docs/algorithm.md section 6 where it speaks; where it is silent, the authors' code
+(github.com/winstonsmith1897/GTPO, ``config.yaml`` and ``train_model.py``): AdamW betas, weight decay, cosine
+schedule with warm-up, the 4000-token
 prompt limit (keeps every GSM8K and MATH prompt), the seed. Each header says which is which.
 """
 
@@ -32,10 +33,10 @@ DATA = {
     "math": dict(problems=7500, text="MATH train (7,500 problems, answer = last \\boxed{})"),
 }
 ALGORITHMS = {
-    "gtpo": "GTPO (GTPO_SPEC sections 1-4): conflict-aware token weights, entropy filter and penalty.",
-    "grpo": "GRPO baseline (GTPO_SPEC section 5): std-normalised advantages, clip 0.2, KL to the initial policy with "
-    "beta = 1e-6 (the paper's runs; k3 estimator).",
-    "dapo": "DAPO baseline (GTPO_SPEC section 5): clip-higher 0.2/0.28, token-mean, dynamic sampling, overlong "
+    "gtpo": "GTPO (docs/algorithm.md sections 1-4): conflict-aware token weights, entropy filter and penalty.",
+    "grpo": "GRPO baseline (docs/algorithm.md section 5): std-normalised advantages, clip 0.2, KL to the initial "
+    "policy with beta = 1e-6 (the paper's runs; k3 estimator).",
+    "dapo": "DAPO baseline (docs/algorithm.md section 5): clip-higher 0.2/0.28, token-mean, dynamic sampling, overlong "
     "shaping (the penalty reaches one reward range: 20 on the 0-20 paper reward).",
 }
 GROUP_SIZES = (8, 12)
@@ -124,8 +125,8 @@ def _header(model: str, data: str, algorithm: str, group_size: int) -> str:
             f"{MODELS[model]['title']} on {DATA[data]['text']}, {algorithm.upper()}, G={group_size}. Complete "
             "recipe (no includes), written by scripts/write_paper_recipes.py (edit the script, not this file).",
             ALGORITHMS[algorithm],
-            "Paper setup (GTPO_SPEC section 6): one prompt per step, temperature 0.9, top_p 1, max 1500 completion "
-            "tokens, lr 1e-6 AdamW, grad clip 0.1, one epoch, the paper reward (format 10 + correct 10).",
+            "Paper setup (docs/algorithm.md section 6): one prompt per step, temperature 0.9, top_p 1, max 1500 "
+            "completion tokens, lr 1e-6 AdamW, grad clip 0.1, one epoch, the paper reward (format 10 + correct 10).",
             AUTHORS.format(warmup=warmup),
             *_filter(model, algorithm)[1],
             f"Layout: 8 GPUs of 80 GB, TP={tp} x DP={8 // tp}, vLLM colocated (sleeps while training). Launch:",

@@ -20,6 +20,9 @@ import torch
 _REPO_ROOT = str(Path(__file__).resolve().parents[1])
 if _REPO_ROOT not in sys.path:
     sys.path.insert(0, _REPO_ROOT)  # ``from tests.helpers import ...`` also inside spawned workers
+_DEV_DATA_DIR = Path(_REPO_ROOT).parent / "shared" / "data"
+if "GTPO_DATA_DIR" not in os.environ and _DEV_DATA_DIR.is_dir():
+    os.environ["GTPO_DATA_DIR"] = str(_DEV_DATA_DIR)  # tests' fallback: the benchmark files of a development machine
 
 
 @pytest.fixture(autouse=True)

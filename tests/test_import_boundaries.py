@@ -1,4 +1,4 @@
-"""Every package module imports with ``megatron`` and ``vllm`` blocked (STYLE section 2 dependency direction).
+"""Every package module imports with ``megatron`` and ``vllm`` blocked (docs/architecture.md: imports point down).
 
 Heavy imports stay at the edges: the modules that use Megatron or vLLM import them inside functions, so the
 plugin-facing package root, the config, the planner, the trainer and even the adapter modules load without them.

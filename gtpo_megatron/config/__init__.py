@@ -1,4 +1,4 @@
-"""Typed, frozen run configuration (STYLE.md section 7): one root ``GTPOConfig`` made of sections.
+"""Typed, frozen run configuration: one root ``GTPOConfig`` made of sections.
 
 ``sections``: the frozen section dataclasses, their own checks and ``GTPOConfig.validate``; ``loader``: YAML recipes,
 presets, shorthands and dotted overrides. ``loader`` imports ``sections``, never the reverse. Importing this package

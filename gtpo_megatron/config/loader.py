@@ -7,8 +7,8 @@ back (``load_config`` of that file gives an equal config).
 Shorthands: ``algorithm=NAME`` is ``algorithm.name=NAME``, ``data=NAME`` is ``data.source=NAME`` and
 ``model=NAME`` is ``model.name_or_path=NAME``.
 
-Algorithm presets (GTPO_SPEC section 5): the fields in ``PRESET_FIELDS`` take the values of ``PRESETS[name]`` unless
-the user set them. Precedence, lowest first: preset < YAML < command-line overrides. When an override switches
+Algorithm presets (docs/algorithm.md section 5): the fields in ``PRESET_FIELDS`` take the values of ``PRESETS[name]``
+unless the user set them. Precedence, lowest first: preset < YAML < command-line overrides. When an override switches
 ``algorithm.name`` away from the YAML's, the YAML's preset fields described the other algorithm and are dropped (a
 warning lists them); the YAML's other algorithm fields (group_size, ...) are kept.
 """
@@ -77,7 +77,7 @@ PRESETS: dict[str, dict[str, object]] = {
         overlong_buffer_len=0,
     ),
 }
-"""Per-algorithm values of ``PRESET_FIELDS`` (GTPO_SPEC sections 1-5). DAPO's overlong buffer is a fifth of
+"""Per-algorithm values of ``PRESET_FIELDS`` (docs/algorithm.md sections 1-5). DAPO's overlong buffer is a fifth of
 ``rollout.max_tokens`` (DAPO: 4096 of 20480)."""
 PRESET_FIELDS = frozenset(PRESETS["gtpo"])
 SHORTHANDS = {"algorithm": "name", "data": "source", "model": "name_or_path"}

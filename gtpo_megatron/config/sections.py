@@ -116,7 +116,7 @@ class ParallelConfig:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RolloutConfig:
-    """Sampling and the vLLM engine (``rollout.*``; GTPO_SPEC section 6 for the paper's values)."""
+    """Sampling and the vLLM engine (``rollout.*``; docs/algorithm.md section 6 for the paper's values)."""
 
     placement: Literal["colocated", "separate"] = "colocated"
     """``colocated``: the engine shares the training devices and sleeps while the policy trains; ``separate``: the
@@ -124,7 +124,7 @@ class RolloutConfig:
     num_prompts: int = 1
     """Prompts P per step (the paper uses 1); B = P * group_size sequences."""
     temperature: float = 0.9
-    """Sampling temperature (GTPO_SPEC section 6: 0.9)."""
+    """Sampling temperature (docs/algorithm.md section 6: 0.9)."""
     top_p: float = 1.0
     """Nucleus sampling mass in (0, 1]."""
     max_tokens: int = 1500
@@ -240,7 +240,7 @@ class AlgorithmConfig:
     """The policy-optimisation algorithm: GTPO and its GRPO/DAPO/Dr. GRPO presets (``algorithm.*``)."""
 
     name: Literal["gtpo", "grpo", "dapo", "dr_grpo"] = "gtpo"
-    """Policy loss and preset (GTPO_SPEC sections 1-5); unset fields take the preset of this name."""
+    """Policy loss and preset (docs/algorithm.md sections 1-5); unset fields take the preset of this name."""
     group_size: int = 8
     """Completions G per prompt (paper: 8 or 12)."""
     advantage_estimator: str = "group_mean"
@@ -280,7 +280,7 @@ class AlgorithmConfig:
     """Upper PPO clip epsilon (DAPO clip-higher: 0.28)."""
     kl_coef: float = 0.0
     """beta of the optional KL term to a frozen reference policy, a copy of the initial weights under the same
-    layout (GRPO and Dr. GRPO only, GTPO_SPEC section 5; the paper's GRPO runs use 0 or 1e-6). Logged as
+    layout (GRPO and Dr. GRPO only, docs/algorithm.md section 5; the paper's GRPO runs use 0 or 1e-6). Logged as
     ``train/kl_mean`` (mean per response token)."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     """KL estimator when kl_coef > 0 (Schulman's k1, k2, k3; ``ops.losses.PolicyLossFn``)."""
@@ -313,8 +313,8 @@ class AlgorithmConfig:
     logits as in the authors' code. The train/rollout mismatch metrics need ``sampling`` (vLLM's log-probs are at
     the sampling temperature) and are not reported with ``1.0``."""
     initial_entropy_steps: int = 1
-    """Steps whose completions are averaged into <H>_ini of the ``paper`` filter (GTPO_SPEC section 4: 1, the first
-    step). With 1 prompt per step (the paper recipes) one step is one question's G samples; more steps pool more
+    """Steps whose completions are averaged into <H>_ini of the ``paper`` filter (docs/algorithm.md section 4: 1, the
+    first step). With 1 prompt per step (the paper recipes) one step is one question's G samples; more steps pool more
     questions, each measured under the policy of its step (before its update), and the filter uses the running
     mean meanwhile. Each of these steps runs one no-grad forward pass before its update."""
     kl_reference_offload: bool = False
@@ -335,7 +335,7 @@ class AlgorithmConfig:
             "algorithm.conflict_amplification",
             self.conflict_amplification,
             "must be >= 1",
-            "use 2.0 (GTPO_SPEC section 3)",
+            "use 2.0 (docs/algorithm.md section 3)",
         )
         _require(
             self.entropy_threshold > 0,
@@ -349,7 +349,7 @@ class AlgorithmConfig:
             "algorithm.entropy_penalty",
             self.entropy_penalty,
             "must be >= 0",
-            "use 0.1 (GTPO_SPEC section 4) or 0",
+            "use 0.1 (docs/algorithm.md section 4) or 0",
         )
         _require(
             self.entropy_temperature > 0,
@@ -370,7 +370,7 @@ class AlgorithmConfig:
             self.kl_coef == 0 or self.name in ("grpo", "dr_grpo"),
             "algorithm.kl_coef",
             self.kl_coef,
-            f"the {self.name} objective has no KL term (GTPO_SPEC sections 1 and 5: no reference model)",
+            f"the {self.name} objective has no KL term (docs/algorithm.md sections 1 and 5: no reference model)",
             "set algorithm.kl_coef=0, or algorithm=grpo for GRPO with a KL term",
         )
         required = {"dapo": "token-mean", "dr_grpo": "seq-mean-token-sum"}.get(self.name)
@@ -378,7 +378,7 @@ class AlgorithmConfig:
             required is None or self.aggregation == required,
             "algorithm.aggregation",
             self.aggregation,
-            f"the {self.name} loss is defined with aggregation {required!r} (GTPO_SPEC section 5)",
+            f"the {self.name} loss is defined with aggregation {required!r} (docs/algorithm.md section 5)",
             f"set algorithm.aggregation={required} or drop the override",
         )
         for name in ("num_updates_per_batch", "dynamic_sampling_max_rounds"):
@@ -402,7 +402,7 @@ class AlgorithmConfig:
             "algorithm.initial_entropy_steps",
             self.initial_entropy_steps,
             "must be >= 1",
-            "use 1 (GTPO_SPEC section 4: the first step)",
+            "use 1 (docs/algorithm.md section 4: the first step)",
         )
         _require(
             self.logprob_chunk_size is None or self.logprob_chunk_size >= 1,
@@ -469,7 +469,7 @@ class DataConfig:
     """Level of the built-in arithmetic word problems (``gtpo_megatron.data.synthetic.SYNTHETIC_LEVELS``)."""
     system_prompt: Literal["authors", "concise"] = "concise"
     """The system message of every prompt (``data.prompts.SYSTEM_PROMPTS``): ``authors``, the paper's instruction
-    (GTPO_SPEC section 6: think step by step inside <reasoning>...</reasoning>, final answer inside
+    (docs/algorithm.md section 6: think step by step inside <reasoning>...</reasoning>, final answer inside
     <answer>...</answer>, nothing more), used by the paper recipes; ``concise``, this repository's stricter text
     that also spells out the format template (answer only, no units), used by the CPU demo."""
 

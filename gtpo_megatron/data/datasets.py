@@ -70,7 +70,6 @@ BENCHMARKS = {
     "aime25": Benchmark("aime25", "math-ai/aime25", None, {"test": "test"}),
     "amc23": Benchmark("amc2023", "math-ai/amc23", None, {"test": "test"}),
 }
-SHARED_DATA_DIR = Path(__file__).resolve().parents[2].parent / "shared" / "data"
 _HF_ALIASES = {"math": "DigitalLearningGmbH/MATH-lighteval"}
 QUESTION_KEYS = ("question", "problem", "prompt")
 ANSWER_KEYS = ("answer", "solution", "final_answer")
@@ -78,15 +77,8 @@ SYNTHETIC_DEFAULT_SIZE = 2000
 
 
 def default_data_dir() -> Path:
-    """Where the benchmark folders are read from.
-
-    ``$GTPO_DATA_DIR`` when set; else ``../shared/data`` next to the repository when that folder exists (the
-    development machine); else :func:`default_download_dir`, where ``gtpo-data`` writes by default.
-    """
-    env = os.environ.get("GTPO_DATA_DIR")
-    if env:
-        return Path(env)
-    return SHARED_DATA_DIR if SHARED_DATA_DIR.is_dir() else default_download_dir()
+    """Where the benchmark folders are read from: the folder ``gtpo-data`` writes by default."""
+    return default_download_dir()
 
 
 def default_download_dir() -> Path:

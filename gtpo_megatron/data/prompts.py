@@ -1,4 +1,4 @@
-"""Chat prompts with the paper's reasoning/answer instructions (GTPO_SPEC section 6).
+"""Chat prompts with the paper's reasoning/answer instructions (docs/algorithm.md section 6).
 
 The system message asks the model to think step by step inside ``<reasoning>...</reasoning>`` and to put the final
 answer inside ``<answer>...</answer>``; the rewards in :mod:`gtpo_megatron.rewards` check that format. Two texts
@@ -31,7 +31,7 @@ AUTHORS_SYSTEM_PROMPT = (
     "You are a helpful assistant for solving math problems. Given a question, first think step by step between "
     "<reasoning> and </reasoning>. Then, give the final answer between <answer> and </answer>."
 )
-"""``authors``: the paper's instruction (GTPO_SPEC section 6) and nothing more: step-by-step reasoning in a
+"""``authors``: the paper's instruction (docs/algorithm.md section 6) and nothing more: step-by-step reasoning in a
 ``<reasoning>`` block, the final answer in an ``<answer>`` block, no template (the early format-reward dynamics of
 the paper's comparison depend on it)."""
 SYSTEM_PROMPTS = {"authors": AUTHORS_SYSTEM_PROMPT, "concise": SYSTEM_PROMPT}

@@ -1,4 +1,4 @@
-"""DAPO's sampling helpers (Yu et al. 2025, arXiv 2503.14476; GTPO_SPEC section 5), pure functions.
+"""DAPO's sampling helpers (Yu et al. 2025, arXiv 2503.14476; docs/algorithm.md section 5), pure functions.
 
 Notation: P prompts, G completions per prompt (``group_size``), B = P*G completions laid out group by group
 (rows ``p*G .. p*G+G-1`` belong to prompt ``p``). Inputs may be lists or tensors; outputs are CPU tensors.
@@ -32,7 +32,7 @@ UNIFORM_REWARD_ATOL = 1e-6
 def filter_uniform_groups(
     rewards: Sequence[float] | torch.Tensor, group_size: int, *, atol: float = UNIFORM_REWARD_ATOL
 ) -> torch.Tensor:
-    """Which prompt groups have varied scores: the one uniform-group rule (GTPO_SPEC sections 4 and 5).
+    """Which prompt groups have varied scores: the one uniform-group rule (docs/algorithm.md sections 4 and 5).
 
     Used by dynamic sampling and ``rollout/varied_group_frac`` (``rollout.collector``) and by
     ``algorithm.skip_uniform_groups`` (its per-completion view ``mask.repeat_interleave(group_size)``), always on
@@ -99,7 +99,7 @@ def overlong_filter_mask(finish_reasons: Sequence[str]) -> torch.Tensor:
 def shape_rewards(
     scores: torch.Tensor, response_lengths: torch.Tensor, cfg: AlgorithmConfig, *, max_tokens: int, reward_span: float
 ) -> torch.Tensor:
-    """Task scores plus DAPO's overlong penalty when ``cfg.overlong_buffer_len > 0`` (GTPO_SPEC section 5).
+    """Task scores plus DAPO's overlong penalty when ``cfg.overlong_buffer_len > 0`` (docs/algorithm.md section 5).
 
     The penalty at ``max_tokens`` is ``cfg.overlong_penalty * reward_span``: DAPO's 1 on a 0/1 reward becomes 20 on
     the paper's 0-20 reward, so the shaping weighs the same against the task reward whatever its scale.

@@ -1,19 +1,10 @@
 """Built-in GSM8K-style arithmetic word problems: the default task, generated locally (no download).
 
-Problem ``i`` of ``(seed, split, difficulty)`` is drawn from its own ``random.Random`` stream, so it does not
-depend on how many problems are requested, on the platform or on ``PYTHONHASHSEED``; ``train`` and ``test`` use
-different streams. Answers are non-negative integers written without separators, e.g.::
-
-    Mia has 7 marbles. She finds 5 more marbles. How many marbles does Mia have now?   -> "12"
-
-Difficulty (``SYNTHETIC_LEVELS``):
-
-- ``easy`` (default): one addition of two numbers in 2..10. Sized so that SmolLM2-135M-Instruct gets some but
-  not all answers right, which gives group-relative methods a learning signal from step 0.
-- ``medium``: one addition or subtraction with numbers in 2..50.
-- ``hard``: two steps mixing addition, subtraction and multiplication (factor 2..5) with numbers in 2..100.
-
-Custom levels: build a :class:`SyntheticLevel` and pass it as ``difficulty``.
+Problem ``i`` of ``(seed, split, difficulty)`` has its own ``random.Random`` stream (independent of the count, the
+platform and ``PYTHONHASHSEED``). Answers are non-negative integers ("Mia has 7 marbles. She finds 5 more
+marbles. How many marbles does Mia have now?" -> "12"). Levels: ``easy`` (default; one addition in 2..10, which
+SmolLM2-135M gets partly right), ``medium`` (one + or - in 2..50), ``hard`` (two steps of +, -, * in 2..100), or
+a custom :class:`SyntheticLevel`.
 """
 
 from __future__ import annotations
@@ -55,14 +46,7 @@ _MUL = (
 
 @dataclass(frozen=True, slots=True)
 class SyntheticLevel:
-    """A difficulty level.
-
-    Attributes:
-        num_steps: arithmetic operations after the starting amount (>= 1).
-        max_value: the starting amount and ``+``/``-`` operands are drawn from 2..max_value (>= 1; a
-            subtraction takes at most the current total).
-        operations: non-empty subset of ``("+", "-", "*")``; ``*`` uses factors 2..5.
-    """
+    """A difficulty level: ``num_steps`` operations on amounts in 2..``max_value``; ``*`` uses factors 2..5."""
 
     num_steps: int
     max_value: int

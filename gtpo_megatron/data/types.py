@@ -7,11 +7,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True, slots=True)
 class Problem:
-    """One question with its final reference answer; ``id`` is unique within a loaded set.
-
-    ``answer`` is the *final* reference answer (e.g. ``"72"``), ready for :mod:`gtpo_megatron.rewards`;
-    ``source`` names the problem set (``gsm8k``, ``synthetic``, ...).
-    """
+    """One question and its final reference answer (e.g. ``"72"``); ``id`` is unique within a loaded set."""
 
     id: str
     question: str

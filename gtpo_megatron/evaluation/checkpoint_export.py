@@ -1,4 +1,4 @@
-"""Megatron checkpoint of a training run -> Hugging Face folder that ``transformers`` and vLLM load (issue 5).
+"""Megatron checkpoint of a training run -> Hugging Face folder that ``transformers`` and vLLM load.
 
 A run written by ``gtpo-train`` looks like (names owned by ``run_dir``; written by ``trainer.Trainer.save``)::
 

@@ -1,4 +1,4 @@
-r"""``gtpo-eval``: pass@k / maj@k of a model on math benchmarks with vLLM (issue 5).
+r"""``gtpo-eval``: pass@k / maj@k of a model on math benchmarks with vLLM.
 
 Example (the acceptance contract)::
 
@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--data-dir",
         default=None,
         help="folder holding gsm8k/, math500/, aime24/, aime25/, amc2023/ (`gtpo-data --out DIR` writes it; "
-        "default: $GTPO_DATA_DIR, else ../shared/data next to the repository, else ~/.cache/gtpo_megatron/data)",
+        "default: $GTPO_DATA_DIR, else ~/.cache/gtpo_megatron/data)",
     )
     p.add_argument("--limit", type=int, default=None, help="first N problems of each benchmark")
     p.add_argument("--n", type=int, default=64, help="completions sampled per problem")

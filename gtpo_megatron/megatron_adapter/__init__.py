@@ -1,18 +1,7 @@
-"""The only package that knows Megatron-Core's calling conventions (GTPO_SPEC section 1 training step).
+"""The only package that knows Megatron-Core's calling conventions: model, HF conversion, loss, optimizer, checkpoints.
 
-Modules: ``settings`` (``PolicySettings``: what the run hands Megatron, resolved once from the config sections;
-torch-free, ``gtpo-plan`` reads it too), ``cpu_compat`` (CPU shim, inert on GPU), ``model`` (``TransformerConfig``
-and GPTModel from the settings and an HF config), ``hf_features``
-(what each HF config field does to the math: mapped or refused), ``hf_conversion``
-(HF <-> Megatron shard layout and sharded loading), ``forward_step`` (schedule hook and loss closure),
-``loss_forms`` (the loss in Megatron's per-token and legacy conventions, for the plugin), ``external_model`` (a
-caller's GPTModel checked against the converter), ``external_checkpoint`` (a Megatron-LM checkpoint's weights),
-``optimizer`` (DDP and optimizer configs, Megatron Adam, LR schedule, non-finite guard), ``step_metrics``
-(metric reduction),
-``hf_stream`` (streams ``(hf_name, full_tensor)`` out of the TP/PP shards: the source of weight export and weight
-sync), ``hf_export`` (HF folder writer), ``checkpoint`` (Megatron dist checkpointing), ``policy``
-(``MegatronPolicy``, the facade the trainer uses).
-Importing this package does not import megatron.
+``policy.MegatronPolicy`` is the facade the trainer uses; docs/architecture.md lists the modules. Importing this
+package does not import megatron.
 """
 
 from __future__ import annotations

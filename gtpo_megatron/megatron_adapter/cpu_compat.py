@@ -1,26 +1,11 @@
 """Run megatron-core (0.16.1 to 0.19.2) on a machine without CUDA (gloo, CPU tensors); inert when CUDA is available.
 
-Megatron-core assumes a GPU in a handful of places that no configuration flag reaches
-(``../shared/FEASIBILITY.md`` section 2):
-
-* RoPE moves its frequencies to ``torch.cuda.current_device()``; many ``torch.empty(device=...)`` calls do too.
-* the RNG tracker (``model_parallel_cuda_manual_seed``, ``get_cuda_rng_tracker().fork()``) reads and writes the
-  CUDA generator state;
-* DDP's gradient sync waits on ``torch.cuda.current_stream()`` (megatron-core 0.19);
-* the pipeline schedules allocate ``torch.zeros(..., device="cuda")`` for the token counter, the FP32 optimizer
-  allocates ``torch.tensor([1.0], device="cuda")``, and gradient clipping / the distributed optimizer check
-  ``param.grad.type() == "torch.cuda.FloatTensor"``.
-
-Two measures cover all of them, and both are applied only when ``torch.cuda.is_available()`` is False:
-
-1. ``install_cpu_compat()`` replaces a few ``torch.cuda`` functions (device query, synchronisation, RNG state,
-   streams) and Megatron's private CUDA-RNG helpers with CPU equivalents. It is idempotent and logs once.
-2. ``cuda_to_cpu_mode()`` is a context manager (a ``TorchFunctionMode``) that rewrites ``device="cuda"`` keyword
-   arguments and ``.to("cuda")`` to the CPU, makes ``Tensor.cuda()`` a no-op and lets ``Tensor.type()`` report
-   ``torch.cuda.*Tensor``. The policy enters it around Megatron's schedule and ``optimizer.step()`` only; on a
-   GPU machine it is ``contextlib.nullcontext()``.
-
-With CUDA present neither function changes anything, so GPU behaviour is exactly upstream Megatron's.
+Megatron-core calls CUDA where no flag reaches: RoPE and ``torch.empty`` on ``torch.cuda.current_device()``, the
+CUDA RNG tracker, DDP's ``current_stream()`` (0.19), ``device="cuda"`` literals in the schedules and the FP32
+optimizer, and ``param.grad.type() == "torch.cuda.FloatTensor"`` checks. ``install_cpu_compat()`` swaps the
+``torch.cuda`` and Megatron CUDA-RNG entry points for CPU ones (idempotent, logged once); ``cuda_to_cpu_mode()``, a
+``TorchFunctionMode`` the policy enters around the schedule and ``optimizer.step()``, sends ``"cuda"`` devices to
+the CPU and makes ``Tensor.type()`` report ``torch.cuda.*Tensor``. With CUDA neither changes anything.
 """
 
 from __future__ import annotations
@@ -63,13 +48,7 @@ class _NullStream:
 
 
 def install_cpu_compat() -> bool:
-    """Patch the ``torch.cuda`` / Megatron RNG entry points Megatron calls unconditionally (CPU only).
-
-    Call after ``import torch`` and before building a Megatron model. Idempotent.
-
-    Returns:
-        True if the patches are (now) active, False on a CUDA machine (nothing is changed there).
-    """
+    """Patch the CUDA entry points Megatron calls unconditionally; True if active, False with CUDA."""
     global _installed
     if not cpu_compat_needed():
         return False

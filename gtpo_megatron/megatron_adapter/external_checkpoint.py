@@ -1,17 +1,9 @@
 """A Megatron-LM / Megatron-Bridge checkpoint as the starting policy: its model weights, at any TP/PP layout.
 
-Such a checkpoint (``model.megatron_checkpoint``; folder layout in ``run_dir``) is Megatron-Core's dist checkpoint
-(``torch_dist``) of ``{"model": model.sharded_state_dict(), "optimizer": ..., "args": ..., ...}``. Only the model's
-sharded tensors are read: every one is matched by its global key and resharded to this rank's TP/PP shard by
-``dist_checkpointing.load`` (the same machinery as ``checkpoint.py``), the optimizer state, the RNG states and the
-common ``common.pt`` (which holds Megatron-LM's pickled ``args``) are never opened. Transformer Engine and local
-layer specs store the same keys (the local spec maps its norms onto TE's fused names), so a checkpoint written by a
-TE model loads into the CPU local-spec model and back.
-
-The vocabulary is padded as the writer padded it (Megatron-LM: to a multiple of ``make_vocab_size_divisible_by *
-tp_size`` at the writer's TP size): :func:`checkpoint_padded_vocab_size` reads that row count from the checkpoint's
-metadata, and the model is built with it, so the embedding and output layer match at every TP size that divides it.
-Columns ``>= vocab_size`` stay excluded from every softmax (``ops``).
+Only the model's sharded tensors of the ``torch_dist`` checkpoint are read, matched by global key and resharded
+by ``dist_checkpointing.load``; optimizer, RNG and the pickled ``args`` are never opened. TE and local layer specs
+store the same keys. The model is built with the checkpoint's padded vocabulary
+(:func:`checkpoint_padded_vocab_size`); columns ``>= vocab_size`` stay out of every softmax.
 """
 
 from __future__ import annotations
@@ -29,13 +21,7 @@ _EMBEDDING_KEY = "embedding.word_embeddings.weight"
 
 @contextlib.contextmanager
 def _common_state_skipped(dist_checkpointing) -> Iterator[dict]:
-    """Keyword arguments for ``dist_checkpointing.load`` that skip the common (non-sharded) state.
-
-    The common state (``common.pt``, or a ``common_state`` object inside newer checkpoints) holds Megatron-LM's
-    pickled ``args`` and no model tensor. megatron-core 0.16 takes a ``common_strategy`` argument for it; 0.17 and
-    later load it unconditionally through ``serialization.load_common_state_dict``, which is replaced by an empty
-    load for the duration (feature detection on ``load``'s signature, not on version strings).
-    """
+    """``dist_checkpointing.load`` kwargs that skip the common state (``common_strategy`` in 0.16, a patch in 0.17+)."""
     if "common_strategy" in inspect.signature(dist_checkpointing.load).parameters:
         from megatron.core.dist_checkpointing.strategies.common import TorchCommonLoadStrategy
 
@@ -58,12 +44,7 @@ def _common_state_skipped(dist_checkpointing) -> Iterator[dict]:
 
 
 def checkpoint_padded_vocab_size(path: str | Path, *, vocab_size: int, tp_size: int) -> int:
-    """Rows of the checkpoint's embedding: the padded vocabulary ``V`` the model must be built with.
-
-    Args:
-        path: ``model.megatron_checkpoint`` (root or iteration folder).
-        vocab_size: the tokenizer's vocabulary (HF ``config.vocab_size``).
-        tp_size: this run's tensor-parallel size.
+    """Rows of the checkpoint's embedding: the padded vocabulary ``V`` to build the model with.
 
     Raises:
         ValueError: not a GPT checkpoint (no ``embedding.word_embeddings.weight``), fewer rows than ``vocab_size``
@@ -94,18 +75,12 @@ def checkpoint_padded_vocab_size(path: str | Path, *, vocab_size: int, tp_size: 
 
 
 def load_model_weights(model, path: str | Path) -> None:
-    """Copy this rank's shards of the checkpoint's model weights into ``model``, in place.
-
-    Args:
-        model: this rank's *unwrapped* ``GPTModel`` stage, built with :func:`checkpoint_padded_vocab_size` rows and
-            the architecture the checkpoint was written with; any TP/PP layout.
-        path: ``model.megatron_checkpoint`` (root or iteration folder).
+    """Copy this rank's shards of the checkpoint's model weights into the unwrapped ``model`` stage, in place.
 
     Collectives: ``dist_checkpointing.load``'s own (world group).
 
     Raises:
-        ValueError: the checkpoint lacks some of the model's tensors, or holds them with other shapes (another
-            architecture, layer count or hidden size than the HF config of ``model.name_or_path``).
+        ValueError: tensors missing or of other shapes (another architecture than ``model.name_or_path``'s config).
     """
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.core import CheckpointingException

@@ -1,9 +1,8 @@
 """A caller's own ``GPTModel`` seen by the HF converter: its ``ModelGeometry``, or a refusal that names what fails.
 
-The converter (``hf_conversion``: names, fused QKV and gate/up layouts, vocabulary padding) covers the dense
-decoders of ``hf_features.SUPPORTED_MODEL_TYPES`` built as Megatron's GPT block, with the local or the Transformer
-Engine layer spec. A model built any other way (MoE experts, MLA, extra modules) or a config whose sizes disagree
-with the HF config is refused before any weight moves, so a sync never hands an engine a wrongly laid out tensor.
+Dense decoders of ``hf_features.SUPPORTED_MODEL_TYPES`` built as Megatron's GPT block (local or TE spec) are
+accepted; anything else (MoE, MLA, extra modules, sizes that disagree with the HF config) is refused before any
+weight moves.
 """
 
 from __future__ import annotations
@@ -27,17 +26,11 @@ def unwrap_model(model):
 
 
 def model_geometry(model, hf_config, *, tp_size: int) -> ModelGeometry:
-    """The conversion geometry of a caller's ``GPTModel`` stage for ``hf_config``, after checking they agree.
-
-    Args:
-        model: this rank's unwrapped ``GPTModel`` stage (``unwrap_model``).
-        hf_config: the HF ``PretrainedConfig`` the engine serves.
-        tp_size: the model's tensor-parallel size.
+    """The conversion geometry of a caller's unwrapped ``GPTModel`` stage for ``hf_config``, after checking they agree.
 
     Raises:
-        ValueError: an HF config the converter refuses (``hf_features.check_hf_config``), parameters it has no
-            mapping for (named, with the converter module), or sizes that differ between ``model.config`` and
-            ``hf_config`` (each named with both values).
+        ValueError: an HF config the converter refuses, parameters it cannot map (named), or sizes that differ
+            between ``model.config`` and ``hf_config`` (each named with both values).
     """
     try:
         check_hf_config(hf_config)

@@ -7,7 +7,7 @@ the prediction of ``input_ids[:, s]`` from ``input_ids[:, :s]`` (``TrainBatch`` 
 to real tokens and masked out of the loss, so padding never changes a result. Per-token weights (GTPO lambda,
 section 3) and the per-row decisions travel with their rows.
 
-One forward, no pass before it (GTPO_SPEC sections 1 and 4): the loss closure gets the log-probs at the loss
+One forward, no pass before it (docs/algorithm.md sections 1 and 4): the loss closure gets the log-probs at the loss
 temperature and the (detached) entropy at ``entropy_temperature`` from one call of the log-prob op, and
 ``ops.policy_objective`` decides each completion's delta_i and ``A_i - gamma <H>_i`` from its own tokens in this
 micro-batch; it also measures the train/rollout mismatch (``rollout_logprobs``) of this same forward.
@@ -35,8 +35,8 @@ micro-batches or DP ranks. Context parallelism is not used (``cp_size = 1``, so 
 Reported ``loss`` metrics are the unscaled ``l_dm``, summed over micro-batches and DP ranks, i.e. ``J``.
 
 ``N`` comes from the response masks only, so it does not depend on the entropy filter decided inside the forward:
-a filtered completion (delta_i = 0) still counts in ``N`` and contributes 0 to ``S_dm``, which is GTPO_SPEC section
-1's ``1/G`` over all completions of the group (filtered ones included), for every aggregation.
+a filtered completion (delta_i = 0) still counts in ``N`` and contributes 0 to ``S_dm``, which is
+docs/algorithm.md section 1's ``1/G`` over all completions of the group (filtered ones included), for every aggregation.
 """
 
 from __future__ import annotations

@@ -1,25 +1,14 @@
-"""Hugging Face <-> Megatron-Core weight layout for Llama / Mistral / Qwen2 / Qwen3 decoders.
+"""Hugging Face <-> Megatron-Core weight layout for Llama / Mistral / Qwen2 / Qwen3 decoders (pure tensor code).
 
-Pure tensor code, no I/O except ``HFCheckpointReader``.
+Names are global (``decoder.layers.{i}``, see ``global_param_name``). Shapes on TP rank ``r`` (Q heads, G KV
+groups, ``G_pad`` with head padding, D head_dim, F the MLP width):
 
-Megatron parameter names below are *global*: ``decoder.layers.{i}`` uses the global layer index ``i``
-(``global_param_name`` converts a pipeline stage's local names). Layouts, for TP rank ``r`` of ``tp``:
-
-* ``embedding.word_embeddings.weight`` / ``output_layer.weight``: ``[V/tp, H]``, rows ``r*V/tp ..`` of the padded
-  vocabulary; rows ``>= vocab_size`` are zero. With tied embeddings HF has only ``model.embed_tokens.weight``;
-  the last stage's ``output_layer.weight`` (present when PP > 1) is loaded from it and is *not* exported.
-* ``self_attention.linear_qkv.{weight,bias}``: ``[(G_pad/tp) * (Q/G + 2) * D, H]``, Megatron's per-query-group
-  layout: for each KV group g of this rank, its ``Q/G`` query heads, then its key head, then its value head
-  (Q query heads, G KV groups, D head_dim). ``G_pad = G`` unless the model is head-padded
-  (``head_padding``): then groups ``G .. G_pad-1`` are all-zero rows.
-* ``self_attention.linear_proj.weight``: row-parallel over heads, ``[H, Q_pad * D / tp]`` with
-  ``Q_pad = G_pad * Q/G``; columns of padded heads are zero. Its bias (HF ``o_proj.bias``, ``attention_bias``
-  models) is ``[H]``, replicated: added once, after the TP reduction.
-* ``mlp.linear_fc1.{weight,bias}``: ``[2 * F/tp, H]`` / ``[2 * F/tp]``: this rank's gate rows, then its up rows.
-* ``mlp.linear_fc2.weight``: row-parallel, ``[H, F/tp]``; its bias (HF ``down_proj.bias``, ``mlp_bias``) is
-  ``[H]``, replicated.
-* norms (and Qwen3's q/k norms): replicated. Transformer Engine specs fuse the pre-attention and pre-MLP norms
-  into ``linear_qkv.layer_norm_weight`` / ``linear_fc1.layer_norm_weight``; both spellings are accepted.
+* embedding / ``output_layer.weight``: ``[V/tp, H]``, padded rows zero; with tied embeddings the last stage's
+  output layer loads from ``model.embed_tokens.weight`` and is not exported.
+* ``linear_qkv``: ``[(G_pad/tp) * (Q/G + 2) * D, H]``, per KV group its query heads, key, value; padded groups zero.
+* ``linear_proj.weight``: ``[H, Q_pad * D / tp]``; ``linear_fc1``: ``[2 * F/tp, H]`` (gate rows, then up rows);
+  ``linear_fc2.weight``: ``[H, F/tp]``. Their biases are ``[H]``, replicated. Norms are replicated (TE's fused
+  ``layer_norm_weight`` spellings are accepted).
 """
 
 from __future__ import annotations
@@ -62,11 +51,7 @@ _LAYER_MAP = {
 
 @dataclass(frozen=True)
 class ModelGeometry:
-    """Shapes the conversion needs, HF values: ``num_heads`` = Q, ``num_query_groups`` = G, ``head_dim`` = D.
-
-    ``num_pad_groups`` all-zero KV groups follow the G HF groups in the Megatron model (``head_padding``; 0 = no
-    padding), so Megatron has ``padded_num_query_groups`` = G_pad groups and ``padded_num_heads`` = Q_pad heads.
-    """
+    """Shapes the conversion needs (HF Q, G, D), plus ``num_pad_groups`` zero KV groups (``head_padding``)."""
 
     num_heads: int
     num_query_groups: int
@@ -102,10 +87,7 @@ class ModelGeometry:
         pad_attention_heads: bool = False,
         padding_tp_size: int | None = None,
     ) -> ModelGeometry:
-        """Geometry of ``hf_config`` at ``tp_size``.
-
-        See ``head_padding.padded_num_query_groups`` (and its ValueError) for ``pad_attention_heads``.
-        """
+        """Geometry of ``hf_config`` at ``tp_size`` (errors: ``head_padding.padded_num_query_groups``)."""
         heads = hf_config.num_attention_heads
         groups = getattr(hf_config, "num_key_value_heads", None) or heads
         padded_groups = padded_num_query_groups(
@@ -145,11 +127,7 @@ def global_param_name(local_name: str, layer_offset: int) -> str:
 
 
 def param_mapping(name: str, geometry: ModelGeometry) -> ParamMapping:
-    """Mapping of the global Megatron parameter ``name``.
-
-    Raises:
-        ValueError: for a parameter this converter does not know (e.g. MoE or MLA weights).
-    """
+    """Mapping of the global Megatron parameter ``name``; ValueError for one it does not know (MoE, MLA)."""
     if name == "embedding.word_embeddings.weight":
         return ParamMapping(VOCAB, ("model.embed_tokens.weight",))
     if name == "output_layer.weight":
@@ -166,10 +144,7 @@ def param_mapping(name: str, geometry: ModelGeometry) -> ParamMapping:
 
 
 class HFCheckpointReader:
-    """Read (slices of) tensors from an HF safetensors folder (single file or sharded with an index).
-
-    Only the requested rows/columns are read, so a rank never materialises weights it does not own.
-    """
+    """Read only the requested rows/columns of tensors from an HF safetensors folder (sharded or not)."""
 
     def __init__(self, folder: str | Path):
         from safetensors import safe_open
@@ -266,11 +241,7 @@ def shard_from_hf(
 def hf_from_shards(
     mapping: ParamMapping, shards: list[torch.Tensor], geometry: ModelGeometry
 ) -> list[tuple[str, torch.Tensor]]:
-    """Inverse of ``shard_from_hf``: the TP shards (in TP-rank order) of one parameter -> full HF tensors.
-
-    Padded vocabulary rows and padded attention heads are dropped, fused QKV and gate/up are split. Returns
-    fresh tensors with the HF shapes.
-    """
+    """Inverse of ``shard_from_hf``: TP shards (rank order) -> full HF tensors, padding dropped, fusions split."""
     if mapping.kind == REPLICATED:
         return [(mapping.hf_names[0], shards[0].clone())]
     if mapping.kind == VOCAB:
@@ -299,9 +270,7 @@ def stage_layer_offset(model) -> int:
 
 @torch.no_grad()
 def load_hf_weights(model, hf_path: str | Path, geometry: ModelGeometry, *, tp_rank: int) -> None:
-    """Copy this rank's shards of an HF checkpoint into ``model`` (an unwrapped ``GPTModel`` stage), in place.
-
-    Reads only the slices this rank owns (see ``HFCheckpointReader``); casts to each parameter's dtype.
+    """Copy this rank's slices of an HF checkpoint into an unwrapped ``GPTModel`` stage, in place, cast to each dtype.
 
     Raises:
         ValueError: a tensor is missing from the checkpoint or a shard shape disagrees with the parameter.

@@ -1,10 +1,8 @@
 """Write a Hugging Face folder (safetensors + config + tokenizer) from a stream of ``(hf_name, tensor)``.
 
-The stream is ``hf_stream.iter_hf_weights``; every model-parallel rank must drain it (its collectives
-are matched) but only the rank with ``write=True`` keeps tensors and writes. Tensors are buffered up to
-``max_shard_bytes`` and flushed to ``model-XXXXX.safetensors`` files with a ``model.safetensors.index.json``
-(a single shard is written as ``model.safetensors``). The folder is assembled under a temporary sibling and
-renamed into place, so a reader (vLLM ``reload_weights``) never sees a half-written folder.
+Every model-parallel rank drains the stream (its collectives are matched); only the writer keeps tensors. Shards
+of ``max_shard_bytes`` plus an index (or one ``model.safetensors``) are assembled in a temporary sibling and
+renamed into place, so a reader never sees a half-written folder.
 """
 
 from __future__ import annotations
@@ -37,16 +35,7 @@ def write_hf_folder(
     write: bool,
     max_shard_bytes: int = 2 * 1024**3,
 ) -> None:
-    """Drain ``weights``; when ``write`` is True save them as an HF folder at ``out_dir`` (replacing it).
-
-    Args:
-        weights: ``(hf_name, tensor)`` stream; tensors are moved to CPU (any device in).
-        out_dir: destination folder; an existing folder of that name is replaced atomically (rename).
-        hf_config: the ``PretrainedConfig`` to save next to the weights.
-        tokenizer_source: folder whose tokenizer is copied (``AutoTokenizer.save_pretrained``), or None.
-        write: False on every rank except the single writer.
-        max_shard_bytes: flush threshold per safetensors file.
-    """
+    """Drain ``weights``; with ``write`` save them (moved to CPU) as an HF folder replacing ``out_dir`` atomically."""
     if not write:
         for _ in weights:
             pass

@@ -1,39 +1,7 @@
-"""What each Hugging Face config field of the accepted decoders does to the math, and how Megatron reproduces it.
+"""What each Hugging Face config field of the accepted decoders does, and how Megatron reproduces it (or refuses it).
 
-Or the ValueError, at load, that refuses the checkpoint: nothing is dropped silently, so the trainer never trains
-another model than the one ``transformers`` and vLLM run.
-
-The fields are those that the ``transformers`` modeling code of the accepted model types reads
-(``modeling_{llama,mistral,qwen2,qwen3}.py``, transformers 5.x); any other key of a config.json is ignored by
-``transformers`` as well, and here.
-
-Field (model types that read it): what the Megatron model does.
-
-* ``hidden_size``, ``intermediate_size``, ``num_hidden_layers``, ``num_attention_heads``, ``num_key_value_heads``,
-  ``vocab_size`` (all): sizes (``model.transformer_config_from_hf``; TP/PP rules there and in ``head_padding``).
-* ``head_dim`` (llama, mistral, qwen3; qwen2 uses ``hidden_size / num_attention_heads``): ``kv_channels``.
-* ``rms_norm_eps`` (all): ``layernorm_epsilon`` of every RMSNorm.
-* ``hidden_act`` (all): ``"silu"`` (SwiGLU) only; any other activation is refused.
-* ``tie_word_embeddings`` (all): ``share_embeddings_and_output_weights``.
-* ``rope_parameters`` / legacy ``rope_scaling``, ``rope_theta`` (all): ``rope_settings``: ``default``; ``linear``
-  (Megatron's ``seq_len_interpolation_factor``); ``llama3`` with Megatron's fixed frequency factors and original
-  length. Any other rope type, other llama3 constants, or ``partial_rotary_factor != 1`` are refused.
-* ``attention_bias`` (llama, qwen3): q/k/v biases (``add_qkv_bias``) AND the o_proj bias (``linear_proj`` built
-  with a bias). qwen2 always has q/k/v biases and no o_proj bias (``add_qkv_bias``).
-* ``mlp_bias`` (llama): gate/up biases (``linear_fc1``) and the down bias (``linear_fc2``).
-* q/k RMSNorm (qwen3, always): ``qk_layernorm``.
-* ``sliding_window`` (mistral: every layer): ``window_size = (W - 1, 0)``, i.e. a query attends to itself and the
-  ``W - 1`` tokens before it, as HF's mask ``kv > q - W``.
-* ``use_sliding_window``, ``sliding_window``, ``max_window_layers`` -> ``layer_types`` (qwen2, qwen3):
-  ``window_size`` on the layers whose ``layer_types`` entry is ``"sliding_attention"`` (``window_attn_skip_freq``
-  as a per-layer list); any other layer type is refused.
-* ``attention_dropout`` (all): a training-time knob only; the policy trains with dropout 0 (RL), as transformers
-  and vLLM evaluate; a warning when it is > 0.
-* ``max_position_embeddings`` (all): no effect on the math (RoPE is computed for every position).
-
-A sliding window is reproduced exactly, whatever the sequence lengths (so a window at least as long as the
-longest sequence, a no-op, costs nothing to get right either). ``mlp_bias`` / ``attention_bias`` of model types
-whose ``transformers`` class ignores them (mistral, qwen2) are ignored here too.
+The field-by-field table (Llama, Mistral, Qwen2, Qwen3; the fields their ``transformers`` modeling code reads) is
+in docs/models.md. Nothing is dropped silently: a field that cannot be built raises ValueError at load.
 """
 
 from __future__ import annotations
@@ -49,10 +17,7 @@ _LLAMA3_CONSTANTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_
 
 @dataclass(frozen=True)
 class LinearBiases:
-    """Which linear layers of a decoder layer have biases.
-
-    The fused q/k/v, the attention output projection (o_proj), and the MLP (gate/up and down).
-    """
+    """Which linear layers of a decoder layer have biases: fused q/k/v, o_proj, the MLP."""
 
     qkv: bool
     proj: bool
@@ -70,11 +35,7 @@ def linear_biases(hf_config) -> LinearBiases:
 
 
 def sliding_window_settings(hf_config) -> dict:
-    """``TransformerConfig`` keyword arguments reproducing HF's sliding-window attention (empty: none).
-
-    Returns:
-        ``{"window_size": (W - 1, 0)}`` when every layer uses a window of ``W`` tokens, plus
-        ``"window_attn_skip_freq"``: a per-layer list (1 = windowed) when only some layers do.
+    """``TransformerConfig`` kwargs for HF's sliding windows: ``window_size = (W - 1, 0)``, a skip list if mixed.
 
     Raises:
         ValueError: a ``layer_types`` entry other than ``full_attention`` / ``sliding_attention``, or a window < 1.
@@ -145,11 +106,11 @@ def rope_settings(hf_config) -> dict:
 
 
 def check_hf_config(hf_config) -> None:
-    """Refuse, at load, every field of the module table that cannot be built; warn about those without effect.
+    """Refuse, at load, every field that cannot be built; warn about those without effect.
 
     Raises:
         ValueError: unsupported ``model_type`` or ``hidden_act``, and the errors of ``rope_settings`` and
-            ``sliding_window_settings`` (which it calls).
+            ``sliding_window_settings``.
     """
     model_type = getattr(hf_config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:

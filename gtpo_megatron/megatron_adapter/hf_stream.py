@@ -1,22 +1,12 @@
 """Stream full Hugging Face tensors ``(hf_name, tensor)`` out of a TP/PP-sharded Megatron ``GPTModel``.
 
-Peak extra memory is one full parameter (plus its TP shards while they are gathered): tensors are produced and
-yielded one at a time, never collected. Layout rules (fused QKV split per query group, fused gate/up split, padded
-vocabulary rows trimmed, the tied output layer skipped) live in ``megatron_adapter.hf_conversion``. A head-padded
-model (``megatron_adapter.head_padding``) streams without its all-zero padded groups: the names and shapes are
-exactly the original HF model's (the padded groups are gathered over TP, then dropped).
+One full parameter at a time (peak extra memory: one tensor plus its TP shards); layout rules are
+``hf_conversion``'s, and a head-padded model streams without its padding. Every rank of the model-parallel group
+yields the same sequence (stage order, then parameter order); each DP replica gathers in its own groups.
 
-Who sees what: every rank of the model-parallel group (all TP x PP ranks of one data-parallel replica) yields the
-*same* complete sequence of names, in pipeline-stage order then parameter order. Each DP replica runs its own
-gather inside its own groups (no DP traffic); consumers that need a single writer (export, a vLLM push) let one
-rank act, e.g. global rank 0.
-
-Collectives, per stage ``s`` of the pipeline (skipped when the size is 1):
-* ``broadcast_object_list`` on the PP group from stage ``s``: the stage's parameter list (name, shard shape,
-  dtype) so the other stages know what to receive;
-* per parameter: one ``all_gather`` on the TP group (not for replicated norms) on stage ``s``, then one
-  ``broadcast`` on the PP group per HF tensor from stage ``s``.
-All ranks of the model-parallel group must drain the generator to the end (the collectives are matched).
+Collectives per pipeline stage ``s`` (skipped at size 1): one ``broadcast_object_list`` on PP of the stage's
+parameter list, then per parameter an ``all_gather`` on TP (not for replicated norms) and a ``broadcast`` on PP
+per HF tensor. Every model-parallel rank must drain the generator.
 """
 
 from __future__ import annotations
@@ -61,16 +51,9 @@ def _gather_tp(param: torch.Tensor, mapping: ParamMapping, tp_group, tp_size: in
 
 
 def iter_hf_weights(model, geometry: ModelGeometry, groups: ParallelGroups) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, full_tensor)`` for every HF weight of the model, on every model-parallel rank.
+    """Yield ``(hf_name, fresh full tensor)`` in the parameter's dtype and device, on every model-parallel rank.
 
-    Args:
-        model: this rank's *unwrapped* ``GPTModel`` stage (not the DDP wrapper).
-        geometry: ``ModelGeometry`` the model was built with (``geometry.tp_size == groups.tp_size``).
-        groups: ``ParallelGroups``; uses ``groups.tp`` and ``groups.pp`` (see module docstring).
-
-    Yields:
-        HF parameter name and a fresh full tensor in the parameter dtype, on the parameter device (CPU on a CPU
-        run). The caller may keep or free it; the generator holds no reference once the next item is requested.
+    ``model`` is the unwrapped stage and ``geometry.tp_size`` must equal ``groups.tp_size``; collectives as above.
     """
     local_params = dict(model.named_parameters())
     offset = stage_layer_offset(model)

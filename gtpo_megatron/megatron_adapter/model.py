@@ -1,27 +1,11 @@
 """Build a Megatron-Core ``GPTModel`` (one pipeline stage, TP-sharded) from a Hugging Face decoder config.
 
-Supported architectures: Llama, Mistral, Qwen2, Qwen3 (dense). Every one maps onto Megatron's GPT block with
-RMSNorm, SwiGLU (``gated_linear_unit=True`` + SiLU), grouped-query attention (``num_query_groups``), RoPE, optional
-tied embeddings, linear-layer biases and sliding-window attention; ``hf_features`` says, field by field, how each
-HF config setting is reproduced or why a checkpoint is refused. Dropout is 0 (RL fine-tuning).
-
-Layer specs: Transformer Engine specs when ``transformer_engine`` imports, Megatron's local specs otherwise; the
-choice is logged once. The local spec gets an explicit causal mask from ``forward_step`` (see
-``causal_attention_mask``); TE applies the causal mask itself. With sequence parallelism the local spec's norms are
-``SequenceParallelRMSNorm`` (Megatron's own torch norm refuses sequence parallelism).
-
-Config: ``transformer_config_from_hf`` builds the ``TransformerConfig`` from ``settings.PolicySettings`` (the
-config sections, resolved once) and the HF config, through pure functions per source of fields.
-
-Vocabulary padding: the embedding and output layer have ``padded_vocab_size`` rows, the tokenizer vocabulary
-rounded up to a multiple of ``make_vocab_size_divisible_by * tp_size`` so that each TP rank holds an equal,
-aligned shard. Padded rows are zero; the ops layer excludes their logits from every softmax.
-
-Head padding (opt-in, ``pad_attention_heads``): when the KV groups do not divide ``tp_size`` the model gets extra
-all-zero KV groups, which is exact for forward and training; see ``head_padding``.
-
-Output precision (``fp32_output_layer``): with 16-bit parameters the logits can be computed in fp32 instead of
-being rounded to bf16 before the log-softmax; see ``output_layer``.
+Llama, Mistral, Qwen2 and Qwen3 (dense) map onto Megatron's GPT block (RMSNorm, SwiGLU, GQA, RoPE, optional tied
+embeddings, biases, sliding windows); ``hf_features`` says how each HF setting is reproduced or why it is refused.
+Dropout is 0. Transformer Engine layer specs when TE imports, Megatron's local specs otherwise (which get an
+explicit causal mask, and ``SequenceParallelRMSNorm`` under sequence parallelism). The embedding and output layer
+have ``padded_vocab_size`` rows (``plan.layout``), the padded rows zero. Opt-in extras: zero KV groups when they do
+not divide ``tp_size`` (``head_padding``) and fp32 logits from 16-bit parameters (``output_layer``).
 """
 
 from __future__ import annotations
@@ -55,18 +39,14 @@ def transformer_engine_available() -> bool:
     """True when ``transformer_engine`` imports cleanly (a broken TE install counts as absent)."""
     try:
         import transformer_engine  # noqa: F401
-    except Exception:  # a meta package without CUDA raises RuntimeError, see FEASIBILITY item 3
+    except Exception:  # a meta package without CUDA raises RuntimeError (and breaks megatron)
         return False
     return True
 
 
 @functools.cache
 def _with_bias(linear_cls: type) -> type:
-    """``linear_cls`` built with a bias whatever Megatron's global ``add_bias_linear`` says.
-
-    For HF models whose o_proj or MLP have biases while their other linear layers have none. Same parameters and
-    sharding, plus ``bias``.
-    """
+    """``linear_cls`` built with a bias whatever ``add_bias_linear`` says (HF o_proj / MLP biases)."""
 
     def __init__(self, *args, bias, **kwargs):
         linear_cls.__init__(self, *args, bias=True, **kwargs)
@@ -98,11 +78,7 @@ def _add_biases(spec, biases: LinearBiases):
 
 
 def mlp_submodules(mlp):
-    """The ``MLPSubmodules`` of a layer spec's ``mlp`` entry.
-
-    megatron-core 0.16 gives a ``ModuleSpec`` (``.submodules``); 0.17+ give ``functools.partial(MLP...,
-    submodules=...)`` (the keyword).
-    """
+    """The ``MLPSubmodules`` of a spec's ``mlp`` entry (a ``ModuleSpec`` in 0.16, a ``partial`` in 0.17+)."""
     return mlp.keywords["submodules"] if isinstance(mlp, functools.partial) else mlp.submodules
 
 
@@ -114,13 +90,11 @@ def _with_mlp_submodules(mlp, submodules):
 
 
 class SequenceParallelRMSNorm:
-    """The local spec's ``torch.nn.RMSNorm`` made usable with sequence parallelism (``WrappedTorchNorm`` refuses it).
+    """``torch.nn.RMSNorm`` usable under sequence parallelism (Megatron's ``WrappedTorchNorm`` refuses it).
 
-    What Megatron's ``WrappedTorchNorm`` builds, plus a tag: under sequence parallelism each TP rank normalises its
-    slice of the sequence, so the weight's gradient is a partial sum; the weight carries the ``sequence_parallel``
-    tag, the one TE's and Apex's norms set, and Megatron's ``finalize_model_grads`` sums tagged gradients over the TP
-    group. The same class serves the q/k norms, whose gradients Megatron sums over TP anyway (``qk_layernorm``).
-    Same parameters and state-dict names.
+    Each TP rank normalises its slice of the sequence, so the weight's gradient is a partial sum: the weight carries
+    the ``sequence_parallel`` tag, and ``finalize_model_grads`` sums tagged gradients over the TP group. Same
+    parameters and state-dict names as Megatron's norm.
     """
 
     def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **unused):  # noqa: D102 (see the class)
@@ -151,10 +125,9 @@ def _with_sequence_parallel_norms(spec):
 
 
 def select_layer_spec(*, qk_layernorm: bool, biases: LinearBiases, sequence_parallel: bool = False):
-    """Return ``(layer_spec, "transformer_engine" | "local")`` and log which one is used.
+    """``(layer_spec, "transformer_engine" | "local")``, logged once.
 
-    ``biases``: the o_proj and MLP biases get their own linear classes (the q/k/v bias is ``add_qkv_bias``).
-    ``sequence_parallel``: the local spec gets :class:`SequenceParallelRMSNorm` norms (TE's support it natively).
+    ``biases`` and ``sequence_parallel`` adapt the local spec (TE's supports both natively).
     """
     from megatron.core.models.gpt import gpt_layer_specs
 
@@ -171,10 +144,7 @@ def select_layer_spec(*, qk_layernorm: bool, biases: LinearBiases, sequence_para
 
 
 def _block_spec(layer_spec, backend: str, config):
-    """What ``GPTModel`` builds its decoder from: the layer spec, or the block's submodules.
-
-    With sequence parallelism on the local spec: this stage's layers and a :class:`SequenceParallelRMSNorm` final norm.
-    """
+    """The layer spec, or with sequence parallelism on the local spec the block's submodules."""
     if backend != "local" or not config.sequence_parallel:
         return layer_spec
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
@@ -187,18 +157,11 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def transformer_config_from_hf(hf_config, settings: PolicySettings, *, padding_tp_size: int | None = None):
-    """The Megatron ``TransformerConfig`` of ``settings`` for the HF decoder ``hf_config``.
-
-    The fields come from four places, merged in this order: this package's engine defaults (no dropout, no fused
-    kernels, CPU initialisation without CUDA; ``model.megatron_overrides`` may change them), the HF config
-    (:func:`hf_transformer_fields`), the settings (:func:`settings_transformer_fields`) and the overrides (which
-    ``PolicySettings`` has checked against ``settings.OWNED_FIELDS``). ``padding_tp_size``: pad the KV groups as a
-    run at that TP size did (``head_padding.padded_num_query_groups``).
+    """The ``TransformerConfig`` for ``hf_config``: engine defaults < HF fields < settings < ``megatron_overrides``.
 
     Raises:
-        ValueError: an HF config feature that cannot be built (``hf_features``: model type, activation, RoPE
-            variant, attention layer types), heads or KV groups not divisible by ``tp_size`` (without
-            ``model.pad_attention_heads``), layers not divisible by ``pp_size``.
+        ValueError: an HF feature that cannot be built (``hf_features``), heads or KV groups not divisible by
+            ``tp_size`` (without ``model.pad_attention_heads``), layers not divisible by ``pp_size``.
     """
     from megatron.core.transformer import TransformerConfig
 
@@ -227,11 +190,7 @@ def _engine_fields() -> dict:
 
 
 def hf_transformer_fields(hf_config, settings: PolicySettings, *, padding_tp_size: int | None = None) -> dict:
-    """The architecture fields of the ``TransformerConfig``, read from the HF config (see ``hf_features``).
-
-    ``settings.model.pad_attention_heads``: when the KV groups do not divide ``tp_size``, give Megatron ``G_pad``
-    groups (the next multiple of ``tp_size``) with the HF heads per group; ``kv_channels`` stays the HF head_dim
-    (``head_padding``; the weights are padded by ``hf_conversion``).
+    """The architecture fields read from the HF config; with ``pad_attention_heads``, the padded KV-group count.
 
     Raises:
         ValueError: as :func:`transformer_config_from_hf`.
@@ -270,13 +229,7 @@ def hf_transformer_fields(hf_config, settings: PolicySettings, *, padding_tp_siz
 
 
 def settings_transformer_fields(settings: PolicySettings) -> dict:
-    """The fields the config sections set: layout, sequence parallelism, precision, recompute, and the contracts.
-
-    ``model.params_dtype`` bf16 also sets ``bf16=True`` (Megatron's optimizer keeps fp32 main weights);
-    ``model.recompute`` ``full`` recomputes every layer one at a time (``uniform``, 1 layer), ``selective`` the core
-    attention only. ``calculate_per_token_loss=False`` and ``perform_initialization=True`` are contracts: see
-    ``forward_step``'s module docstring and the comment below.
-    """
+    """The fields the config sections set: layout, sequence parallelism, precision, recompute and the loss contracts."""
     dtype = _DTYPES[settings.model.params_dtype]
     full = settings.model.recompute == "full"
     return dict(
@@ -300,28 +253,14 @@ def settings_transformer_fields(settings: PolicySettings) -> dict:
 def build_gpt_model(
     hf_config, config, *, padded_vocab_size: int, pre_process: bool, post_process: bool, fp32_output_layer: bool = False
 ):
-    """Instantiate this rank's ``GPTModel`` stage (TP-sharded, random/zero weights; load them afterwards).
+    """This rank's ``GPTModel`` stage, ``parallel_output=True``, random weights in ``config.params_dtype``.
 
-    Args:
-        hf_config: the HF ``PretrainedConfig`` ``config`` was made from (RoPE, tying, max positions).
-        config: ``TransformerConfig`` from ``transformer_config_from_hf``.
-        padded_vocab_size: ``V``, see ``plan.layout.padded_vocab_size``.
-        pre_process: this rank holds the first pipeline stage (the embedding).
-        post_process: this rank holds the last pipeline stage (the output layer).
-        fp32_output_layer: with 16-bit parameters, compute the logits in fp32 (``output_layer``: precision and
-            memory cost); no effect with fp32 parameters or without ``post_process``.
-
-    Returns:
-        ``GPTModel`` with ``parallel_output=True`` (logits stay ``[B, S, V/tp]``, fp32 with ``fp32_output_layer``,
-        else in the parameter dtype) and attribute ``layer_spec_backend`` set to ``"transformer_engine"`` or
-        ``"local"``; every parameter in ``config.params_dtype``; on the current CUDA device when CUDA is available,
-        else on the CPU.
-
-    Collectives: with tied embeddings and PP > 1, one all-reduce on Megatron's embedding group (done inside
-    ``GPTModel``); run it under ``cpu_compat.cuda_to_cpu_mode()`` on CPU.
+    Logits are ``[B, S, V/tp]``, fp32 with ``fp32_output_layer`` (16-bit parameters only). Sets
+    ``layer_spec_backend``. Collectives: with tied embeddings and PP > 1, one all-reduce on Megatron's embedding
+    group (inside ``GPTModel``; under ``cpu_compat.cuda_to_cpu_mode()`` on CPU).
 
     Raises:
-        ValueError: ``fp32_output_layer`` with ``config.gradient_accumulation_fusion`` (see ``output_layer``).
+        ValueError: ``fp32_output_layer`` with ``config.gradient_accumulation_fusion``.
     """
     from megatron.core.models.gpt import GPTModel
 
@@ -352,13 +291,10 @@ def build_gpt_model(
 
 
 def _to_params_dtype(model, params_dtype: torch.dtype) -> None:
-    """Give every floating-point parameter ``params_dtype``, in place (buffers keep theirs).
+    """Cast every floating-point parameter to ``params_dtype`` in place, keeping each object and its Megatron tags.
 
-    Megatron's parallel layers are built in ``params_dtype``, the local spec's torch RMSNorms in fp32. Megatron's
-    16-bit optimizer (``Float16OptimizerWithFloat16Params``) keeps fp32 parameters in a separate group that its
-    ``sharded_state_dict`` does not map, so a checkpoint save fails on them; Megatron-LM avoids them with
-    ``Float16Module``, which casts the whole stage. The ``.data`` swap keeps each parameter object and its Megatron
-    attributes (tensor-parallel and sequence-parallel tags).
+    The local spec's torch norms are built in fp32, and Megatron's 16-bit optimizer cannot checkpoint fp32
+    parameters (Megatron-LM casts the stage with ``Float16Module`` for the same reason).
     """
     for param in model.parameters():
         if param.is_floating_point() and param.dtype != params_dtype:
@@ -366,12 +302,7 @@ def _to_params_dtype(model, params_dtype: torch.dtype) -> None:
 
 
 def causal_attention_mask(seq_len: int, backend: str) -> torch.Tensor | None:
-    """Attention mask for one micro-batch: ``[1, 1, S, S]`` bool, True = masked (future) position.
-
-    The local spec needs it explicitly (Megatron's default mask allocates on ``"cuda"``); with Transformer Engine
-    the causal mask is implied by the layer spec and ``None`` is returned. Right padding needs no extra mask: a
-    padded column only attends to earlier columns and is never attended to by a real token.
-    """
+    """``[1, 1, S, S]`` bool, True = masked, for the local spec; None with Transformer Engine (causal by its spec)."""
     if backend == "transformer_engine":
         return None
     return torch.triu(torch.ones(seq_len, seq_len, dtype=torch.bool), diagonal=1)[None, None]

@@ -4,7 +4,7 @@ The DDP config, the optimizer config and the schedule's arguments are built by t
 :func:`ddp_config`, :func:`optimizer_config` and :func:`scheduler_kwargs` from ``settings.OptimSettings`` (which
 ``settings.policy_settings`` derives from the config sections). ``use_distributed_optimizer`` selects Megatron's
 distributed optimizer (sharded fp32 main weights and Adam states over the DP group); the CPU shim runs both
-(FEASIBILITY section 2), and the plain one is logged as the CPU fallback.
+(``megatron_adapter/cpu_compat.py``), and the plain one is logged as the CPU fallback.
 
 Precision: fp32 parameters, or bf16 parameters with fp32 main weights, fp32 gradient reduction and fp32 Adam
 states (``Float16OptimizerWithFloat16Params`` / distributed optimizer). No loss scaler (bf16 does not need one).

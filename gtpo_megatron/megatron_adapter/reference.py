@@ -1,15 +1,9 @@
-"""The frozen reference policy of the GRPO KL term (GTPO_SPEC section 5): the initial weights, forward only.
+"""The frozen reference policy of the GRPO KL term (docs/algorithm.md section 9): the initial weights, forward only.
 
-``FrozenReference`` holds a ``MegatronPolicy`` built with ``trainable=False`` from the same HF checkpoint, model
-section and TP/PP layout as the trained policy: the same ``GPTModel`` stage (fp32 output layer included), no DDP
-wrapper, no gradients, no optimizer state. Its log-probs go through the same schedule and the same fused op as the
-policy's own passes (``MegatronPolicy.compute_logprobs``), so at step 1, when the policy still holds the initial
-weights, they equal the policy's log-probs and the KL estimate is 0. It is rebuilt from the HF checkpoint at every
-start (a resumed run keeps the initial weights as its reference; nothing of it is checkpointed).
-
-Memory: the stage's weights (``params * param_bytes`` per GPU; ``gtpo-plan`` counts them). With ``offload`` on CUDA
-the weights live in host memory between passes and move to the GPU for each pass (one host-to-device copy of the
-stage per step).
+A ``MegatronPolicy`` built with ``trainable=False`` from the same checkpoint, model section and layout (no DDP, no
+gradients, no optimizer state), whose log-probs go through the same schedule and op: at step 1 the KL is 0. It is
+rebuilt at every start and never checkpointed. With ``offload`` on CUDA its weights stay in host memory between
+passes (one host-to-device copy per step).
 """
 
 from __future__ import annotations
@@ -30,12 +24,7 @@ logger = logging.getLogger(__name__)
 
 
 class FrozenReference:
-    """Forward-only copy of the initial policy; see the module docstring.
-
-    Args:
-        policy: a ``MegatronPolicy`` built with ``trainable=False``.
-        offload: keep the weights in host memory between passes (CUDA only; a no-op on CPU).
-    """
+    """Forward-only copy of the initial policy; ``offload`` keeps it in host memory (CUDA only)."""
 
     def __init__(self, policy: MegatronPolicy, *, offload: bool = False) -> None:
         self.policy = policy
@@ -48,11 +37,7 @@ class FrozenReference:
     def from_pretrained(
         cls, settings: PolicySettings, *, groups: ParallelGroups, offload: bool = False
     ) -> FrozenReference:
-        """Build this rank's frozen stage from the policy's own ``settings`` (see ``MegatronPolicy.from_pretrained``).
-
-        Raises:
-            ValueError: as ``MegatronPolicy.from_pretrained``.
-        """
+        """This rank's frozen stage from the policy's ``settings`` (errors as the policy's)."""
         policy = MegatronPolicy.from_pretrained(settings, groups=groups, trainable=False)
         if offload and policy.device.type != "cuda":
             logger.warning("algorithm.kl_reference_offload=true has no effect without CUDA")
@@ -62,9 +47,9 @@ class FrozenReference:
     def compute_logprobs(
         self, batch: TrainBatch, *, temperature: float = 1.0, entropy_temperature: float | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``MegatronPolicy.compute_logprobs`` of the initial weights (``[B, S]`` fp32 nats on CPU).
+        """``[B, S]`` fp32 log-probs (nats, CPU) of the initial weights.
 
-        Collectives: those of ``MegatronPolicy.compute_logprobs`` (the schedule's TP/PP traffic, one PP broadcast).
+        Collectives: those of ``MegatronPolicy.compute_logprobs``.
         """
         if self.offload:
             self.policy.model.to(self.device)

@@ -1,4 +1,4 @@
-"""Pure GTPO math on tensors (GTPO_SPEC sections 1-4): torch only, explicit process groups, no side effects."""
+"""Pure GTPO math on tensors (docs/algorithm.md sections 1-4): torch only, explicit process groups, no side effects."""
 
 from __future__ import annotations
 

@@ -1,11 +1,7 @@
-"""Group-relative advantage estimators and their registry (GTPO_SPEC section 2).
+"""Group-relative advantage estimators and their registry (docs/algorithm.md section 2).
 
-Dimension legend: P prompts, G completions per prompt (``group_size``), B = P*G sequences laid out group by group
-(rows ``g*G .. g*G+G-1`` belong to prompt g).
-
-Advantages are unitless (rewards' units for ``group_mean``, standardised for ``group_mean_std``). Estimators work
-in float64 on rewards re-centred on each group's first reward, so that a group of equal rewards gives exactly 0
-(never NaN) whatever the float values are (e.g. seven rewards of 0.35). Pure torch, inputs never modified.
+P prompts, G completions per prompt, B = P*G rows laid out group by group. Estimators work in float64 on rewards
+re-centred on each group's first reward, so a group of equal rewards gives exactly 0, never NaN. Pure torch.
 """
 
 from __future__ import annotations
@@ -17,18 +13,10 @@ import torch
 
 
 class AdvantageEstimator(Protocol):
-    """Keyword-only estimator signature.
-
-    Args:
-        rewards: ``[P, G]`` float64 rewards minus each group's first reward (equal rewards are exactly 0).
-        eps: numerical floor added to denominators.
-
-    Returns:
-        ``[P, G]`` float64 advantages.
-    """
+    """Keyword-only estimator: ``[P, G]`` float64 group-centred rewards, ``eps`` floor -> ``[P, G]`` advantages."""
 
     def __call__(self, *, rewards: torch.Tensor, eps: float) -> torch.Tensor:
-        """Advantages of group-centred rewards (see the class docstring)."""
+        """Advantages of group-centred rewards."""
         ...
 
 
@@ -36,11 +24,7 @@ ADVANTAGE_ESTIMATOR_REGISTRY: dict[str, AdvantageEstimator] = {}
 
 
 def register_advantage_estimator(name: str) -> Callable[[AdvantageEstimator], AdvantageEstimator]:
-    """Decorator adding an estimator to :data:`ADVANTAGE_ESTIMATOR_REGISTRY`.
-
-    Raises:
-        ValueError: if ``name`` is already registered.
-    """
+    """Decorator adding an estimator to :data:`ADVANTAGE_ESTIMATOR_REGISTRY`; ValueError if ``name`` is taken."""
 
     def decorator(fn: AdvantageEstimator) -> AdvantageEstimator:
         if name in ADVANTAGE_ESTIMATOR_REGISTRY:
@@ -52,11 +36,7 @@ def register_advantage_estimator(name: str) -> Callable[[AdvantageEstimator], Ad
 
 
 def get_advantage_estimator(name: str) -> AdvantageEstimator:
-    """The estimator registered as ``name``.
-
-    Raises:
-        ValueError: for an unknown name, listing the available ones.
-    """
+    """The estimator registered as ``name``; ValueError listing the known ones otherwise."""
     if name not in ADVANTAGE_ESTIMATOR_REGISTRY:
         raise ValueError(f"unknown advantage estimator {name!r}; choose one of {sorted(ADVANTAGE_ESTIMATOR_REGISTRY)}")
     return ADVANTAGE_ESTIMATOR_REGISTRY[name]
@@ -91,16 +71,7 @@ def _grouped(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
 def compute_group_advantages(
     rewards: torch.Tensor, group_size: int, *, estimator: str = "group_mean", eps: float = 1e-6
 ) -> torch.Tensor:
-    """Per-completion advantages relative to each prompt group (GTPO_SPEC section 2).
-
-    Args:
-        rewards: ``[B]`` any real dtype, laid out group by group (B = P*G).
-        group_size: G.
-        estimator: a key of :data:`ADVANTAGE_ESTIMATOR_REGISTRY` (``group_mean`` default, ``group_mean_std``).
-        eps: denominator floor for std-normalised estimators.
-
-    Returns:
-        ``[B]`` fp32 advantages; exactly 0 for groups of one and for groups of equal rewards.
+    """``[B]`` rewards (any real dtype, group by group) -> ``[B]`` fp32 advantages; 0 for uniform groups.
 
     Raises:
         ValueError: ``rewards`` not 1-D, ``group_size`` < 1 or not dividing B, unknown ``estimator``.

@@ -1,13 +1,9 @@
-"""Conflict tokens and the per-token weights lambda (GTPO_SPEC section 3).
+"""Conflict tokens and the per-token weights lambda (docs/algorithm.md section 3).
 
-Dimension legend: P prompts, G completions per prompt (``group_size``), B = P*G sequences laid out group by
-group, T token columns (response columns of a ``[B, T]`` response tensor, or the full ``[B, S]`` layout: only
-columns where ``response_mask`` is True are read), K = T aligned response positions.
-
-Positions are derived from ``response_mask`` alone: the k-th True column of a row is response position k (front
-alignment, from the first response token) and the k-th True column counted from the right is position k from the
-end (back alignment, from the completion's own last response token). Padding side, pad id and pad == EOS
-therefore never matter. Conflicts never cross prompt groups. Pure torch; inputs are never modified.
+P prompts, G completions per prompt, B = P*G rows laid out group by group, T token columns (only those where
+``response_mask`` is True are read), K = T aligned response positions. The k-th True column of a row is response
+position k from the front, and counted from the right, position k from the completion's own end: padding side,
+pad id and pad == EOS never matter. Conflicts never cross groups. Pure torch.
 """
 
 from __future__ import annotations
@@ -93,24 +89,10 @@ def build_conflict_weights(
     mode: str = "prefix_suffix",
     overlap: str = "once",
 ) -> torch.Tensor:
-    """Per-token weights lambda: 0 on negative conflict tokens, ``amplification`` on positive ones.
+    """``[B, T]`` fp32 lambda: w on P+ conflict tokens, 0 on P- ones, 1 on other response tokens, 0 elsewhere.
 
-    Args:
-        response_ids: ``[B, T]`` int token ids; padding columns may hold anything (never read).
-        response_mask: ``[B, T]`` bool, True on response tokens (EOS included), any padding side.
-        advantages: ``[B]`` the ORIGINAL advantages (before the entropy penalty); only their sign is used:
-            P+ = {A > 0}, P- = {A < 0}, A = 0 is neither. To exclude entropy-filtered completions from conflict
-            detection (the section 4 switch), pass ``advantages * entropy_keep_mask``.
-        group_size: G; rows ``g*G .. g*G+G-1`` form prompt g's group.
-        amplification: w, the weight of positive conflict tokens (GTPO_SPEC ``conflict_amplification``).
-        mode: ``prefix_suffix`` (contiguous runs from the first and from each completion's last response token)
-            or ``any_position`` (every raw-conflicting position, counted from the first response token).
-        overlap: a positive token in both the prefix and the suffix run gets w ``once`` (default) or w*w
-            ``multiply`` (the authors' code, a parity switch).
-
-    Returns:
-        ``[B, T]`` fp32: w on P+ conflict tokens, 0 on P- conflict tokens, 1 on other response tokens, 0 off
-        ``response_mask``.
+    ``response_ids`` ``[B, T]`` int and ``response_mask`` ``[B, T]`` bool; ``advantages`` ``[B]``, the raw A_i (only
+    the sign is read; pass ``advantages * keep_mask`` to leave filtered completions out).
 
     Raises:
         ValueError: shape or dtype mismatches, ``group_size`` not dividing B, unknown ``mode``/``overlap``.
@@ -136,25 +118,7 @@ def conflict_normalizers(
     *,
     mode: str = "prefix_suffix",
 ) -> torch.Tensor:
-    """Per-completion divisors ``max(1, n_i)`` of the ``normalize_by_conflicts`` parity switch (section 3).
-
-    ``n_i`` is the longer of completion i's prefix run and suffix run (the authors' code; not their union), or the
-    number of conflict positions in ``any_position`` mode; completions with A_i = 0 have no runs (divisor 1).
-    Divide completion i's per-token weights (or its loss) by the result.
-
-    Args:
-        response_ids: ``[B, T]`` token ids, as :func:`build_conflict_weights`.
-        response_mask: ``[B, T]`` bool, True on response tokens.
-        advantages: ``[B]`` raw advantages A_i (their signs split P+ and P-).
-        group_size: ``G``; rows ``g*G .. g*G+G-1`` form one group.
-        mode: ``prefix_suffix`` or ``any_position``.
-
-    Returns:
-        ``[B]`` fp32 divisors >= 1.
-
-    Raises:
-        ValueError: as :func:`build_conflict_weights`.
-    """
+    """``[B]`` fp32 divisors ``max(1, n_i)`` of ``normalize_by_conflicts`` (section 3); inputs and errors as above."""
     _validate(response_ids, response_mask, advantages, group_size, mode, "once")
     _, (front_B, back_B) = _conflict_runs(response_ids, response_mask, advantages, group_size, mode)
     signed_B = advantages != 0

@@ -1,11 +1,7 @@
-"""The entropy filter delta_i and the entropy penalty (GTPO_SPEC section 4).
+"""The entropy filter delta_i and the entropy penalty (docs/algorithm.md section 4).
 
-Dimension legend: P prompts, G group size, B = P*G sequences, T response tokens (or the full ``[B, S]`` layout).
-
-The initial mean entropy ``<H>_ini`` of the ``paper`` mode is a global statistic: the trainer computes it once, on
-the first step's completions under the initial policy, with ``gtpo_megatron.parallel.global_mean`` over the
-data-parallel group, and passes it in (statistics are split from decisions). Entropies are in nats. Pure torch, no
-host syncs, inputs never modified.
+B sequences, T token columns (response layout or the full ``[B, S]`` one). Entropies are in nats. ``<H>_ini`` of the
+``paper`` mode is a global statistic the caller measures and passes in. Pure torch, no host syncs.
 """
 
 from __future__ import annotations
@@ -19,17 +15,10 @@ LN2 = math.log(2.0)
 
 
 def sequence_mean_entropy(entropy: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-    """``<H>_i``: mean token entropy over each completion's response tokens.
-
-    Args:
-        entropy: ``[B, T]`` token entropy in nats (any float dtype; values off the mask are ignored, even NaN).
-        response_mask: ``[B, T]`` bool, True on response tokens.
-
-    Returns:
-        ``[B]`` fp32 mean entropy in nats; 0 for a completion with no response tokens. Detached.
+    """``<H>_i``: ``[B, T]`` token entropy (nats; NaN off the mask ignored) -> ``[B]`` fp32 detached mean, 0 if empty.
 
     Raises:
-        ValueError: shape mismatch or non-bool mask.
+        ValueError: shape mismatch or non-bool ``response_mask``.
     """
     if tuple(entropy.shape) != tuple(response_mask.shape) or entropy.dim() != 2:
         raise ValueError(
@@ -50,26 +39,11 @@ def entropy_keep_mask(
     advantages: torch.Tensor | None = None,
     only_negative: bool = False,
 ) -> torch.Tensor:
-    """delta_i as a bool mask: True = keep the completion in the loss.
-
-    Modes (GTPO_SPEC section 4): ``paper``: if ``initial_entropy > threshold`` (ln 2) keep everything, otherwise
-    drop completions with ``<H>_i > threshold``; ``fixed``: drop ``<H>_i > threshold``; ``off``: keep all.
-    Ties (``<H>_i == threshold``) are kept. ``only_negative`` restricts dropping to completions with A_i < 0.
-
-    Args:
-        seq_entropy: ``[B]`` per-completion mean entropy in nats (:func:`sequence_mean_entropy`).
-        mode: one of :data:`ENTROPY_FILTER_MODES`.
-        threshold: tau in nats (> 0); ln 2 by default.
-        initial_entropy: scalar ``<H>_ini`` (tensor or float), required by ``paper``.
-        advantages: ``[B]`` original advantages, required by ``only_negative``.
-        only_negative: filter only completions with negative advantage (paper ablation GTPO-OnlyNeg).
-
-    Returns:
-        ``[B]`` bool keep mask.
+    """delta_i of docs/algorithm.md section 4: ``[B]`` <H>_i (nats) -> ``[B]`` bool, True = keep; ties are kept.
 
     Raises:
         ValueError: unknown mode, ``threshold <= 0``, ``paper`` without ``initial_entropy``, ``only_negative``
-            without ``advantages``, shape mismatches.
+            without ``[B]`` ``advantages``.
     """
     if mode not in ENTROPY_FILTER_MODES:
         raise ValueError(f"unknown entropy filter mode {mode!r}; choose one of {list(ENTROPY_FILTER_MODES)}")
@@ -99,15 +73,7 @@ def entropy_keep_mask(
 
 
 def apply_entropy_penalty(advantages: torch.Tensor, seq_entropy: torch.Tensor, gamma: float) -> torch.Tensor:
-    """``A_i - gamma * <H>_i`` (GTPO_SPEC section 4; gamma = 0.1 by default in the config).
-
-    Args:
-        advantages: ``[B]`` advantages.
-        seq_entropy: ``[B]`` mean entropy in nats (detached).
-        gamma: penalty coefficient (>= 0).
-
-    Returns:
-        ``[B]`` fp32 penalised advantages (a new tensor).
+    """``[B]`` fp32 ``A_i - gamma * <H>_i`` (docs/algorithm.md section 4), a new tensor.
 
     Raises:
         ValueError: shape mismatch or ``gamma < 0``.

@@ -1,6 +1,6 @@
 """Per-token log-probabilities and entropy from (vocab-parallel) logits, without gathering the vocabulary.
 
-GTPO_SPEC sections 1 and 4: the policy log-probs (with gradient) and the full-vocabulary Shannon entropy (nats)
+docs/algorithm.md sections 1 and 4: the policy log-probs (with gradient) and the full-vocabulary Shannon entropy (nats)
 come out of one pass over the logits. Under tensor parallelism each rank holds a contiguous vocabulary shard
 (rank r owns global columns ``r*V/tp .. (r+1)*V/tp - 1``, Megatron's ``parallel_output=True`` layout); the softmax
 statistics are combined with two all-reduces on ``tp_group``, issued through ``parallel.collectives.all_reduce_``

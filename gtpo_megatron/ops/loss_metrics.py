@@ -1,4 +1,4 @@
-"""Detached per-micro-batch metric SUMS and COUNTS of the policy losses (GTPO_SPEC sections 1, 3, 4).
+"""Detached per-micro-batch metric SUMS and COUNTS of the policy losses (docs/algorithm.md sections 1, 3, 4).
 
 Every value is an fp32 scalar tensor summed over this micro-batch's response tokens or sequences, so that the
 caller can add micro-batches, all-reduce over data-parallel ranks with SUM (``gtpo_megatron.parallel.

@@ -1,6 +1,6 @@
 """Policy-gradient losses (GTPO, GRPO, DAPO, Dr. GRPO) with an externally supplied global normaliser.
 
-GTPO_SPEC sections 1 and 5. Every loss shares one keyword-only signature (:class:`PolicyLossFn`) and returns
+docs/algorithm.md sections 1 and 5. Every loss shares one keyword-only signature (:class:`PolicyLossFn`) and returns
 ``(loss, metrics)`` where ``loss`` is this micro-batch's *contribution* to the step objective: summing ``loss``
 over every micro-batch and data-parallel rank of one optimizer step gives the step's loss. The caller therefore
 computes ``normalizer`` once per step (``compute_normalizer`` on the step's rows, summed, then all-reduced over the
@@ -9,7 +9,7 @@ and never divides again.
 
 Aggregations (the per-token term is ``l_{i,t} = -min(r A, clip(r) A) * w_{i,t}``, plus the optional KL term):
 - ``seq-mean-token-mean``: ``sum_i (sum_t l_{i,t} / |o_i|) / normalizer``; normaliser = number of sequences
-  (rows with at least one response token) in the step. GTPO default (GTPO_SPEC section 1).
+  (rows with at least one response token) in the step. GTPO default (docs/algorithm.md section 1).
 - ``token-mean``: ``sum_{i,t} l_{i,t} / normalizer``; normaliser = number of response tokens in the step (DAPO).
 - ``seq-mean-token-sum``: ``sum_{i,t} l_{i,t} / normalizer``; normaliser = number of sequences, or for Dr. GRPO
   the constant ``num_sequences * max_response_length`` (``compute_normalizer(..., max_response_length=L)``).
@@ -19,7 +19,7 @@ switch removes from the objective (``algorithm.skip_uniform_groups``: a group wh
 ``algorithm.overlong_filter``: a truncated completion) must arrive with an all-False ``response_mask`` row
 (``TrainBatch.loss_mask``): it then counts in no normaliser (neither its tokens nor its sequence) and no term of the
 loss, KL included, acts on it, so the kept rows' gradients do not shrink with the number of removed rows. A
-completion dropped by the entropy filter is NOT removed: GTPO_SPEC section 1 writes the objective as
+completion dropped by the entropy filter is NOT removed: docs/algorithm.md section 1 writes the objective as
 ``(1/G) sum_i delta_i (...)`` over all G completions, with ``delta_i = 0`` inside the sum, so it keeps its
 ``response_mask`` and counts in the normaliser (as a sequence and, with ``token-mean``, with its tokens); only its
 ``token_weights`` are 0.
@@ -57,7 +57,7 @@ class PolicyLossFn(Protocol):
     Args:
         policy_logprobs: ``[B, T]`` fp32 log pi_theta of each response token (nats), differentiable.
         old_logprobs: ``[B, T]`` fp32 log pi_old (nats, no gradient), or None for one update per batch.
-        advantages: ``[B]`` per-sequence advantage (after the entropy penalty, GTPO_SPEC section 4).
+        advantages: ``[B]`` per-sequence advantage (after the entropy penalty, docs/algorithm.md section 4).
         token_weights: ``[B, T]`` per-token multiplier (conflict lambda times the filter's delta, section 3-4);
             baselines pass ``response_mask.float()``.
         response_mask: ``[B, T]`` bool, True on response tokens (the tokens the loss acts on).
@@ -132,7 +132,7 @@ def get_policy_loss(name: str) -> PolicyLossFn:
 class LossSpec:
     """The step objective's settings: loss, aggregation, temperatures and the per-completion entropy terms.
 
-    The entropy terms (filter and penalty, GTPO_SPEC section 4) are applied by ``objective.policy_objective``
+    The entropy terms (filter and penalty, docs/algorithm.md section 4) are applied by ``objective.policy_objective``
     inside the training forward. Plain values, shared by every micro-batch of a step; ``algorithm.build_loss_spec``
     builds the production one from the algorithm and rollout config sections (the trainer fills
     ``initial_entropy`` once it is measured). The defaults of the entropy fields switch those terms off (a plain
@@ -147,7 +147,7 @@ class LossSpec:
             the distribution the completions were drawn from) or 1 (the authors' code), ``algorithm.
             loss_temperature``.
         max_response_length: Dr. GRPO's constant L of the normaliser (``compute_normalizer``), else None.
-        entropy_temperature: temperature of the token entropy the loss computes with the log-probs (GTPO_SPEC
+        entropy_temperature: temperature of the token entropy the loss computes with the log-probs (docs/algorithm.md
             section 4; the per-completion mean <H>_i feeds the filter and the penalty); None: ``temperature``.
         entropy_filter, entropy_threshold, initial_entropy, entropy_only_negative: the entropy filter delta_i
             (``entropy_filter.entropy_keep_mask``'s ``mode``, ``threshold``, ``initial_entropy`` (<H>_ini of the
@@ -313,7 +313,7 @@ def _require(condition: bool, message: str) -> None:
 
 @register_policy_loss("gtpo")
 def gtpo_loss(**kwargs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """GTPO (GTPO_SPEC section 1): conflict/filter weights in ``token_weights``, no KL term.
+    """GTPO (docs/algorithm.md section 1): conflict/filter weights in ``token_weights``, no KL term.
 
     Raises:
         ValueError: ``kl_coef > 0`` (GTPO has no reference model), plus the shared checks.
@@ -324,13 +324,13 @@ def gtpo_loss(**kwargs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
 
 @register_policy_loss("grpo")
 def grpo_loss(**kwargs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """GRPO (GTPO_SPEC section 5): clipped ratio, optional k1/k3 KL to ``ref_logprobs`` with ``kl_coef``."""
+    """GRPO (docs/algorithm.md section 5): clipped ratio, optional k1/k3 KL to ``ref_logprobs`` with ``kl_coef``."""
     return clipped_surrogate_loss(**kwargs)
 
 
 @register_policy_loss("dapo")
 def dapo_loss(**kwargs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """DAPO (GTPO_SPEC section 5): clip-higher (pass e.g. 0.2/0.28), token-mean over the step, no KL.
+    """DAPO (docs/algorithm.md section 5): clip-higher (pass e.g. 0.2/0.28), token-mean over the step, no KL.
 
     Raises:
         ValueError: ``aggregation != "token-mean"`` or ``kl_coef > 0``.
@@ -345,7 +345,7 @@ def dapo_loss(**kwargs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
 
 @register_policy_loss("dr_grpo")
 def dr_grpo_loss(**kwargs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Dr. GRPO (GTPO_SPEC section 5): token sums over a constant normaliser (no per-length division).
+    """Dr. GRPO (docs/algorithm.md section 5): token sums over a constant normaliser (no per-length division).
 
     Pair with mean-centred advantages (``group_mean``) and a normaliser from
     ``compute_normalizer(mask, "seq-mean-token-sum", max_response_length=L)``.

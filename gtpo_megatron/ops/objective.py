@@ -1,6 +1,6 @@
 """The step objective of one micro-batch from its own tokens: delta_i, ``A_i - gamma <H>_i`` and the loss.
 
-GTPO_SPEC sections 1 and 4. A completion's mean entropy ``<H>_i``, its filter decision ``delta_i`` and its
+docs/algorithm.md sections 1 and 4. A completion's mean entropy ``<H>_i``, its filter decision ``delta_i`` and its
 penalised advantage ``A_i - gamma <H>_i`` depend only on that completion's own tokens (given ``<H>_ini``, a scalar
 known before the step), so with one update per batch they are computed here, in the training forward, from the
 entropy the vocab-parallel log-prob op returns together with the log-probs (one read of the logits; entropy
@@ -9,7 +9,7 @@ objective (the piece an external Megatron pipeline calls from its loss function)
 per-completion part, also used on the whole batch when a caller measured the entropies in a separate pass.
 
 Normaliser: ``normalizer`` is computed by the caller from ``response_mask`` only (``losses.compute_normalizer``,
-summed over the step), so it counts filtered completions too: the ``1/G`` of GTPO_SPEC section 1 runs over all
+summed over the step), so it counts filtered completions too: the ``1/G`` of docs/algorithm.md section 1 runs over all
 completions of the group, and a filtered one contributes 0 to the sum, not to the count.
 
 Dimension legend: P prompts, G group size, B = P*G sequences (or this micro-batch's rows), T token columns
@@ -29,7 +29,7 @@ from gtpo_megatron.ops.losses import LossSpec, get_policy_loss
 
 @dataclass(frozen=True)
 class SequenceTerms:
-    """Per-completion terms of GTPO_SPEC section 4.
+    """Per-completion terms of docs/algorithm.md section 4.
 
     Attributes:
         seq_entropy: ``[B]`` fp32 mean token entropy ``<H>_i`` in nats (detached), at ``spec.entropy_temperature``.
@@ -49,7 +49,7 @@ def sequence_terms(
     *,
     keep_mask: torch.Tensor | None = None,
 ) -> SequenceTerms:
-    """delta_i and the penalised advantage of each completion (GTPO_SPEC section 4).
+    """delta_i and the penalised advantage of each completion (docs/algorithm.md section 4).
 
     Args:
         seq_entropy: ``[B]`` mean entropy ``<H>_i`` in nats (``entropy_filter.sequence_mean_entropy``).
@@ -102,7 +102,7 @@ def policy_objective(
             output of ``vocab_parallel_logprobs_entropy(..., entropy_temperature=...)``); values off
             ``response_mask`` are ignored. None only when ``seq_entropy`` is given or ``spec`` neither filters
             nor penalises (then no entropy metrics).
-        raw_advantages: ``[B]`` group-relative advantages ``A_i`` (GTPO_SPEC section 2, before the penalty).
+        raw_advantages: ``[B]`` group-relative advantages ``A_i`` (docs/algorithm.md section 2, before the penalty).
         token_weights: ``[B, T]`` per-token multiplier decided before the forward: conflict lambda (section 3)
             times any row decision independent of the entropy (e.g. DAPO's overlong filter); ``delta_i`` is
             applied here. Baselines pass ``response_mask.float()``.

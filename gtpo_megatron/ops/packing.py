@@ -1,14 +1,9 @@
 """Packed (THD) rows <-> the padded row layout: several sequences in one row, as Megatron-LM's RL bins hold them.
 
-Dimension legend: N columns of one packed row, n sequences in it, L = the longest of them; the padded layout is
-``[n, L]`` with sequence k in row k, left aligned. Per-token values keep their column convention: column ``j`` of
-padded row ``k`` is column ``seq_starts[k] + j`` of the packed row, so a tensor whose column ``s`` describes token
-``s`` of the packed row describes token ``j`` of sequence ``k`` after unpacking. Columns of the packed row outside
-every sequence (alignment gaps, the bin's tail) are read by nothing and written as 0.
-
-Every GTPO quantity that is per sequence (the ``seq-mean`` aggregations, conflict runs counted from a completion's
-first and last response token, mean entropies) is computed on the padded layout, so a packed row gives exactly the
-padded result. Pure torch indexing: differentiable (gather / scatter), no collectives, inputs never modified.
+N columns of one packed row, n sequences in it, L the longest. Column ``j`` of padded row ``k`` (``[n, L]``, left
+aligned) is column ``seq_starts[k] + j`` of the packed row; columns outside every sequence are read by nothing and
+written as 0. Per-sequence GTPO quantities are computed on the padded layout, so a packed row gives exactly the
+padded result. Pure torch indexing, differentiable.
 """
 
 from __future__ import annotations
@@ -21,12 +16,7 @@ import torch
 
 @dataclass(frozen=True)
 class PackedLayout:
-    """Where the sequences of one packed row sit.
-
-    Attributes:
-        seq_starts: ``seq_starts[k]`` is the first column of sequence ``k`` (non-decreasing, non-overlapping).
-        seq_lengths: ``seq_lengths[k]`` is its number of tokens (>= 0).
-    """
+    """Where the sequences of one packed row sit: first column and token count of each, non-overlapping."""
 
     seq_starts: tuple[int, ...]
     seq_lengths: tuple[int, ...]
@@ -48,14 +38,7 @@ class PackedLayout:
 
     @classmethod
     def of(cls, seq_starts: Sequence[int] | torch.Tensor, seq_lengths: Sequence[int] | torch.Tensor) -> PackedLayout:
-        """Layout from lists or tensors of starts and lengths.
-
-        A trailing extra start (the bin's end offset, which Megatron-LM's ``SequencePacker`` appends to its
-        ``seq_starts``) is dropped.
-
-        Raises:
-            ValueError: see the class checks.
-        """
+        """Layout from lists or tensors; a trailing extra start (Megatron-LM's bin end offset) is dropped."""
         starts = [int(s) for s in seq_starts]
         lengths = [int(n) for n in seq_lengths]
         if len(starts) == len(lengths) + 1:
@@ -83,14 +66,7 @@ class PackedLayout:
         return torch.where(valid, starts + columns, 0), valid
 
     def unpack(self, packed: torch.Tensor) -> torch.Tensor:
-        """The packed row's per-token values laid out one sequence per row.
-
-        Args:
-            packed: ``[1, N]`` (or ``[N]``) any dtype. Not modified.
-
-        Returns:
-            ``[n, L]`` same dtype; cells past a sequence's length hold 0 (False for bool). Differentiable w.r.t.
-            ``packed`` (a gather).
+        """``[1, N]`` (or ``[N]``) -> ``[n, L]``, same dtype, 0 past each sequence's length (a gather).
 
         Raises:
             ValueError: ``packed`` is not one row, or a sequence ends past column N.
@@ -100,14 +76,7 @@ class PackedLayout:
         return torch.where(valid, row[index], torch.zeros((), dtype=row.dtype, device=row.device))
 
     def pack(self, rows: torch.Tensor, width: int) -> torch.Tensor:
-        """Inverse of :meth:`unpack`: ``[n, L]`` per-sequence values written back into a ``[1, width]`` row.
-
-        Args:
-            rows: ``[n, L']`` with ``L' >= L`` (cells past a sequence's length are ignored). Not modified.
-            width: N, the packed row's number of columns.
-
-        Returns:
-            ``[1, N]`` same dtype; columns outside every sequence hold 0 (False). Differentiable w.r.t. ``rows``.
+        """Inverse of :meth:`unpack`: ``[n, >= L]`` -> ``[1, width]``, 0 outside every sequence.
 
         Raises:
             ValueError: ``rows`` has the wrong number of rows or is too short, or a sequence ends past ``width``.

@@ -1,7 +1,7 @@
 """Every collective the package issues itself, over explicit process groups (torch only: no package imports).
 
 The primitives (:func:`all_reduce_`, :func:`broadcast_`, :func:`all_reduce_sum`, :func:`broadcast_object`,
-:func:`barrier`), the step's global statistics (STYLE section 3: statistics split from decisions; the policy's loss
+:func:`barrier`), the step's global statistics (statistics are split from decisions; the policy's loss
 normaliser, <H>_ini), the data-parallel row layout of a step and the trainer's control messages (rollout broadcast,
 stop flag). The ops layer's vocab-parallel log-prob op issues its TP all-reduces through :func:`all_reduce_` too,
 which is why this module imports nothing from the package. The one other caller of ``torch.distributed``
@@ -163,7 +163,7 @@ def global_mean(values: torch.Tensor, *, group: dist.ProcessGroup | None, mask: 
     """Mean of ``values`` (``[n]``, optionally only where ``mask`` is True) over all ranks of ``group``.
 
     Used for ``<H>_ini``: ``global_mean(sequence_mean_entropy(H, response_mask), group=dp_group,
-    mask=response_mask.any(-1))`` on the first step (GTPO_SPEC section 4, mode ``paper``).
+    mask=response_mask.any(-1))`` on the first step (docs/algorithm.md section 4, mode ``paper``).
 
     Returns:
         fp32 scalar; 0 when nothing is selected anywhere.

@@ -1,13 +1,8 @@
 """Distributed start-up and the frozen ``ParallelGroups`` handle (the only user of Megatron's ``parallel_state``).
 
-Everything above this module receives process groups explicitly (STYLE section 4): the tensor-parallel group that
-shards a tensor, the pipeline group that carries activations, the data-parallel group that averages gradients.
-This module creates them once through ``megatron.core.parallel_state.initialize_model_parallel`` and freezes them
-in a ``ParallelGroups`` value. Megatron's own schedules, DDP wrapper and optimizer keep reading ``parallel_state``
-internally; that is Megatron's contract, not ours.
-
-Rank layout is Megatron's default order ``tp-cp-ep-dp-pp``: TP ranks are adjacent global ranks, PP stages are the
-slowest-varying axis. Context and expert parallelism are fixed to 1.
+Everything above this module receives its process groups explicitly; this module creates them once through
+``parallel_state.initialize_model_parallel`` and freezes them in a ``ParallelGroups``. Rank order is Megatron's
+default ``tp-cp-ep-dp-pp`` (TP ranks adjacent, PP slowest); context and expert parallelism are 1.
 """
 
 from __future__ import annotations
@@ -26,17 +21,10 @@ CUDA device (NCCL) and torch runs object collectives and barriers on the CPU (gl
 
 @dataclass(frozen=True)
 class ParallelGroups:
-    """Process groups and cached ranks of one process after model-parallel initialisation.
+    """Process groups, sizes and ranks of one process; ``mp`` is TP x PP of one data-parallel replica.
 
-    Attributes:
-        tp / pp / dp: tensor-, pipeline- and data-parallel groups this rank belongs to.
-        mp: model-parallel group (TP x PP of one data-parallel replica); weight gathers stay inside it.
-        tp_size, pp_size, dp_size, world_size: group sizes.
-        tp_rank, pp_rank, dp_rank, rank: this process's rank in each group / globally.
-        pp_first_global_rank / pp_last_global_rank: global ranks of stage 0 and stage ``pp_size - 1`` of this
-            rank's pipeline (the source for broadcasts of last-stage results).
-        backend: the default group's backend: ``"cpu:gloo,cuda:nccl"`` (:data:`CUDA_BACKEND`), ``"nccl"`` or
-            ``"gloo"``.
+    ``pp_first_global_rank`` / ``pp_last_global_rank`` are the global ranks of this pipeline's first and last stage;
+    ``backend`` is the default group's (:data:`CUDA_BACKEND`, ``"nccl"`` or ``"gloo"``).
     """
 
     tp: dist.ProcessGroup
@@ -73,12 +61,9 @@ class ParallelGroups:
 def init_distributed(
     *, tp_size: int = 1, pp_size: int = 1, backend: str | None = None, timeout_minutes: int = 30
 ) -> ParallelGroups:
-    """Initialise ``torch.distributed`` (if needed) and Megatron model parallelism; return the groups.
+    """Initialise ``torch.distributed`` from torchrun's environment (if needed) and Megatron's groups.
 
-    Reads ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` (torchrun) when the default process group does
-    not exist yet. ``backend=None`` picks :data:`CUDA_BACKEND` when CUDA is available (NCCL for CUDA tensors, gloo
-    for CPU tensors and pickled objects, in every group Megatron derives from the default one) and gloo otherwise.
-    On CUDA the device is set from ``LOCAL_RANK``.
+    ``backend=None``: :data:`CUDA_BACKEND` with CUDA (device from ``LOCAL_RANK``), else gloo.
 
     Raises:
         ValueError: if ``tp_size * pp_size`` does not divide the world size.

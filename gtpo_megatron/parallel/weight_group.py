@@ -1,22 +1,14 @@
 """A process group of its own for weight updates: the trainer's sender and every vLLM engine worker.
 
-The group is built from a ``TCPStore`` and a ``ProcessGroupGloo`` (CPU) or ``ProcessGroupNCCL`` (GPU) constructed
-directly, so it is never registered with ``torch.distributed``'s default world: neither the trainer's world (the
-torchrun ranks) nor the engines' own world (vLLM's workers of one engine) is touched, and the two can live in one
-process. vLLM's weight-transfer engines, verl and NeMo-RL build their trainer<->engine groups the same way (a
-stateless store plus a communicator); here the communicator is torch's own process group, so gloo works on CPU.
+A ``TCPStore`` plus a ``ProcessGroupGloo`` (CPU) or ``ProcessGroupNCCL`` (GPU) constructed directly, never
+registered with ``torch.distributed``'s default world, so the trainer's world and an engine's own workers are left
+untouched (the pattern of vLLM's weight-transfer engines, verl and NeMo-RL). Every collective carries ``timeout_s``;
+they live in ``parallel/collectives.py``.
 
-Ranks: the sender (global rank 0 of the trainer) is rank 0; engine worker ``g`` (``g = i * engine_tp_size + w``
-for worker ``w`` of engine ``i``) is rank ``1 + g``. Rank 0 hosts the store (:func:`open_weight_store` picks a free
-port); the others connect to ``host:port``. Every collective on the group carries ``timeout_s``, so a dead or hung
-member makes the others fail within that time instead of waiting forever. The collectives themselves are in
-``parallel/collectives.py`` (:func:`~gtpo_megatron.parallel.collectives.broadcast_buffer`).
-
-Relay (``plan.engines.relay_workers``): NCCL refuses two members of one communicator on the same GPU, and a
-colocated engine 0 puts its worker 0 on the sender's GPU. That worker (the relay's *target*) then stays out of the
-main group, whose worker ranks close up (worker ``g > target`` is rank ``g``), and joins a two-member relay group
-with another worker (the *relay*, rank 0 there) that passes on every buffer it receives. The same topology runs on
-gloo, which is how it is tested here. The NCCL backend itself is UNTESTED (no GPU on the development machine).
+Ranks: the sender (trainer rank 0, which hosts the store) is 0; engine worker ``g = i * engine_tp_size + w`` is
+``1 + g``. Relay (``plan.engines.relay_workers``): NCCL refuses two members on one GPU, so the colocated worker on
+the sender's GPU (the *target*) leaves the main group (later workers' ranks close up) and is fed by another worker
+(the *relay*) through a two-member relay group. Tested on gloo; the NCCL path is not run on CPU.
 """
 
 from __future__ import annotations
@@ -35,13 +27,8 @@ _PREFIX = "gtpo-weights"
 class WeightGroupSpec:
     """How to join the weight group (sent to the engine workers as a plain dict, see :meth:`as_dict`).
 
-    Attributes:
-        host: address of the store (the sender's host).
-        port: port of the store.
-        world_size: members of the main group: 1 sender + every engine worker (but a relay's target).
-        backend: ``"gloo"`` (CPU tensors) or ``"nccl"`` (CUDA tensors).
-        timeout_s: timeout of the rendezvous and of every collective, seconds.
-        relay: ``(relay, target)`` engine-worker indices when a relay feeds the target (module docstring).
+    ``world_size`` counts the sender and every worker but a relay's target; ``timeout_s`` in seconds; ``relay`` is
+    the ``(relay, target)`` worker pair, if any.
     """
 
     host: str
@@ -92,11 +79,7 @@ def open_weight_store(host: str, *, world_size: int, timeout_s: float) -> dist.T
 
 @dataclass(frozen=True, slots=True)
 class WorkerLink:
-    """An engine worker's place in the weight groups.
-
-    ``source``: where its buckets come from (member 0 sends); ``forward``: for the relay only, the group it passes
-    every received buffer on to (as member 0).
-    """
+    """An engine worker's groups: ``source`` sends it buckets; ``forward`` (the relay only) is where it passes them."""
 
     source: WeightGroup
     forward: WeightGroup | None = None
@@ -105,15 +88,9 @@ class WorkerLink:
 def join_weight_group(
     spec: WeightGroupSpec, *, rank: int, store: dist.Store | None = None, relay_group: bool = False
 ) -> WeightGroup:
-    """Join the main group (or, with ``relay_group``, the two-member relay group) as ``rank``.
+    """Join the main group (or the two-member relay group) as ``rank``; blocks at most ``timeout_s`` on gloo.
 
-    Blocks until every member joined, at most ``timeout_s`` (NCCL connects at the first collective instead).
-
-    Args:
-        spec: the group's address, size, backend and timeout.
-        rank: this member's rank (module docstring).
-        store: the sender's own store from :func:`open_weight_store`; None connects to ``spec.host:spec.port``.
-        relay_group: join the relay group (size 2) instead of the main one.
+    ``store``: the sender's own store; None connects to ``spec.host:spec.port``.
 
     Raises:
         ValueError: ``rank`` outside the group.

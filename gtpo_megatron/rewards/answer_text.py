@@ -6,7 +6,7 @@ is left to math-verify's own extraction (:mod:`gtpo_megatron.rewards.equivalence
 - :func:`visible_text`: the text after the last ``</think>``; ``None`` when the completion was cut off inside a
   ``<think>`` block (an opened ``<think>`` with no ``</think>`` after it), which therefore has no answer.
 - :func:`explicit_answer`: the span that states the answer, first found of
-    1. the last ``<answer>...</answer>`` block (GTPO_SPEC section 6 prompt format);
+    1. the last ``<answer>...</answer>`` block (docs/algorithm.md section 6 prompt format);
     2. the line after the last GSM8K ``####`` marker (the number right after ``####`` is the answer, not a later
        number of a chatty tail);
     3. the last "final answer is X" statement (MATH/Minerva style, ``X`` up to ``. I hope`` or the end of its

@@ -18,7 +18,7 @@ Equivalence (:func:`equivalent`, gold first; math-verify's ``verify`` is not sym
 
 1. When both answers are single numbers without variables (percentages excepted):
    - both written as plain decimals and ``decimal_abs_tol`` is set: ``|gold - pred| <= decimal_abs_tol``. Only the
-     ``paper`` reward sets it (1e-2, GTPO_SPEC section 6: "numeric within 1e-2"), for GSM8K-style decimal answers;
+     ``paper`` reward sets it (1e-2, docs/algorithm.md section 6), for GSM8K-style decimal answers;
    - both exact rationals (integers, fractions, powers of them): exact equality, so ``\frac{1}{3^{40}}`` differs
      from ``\frac{1}{3^{41}}`` (math-verify alone calls them equal: it compares ``|a - b|`` to ``10^-15``);
    - otherwise (irrationals, decimals): relative tolerance ``|a - b| <= REL_TOL * max(|a|, |b|)`` at 30 digits.

@@ -21,9 +21,9 @@ the policy:
 
 Registered rewards (each with its score range, :func:`reward_span`):
 
-- ``math_verify``: 1.0 if ``correct`` else 0.0 (binary correctness, GTPO_SPEC section 6).
+- ``math_verify``: 1.0 if ``correct`` else 0.0 (binary correctness, docs/algorithm.md section 6).
 - ``format``: 1.0 if ``format_ok`` else 0.0.
-- ``paper``: the authors' scheme (GTPO_SPEC section 6): format part 10 when ``format_ok``; otherwise 1.5 when
+- ``paper``: the authors' scheme (docs/algorithm.md section 6): format part 10 when ``format_ok``; otherwise 1.5 when
   exactly one of the two blocks is complete and a tag of the other is present, 1.0 when exactly one block is
   complete, 0 when neither is. Correctness part 10 only when ``format_ok`` and the ``<answer>`` block is correct.
   Totals are in {0, 1, 1.5, 10, 20}. Two plain decimal answers match within 1e-2 (the paper's numeric rule);
@@ -172,7 +172,7 @@ def format_reward(*, completion: str, reference: str, extraction: str = STRICT) 
     "paper", score_range=(0.0, PAPER_FORMAT_SCORE + PAPER_CORRECT_SCORE), decimal_abs_tol=PAPER_DECIMAL_TOLERANCE
 )
 def paper_reward(*, completion: str, reference: str, extraction: str = STRICT) -> RewardResult:
-    """The authors' format + correctness reward; total in {0, 1, 1.5, 10, 20} (GTPO_SPEC section 6)."""
+    """The authors' format + correctness reward; total in {0, 1, 1.5, 10, 20} (docs/algorithm.md section 6)."""
     correct, format_ok, extracted = _judge(completion, reference, extraction, "paper")
     score = paper_format_score(completion)
     if format_ok and correct:

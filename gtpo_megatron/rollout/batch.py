@@ -1,7 +1,7 @@
 """One step's rollouts as tensors: collation into a ``TrainBatch`` and the batch, rollout and mismatch metrics.
 
 Pure functions of tensors (no collectives, no I/O), composed by ``trainer.py``. Every rank builds the same full
-batch (the rollouts are broadcast), the GTPO weights are computed on whole groups (``algorithm.py``; GTPO_SPEC
+batch (the rollouts are broadcast), the GTPO weights are computed on whole groups (``algorithm.py``; docs/algorithm.md
 section 8: lambda is computed before the batch is split over data-parallel ranks) and each rank then keeps its own
 rows, ``batch.select(parallel.row_shard(...))``.
 

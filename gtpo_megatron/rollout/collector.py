@@ -8,7 +8,7 @@ completions per prompt with its engine, seeding each request by the round's seed
 (``rollout.engine.request_seed``), so the completions do not depend on how many engines share the step, and
 scores them in its own reward pool.
 
-``collect_step`` runs on every rank. With DAPO dynamic sampling (GTPO_SPEC section 5) it repeats rounds with
+``collect_step`` runs on every rank. With DAPO dynamic sampling (docs/algorithm.md section 5) it repeats rounds with
 fresh prompts until ``num_prompts`` groups vary in their task score, counting varied groups over all engines with
 one all-reduce per round, or until ``dynamic_sampling_max_rounds`` (then uniform groups fill the batch,
 ``data.sampling.choose_groups``). Every decision about a group's variance (dynamic sampling,

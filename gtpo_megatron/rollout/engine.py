@@ -1,18 +1,10 @@
 """The rollout engine contract shared by the trainer, the evaluator and weight sync.
 
-``RolloutEngine`` is a ``typing.Protocol``: ``rollout.vllm_engine.VLLMEngine`` is the real implementation (the only
-module that imports vLLM). ``SamplingConfig`` carries the per-call sampling parameters
-(``../shared/GTPO_SPEC.md`` section 6: temperature 0.9, top_p 1, at most 1500 new tokens in the paper).
-
-Weight updates come in two granularities:
-- ``update_weights(named_tensors)``: one complete update from any iterable of ``(hf_name, tensor)`` pairs
-  (materialised as one bucket; meant for small updates and tests).
-- ``begin_weight_update()`` / ``load_weight_bucket(bucket)`` / ``finish_weight_update()``: the streaming form that
-  ``rollout.push.push_weights`` drives with byte-bounded buckets, so a whole model never sits in memory twice.
-Both take Hugging Face (vLLM checkpoint) names and full, unsharded tensors; parameters not named keep their values,
-except that an update must name all members of a module the engine fuses (q/k/v projections, gate/up projections).
-After an update returns, the next ``generate`` uses the new weights and no prefix-cache entry computed with the old
-weights is reused.
+``rollout.vllm_engine.VLLMEngine`` implements ``RolloutEngine``. Weight updates take Hugging Face names and full,
+unsharded tensors, either at once (``update_weights``, one bucket: small updates and tests) or streamed in
+byte-bounded buckets (``begin_weight_update`` / ``load_weight_bucket`` / ``finish_weight_update``, driven by
+``rollout.push``). Parameters not named keep their values, but an update names every member of a fused module
+(q/k/v, gate/up). After an update the next ``generate`` uses the new weights and no stale prefix-cache entry.
 """
 
 from __future__ import annotations
@@ -32,17 +24,11 @@ NamedTensor = tuple[str, "torch.Tensor"]
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SamplingConfig:
-    """Sampling parameters of one ``generate`` call.
+    """Sampling parameters of one ``generate`` call (docs/algorithm.md section 6 for the paper's values).
 
-    Attributes:
-        temperature: softmax temperature (> 0; the trainer recomputes log-probs at the same temperature).
-        top_p: nucleus mass in (0, 1]; 1 disables nucleus sampling.
-        max_tokens: maximum number of new tokens per completion (>= 1).
-        stop: stop strings; the matched string is kept in the text and in the token ids.
-        seed: base seed of this call (sample ``j`` of the prompt with global index ``i`` gets a seed derived from
-            ``(seed, i, j)``), or None for the engine's global generator. The same seed, prompts and weights give
-            the same completions; pass a different seed each training step to get fresh samples.
-        logprobs: return the rollout log-probability (nats) of every sampled token.
+    A matched ``stop`` string stays in the text and the token ids. ``seed`` seeds sample ``j`` of the prompt with
+    global index ``i`` from ``(seed, i, j)`` (:func:`request_seed`); None uses the engine's generator. ``logprobs``
+    returns each sampled token's rollout log-prob in nats.
     """
 
     temperature: float = 1.0
@@ -67,11 +53,7 @@ class SamplingConfig:
 
 
 def request_seed(seed: int, prompt_index: int, sample_index: int) -> int:
-    """vLLM seed of sample ``sample_index`` of the prompt at global index ``prompt_index`` in a call seeded ``seed``.
-
-    A 63-bit BLAKE2b hash of the triple, in ``[0, 2**63)``: the same triple always gets the same stream, and two
-    different triples share one with probability ``2**-63`` (about 1e-7 for a run of a million samples).
-    """
+    """vLLM seed of one sample: a 63-bit BLAKE2b hash of ``(seed, prompt_index, sample_index)``."""
     digest = hashlib.blake2b(f"{seed}/{prompt_index}/{sample_index}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
 
@@ -123,18 +105,9 @@ class RolloutEngine(Protocol):
         sampling: SamplingConfig,
         prompt_indices: Sequence[int] | None = None,
     ) -> list[PromptCompletions]:
-        """Sample ``n`` completions of every prompt.
+        """P tokenised prompts -> P ``PromptCompletions`` of ``n`` completions each, in prompt order.
 
-        Args:
-            prompt_ids: P tokenised (chat-templated) prompts.
-            n: completions per prompt (the group size G, >= 1).
-            sampling: sampling parameters of this call.
-            prompt_indices: global index of each prompt in its batch (distinct), which seeds its samples together
-                with ``sampling.seed``; default ``0 .. P-1``.
-
-        Returns:
-            P ``PromptCompletions`` in prompt order, each with ``n`` completions (token ids, text, finish reason
-            ``"stop"``/``"length"``, and per-token rollout log-probs in nats when ``sampling.logprobs``).
+        ``prompt_indices``: each prompt's distinct global index, which seeds its samples (default ``0 .. P-1``).
         """
         ...
 

@@ -1,17 +1,12 @@
 """A step's scored completions as one compact float64 tensor: what crosses ranks after the rollout phase.
 
-Every engine leader writes the rows of the groups it sampled into a zero ``[B, W]`` tensor (B = P*G rows in the
-step's group order) plus its own row of per-engine counters ``[N, K]``; one SUM all-reduce over the world
-(``parallel.collectives.all_reduce_sum``) then gives every rank the whole step, and :func:`unpack_rows` turns it back
-into ``PromptCompletions``. float64 holds token ids (< 2**53) and fp32 log-probs exactly, and every entry is
-written by exactly one rank, so the sum is exact.
-
-Row layout (``RowLayout``; ``Lp = rollout.max_prompt_len``, ``Lr = rollout.max_tokens``)::
+Each engine leader fills its groups' rows of a zero ``[B, W]`` tensor and its row of the ``[N, K]`` counters; one
+SUM all-reduce (``parallel.collectives.all_reduce_sum``) gives every rank the whole step exactly (float64 holds
+token ids and fp32 log-probs exactly; each entry has one writer). Row layout (``Lp = rollout.max_prompt_len``,
+``Lr = rollout.max_tokens``)::
 
     [prompt_len, response_len, score, correct, format_ok, truncated, prompt ids (Lp), response ids (Lr),
      rollout log-probs (Lr)]
-
-The completion text is not sent: only the leader that scored it needs it.
 """
 
 from __future__ import annotations

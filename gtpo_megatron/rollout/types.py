@@ -1,6 +1,6 @@
 """Typed containers that cross module boundaries between rollout, trainer and policy.
 
-Notation (``../shared/GTPO_SPEC.md``): P prompts, G completions per prompt (``group_size``), B = P*G sequences laid
+Notation (``docs/algorithm.md``): P prompts, G completions per prompt (``group_size``), B = P*G sequences laid
 out group by group (rows ``g*G .. g*G+G-1`` are prompt g), S = padded prompt+response length.
 """
 
@@ -47,9 +47,9 @@ class TrainBatch:
         attention_mask: ``[B, S]`` bool, True on real (prompt or response) tokens.
         response_mask: ``[B, S]`` bool, True on response tokens (the tokens the loss acts on).
         old_logprobs: ``[B, S]`` fp32, log pi_old of each token in nats (0 off the response); filled by the
-            trainer's no-grad pass before the update when there are several updates per batch (GTPO_SPEC section
+            trainer's no-grad pass before the update when there are several updates per batch (docs/algorithm.md section
             1: r = pi_theta / pi_old), else None.
-        advantages: ``[B]`` fp32 group-relative advantage A_i (GTPO_SPEC section 2); the loss subtracts
+        advantages: ``[B]`` fp32 group-relative advantage A_i (docs/algorithm.md section 2); the loss subtracts
             ``gamma <H>_i`` (section 4, ``ops.policy_objective``).
         token_weights: ``[B, S]`` fp32 per-token multiplier decided before the forward: conflict weight lambda
             (section 3, with any ``normalize_by_conflicts`` division and DAPO's overlong filter), 0 off the

@@ -1,19 +1,10 @@
 """vLLM's console output: WARNING and above, without the warnings that this project's own settings make harmless.
 
-vLLM logs from three processes (the caller, the engine core, its worker): at INFO its whole engine configuration
-and a line per load, reload and request; at WARNING, on CPU, a dozen lines that restate choices this project makes
-on purpose, 120 lines "Attempted to load weight ... with dtype torch.float32 into parameter with dtype
-torch.bfloat16" when a float32 checkpoint is served in bfloat16 (``rollout.dtype``), and, with tied embeddings,
-"ParallelLMHead: Failed to load weights" at every weight sync. Unless ``logging.verbose`` is set:
-
-- every vLLM process logs at WARNING: the caller's ``vllm`` logger directly (:func:`quiet_this_process`), the
-  engine's processes through ``VLLM_LOGGING_LEVEL`` and a logging config file (``VLLM_LOGGING_CONFIG_PATH``,
-  :func:`child_log_environment`) whose handler carries :class:`HarmlessVllmRecords`;
-- :class:`HarmlessVllmRecords` drops the records of :data:`HARMLESS`, each listed with the reason it is harmless
-  here (the tied LM head's only when the model ties its embeddings: otherwise that warning means a missing weight);
-- ``PYTHONWARNINGS`` hides one deprecation warning vLLM's worker triggers inside torch.
-
-The module imports only the stdlib (vLLM's processes import it to build the filter).
+Unless ``logging.verbose`` is set, every vLLM process logs at WARNING: this one directly
+(:func:`quiet_this_process`), the engine's through ``VLLM_LOGGING_LEVEL`` and a config file
+(:func:`child_log_environment`). :class:`HarmlessVllmRecords` drops the records of :data:`HARMLESS`, each with the
+reason it is harmless here (the tied LM head's only when the model ties its embeddings). Stdlib only: vLLM's
+processes import this module to build the filter.
 """
 
 from __future__ import annotations
@@ -64,11 +55,7 @@ def ties_embeddings(model_path: str) -> bool:
 
 
 def quiet_this_process(*, tied_embeddings: bool) -> None:
-    """WARNING level and :class:`HarmlessVllmRecords` for the ``vllm`` loggers of this process (idempotent).
-
-    Call before importing vLLM (its import-time Triton warning is caught on its own logger) and again after (vLLM
-    installs its handler at import).
-    """
+    """WARNING and the filter for this process's ``vllm`` loggers; call before and after importing vLLM."""
     vllm_logger = logging.getLogger("vllm")
     vllm_logger.setLevel(logging.WARNING)
     for target in (logging.getLogger("vllm.triton_utils.importing"), *vllm_logger.handlers):
@@ -77,11 +64,7 @@ def quiet_this_process(*, tied_embeddings: bool) -> None:
 
 
 def child_log_environment(folder: str | Path, *, tied_embeddings: bool) -> dict[str, str]:
-    """Environment for the engine's processes: WARNING level and the filtered handler, from a config file.
-
-    Writes ``folder/vllm_logging.json`` (a ``logging.config.dictConfig`` with vLLM's own formatter); the file must
-    exist until the engine's processes have started.
-    """
+    """Environment for the engine's processes; writes ``folder/vllm_logging.json``, which must outlive their start."""
     config = {
         "version": 1,
         "disable_existing_loggers": False,

@@ -3,8 +3,7 @@
 vLLM mixes :class:`WeightReloadExtension` into each worker, so its methods run where the model lives and are
 called by name through ``LLM.collective_rpc`` (no callable is pickled). Both weight paths end in vLLM's
 ``reload_weights``, one layerwise reload walk per update, which re-runs ``process_weights_after_loading`` (the CPU
-backend pre-packs linear weights, so a raw ``model.load_weights`` would leave stale packed copies;
-``../shared/FEASIBILITY.md`` section 4):
+backend pre-packs linear weights, so a raw ``model.load_weights`` would leave stale packed copies):
 
 - ``files``: ``gtpo_reload_weights(folder)`` reads the safetensors shards staged by the engine's owner (as an
   iterator, so a ``dummy``-format engine reloads too);

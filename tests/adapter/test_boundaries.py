@@ -1,4 +1,4 @@
-"""Layering rules of STYLE sections 2 and 4 that a source scan can check (no module is imported).
+"""Layering rules (docs/architecture.md) that a source scan can check (no module is imported).
 
 * only ``parallel/groups.py`` reads Megatron's ``parallel_state`` (or ``mpu``);
 * only ``rollout/vllm_engine.py`` imports vllm;

@@ -1,4 +1,4 @@
-"""Every field of the ``model``, ``parallel`` and ``optim`` sections reaches what Megatron is built with (issue 10).
+"""Every field of the ``model``, ``parallel`` and ``optim`` sections reaches what Megatron is built with.
 
 One run config sets EVERY field of the three sections to a non-default value; the Megatron ``TransformerConfig``,
 the DDP config, the optimizer config and the LR schedule's arguments are built from it by the same pure functions

@@ -3,7 +3,7 @@
 The Megatron path is replayed by hand exactly as ``forward_step``'s docstring derives it: each micro-batch's
 returned loss is divided by M (schedule) and the gradients of the D data-parallel ranks are averaged (DDP).
 Whatever the split, the logits' gradient must equal that of the whole batch as a single micro-batch, and both must
-equal a float64 hand-written GTPO objective (GTPO_SPEC section 1, seq-mean-token-mean).
+equal a float64 hand-written GTPO objective (docs/algorithm.md section 1, seq-mean-token-mean).
 """
 
 from __future__ import annotations

@@ -125,7 +125,7 @@ def test_yaml_fields_win_over_preset_of_same_name(tmp_path):
 
 
 def test_data_shorthand_and_path():
-    cfg = load_config(DEMO, ["data=gsm8k", "data.path=/work/shared/data/gsm8k/train.jsonl"])
+    cfg = load_config(DEMO, ["data=gsm8k", "data.path=my/gsm8k/train.jsonl"])
     assert cfg.data.source == "gsm8k" and cfg.data.path.endswith("train.jsonl")
 
 

@@ -13,7 +13,7 @@ import pytest
 from gtpo_megatron.config import PRESETS, load_config
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
-PAPER_MODELS = ("qwen2.5-3b-instruct", "llama3.1-8b-instruct")  # GTPO_SPEC section 6
+PAPER_MODELS = ("qwen2.5-3b-instruct", "llama3.1-8b-instruct")  # docs/algorithm.md section 6
 PAPER_RECIPES = [
     CONFIGS / f"{model}_{data}_{algorithm}{suffix}.yaml"
     for model in PAPER_MODELS
@@ -50,13 +50,13 @@ def test_paper_recipe_loads_validates_and_follows_preset(path):
     preset = dict(PRESETS[algorithm])
     if algorithm == "dapo":
         preset["overlong_buffer_len"] = cfg.rollout.max_tokens // 5
-    if algorithm == "grpo":  # the paper's GRPO runs: beta = 1e-6 (GTPO_SPEC section 5)
+    if algorithm == "grpo":  # the paper's GRPO runs: beta = 1e-6 (docs/algorithm.md section 5)
         preset["kl_coef"] = 1e-6
-    if algorithm == "gtpo":  # the recipes pick the paper rule or the authors' fixed 0.7 (GTPO_SPEC section 4)
+    if algorithm == "gtpo":  # the recipes pick the paper rule or the authors' fixed 0.7 (docs/algorithm.md section 4)
         assert cfg.algorithm.entropy_filter in ("paper", "fixed")
         del preset["entropy_filter"]
     assert {k: getattr(cfg.algorithm, k) for k in preset} == preset
-    # GTPO_SPEC section 6 settings; G = 12 in the _g12 variants.
+    # docs/algorithm.md section 6 settings; G = 12 in the _g12 variants.
     group_size = 12 if path.stem.endswith("_g12") else 8
     assert (cfg.rollout.temperature, cfg.rollout.max_tokens, cfg.algorithm.group_size) == (0.9, 1500, group_size)
     assert (cfg.optim.lr, cfg.optim.clip_grad, cfg.reward.name) == (1e-6, 0.1, "paper")
@@ -76,7 +76,7 @@ def test_cpu_demo_validates_with_registries():
 
 @pytest.mark.parametrize("algorithm", ["grpo", "dapo", "gtpo"])
 def test_compare_recipe_differs_only_by_the_algorithm(algorithm):
-    """configs/compare_cpu.yaml + algorithm=NAME: the three runs of the comparison (issue 13 item 7)."""
+    """configs/compare_cpu.yaml + algorithm=NAME: the three runs of the comparison (docs/results.md)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the preset replacing the YAML's GTPO fields is announced, and expected
         cfg = load_config(CONFIGS / "compare_cpu.yaml", [f"algorithm={algorithm}"])

@@ -88,11 +88,7 @@ def test_data_folder_defaults(monkeypatch, tmp_path):
     assert data_sets.default_data_dir() == data_sets.default_download_dir() == tmp_path / "mine"
     monkeypatch.delenv("GTPO_DATA_DIR")
     monkeypatch.setenv("GTPO_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(data_sets, "SHARED_DATA_DIR", tmp_path / "shared")  # a fresh clone: no shared folder
     assert data_sets.default_data_dir() == data_sets.default_download_dir() == tmp_path / "cache" / "data"
-    (tmp_path / "shared").mkdir()  # the development machine: ../shared/data next to the repository
-    assert data_sets.default_data_dir() == tmp_path / "shared"
-    assert data_sets.default_download_dir() == tmp_path / "cache" / "data"
     with pytest.raises(ValueError, match=r"gsm8k/train.jsonl does not exist; download the benchmarks once with "
                        r"`gtpo-data --out DIR gsm8k`"):  # fmt: skip
         data_sets.check_source("gsm8k", data_dir=str(tmp_path / "empty"))

@@ -29,7 +29,7 @@ def test_system_prompt_asks_for_the_paper_format() -> None:
 
 
 def test_authors_system_prompt_is_the_papers_instruction_only() -> None:
-    """GTPO_SPEC section 6: think step by step in <reasoning>, final answer in <answer>; no template, no extras."""
+    """docs/algorithm.md section 6: think step by step in <reasoning>, answer in <answer>; no template, no extras."""
     authors = SYSTEM_PROMPTS["authors"]
     assert SYSTEM_PROMPTS["concise"] == SYSTEM_PROMPT and authors != SYSTEM_PROMPT
     assert "step by step between <reasoning> and </reasoning>" in authors

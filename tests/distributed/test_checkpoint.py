@@ -1,4 +1,4 @@
-"""Dist checkpoints of ``MegatronPolicy`` (issue 3): exact resume and loading into another TP/PP layout.
+"""Dist checkpoints of ``MegatronPolicy``: exact resume and loading into another TP/PP layout.
 
 Two separate 2-rank runs share one checkpoint root:
 1. TP=2: one optimizer step, save (``step_000001``), then record the log-probs, a random draw and two more steps;

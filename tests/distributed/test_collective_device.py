@@ -1,4 +1,4 @@
-"""Device discipline of the package's collectives (issue 10 item 1), by a source scan and by a recorded run.
+"""Device discipline of the package's collectives (each on its group's device), by a source scan and by a recorded run.
 
 The rule: every collective the package issues goes through ``parallel/collectives.py``, which runs it on the group's
 device (CUDA for NCCL), so the trainer's CPU tensors cannot reach an NCCL group; the weight gather

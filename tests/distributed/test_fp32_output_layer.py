@@ -1,4 +1,4 @@
-"""fp32 output layer (issue 13 item 5) on 2 gloo ranks, bf16 parameters, vs float64 references.
+"""fp32 output layer (``model.fp32_output_layer``) on 2 gloo ranks, bf16 parameters, vs float64 references.
 
 * Megatron's ``ColumnParallelLinear`` at TP=2 with ``use_fp32_output_layer``: fp32 logits equal the float64 product
   of the same bf16 input and weight; the input gradient (through Megatron's TP all-reduce) and each rank's weight

@@ -1,4 +1,4 @@
-"""No forward pass before the update (issue 13 item 2) and the KL reference policy (item 1), on 2 gloo ranks.
+"""No forward pass before the update and the KL reference policy, on 2 gloo ranks.
 
 Fused vs two-pass (TP=2, then DP=2; tiny Qwen2, fp32): the same completions trained one step both ways.
 * two-pass (the pre-fusion trainer): a no-grad pass at the sampling temperature (pi_old, mismatch), a second one at

@@ -1,4 +1,4 @@
-"""HF config features that change the math (issue 12 item 8) vs ``transformers``, on 2 gloo ranks.
+"""HF config features that change the math vs ``transformers``, on 2 gloo ranks.
 
 Each tiny random model turns on one feature of ``megatron_adapter.hf_features``' table that the Megatron model must
 reproduce: Llama ``attention_bias`` (q/k/v AND o_proj biases), Llama ``mlp_bias`` (tied embeddings), Llama linear

@@ -1,4 +1,4 @@
-"""Megatron GPTModel built from HF checkpoints vs ``transformers`` (issue 3), on 2 gloo ranks.
+"""Megatron GPTModel built from HF checkpoints vs ``transformers``, on 2 gloo ranks.
 
 One spawn walks through the layouts TP=1 (DP=2), TP=2 and PP=2 and checks, for tiny-qwen2 (qkv bias, untied,
 padded vocabulary), tiny-llama (tied embeddings), a random tiny Qwen3 (q/k norms, head_dim != hidden/heads) and

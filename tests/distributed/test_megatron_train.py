@@ -1,4 +1,4 @@
-"""Megatron training step on 2 gloo ranks vs the single-process ``transformers`` reference (issue 3).
+"""Megatron training step on 2 gloo ranks vs the single-process ``transformers`` reference.
 
 One spawn runs every layout in turn (DP=2, TP=2, PP=2 with tied embeddings), re-initialising Megatron's model
 parallelism between them. For each layout and for 1 vs 4 micro-batches per rank:
@@ -103,7 +103,7 @@ def _run_layout(path: str, tp: int, pp: int, aggregation: str) -> None:
 
 def _check_removed_rows(policy, local, groups) -> None:
     """Rows whose ``loss_row_mask`` is False (skip_uniform_groups, overlong_filter) leave the loss and the
-    normaliser: the step equals the one with their response tokens masked out by hand (issue 12 item 5)."""
+    normaliser: the step equals the one with their response tokens masked out by hand."""
     removed = local.select(slice(None))
     removed.loss_row_mask = torch.arange(local.num_sequences) != 0
     by_hand = local.select(slice(None))

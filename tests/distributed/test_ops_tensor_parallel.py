@@ -113,7 +113,7 @@ def _random_case(rank, world, group, vocab_size, temperature, chunk_size, entrop
 
 
 def _masked_case(rank, world, group) -> None:
-    """-inf logits (issue 12 item 7): row (0, 0) has rank 1's whole shard -inf, row (0, 1) every shard but the
+    """-inf logits (masked vocabulary entries): row (0, 0) has rank 1's whole shard -inf, row (0, 1) every shard but the
     last, scattered -inf elsewhere; garbage (+inf, NaN) in the padded columns. Values and gradient shards vs
     float64 (with and without the entropy gradient, chunked or not, temperatures 1, 0.5, 0.9 and a separate entropy
     temperature); the masked and padded columns get exactly 0 gradient."""

@@ -1,4 +1,4 @@
-"""Preemption end to end (issue 12 item 11): torchrun stops a 2-rank job in the middle of a step.
+"""Preemption end to end: torchrun stops a 2-rank job in the middle of a step.
 
 Three ``torchrun --nproc_per_node=2`` jobs of ``preemption_job.py`` (the real entry point, Megatron policy
 ``builtin:tiny-qwen2`` at TP=2 on gloo, checkpoints; fake engine and rewards), 6 steps, a checkpoint every 2:

@@ -1,4 +1,4 @@
-"""Megatron checkpoint of a run -> HF folder (``evaluation.checkpoint_export``; issue 5, ``gtpo-eval --model CKPT``).
+"""Megatron checkpoint of a run -> HF folder (``evaluation.checkpoint_export``, ``gtpo-eval --model CKPT``).
 
 Like the trainer does: two gloo ranks (TP=2, a layout different from the exporter's TP=1) build the policy of
 ``builtin:tiny-llama`` from a run config, take one optimizer step (so the weights differ from the base model),

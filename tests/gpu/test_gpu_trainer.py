@@ -3,7 +3,7 @@
 The real ``MegatronPolicy`` (``tests.gpu.common.MODEL``, bf16) and, when vLLM is not installed, the fake rollout
 engine and reward pool of ``tests/trainer/fakes.py`` (the real vLLM engine and rewards when it is). Two steps, the
 stop-flag agreement after each, a checkpoint save at the end. Run twice: on a pure NCCL default group, where any CPU
-tensor reaching a collective crashes (issue 10: the trainer's stop flag did, at the end of step 1), and on
+tensor reaching a collective crashes (the trainer's stop flag once did, at the end of step 1), and on
 ``cpu:gloo,cuda:nccl``, the default of ``init_distributed`` on GPU machines. Every ``torch.distributed`` collective is
 recorded (``tests/helpers/collective_recorder.py``): the package's own must come from ``parallel/collectives.py`` or
 the weight gather, with their tensors on the group's device. In a dry run: one run on gloo, on the CPU, with the

@@ -1,6 +1,6 @@
 """A recording stand-in for ``torch.distributed``'s collectives: who issued each call, with tensors on which device.
 
-The package's rule (``gtpo_megatron/parallel/collectives.py``, issue 10 item 1): every collective the package issues
+The package's rule (``gtpo_megatron/parallel/collectives.py``): every collective the package issues
 goes through that module, which puts the tensors on the group's device; the weight gather
 (``megatron_adapter/hf_stream.py``) is the one other caller, and Megatron's own internals are Megatron's business.
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 PACKAGE = "gtpo_megatron"
 
-# Lowest layer first (STYLE.md section 2, refined): a module may import its own layer and the layers below it.
+# Lowest layer first: a module may import its own layer and the layers below it.
 # Each layer lists module prefixes; the longest matching prefix decides.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("collectives: torch.distributed calls", ("gtpo_megatron.parallel.collectives",)),

@@ -53,7 +53,7 @@ def _run_length(flags: list[bool]) -> int:
 def ref_conflict_weights(
     completions, advantages, group_size, *, amplification=2.0, mode="prefix_suffix", overlap="once"
 ):
-    """Per-completion weight lists (one float per response token) with Python loops (GTPO_SPEC section 3).
+    """Per-completion weight lists (one float per response token) with Python loops (docs/algorithm.md section 3).
 
     ``completions`` is a list of unpadded response-token lists, group by group.
     """

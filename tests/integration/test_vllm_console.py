@@ -1,4 +1,4 @@
-"""vLLM's console (issue 12 item 16): quiet by default, everything with ``verbose=True``.
+"""vLLM's console: quiet by default, everything with ``verbose=True``.
 
 One script, run twice in a fresh process: a multiprocess ``VLLMEngine`` on ``builtin:tiny-llama`` (tied
 embeddings, a float32 checkpoint served in bfloat16), one weight update, one generation. The whole console of the

@@ -1,4 +1,4 @@
-"""Conflict weights (GTPO_SPEC section 3) vs a hand-worked example and the loop reference."""
+"""Conflict weights (docs/algorithm.md section 3) vs a hand-worked example and the loop reference."""
 
 from __future__ import annotations
 

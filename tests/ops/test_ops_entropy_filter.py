@@ -1,4 +1,4 @@
-"""Entropy filter and penalty vs literal cases and the reference's if/else (GTPO_SPEC section 4)."""
+"""Entropy filter and penalty vs literal cases and the reference's if/else (docs/algorithm.md section 4)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""``vocab_parallel_logprobs_entropy`` with non-finite logits (issue 12 item 7), in one process.
+"""``vocab_parallel_logprobs_entropy`` with non-finite logits, in one process.
 
 A ``-inf`` logit is a masked token of probability 0; a row whose real vocabulary is all ``-inf``, or holds
 ``+inf``/NaN, is refused; padded columns (``>= vocab_size``) may hold anything. The TP=2 cases (one shard all

@@ -57,7 +57,7 @@ def test_matches_float64_filter_penalty_and_loss(aggregation):
     torch.testing.assert_close(terms.advantages.double(), torch.tensor(penalised, dtype=torch.float64))
     policy64 = logprobs.clone().requires_grad_(True)
     kept_weights = weights * torch.tensor(keep, dtype=torch.float64)[:, None]
-    # GTPO_SPEC section 1: the normaliser counts every completion, filtered ones included.
+    # docs/algorithm.md section 1: the normaliser counts every completion, filtered ones included.
     normalizer = float(compute_normalizer(mask, aggregation))
     want = ref_policy_loss(
         policy64, None, torch.tensor(penalised), kept_weights, LENGTHS, aggregation=aggregation,

@@ -54,7 +54,7 @@ def test_colocated_engine_i_takes_the_gpus_of_its_ranks():
 
 
 def test_separate_engines_take_the_gpus_training_does_not_use():
-    """Issue 12 item 13: 6 training ranks on 8 GPUs, engine TP 2 -> the engine on GPUs 6 and 7 (not 0 and 1)."""
+    """Separate placement: 6 training ranks on 8 GPUs, engine TP 2 -> the engine on GPUs 6 and 7 (not 0 and 1)."""
     (only,) = _placements(placement="separate", num_engines=1, engine_tp_size=2, train_world_size=6,
                           ranks_per_node=6, pool_gpus=2)  # fmt: skip
     assert (only.leader_rank, only.ranks, only.devices) == (0, (0,), (6, 7))

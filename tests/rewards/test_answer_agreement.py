@@ -1,8 +1,8 @@
 """Agreement with math-verify's own test verdicts (136 pairs, ``tests/rewards/data``), through the harness
 ``benchmarks/bench_answer_agreement.py``, at least at the figures measured when it was written.
 
-Before issue 12 the reward agreed on 82 raw, 131 boxed and 82 ``####`` completions; math-verify alone agrees on
-136 raw and boxed ones (64 ``####``: it does not know GSM8K's marker). ``strict`` rejects raw predictions without
+Before the format fixes the reward agreed on 82 raw, 131 boxed and 82 ``####`` completions; math-verify alone agrees
+on 136 raw and boxed ones (64 ``####``: it does not know GSM8K's marker). ``strict`` rejects raw predictions without
 an answer anchor by design.
 """
 

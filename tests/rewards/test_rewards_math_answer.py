@@ -1,5 +1,5 @@
-"""Grading on hand-written completions: extraction faults of issue 12 item 1 and their siblings, the strict and
-lenient modes (item 2), numeric equivalence (item 3) and the vote equivalence ``same_answer`` (item 4)."""
+"""Grading on hand-written completions: answer-extraction faults once found and their siblings, the strict
+and lenient modes, numeric equivalence and the vote equivalence ``same_answer``."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""``collect_step`` in one process: shares, seeds, counters, and variance decisions on task scores (issue 12 item 6)."""
+"""``collect_step`` in one process: shares, seeds, counters, and variance decisions on task scores."""
 
 from __future__ import annotations
 

@@ -42,7 +42,7 @@ def test_gtpo_weights_hand_computed():
     rewards = torch.tensor([1.0, 1.0, 0.0, 0.0])
     entropy = torch.tensor([0.1, 0.2, 0.3, 0.4])
     weights, spec = _weights(batch, rewards, algorithm_section(), initial_entropy=1.0)
-    # GTPO_SPEC section 2: A = r - mean = +-0.5; section 4: A - 0.1 <H> (applied by the objective).
+    # docs/algorithm.md section 2: A = r - mean = +-0.5; section 4: A - 0.1 <H> (applied by the objective).
     assert weights.raw_advantages.tolist() == [0.5, 0.5, -0.5, -0.5]
     terms = sequence_terms(entropy, weights.raw_advantages, spec, keep_mask=weights.keep_mask)
     torch.testing.assert_close(terms.advantages, torch.tensor([0.49, 0.48, -0.53, -0.54]))
@@ -85,7 +85,8 @@ def test_paper_filter_drops_high_entropy_and_still_defines_conflicts():
 
 
 def _sign_example():
-    """The issue-13 example: G=8, rewards [1.5]*7 + [1], every <H>_i = 0.7, [5,6,9,EOS] x7 and [5,6,8,EOS]."""
+    """docs/algorithm.md section 3's conflict_sign example: G=8, rewards [1.5]*7 + [1], every <H>_i = 0.7,
+    [5,6,9,EOS] x7 and [5,6,8,EOS]."""
     batch = collate_completions([make_group([1], [[5, 6, 9, EOS]] * 7 + [[5, 6, 8, EOS]])], pad_token_id=EOS)
     return batch, torch.tensor([1.5] * 7 + [1.0]), torch.full((8,), 0.7)
 
@@ -199,7 +200,7 @@ def test_objective_metrics_name_the_averages():
 
 
 def test_skip_uniform_groups_decides_on_scores_not_shaped_rewards():
-    """Issue 12 item 6: G=2, scores [0, 0], lengths 20 and 10, max_tokens=20, overlong buffer 4: the overlong
+    """G=2, scores [0, 0], lengths 20 and 10, max_tokens=20, overlong buffer 4: the overlong
     penalty shapes the rewards to [-1, 0], which look varied, but the group is uniform in score and is dropped."""
     from gtpo_megatron.data.sampling import shape_rewards
 
@@ -219,7 +220,7 @@ def test_skip_uniform_groups_decides_on_scores_not_shaped_rewards():
 
 
 def _issue_batch(finish=("stop", "stop", "stop", "stop")):
-    """Issue 12 item 5: group 0 with 5 and 1 response tokens, group 1 with 3 and 3 (G = 2)."""
+    """Group 0 with 5 and 1 response tokens, group 1 with 3 and 3 (G = 2)."""
     group0 = make_group([1], [[5, 5, 5, 5, EOS], [EOS]], list(finish[:2]))
     group1 = make_group([1], [[6, 6, EOS], [7, 7, EOS]], list(finish[2:]))
     return collate_completions([group0, group1], pad_token_id=EOS)
@@ -276,8 +277,8 @@ def test_overlong_filtered_rows_leave_the_normaliser(aggregation, expected):
 
 @pytest.mark.parametrize("aggregation,expected", [("seq-mean-token-mean", 4.0), ("token-mean", 12.0)])
 def test_entropy_filtered_completions_still_count_in_the_normaliser(aggregation, expected):
-    # GTPO_SPEC section 1: (1/G) sum_i delta_i (...) over ALL completions; row 1 (<H> = 0.9 > ln 2) has delta = 0
-    # but counts (as a sequence, and with its 1 token under token-mean): 4 sequences / 5 + 1 + 3 + 3 tokens.
+    # docs/algorithm.md section 1: (1/G) sum_i delta_i (...) over ALL completions; row 1 (<H> = 0.9 > ln 2) has delta
+    # = 0 but counts (as a sequence, and with its 1 token under token-mean): 4 sequences / 5 + 1 + 3 + 3 tokens.
     cfg = algorithm_section("gtpo", group_size=2, aggregation=aggregation)
     entropy = torch.tensor([0.1, 0.9, 0.1, 0.1])
     normalizer, weights = _step_normalizer(

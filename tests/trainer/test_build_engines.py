@@ -15,7 +15,7 @@ def _cfg(*overrides):
 
 
 def test_separate_engine_processes_see_only_the_gpus_training_leaves(monkeypatch):
-    """Issue 12 item 13: 6 training ranks on an 8-GPU node, engine TP 2 -> CUDA_VISIBLE_DEVICES=6,7."""
+    """Separate placement: 6 training ranks on an 8-GPU node, engine TP 2 -> CUDA_VISIBLE_DEVICES=6,7."""
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "6")
     cfg = _cfg("rollout.placement=separate", "rollout.engine_tp_size=2", "parallel.tp_size=2")

@@ -58,7 +58,7 @@ def test_step_phases_feed_the_policy_and_engine(tmp_path):
     assert CONTRACT_KEYS <= set(metrics)
     batch, loss, terms = trainer.policy.train_batches[0]
     # Completion texts alternate "9" (reward 1) / "0" (0): group_mean advantages +-0.5 minus 0.1 * <H>_i with
-    # <H>_i = 0.25 * (row % 4) from the fake policy (GTPO_SPEC sections 2 and 4); the loss subtracts the penalty.
+    # <H>_i = 0.25 * (row % 4) from the fake policy (docs/algorithm.md sections 2 and 4); the loss subtracts it.
     entropy = 0.25 * (torch.arange(8) % 4).float()
     torch.testing.assert_close(batch.advantages, torch.tensor([0.5, -0.5, 0.5, -0.5] * 2))
     torch.testing.assert_close(terms.advantages, torch.tensor([0.5, -0.5, 0.5, -0.5] * 2) - 0.1 * entropy)

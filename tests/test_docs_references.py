@@ -1,0 +1,110 @@
+"""What the tracked files cite must exist in a clone of the repository.
+
+- every "docs/algorithm.md section N" (also "sections N-M", "sections N and M", "§N") names a ``## N. Title``
+  heading of ``docs/algorithm.md``, and nothing cites the algorithm under another name (``GTPO_SPEC``);
+- no file outside ``tests/`` names the development machine's ``../shared`` folder (tests may read data there);
+- no tracked file speaks of the project's issue tracker by number: the product speaks of itself only.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+ALGORITHM_DOC = "docs/algorithm.md"
+_SECTIONS = r"(?P<numbers>\d+(?:[\s#]*(?:-|–|,|and|or|&)[\s#]*\d+)*)"
+CITATION = re.compile(r"docs/algorithm\.md`*[\s#*\"',]*(?:sections?\s*|§\s*)" + _SECTIONS, re.IGNORECASE)
+OLD_NAME = re.compile("GTPO" + "_SPEC")
+SHARED = re.compile(r"\.\./shared|/work/shared")
+ISSUE = re.compile(r"\bissues?[\s#_-]*\d+", re.IGNORECASE)
+
+
+def tracked_texts() -> dict[str, str]:
+    """``{path: text}`` of every tracked text file (binary files are skipped)."""
+    paths = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
+    texts = {}
+    for name in paths.decode().split("\0"):
+        path = ROOT / name
+        if not name or not path.is_file():
+            continue
+        try:
+            texts[name] = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            continue
+    return texts
+
+
+def section_numbers(markdown: str) -> set[int]:
+    """Numbers of the ``## N. Title`` headings."""
+    return {int(number) for number in re.findall(r"^## (\d+)\. \S", markdown, re.MULTILINE)}
+
+
+def cited_sections(text: str) -> list[int]:
+    """Section numbers cited as docs/algorithm.md sections; ``N-M`` ranges are expanded."""
+    cited = []
+    for match in CITATION.finditer(text):
+        numbers = match.group("numbers")
+        for start, end in re.findall(r"(\d+)\s*[-–]\s*(\d+)", numbers):
+            cited.extend(range(int(start), int(end) + 1))
+        cited.extend(int(n) for n in re.findall(r"\d+", re.sub(r"\d+\s*[-–]\s*\d+", "", numbers)))
+    return cited
+
+
+def test_citation_parser_on_hand_written_text():
+    text = (
+        "(docs/algorithm.md section 4; see ``docs/algorithm.md`` sections 1-3 and docs/algorithm.md sections 5 and\n"
+        "    # 9, docs/algorithm.md §8)"
+    )
+    assert sorted(cited_sections(text)) == [1, 2, 3, 4, 5, 8, 9]
+    assert section_numbers("# t\n## 1. Objective\n### 1.1 no\n## 12. Later\n") == {1, 12}
+    assert ISSUE.search("fixed in Issue 12 item 3") and ISSUE.search("the issue-13 example")
+    assert not ISSUE.search("a known issue of vLLM (vllm-project/vllm#42821)")
+
+
+@pytest.fixture(scope="module")
+def texts() -> dict[str, str]:
+    return tracked_texts()
+
+
+def test_every_citation_names_an_existing_section(texts):
+    sections = section_numbers((ROOT / ALGORITHM_DOC).read_text())
+    assert set(range(1, 9)) <= sections, f"{ALGORITHM_DOC} must keep sections 1-8; it has {sorted(sections)}"
+    missing = [
+        f"{name}: section {number}"
+        for name, text in texts.items()
+        for number in cited_sections(text)
+        if number not in sections
+    ]
+    assert not missing, f"citations of sections {ALGORITHM_DOC} lacks (it has {sorted(sections)}): {missing}"
+    old = [name for name, text in texts.items() if OLD_NAME.search(text) and name != "tests/test_docs_references.py"]
+    assert not old, f"cite {ALGORITHM_DOC} section N, not the spec's old name, in {old}"
+
+
+def test_nothing_outside_tests_names_the_shared_folder(texts):
+    found = [name for name, text in texts.items() if not name.startswith("tests/") and SHARED.search(text)]
+    assert not found, f"a clone has no ../shared folder; these files name it: {found}"
+
+
+def test_no_tracked_file_cites_an_issue_number(texts):
+    found = [
+        f"{name}:{text.count(chr(10), 0, match.start()) + 1}: {match.group(0)!r}"
+        for name, text in texts.items()
+        if name != "tests/test_docs_references.py"
+        for match in ISSUE.finditer(text)
+    ]
+    assert not found, f"say what the change means instead of citing an issue number: {found}"
+
+
+def test_relative_links_of_the_documentation_resolve(texts):
+    broken = []
+    for name, text in texts.items():
+        if not name.endswith(".md"):
+            continue
+        for target in re.findall(r"\]\(([^)\s#]+)(?:#[^)]*)?\)", text):
+            if "://" not in target and not (ROOT / name).parent.joinpath(target).exists():
+                broken.append(f"{name}: {target}")
+    assert not broken, f"links to files that do not exist: {broken}"
