@@ -74,29 +74,38 @@ def _reward_label(reward: str | RewardFn) -> str:
     return reward if isinstance(reward, str) else getattr(reward, "__name__", repr(reward))
 
 
-def check_grader_failures(stats: Mapping[str, Any], *, max_error_frac: float = 0.5) -> None:
-    """Stops a run whose grader failed on more than ``max_error_frac`` of one batch.
+def check_error_frac(max_error_frac: float, *, field: str = "reward.max_error_frac") -> float:
+    """Returns ``max_error_frac`` when it is a fraction in (0, 1]; else ``ValueError`` naming ``field``."""
+    if not 0 < max_error_frac <= 1:
+        raise ValueError(f"{field}={max_error_frac} must be in (0, 1]; the default is 0.5")
+    return max_error_frac
 
-    Args:
-        stats: the stats of one :meth:`RewardPool.score` call (``reward``, ``num_scored``, ``num_timeouts``,
-            ``num_errors``, ``errors``).
-        max_error_frac: allowed fraction of timed-out plus errored answers, in (0, 1] (``reward.max_error_frac``).
+
+def check_grader_failures(
+    stats: Mapping[str, Any],
+    *,
+    max_error_frac: float = 0.5,
+    where: str = "",
+    fields: tuple[str, str] = ("reward.max_error_frac", "reward.timeout_s"),
+) -> None:
+    """Stops a run whose grader failed on more than ``max_error_frac`` of one :meth:`RewardPool.score` call.
+
+    ``where`` prefixes the message (the benchmark); ``fields`` name the error fraction and timeout settings.
 
     Raises:
         ValueError: ``max_error_frac`` outside (0, 1].
-        RuntimeError: more than ``max_error_frac * num_scored`` answers failed; names the reward, the counts and
-            an example answer.
+        RuntimeError: naming the reward, the counts and an example answer.
     """
-    if not 0 < max_error_frac <= 1:
-        raise ValueError(f"reward.max_error_frac={max_error_frac} must be in (0, 1]; the default is 0.5")
+    frac_field, timeout_field = fields
+    check_error_frac(max_error_frac, field=frac_field)
     failed = stats["num_timeouts"] + stats["num_errors"]
     if failed > max_error_frac * stats["num_scored"]:
         example = stats["errors"][0] if stats["errors"] else "no message"
         raise RuntimeError(
-            f"reward {stats['reward']!r} failed to grade {failed} of {stats['num_scored']} answers "
+            f"{where}reward {stats['reward']!r} failed to grade {failed} of {stats['num_scored']} answers "
             f"({stats['num_timeouts']} timeouts, {stats['num_errors']} errors), more than "
-            f"reward.max_error_frac={max_error_frac}; e.g. {example}. Check the reward on that answer in one "
-            "process, raise reward.timeout_s if answers are merely slow, or raise reward.max_error_frac"
+            f"{frac_field}={max_error_frac}; e.g. {example}. Check the reward on that answer in one "
+            f"process, raise {timeout_field} if answers are merely slow, or raise {frac_field}"
         )
 
 

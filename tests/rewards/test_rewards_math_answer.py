@@ -140,3 +140,107 @@ def test_spans_without_prose_are_one_latex_expression() -> None:
     assert is_bare("(3, -2)") and is_bare("\\text{(B)}") and is_bare(PMATRIX) and is_bare("odd")
     assert not is_bare("18 dollars") and not is_bare("$5$") and not is_bare("\\boxed{5}")
     assert parse_span("") == []
+
+
+@pytest.mark.parametrize(
+    ("reference", "completion", "correct"),
+    [
+        ("\\$18.90", "\\boxed{18.90}", True),  # MATH-500 golds in text-mode dollars
+        ("\\$18.90", "\\boxed{18.9}", True),
+        ("\\$36", "\\boxed{36}", True),
+        ("\\$36", "\\boxed{35}", False),
+        ("\\$32,\\!348", "\\boxed{32,348}", True),
+        ("\\$32,\\!348", "\\boxed{32348}", True),
+        ("36", "<answer>\\$36</answer>", True),
+        ("36", "#### \\$36", True),
+        ("36", "\\boxed{\\$36}", True),
+        ("1000", "#### \\$1,000 in all", True),
+        ("18.9", "So the total is \\$18.90.\nThe answer is \\$18.90.", True),
+    ],
+)
+def test_text_mode_dollars_are_no_delimiters(reference: str, completion: str, correct: bool) -> None:
+    assert grade(completion, reference).correct is correct
+
+
+@pytest.mark.parametrize(
+    ("reference", "completion", "correct"),
+    [
+        ("1331 and 1728", "\\boxed{1728}", False),  # a list is not its last number
+        ("1331 and 1728", "\\boxed{1331}", False),
+        ("1331 and 1728", "\\boxed{1331, 1728}", True),
+        ("1331 and 1728", "\\boxed{1728, 1331}", True),
+        ("1331 and 1728", "\\boxed{1331 \\text{ and } 1728}", True),
+        ("1331 and 1728", "<answer>1331 and 1728</answer>", True),
+        ("1728", "<answer>1331 and 1728</answer>", False),  # nor is a hedged answer
+        ("1728", "#### 1331 or 1728", False),
+        ("2 or 3", "\\boxed{3, 2}", True),
+        ("1, 2, and 3", "\\boxed{3, 2, 1}", True),
+    ],
+)
+def test_lists_joined_by_words(reference: str, completion: str, correct: bool) -> None:
+    assert grade(completion, reference).correct is correct
+
+
+@pytest.mark.parametrize(
+    "completion",
+    [
+        "We get 2*234 = 468.\nFinal Answer: **73**",
+        "Final Answer: **73**.",
+        "**Final Answer: 73**",
+        "The answer is **73**.",
+        "Answer: *73*",
+        "Answer: __73__",
+        "Final answer: ***73***",
+        "Answer: **x = 73**",
+        "<answer>**73**</answer>",
+    ],
+)
+def test_markdown_emphasis_in_strict_extraction(completion: str) -> None:
+    assert grade(completion, "73", extraction="strict") == Verdict(True, "73")
+
+
+@pytest.mark.parametrize(
+    ("reference", "completion", "extraction", "correct"),
+    [
+        ("$12:00$", "$12:00$", "lenient", True),  # 12:00 reads as 12/0: compared as written
+        ("$12:00$", "\\boxed{12:00}", "strict", True),
+        ("$12:00$", "$1:00$", "lenient", False),
+        ("$12:00$", "\\boxed{1:00}", "strict", False),
+        ("$12:00$", "\\boxed{12}", "strict", False),
+        ("12:00", "\\boxed{12:00}", "strict", True),
+        ("\\frac{1}{0}", "\\boxed{\\frac{1}{0}}", "strict", True),
+        ("\\frac{1}{0}", "\\boxed{\\frac{2}{0}}", "strict", False),
+    ],
+)
+def test_answers_without_a_finite_value(reference: str, completion: str, extraction: str, correct: bool) -> None:
+    assert grade(completion, reference, extraction=extraction).correct is correct
+
+
+def test_votes_on_answers_without_a_finite_value() -> None:
+    assert same_answer("12:00", "12:00 ") and not same_answer("12:00", "1:00")
+
+
+@pytest.mark.parametrize(
+    ("reference", "completion", "correct"),
+    [
+        ("1000", "\\boxed{1 000}", True),  # digit groups: math-verify's number reading
+        ("1000", "\\boxed{1\\,000}", True),
+        ("1000", "\\boxed{1~000}", True),
+        ("1000000", "\\boxed{1 000 000}", True),
+        ("1000.5", "\\boxed{1 000.5}", True),
+        ("0", "\\boxed{1 000}", False),  # not LaTeX's product 1*000
+        ("1 000", "\\boxed{1000}", True),
+        ("1000", "#### 1 000", True),
+        ("1000", "#### 1 000 apples", True),
+        ("1000.99", "\\boxed{1000,99}", True),  # a decimal comma
+        ("1,22", "\\boxed{1.22}", True),
+        ("1,22", "\\boxed{122}", False),  # never 122
+        ("1,22", "\\boxed{1, 22}", True),  # and still the list 1, 22
+        ("-2,1", "\\boxed{1,-2}", True),  # the MATH-500 list gold stays a list
+        ("0,111", "\\boxed{0.111}", True),
+        ("1,234", "\\boxed{1.234}", False),  # three digits after the comma: a thousands group
+        ("12,5", "\\boxed{125}", False),
+    ],
+)
+def test_number_formats(reference: str, completion: str, correct: bool) -> None:
+    assert grade(completion, reference).correct is correct
