@@ -1,23 +1,11 @@
 """Rewards for math reasoning: answer formats, math-verify equivalence, the reward registry and a timeout-safe pool.
 
-Public API (stable; details in each module's docstring):
-
-- ``get_reward(name)`` -> ``reward_fn(*, completion: str, reference: str, extraction: str) -> RewardResult`` with
-  fields ``score: float``, ``correct: bool``, ``format_ok: bool``, ``extracted: str | None``. Names:
-  ``math_verify``, ``format``, ``paper`` (GTPO_SPEC section 6). ``register_reward(name)`` adds one;
-  ``decimal_tolerance(name)`` is its numeric rule for plain decimal answers, ``reward_span(name)`` its score range
-  (highest minus lowest score).
-- Extraction modes: ``EXTRACTION_MODES`` (``strict``, ``lenient``), ``default_extraction(benchmark)``,
-  ``check_extraction(mode)``.
-- ``RewardPool(reward_name, num_workers=2, timeout_s=5.0)``: ``.score(completions, references, extraction=...)
-  -> (results, stats)``, ``.same_answers(pairs) -> (verdicts, stats)`` (maj@k classes), ``.close()``, context
-  manager. ``check_grader_failures(stats, max_error_frac=0.5)`` stops a run whose grader fails too often.
-- ``grade``, ``same_answer``, ``reference_answer``: the pieces the rewards are built from;
-  ``grading_deadline``/``GradingTimeout``: the per-answer time bound.
-
-Depends only on the stdlib, math-verify and SymPy (no torch), so reward workers start fast. The names that need
-math-verify and SymPy (about 2 s to import) load on first use, so that importing the light text helpers (the data
-loaders read reference answers with ``reference_answer``) does not import them on every training rank.
+Public API (rules in ``docs/rewards.md``): ``get_reward(name)`` -> ``reward_fn(*, completion, reference,
+extraction) -> RewardResult(score, correct, format_ok, extracted)`` (``math_verify``, ``format``, ``paper``),
+``register_reward``, ``decimal_tolerance``, ``reward_span``; ``EXTRACTION_MODES``, ``default_extraction``,
+``check_extraction``; ``RewardPool(...).score`` / ``.same_answers`` and ``check_grader_failures``; ``grade``,
+``same_answer``, ``reference_answer``, ``grading_deadline`` / ``GradingTimeout``. The math-verify names (about
+2 s to import) load on first use, so the light text helpers do not import them on every training rank.
 """
 
 from __future__ import annotations

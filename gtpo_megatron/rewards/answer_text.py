@@ -1,10 +1,7 @@
-r"""The project's answer formats: where a completion states its final answer, before any math is parsed.
+r"""The project's answer formats: where a completion states its final answer (stdlib only).
 
-Pure string functions (stdlib only); the rules are in ``docs/rewards.md``. :func:`markup_free` drops Markdown
-emphasis and text-mode ``\$``; :func:`visible_text` drops a closed ``<think>`` block; :func:`explicit_answer` finds
-an ``<answer>`` block, a ``####`` line or a "final answer is" statement; :func:`reference_span` is the answer part
-of a dataset reference. Everything else is math-verify's extraction (:mod:`gtpo_megatron.rewards.equivalence`) in
-the ``strict`` or ``lenient`` mode (:data:`EXTRACTION_MODES`, :func:`default_extraction`).
+:func:`markup_free`, :func:`visible_text`, :func:`explicit_answer` and :func:`reference_span` pick the text to
+parse; the rules and the ``strict`` / ``lenient`` modes are in ``docs/rewards.md``.
 """
 
 from __future__ import annotations
@@ -21,8 +18,9 @@ _FINAL_ANSWER_RE = re.compile(
     r"final answer is\s*:?\s*(.+?)\s*(?:\.\s*I hope|\.?[ \t]*$)", re.IGNORECASE | re.MULTILINE
 )
 _BOX_RE = re.compile(r"\\(?:boxed|fbox)\s*\{")
-# A run of * or _ that opens after a non-word character and closes before one: Markdown emphasis, not a product.
-_EMPHASIS_RE = re.compile(r"(?<![\w*\\)\]}])(\*{1,3}|_{1,3})(?=[^\s*_])(.*?[^\s*_\\])\1(?![\w*(\[{])")
+# A run of * or _ that opens after a non-word character and closes before one, up to 200 characters later (linear
+# time): Markdown emphasis, not a product.
+_EMPHASIS_RE = re.compile(r"(?<![\w*\\)\]}])(\*{1,3}|_{1,3})(?=[^\s*_])(.{0,200}?[^\s*_\\])\1(?![\w*(\[{])")
 _TEXT_DOLLAR_RE = re.compile(r"(\\\\)|\\\$")  # a LaTeX line break \\ is kept whole
 _THOUSANDS_RE = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
 _LEADING_NUMBER_RE = re.compile(r"-?(?:[1-9]\d{0,2}(?: \d{3})+(?:\.\d+)?|\d[\d,./]*)(?=\s)")
@@ -34,11 +32,7 @@ _SINGLE_WORD_RE = re.compile(r"[a-zA-Z]+")
 
 
 def check_extraction(mode: str, *, field: str = "extraction") -> str:
-    """Returns ``mode`` when it is a known extraction mode.
-
-    Raises:
-        ValueError: naming ``field``, the value and the choices.
-    """
+    """Returns ``mode`` when it is a known extraction mode, else ``ValueError`` naming ``field`` and the choices."""
     if mode not in EXTRACTION_MODES:
         raise ValueError(
             f"{field}={mode!r} is not an extraction mode; choose one of {list(EXTRACTION_MODES)} "

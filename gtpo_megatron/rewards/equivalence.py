@@ -1,15 +1,8 @@
 r"""math-verify extraction and the equivalence of two parsed answers (rules in ``docs/rewards.md``).
 
-A parsed answer is a list of readings (SymPy values) and the extracted string, empty when nothing was found:
-math-verify's ``parse`` result, plus math-verify's number reading of digit groups (``1 000``) and decimal commas
-(``1,22``: the list ``{1, 22}`` and the decimal ``1.22``). :func:`parse_span` reads a span that is the answer,
-:func:`parse_text` a whole completion; :func:`equivalent` compares every reading of the gold with every reading of
-the prediction: exact for two rationals, relative ``REL_TOL`` for other numbers, math-verify's ``verify`` for the
-rest, its string comparison for answers without a finite reading (``12:00`` reads as 12/0).
-
-Failures are loud: math-verify runs with ``raise_on_error=True`` and without its own ``signal.alarm`` timeouts
-(which it turns into a silent ``False``/``[]``); the reward pool bounds the time
-(:func:`gtpo_megatron.rewards.deadline.grading_deadline`).
+A parsed answer is a list of readings (SymPy values) and the extracted string, ``[]`` when nothing was found.
+math-verify runs with ``raise_on_error=True`` and without its ``signal.alarm`` timeouts (it would turn them into a
+silent ``False``); the reward pool bounds the time (:mod:`gtpo_megatron.rewards.deadline`).
 """
 
 from __future__ import annotations

@@ -1,8 +1,4 @@
-"""Grading one completion against its reference, and deciding whether two answers are the same (maj@k votes).
-
-Pure functions on strings (stdlib, math-verify, SymPy; no torch); steps in ``docs/rewards.md``. Time is bounded
-by the caller (:mod:`gtpo_megatron.rewards.deadline`); every math-verify error propagates.
-"""
+"""Grading a completion against its reference, and maj@k answer equality (steps in ``docs/rewards.md``)."""
 
 from __future__ import annotations
 
@@ -14,13 +10,7 @@ from gtpo_megatron.rewards.equivalence import answer_string, equivalent, parse_s
 
 @dataclass(frozen=True, slots=True)
 class Verdict:
-    """The outcome of grading one completion.
-
-    Attributes:
-        correct: the extracted answer is equivalent to the reference.
-        extracted: the extracted answer as text (math-verify's extracted string or the explicit span), ``None``
-            when the completion states no answer in this extraction mode.
-    """
+    """Grading outcome: ``correct``, and ``extracted``, the answer as text (``None``: the completion states none)."""
 
     correct: bool
     extracted: str | None
@@ -39,14 +29,10 @@ def extract(completion: str, extraction: str = STRICT) -> list:
 def grade(
     completion: str, reference: str, *, extraction: str = STRICT, decimal_abs_tol: float | None = None
 ) -> Verdict:
-    """Grades ``completion`` against ``reference`` (a final answer, or a GSM8K / boxed solution).
-
-    ``decimal_abs_tol``: absolute tolerance for two plain decimal answers (the paper's 1e-2), ``None`` for the
-    exact / relative rules of :func:`equivalence.equivalent`.
+    """Grades ``completion`` against ``reference`` (``decimal_abs_tol``: for two plain decimals, the paper's 1e-2).
 
     Raises:
-        ValueError: unknown ``extraction``, or a reference without a readable answer.
-        Exception: a math-verify / SymPy failure (the reward pool counts it as a grader error).
+        ValueError: unknown ``extraction`` or an unreadable reference; math-verify / SymPy errors propagate.
     """
     pred = extract(completion, extraction)
     if not pred:
