@@ -49,7 +49,7 @@ def test_paper_reward_reduces_gsm8k_solutions_and_latex() -> None:
 
 
 def test_only_the_paper_reward_has_the_decimal_tolerance() -> None:
-    """GTPO_SPEC section 6: the paper's "numeric within 1e-2", for plain decimal answers only."""
+    """docs/algorithm.md section 6: the paper's "numeric within 1e-2", for plain decimal answers only."""
     close = "<reasoning>r</reasoning><answer>0.509</answer>"
     assert (decimal_tolerance("paper"), decimal_tolerance("math_verify"), decimal_tolerance("format")) == (
         1e-2,
