@@ -1,4 +1,4 @@
-r"""Agreement of the product's answer checking with math-verify's own test verdicts (a measurement, not a test).
+r"""Agreement of the product's answer checking with math-verify's own test verdicts (not a test).
 
 Usage: ``python benchmarks/bench_answer_agreement.py [--reward math_verify] [--workers 2] [--timeout 5]
 [--show-disagreements]``

@@ -1,7 +1,7 @@
 """What the tracked files cite must exist in a clone of the repository.
 
 - every "docs/algorithm.md section N" (also "sections N-M", "sections N and M", "§N") names a ``## N. Title``
-  heading of ``docs/algorithm.md``, and nothing cites the algorithm under another name (``GTPO_SPEC``);
+  heading of ``docs/algorithm.md``, and nothing cites the algorithm under another name (``docs/algorithm.md``);
 - no file outside ``tests/`` names the development machine's ``../shared`` folder (tests may read data there);
 - no tracked file speaks of the project's issue tracker by number: the product speaks of itself only.
 """

@@ -73,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--reward-workers", type=int, default=2)
     p.add_argument("--reward-timeout", type=float, default=5.0, help="seconds per answer before it scores 0")
+    p.add_argument(
+        "--max-error-frac", type=float, default=0.5, help="stop when the grader fails on more of a benchmark's answers"
+    )
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
     p.add_argument(
         "--max-model-len", type=int, default=None, help="vLLM context length (default: longest prompt + max tokens)"
@@ -110,6 +113,7 @@ def config_from_args(args: argparse.Namespace) -> EvalConfig:
         extraction=args.extraction,
         reward_workers=args.reward_workers,
         reward_timeout_s=args.reward_timeout,
+        max_error_frac=args.max_error_frac,
         dtype=args.dtype,
         max_model_len=args.max_model_len,
         in_process=args.in_process,

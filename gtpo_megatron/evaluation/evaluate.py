@@ -13,7 +13,8 @@ Outputs in ``output_dir``:
 - ``results.json``: ``{"model", "config", "extraction": {benchmark: mode}, "results": {benchmark: {"pass@k",
   "maj@k", "accuracy", "format_rate", "truncation_rate", "mean_length", "num_problems", "num_samples",
   "reward/num_timeouts", "reward/num_errors"}}, "seconds"}``; rates are fractions in [0, 1]; the last two count
-  the grader's timeouts and errors (scoring and maj@k classes; a failed answer scores 0 and does not vote).
+  the grader's timeouts and errors (scoring and maj@k classes; a failed answer scores 0 and does not vote). When
+  they exceed ``--max-error-frac`` of a benchmark's answers the evaluation stops (``check_grader_failures``).
 - ``results.md``: a table laid out like the paper's Table 1 (one row per model, p@k and maj@k columns per
   benchmark, in percent) and a table of sample-level rates and grader failures.
 - ``records/<benchmark>.jsonl``: one line per problem (id, reference, per-sample text, extracted answer,
@@ -35,7 +36,7 @@ from gtpo_megatron.data.datasets import load_problems
 from gtpo_megatron.data.prompts import SYSTEM_PROMPTS, build_prompt_ids
 from gtpo_megatron.evaluation.metrics import SameAnswer, SampleRecord, aggregate, problem_metrics
 from gtpo_megatron.rewards.answer_text import check_extraction, default_extraction
-from gtpo_megatron.rewards.pool import RewardPool
+from gtpo_megatron.rewards.pool import RewardPool, check_error_frac, check_grader_failures
 from gtpo_megatron.rollout.engine import RolloutEngine, SamplingConfig
 
 if TYPE_CHECKING:
@@ -66,6 +67,7 @@ class EvalConfig:
     extraction: str | None = None
     reward_workers: int = 2
     reward_timeout_s: float = 5.0
+    max_error_frac: float = 0.5
     dtype: str = "auto"
     max_model_len: int | None = None
     in_process: bool = False
@@ -83,6 +85,7 @@ class EvalConfig:
             raise ValueError("benchmarks is empty; pass e.g. --benchmarks gsm8k,amc23")
         if self.extraction is not None:
             check_extraction(self.extraction, field="--extraction")
+        check_error_frac(self.max_error_frac, field="--max-error-frac")
         if self.system_prompt not in SYSTEM_PROMPTS:
             raise ValueError(
                 f"--system-prompt {self.system_prompt!r}: choose one of {sorted(SYSTEM_PROMPTS)} (the training "
@@ -228,9 +231,17 @@ def evaluate_benchmark(
     texts = [c.text for out in outputs for c in out.completions]
     references = [p.answer for p in problems for _ in range(config.n)]
     results, score_stats = pool.score(texts, references, extraction=config.extraction_for(name))
+    stop_on_failures = functools.partial(
+        check_grader_failures,
+        max_error_frac=config.max_error_frac,
+        where=f"benchmark {name!r}: ",
+        fields=("--max-error-frac", "--reward-timeout"),
+    )
+    stop_on_failures(score_stats)
     chunks = [results[i * config.n : (i + 1) * config.n] for i in range(len(problems))]
     samples = [_to_samples(out, chunk) for out, chunk in zip(outputs, chunks, strict=True)]
     same, vote_stats = answer_equivalences(pool, samples)
+    stop_on_failures(vote_stats)
     records = [
         _problem_record(problem, out, chunk, s, problem_metrics(s, config.ks, eq))
         for problem, out, chunk, s, eq in zip(problems, outputs, chunks, samples, same, strict=True)

@@ -1,9 +1,11 @@
 """Rewards for math reasoning: answer formats, math-verify equivalence, the reward registry and a timeout-safe pool.
 
-``get_reward(name)`` (``math_verify``, ``format``, ``paper``: docs/algorithm.md section 6) returns
-``reward_fn(*, completion, reference, extraction) -> RewardResult``; ``RewardPool`` scores batches in worker
-processes with a per-answer timeout. Stdlib, math-verify and SymPy only (no torch); math-verify and SymPy load on
-first use, so the light text helpers import fast on every rank.
+Public API (rules in ``docs/rewards.md``): ``get_reward(name)`` -> ``reward_fn(*, completion, reference,
+extraction) -> RewardResult(score, correct, format_ok, extracted)`` (``math_verify``, ``format``, ``paper``),
+``register_reward``, ``decimal_tolerance``, ``reward_span``; ``EXTRACTION_MODES``, ``default_extraction``,
+``check_extraction``; ``RewardPool(...).score`` / ``.same_answers`` and ``check_grader_failures``; ``grade``,
+``same_answer``, ``reference_answer``, ``grading_deadline`` / ``GradingTimeout``. The math-verify names (about
+2 s to import) load on first use, so the light text helpers do not import them on every training rank.
 """
 
 from __future__ import annotations

@@ -1,26 +1,7 @@
-r"""The project's answer formats: where a completion states its final answer, before any math is parsed.
+r"""The project's answer formats: where a completion states its final answer (stdlib only).
 
-Pure string functions (stdlib only). Everything MATH-style inside a span, and the whole text when no span exists,
-is left to math-verify's own extraction (:mod:`gtpo_megatron.rewards.equivalence`).
-
-- :func:`visible_text`: the text after the last ``</think>``; ``None`` when the completion was cut off inside a
-  ``<think>`` block (an opened ``<think>`` with no ``</think>`` after it), which therefore has no answer.
-- :func:`explicit_answer`: the span that states the answer, first found of
-    1. the last ``<answer>...</answer>`` block (docs/algorithm.md section 6 prompt format);
-    2. the line after the last GSM8K ``####`` marker (the number right after ``####`` is the answer, not a later
-       number of a chatty tail);
-    3. the last "final answer is X" statement (MATH/Minerva style, ``X`` up to ``. I hope`` or the end of its
-       line), unless a ``\boxed{}`` follows it (then math-verify's boxed-first extraction decides).
-  Markdown emphasis around a span (``**58**``) is removed. A span in prose that starts with a number keeps only
-  that number (``#### 42 apples, 7 left`` -> ``42``); a span without prose (:func:`is_bare`) is kept whole
-  (``4,56``, ``3.25,10.5``, ``x = 5``).
-- :func:`reference_span`: the part of a dataset reference that holds its answer (a GSM8K solution's ``####`` line,
-  else all of it; graders parse it with math-verify, boxed first). :func:`reference_answer`: the reference reduced
-  to a final-answer string for the datasets' records.
-- Extraction modes (:data:`EXTRACTION_MODES`): ``strict`` (MATH, AIME, AMC) accepts only an explicit answer: a span
-  above, a ``\boxed{}``, or math-verify's anchored forms ("final answer ... is", "answer: X"); ``lenient``
-  (GSM8K) also falls back to the last number or LaTeX expression of the text. :func:`default_extraction` gives
-  each benchmark's mode.
+:func:`markup_free`, :func:`visible_text`, :func:`explicit_answer` and :func:`reference_span` pick the text to
+parse; the rules and the ``strict`` / ``lenient`` modes are in ``docs/rewards.md``.
 """
 
 from __future__ import annotations
@@ -37,21 +18,21 @@ _FINAL_ANSWER_RE = re.compile(
     r"final answer is\s*:?\s*(.+?)\s*(?:\.\s*I hope|\.?[ \t]*$)", re.IGNORECASE | re.MULTILINE
 )
 _BOX_RE = re.compile(r"\\(?:boxed|fbox)\s*\{")
-_EMPHASIS_RE = re.compile(r"^(\*\*|\*|__)(.+)\1$", re.DOTALL)
+# A run of * or _ that opens after a non-word character and closes before one, up to 200 characters later (linear
+# time): Markdown emphasis, not a product.
+_EMPHASIS_RE = re.compile(r"(?<![\w*\\)\]}])(\*{1,3}|_{1,3})(?=[^\s*_])(.{0,200}?[^\s*_\\])\1(?![\w*(\[{])")
+_TEXT_DOLLAR_RE = re.compile(r"(\\\\)|\\\$")  # a LaTeX line break \\ is kept whole
 _THOUSANDS_RE = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
-_LEADING_NUMBER_RE = re.compile(r"-?\d[\d,./]*(?=\s)")
-_DELIMITER_RE = re.compile(r"\$|\\\(|\\\[|\\boxed|\\fbox")
+_LEADING_NUMBER_RE = re.compile(r"-?(?:[1-9]\d{0,2}(?: \d{3})+(?:\.\d+)?|\d[\d,./]*)(?=\s)")
+_DELIMITER_RE = re.compile(r"(?<!\\)\$|\\\(|\\\[|\\boxed|\\fbox")
 _TEXT_CMD_RE = re.compile(r"\\(?:text|textbf|textit|mathrm|mathbf|mbox|operatorname|begin|end)\s*\{[^{}]*\}")
+_CONNECTIVE_RE = re.compile(r"(?<![a-zA-Z\\])(?:and|or)(?![a-zA-Z])")
 _WORD_RE = re.compile(r"(?<![\\a-zA-Z])[a-zA-Z]{2,}")
 _SINGLE_WORD_RE = re.compile(r"[a-zA-Z]+")
 
 
 def check_extraction(mode: str, *, field: str = "extraction") -> str:
-    """Returns ``mode`` when it is a known extraction mode.
-
-    Raises:
-        ValueError: naming ``field``, the value and the choices.
-    """
+    """Returns ``mode`` when it is a known extraction mode, else ``ValueError`` naming ``field`` and the choices."""
     if mode not in EXTRACTION_MODES:
         raise ValueError(
             f"{field}={mode!r} is not an extraction mode; choose one of {list(EXTRACTION_MODES)} "
@@ -73,14 +54,17 @@ def visible_text(completion: str) -> str | None:
     return completion[closed + len("</think>") :] if closed >= 0 else completion
 
 
-def strip_emphasis(span: str) -> str:
-    """``span`` without surrounding whitespace, a final full stop and Markdown emphasis (``**58**`` -> ``58``)."""
-    span = span.strip()
-    while True:
-        bare = _EMPHASIS_RE.sub(r"\2", span).strip().removesuffix(".").strip()
-        if bare == span:
-            return span
-        span = bare
+def markup_free(text: str) -> str:
+    r"""``text`` without Markdown emphasis (``**73**`` -> ``73``) and text-mode dollar signs (``\$36`` -> ``36``)."""
+    text = _TEXT_DOLLAR_RE.sub(lambda m: m.group(1) or "", text)
+    while (bare := _EMPHASIS_RE.sub(r"\2", text)) != text:
+        text = bare
+    return text
+
+
+def trim_span(span: str) -> str:
+    """``span`` without surrounding whitespace and a final full stop."""
+    return span.strip().removesuffix(".").strip()
 
 
 def answer_block(text: str) -> str | None:
@@ -107,20 +91,21 @@ def final_answer_statement(text: str) -> str | None:
 def is_bare(span: str) -> bool:
     r"""Whether ``span`` is one math expression rather than prose.
 
-    True when it has no LaTeX delimiters and no words (commands and ``\text{}`` contents aside), or is a single word
-    (``odd``, ``Even``: math-verify compares it with ``\text{odd}``).
+    True without LaTeX delimiters and words (commands, ``\text{}`` contents and the list words ``and`` / ``or``
+    aside), or for a single word (``odd``).
     """
     if _DELIMITER_RE.search(span):
         return False
-    return not _WORD_RE.search(_TEXT_CMD_RE.sub(" ", span)) or _SINGLE_WORD_RE.fullmatch(span.strip()) is not None
+    words = _WORD_RE.search(_CONNECTIVE_RE.sub(",", _TEXT_CMD_RE.sub(" ", span)))
+    return not words or _SINGLE_WORD_RE.fullmatch(span.strip()) is not None
 
 
 def explicit_answer(text: str) -> str | None:
-    """The span that states the answer (order and rules in the module docstring); ``None`` if none."""
+    """The span that states the answer, or ``None``; a span in prose keeps only a leading number."""
     for front_end in (answer_block, gsm8k_final, final_answer_statement):
         span = front_end(text)
         if span is not None:
-            span = strip_emphasis(span)
+            span = trim_span(span)
             lead = None if is_bare(span) else _LEADING_NUMBER_RE.match(span)
             return lead.group(0).rstrip(".,") if lead else span
     return None
@@ -145,8 +130,8 @@ def _gsm8k_line(reference: str) -> str | None:
 
 
 def reference_span(reference: str) -> str:
-    """The part of a dataset reference that holds its answer: a GSM8K solution's ``####`` line, else all of it."""
-    return _gsm8k_line(reference) or reference.strip()
+    """The answer part of a dataset reference, :func:`markup_free`: a GSM8K solution's ``####`` line, else all of it."""
+    return markup_free(_gsm8k_line(reference) or reference.strip())
 
 
 def reference_answer(reference: str) -> str:

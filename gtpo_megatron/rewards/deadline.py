@@ -1,13 +1,7 @@
-"""A wall-clock deadline for grading one answer, which math-verify cannot swallow.
+"""A wall-clock deadline for grading one answer, which math-verify cannot swallow (it catches its own timeouts).
 
-math-verify's own timeouts raise its ``TimeoutException`` and then catch it, returning ``False``/``[]`` as if the
-answer were simply wrong. :func:`grading_deadline` instead raises :class:`GradingTimeout`, a ``BaseException``
-that passes through math-verify's and SymPy's ``except Exception`` handlers, so a timed-out answer is reported as
-a timeout (``reward/num_timeouts``) rather than scored as a quiet 0.
-
-It uses ``SIGALRM`` (``setitimer``, sub-second), so it only works in a process's main thread; elsewhere it does
-nothing and the reward pool's process kill is the only bound. Work stuck inside one C call (a huge integer power)
-is not interrupted until the call returns: the pool kills such a worker after its hard timeout.
+:class:`GradingTimeout` is a ``BaseException``, so it passes math-verify's and SymPy's ``except Exception``. It uses
+``SIGALRM``: main thread only, and work stuck in one C call is bounded by the pool's process kill instead.
 """
 
 from __future__ import annotations
@@ -28,13 +22,7 @@ def _raise_timeout(signum: int, frame: object) -> None:
 
 @contextlib.contextmanager
 def grading_deadline(seconds: float) -> Iterator[None]:
-    """Raises :class:`GradingTimeout` inside the block once ``seconds`` (> 0) of wall time have passed.
-
-    A no-op outside the main thread. On exit the timer is cleared and the previous ``SIGALRM`` handler restored.
-
-    Raises:
-        ValueError: ``seconds <= 0``.
-    """
+    """Raises :class:`GradingTimeout` in the block after ``seconds`` (> 0, else ``ValueError``); main thread only."""
     if seconds <= 0:
         raise ValueError(f"grading deadline seconds={seconds} must be > 0")
     if threading.current_thread() is not threading.main_thread():

@@ -1,34 +1,8 @@
-r"""math-verify extraction and the equivalence of two parsed answers.
+r"""math-verify extraction and the equivalence of two parsed answers (rules in ``docs/rewards.md``).
 
-A parsed answer is math-verify's ``parse`` result: a list holding a SymPy object (when parsing succeeded) and the
-extracted string, empty when nothing was found.
-
-Extraction (math-verify's own configs; the caller chooses what text to hand over, see ``answer_text``):
-
-- :func:`parse_span` parses a span that IS the answer (an ``<answer>`` block, a ``####`` line, a "final answer is"
-  statement, a dataset reference, a voted answer): a span without prose (``answer_text.is_bare``: ``(3, -2)``,
-  ``\frac{1}{2}``, ``x = 5``, a single word) is read as one LaTeX expression and keeps its text as written; a
-  span with LaTeX delimiters or prose goes through math-verify's extraction with ``\boxed{}`` first and no anchor
-  required.
-- :func:`parse_text` parses a whole completion: ``\boxed{}`` first (``boxed_match_priority=0``); in ``strict`` mode
-  only math-verify's anchored forms (``try_extract_without_anchor=False``), in ``lenient`` mode also the last
-  number / LaTeX expression.
-
-Equivalence (:func:`equivalent`, gold first; math-verify's ``verify`` is not symmetric):
-
-1. When both answers are single numbers without variables (percentages excepted):
-   - both written as plain decimals and ``decimal_abs_tol`` is set: ``|gold - pred| <= decimal_abs_tol``. Only the
-     ``paper`` reward sets it (1e-2, docs/algorithm.md section 6), for GSM8K-style decimal answers;
-   - both exact rationals (integers, fractions, powers of them): exact equality, so ``\frac{1}{3^{40}}`` differs
-     from ``\frac{1}{3^{41}}`` (math-verify alone calls them equal: it compares ``|a - b|`` to ``10^-15``);
-   - otherwise (irrationals, decimals): relative tolerance ``|a - b| <= REL_TOL * max(|a|, |b|)`` at 30 digits.
-2. Everything else (sets, tuples, intervals, matrices, equations, symbols, percentages) is math-verify's
-   ``verify`` with ``numeric_precision=NESTED_PRECISION``, so values inside a tuple are compared to ``1e-50``.
-
-Failures are loud: math-verify runs with ``raise_on_error=True`` (an internal error propagates) and without its
-own ``signal.alarm`` timeouts (``parsing_timeout=None``, ``timeout_seconds=None``), because math-verify turns its
-own timeouts into a silent ``False``/``[]``. The caller bounds the time instead: the reward pool wraps each answer
-in :func:`gtpo_megatron.rewards.deadline.grading_deadline`, whose exception math-verify does not catch.
+A parsed answer is a list of readings (SymPy values) and the extracted string, ``[]`` when nothing was found.
+math-verify runs with ``raise_on_error=True`` and without its ``signal.alarm`` timeouts (it would turn them into a
+silent ``False``); the reward pool bounds the time (:mod:`gtpo_megatron.rewards.deadline`).
 """
 
 from __future__ import annotations
@@ -53,6 +27,11 @@ _STRICT_CONFIGS = (
 )
 _LENIENT_CONFIGS = (_LATEX, _EXPR)
 _PLAIN_DECIMAL_RE = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|-?\.\d+")
+_LATEX_SPACE_RE = re.compile(r"\\[,;: ]|~")
+_DIGIT_GROUPS_RE = re.compile(r"-?[1-9]\d{0,2}(?: \d{3})+(?:\.\d+)?")
+_DECIMAL_COMMA_RE = re.compile(r"-?\d+,\d+")
+_COMMA_GROUPS_RE = re.compile(r"-?[1-9]\d{0,2}(?:,\d{3})+")
+_VALUE_TYPES = (sympy.Basic, sympy.MatrixBase)
 
 
 class _DropDisabledTimeoutWarning(logging.Filter):
@@ -67,20 +46,43 @@ for _name in ("math_verify.parser", "math_verify.grader"):
 
 
 def _parse(text: str, configs) -> list:
-    return parse(text, list(configs), parsing_timeout=None, raise_on_error=True)
+    return _number_readings(parse(text, list(configs), parsing_timeout=None, raise_on_error=True))
+
+
+def _number_readings(parsed: list) -> list:
+    """``parsed`` with math-verify's number reading of digit groups or a decimal comma.
+
+    ``1 000`` -> 1000 (LaTeX reads the product 1*000); ``1,22`` -> the list ``{1, 22}`` and the decimal 1.22.
+    """
+    text = answer_string(parsed)
+    plain = _LATEX_SPACE_RE.sub(" ", text or "").strip()
+    grouped = _DIGIT_GROUPS_RE.fullmatch(plain) is not None
+    if not grouped and (_DECIMAL_COMMA_RE.fullmatch(plain) is None or _COMMA_GROUPS_RE.fullmatch(plain)):
+        return parsed
+    numbers = [p for p in parse(plain, [_EXPR], parsing_timeout=None, raise_on_error=True) if _is_value(p)]
+    lists = [] if grouped else [p for p in parsed if _is_value(p)]
+    return [*lists, *numbers, text]
+
+
+def _is_value(item) -> bool:
+    return isinstance(item, _VALUE_TYPES)
 
 
 def parse_span(span: str) -> list:
-    """Parses a span that is the answer (rules in the module docstring); ``[]`` when nothing is found."""
+    """Parses a span that is the answer; ``[]`` when nothing is found.
+
+    A span without prose (``answer_text.is_bare``) is one LaTeX expression, its string kept as written; any other
+    goes through math-verify's extraction, boxed first.
+    """
     if is_bare(span) and span.strip():
-        values = [p for p in _parse(f"${span}$", (_LATEX,)) if isinstance(p, (sympy.Basic, sympy.MatrixBase))]
+        values = [p for p in _parse(f"${span}$", (_LATEX,)) if _is_value(p)]
         if values:
-            return [*values, span.strip()]  # the span as written (math-verify rewrites 0.5 as \frac{1}{2})
+            return [*values, span.strip()]  # the span as written (math-verify rewrites 0.5 as 1/2)
     return _parse(span, _LENIENT_CONFIGS)
 
 
 def parse_text(text: str, extraction: str = STRICT) -> list:
-    """Parses a whole completion in ``extraction`` mode (``strict`` or ``lenient``)."""
+    """Parses a whole completion, boxed first (``strict``: anchored forms only; ``lenient``: also the last number)."""
     configs = _STRICT_CONFIGS if check_extraction(extraction) == STRICT else _LENIENT_CONFIGS
     return _parse(text, configs)
 
@@ -93,12 +95,14 @@ def answer_string(parsed: list) -> str | None:
     return str(parsed[0]) if parsed else None
 
 
-def _single_number(parsed: list) -> sympy.Expr | None:
-    """The parsed value when it is one number without variables (percentages excepted), else ``None``."""
-    value = next((p for p in parsed if isinstance(p, sympy.Basic)), None)
-    if not isinstance(value, sympy.Expr) or not value.is_number or value.has(sympy.UnevaluatedExpr):
-        return None
-    return value
+def _finite_readings(parsed: list) -> list:
+    """The readings without ``nan`` or complex infinity (math-verify cannot compare those)."""
+    return [p for p in parsed if _is_value(p) and not p.has(sympy.nan, sympy.zoo)]
+
+
+def _single_number(value) -> bool:
+    """Whether ``value`` is one number without variables (percentages excepted)."""
+    return isinstance(value, sympy.Expr) and value.is_number and not value.has(sympy.UnevaluatedExpr)
 
 
 def _plain_decimal(parsed: list) -> bool:
@@ -117,19 +121,27 @@ def _numbers_equal(gold: sympy.Expr, pred: sympy.Expr) -> bool | None:
     return bool(abs(a - b) <= REL_TOL * max(abs(a), abs(b)))
 
 
+def _readings_equal(gold, pred, decimal_abs_tol: float | None) -> bool:
+    if _single_number(gold) and _single_number(pred):
+        if decimal_abs_tol is not None:
+            return abs(float(gold) - float(pred)) <= decimal_abs_tol
+        verdict = _numbers_equal(gold, pred)
+        if verdict is not None:
+            return verdict
+    return bool(verify(gold, pred, numeric_precision=NESTED_PRECISION, timeout_seconds=None, raise_on_error=True))
+
+
 def equivalent(gold: list, pred: list, *, decimal_abs_tol: float | None = None) -> bool:
-    """Whether parsed answer ``pred`` equals parsed answer ``gold`` (rules in the module docstring).
+    """Whether parsed answer ``pred`` equals parsed answer ``gold`` (gold first: math-verify is not symmetric).
+
+    ``decimal_abs_tol`` applies when both are plain decimals (the ``paper`` reward's 1e-2).
 
     Raises:
         Exception: whatever math-verify or SymPy raise on inputs they cannot compare (counted as grader errors).
     """
-    if not gold or not pred:
-        return False
-    gold_number, pred_number = _single_number(gold), _single_number(pred)
-    if gold_number is not None and pred_number is not None:
-        if decimal_abs_tol is not None and _plain_decimal(gold) and _plain_decimal(pred):
-            return abs(float(gold_number) - float(pred_number)) <= decimal_abs_tol
-        verdict = _numbers_equal(gold_number, pred_number)
-        if verdict is not None:
-            return verdict
-    return bool(verify(gold, pred, numeric_precision=NESTED_PRECISION, timeout_seconds=None, raise_on_error=True))
+    tol = decimal_abs_tol if decimal_abs_tol is not None and _plain_decimal(gold) and _plain_decimal(pred) else None
+    pairs = [(g, p) for g in _finite_readings(gold) for p in _finite_readings(pred)]
+    if any(_readings_equal(g, p, tol) for g, p in pairs):
+        return True
+    strings = ([p for p in gold if isinstance(p, str)], [p for p in pred if isinstance(p, str)])
+    return bool(verify(*strings, timeout_seconds=None, raise_on_error=True))

@@ -1,41 +1,16 @@
-"""Grading one completion against its reference, and deciding whether two answers are the same (maj@k votes).
-
-Pure functions on strings (stdlib, math-verify, SymPy; no torch). Used by the reward functions in
-:mod:`gtpo_megatron.rewards.registry` and, through the reward pool, by the evaluator's majority vote.
-
-:func:`grade`:
-    1. :func:`answer_text.visible_text` drops a closed ``<think>`` block; a completion cut off inside one has no
-       answer.
-    2. An explicit answer span (``<answer>`` block, ``####`` line, "final answer is" statement;
-       :func:`answer_text.explicit_answer`) is parsed with :func:`equivalence.parse_span`; otherwise the visible
-       text goes to math-verify's extraction in the ``extraction`` mode (:func:`equivalence.parse_text`).
-    3. The reference's answer part (:func:`answer_text.reference_span`) is parsed as a span.
-    4. :func:`equivalence.equivalent` decides.
-
-:func:`same_answer` parses two extracted answers as spans and calls them the same when either direction of
-:func:`equivalence.equivalent` holds (math-verify's comparison is asymmetric; a vote must not depend on which
-answer came first).
-
-Time is bounded by the caller (:mod:`gtpo_megatron.rewards.deadline`); every math-verify error propagates.
-"""
+"""Grading a completion against its reference, and maj@k answer equality (steps in ``docs/rewards.md``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gtpo_megatron.rewards.answer_text import STRICT, explicit_answer, reference_span, visible_text
+from gtpo_megatron.rewards.answer_text import STRICT, explicit_answer, markup_free, reference_span, visible_text
 from gtpo_megatron.rewards.equivalence import answer_string, equivalent, parse_span, parse_text
 
 
 @dataclass(frozen=True, slots=True)
 class Verdict:
-    """The outcome of grading one completion.
-
-    Attributes:
-        correct: the extracted answer is equivalent to the reference.
-        extracted: the extracted answer as text (math-verify's extracted string or the explicit span), ``None``
-            when the completion states no answer in this extraction mode.
-    """
+    """Grading outcome: ``correct``, and ``extracted``, the answer as text (``None``: the completion states none)."""
 
     correct: bool
     extracted: str | None
@@ -46,6 +21,7 @@ def extract(completion: str, extraction: str = STRICT) -> list:
     text = visible_text(completion)
     if text is None:
         return []
+    text = markup_free(text)
     span = explicit_answer(text)
     return parse_span(span) if span is not None else parse_text(text, extraction)
 
@@ -53,19 +29,10 @@ def extract(completion: str, extraction: str = STRICT) -> list:
 def grade(
     completion: str, reference: str, *, extraction: str = STRICT, decimal_abs_tol: float | None = None
 ) -> Verdict:
-    """Grades ``completion`` against ``reference`` (steps in the module docstring).
-
-    Args:
-        completion: the decoded response text.
-        reference: the dataset answer: a final answer, or a GSM8K / boxed solution.
-        extraction: ``strict`` or ``lenient`` (``answer_text.EXTRACTION_MODES``).
-        decimal_abs_tol: absolute tolerance for two plain decimal answers (the paper's 1e-2), ``None`` for the
-            exact / relative rules of :func:`equivalence.equivalent`.
+    """Grades ``completion`` against ``reference`` (``decimal_abs_tol``: for two plain decimals, the paper's 1e-2).
 
     Raises:
-        ValueError: unknown ``extraction``, or a reference without a readable answer (a grader error: every
-            completion of that problem would otherwise score 0 quietly).
-        Exception: a math-verify / SymPy failure (the reward pool counts it as a grader error).
+        ValueError: unknown ``extraction`` or an unreadable reference; math-verify / SymPy errors propagate.
     """
     pred = extract(completion, extraction)
     if not pred:

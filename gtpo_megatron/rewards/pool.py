@@ -1,27 +1,15 @@
 """Grades answers in worker processes with a per-answer time bound (math-verify can hang or give up on odd inputs).
 
-Usage (the pool is meant to live for the whole run and be reused at every step)::
+Usage (one pool for the whole run)::
 
     with RewardPool("paper", num_workers=2, timeout_s=5.0) as pool:
         results, stats = pool.score(completions, references, extraction="strict")
         check_grader_failures(stats, max_error_frac=0.5)   # the run stops if the grader fails too often
 
-Each worker is a ``multiprocessing`` process (``spawn`` by default: safe next to torch/vLLM threads) that imports
-the reward module once and then grades one answer at a time, so the parent always knows which answer a worker is
-busy with. Two jobs: ``score`` (the reward function) and ``same_answers`` (whether two extracted answers are the
-same answer, :func:`~gtpo_megatron.rewards.math_answer.same_answer` with the reward's numeric rule; the maj@k
-classes of ``gtpo-eval``).
-
-Failures are counted, never scored quietly:
-
-- timeout (``num_timeouts``): the worker runs each answer under
-  :func:`~gtpo_megatron.rewards.deadline.grading_deadline` (``timeout_s``), whose exception math-verify cannot
-  swallow, and replies "timeout"; an answer stuck in C code past ``timeout_s + KILL_GRACE_S`` gets its worker
-  killed (SIGKILL on the process this pool started) and replaced;
-- error (``num_errors``): the reward or math-verify raised, or the worker died (segfault, ``os._exit``).
-
-A failed answer scores 0 (``RewardResult(0.0, False, False, None)``; ``same_answers``: not the same).
-:func:`check_grader_failures` raises once failures exceed a fraction of a batch.
+Each worker (``spawn``: safe next to torch/vLLM threads) imports the reward once and grades one answer at a time
+under :func:`~gtpo_megatron.rewards.deadline.grading_deadline`; a worker stuck in C code past ``timeout_s +
+KILL_GRACE_S`` is killed and replaced. Timeouts and errors (a raise, a dead worker) are counted, never scored
+quietly: a failed answer scores 0 (``same_answers``: not the same).
 """
 
 from __future__ import annotations
@@ -74,29 +62,38 @@ def _reward_label(reward: str | RewardFn) -> str:
     return reward if isinstance(reward, str) else getattr(reward, "__name__", repr(reward))
 
 
-def check_grader_failures(stats: Mapping[str, Any], *, max_error_frac: float = 0.5) -> None:
-    """Stops a run whose grader failed on more than ``max_error_frac`` of one batch.
+def check_error_frac(max_error_frac: float, *, field: str = "reward.max_error_frac") -> float:
+    """Returns ``max_error_frac`` when it is a fraction in (0, 1]; else ``ValueError`` naming ``field``."""
+    if not 0 < max_error_frac <= 1:
+        raise ValueError(f"{field}={max_error_frac} must be in (0, 1]; the default is 0.5")
+    return max_error_frac
 
-    Args:
-        stats: the stats of one :meth:`RewardPool.score` call (``reward``, ``num_scored``, ``num_timeouts``,
-            ``num_errors``, ``errors``).
-        max_error_frac: allowed fraction of timed-out plus errored answers, in (0, 1] (``reward.max_error_frac``).
+
+def check_grader_failures(
+    stats: Mapping[str, Any],
+    *,
+    max_error_frac: float = 0.5,
+    where: str = "",
+    fields: tuple[str, str] = ("reward.max_error_frac", "reward.timeout_s"),
+) -> None:
+    """Stops a run whose grader failed on more than ``max_error_frac`` of one :meth:`RewardPool.score` call.
+
+    ``where`` prefixes the message (the benchmark); ``fields`` name the error fraction and timeout settings.
 
     Raises:
         ValueError: ``max_error_frac`` outside (0, 1].
-        RuntimeError: more than ``max_error_frac * num_scored`` answers failed; names the reward, the counts and
-            an example answer.
+        RuntimeError: naming the reward, the counts and an example answer.
     """
-    if not 0 < max_error_frac <= 1:
-        raise ValueError(f"reward.max_error_frac={max_error_frac} must be in (0, 1]; the default is 0.5")
+    frac_field, timeout_field = fields
+    check_error_frac(max_error_frac, field=frac_field)
     failed = stats["num_timeouts"] + stats["num_errors"]
     if failed > max_error_frac * stats["num_scored"]:
         example = stats["errors"][0] if stats["errors"] else "no message"
         raise RuntimeError(
-            f"reward {stats['reward']!r} failed to grade {failed} of {stats['num_scored']} answers "
+            f"{where}reward {stats['reward']!r} failed to grade {failed} of {stats['num_scored']} answers "
             f"({stats['num_timeouts']} timeouts, {stats['num_errors']} errors), more than "
-            f"reward.max_error_frac={max_error_frac}; e.g. {example}. Check the reward on that answer in one "
-            "process, raise reward.timeout_s if answers are merely slow, or raise reward.max_error_frac"
+            f"{frac_field}={max_error_frac}; e.g. {example}. Check the reward on that answer in one "
+            f"process, raise {timeout_field} if answers are merely slow, or raise {frac_field}"
         )
 
 
@@ -110,11 +107,7 @@ class _Worker:
         child_conn.close()
 
     def wait_ready(self) -> None:
-        """Blocks until the worker has imported its reward.
-
-        Raises:
-            RuntimeError: if the worker dies or is silent for ``_STARTUP_TIMEOUT_S`` seconds.
-        """
+        """Blocks until the worker has imported its reward; ``RuntimeError`` if it dies or is silent too long."""
         try:
             ready = self.conn.poll(_STARTUP_TIMEOUT_S) and self.conn.recv() == "ready"
         except EOFError:
@@ -136,19 +129,13 @@ class _Worker:
 
 
 class RewardPool:
-    """A reusable pool of reward workers.
+    """A reusable pool of ``num_workers`` reward workers, ``timeout_s`` wall-clock seconds per answer.
 
-    Args:
-        reward_name: a registered reward name (see :mod:`gtpo_megatron.rewards.registry`) or a picklable
-            module-level reward function.
-        num_workers: number of worker processes (>= 1).
-        timeout_s: wall-clock seconds per answer (> 0): the worker's grading deadline; a worker still busy
-            ``KILL_GRACE_S`` seconds later (stuck in C code) is killed. Both count as timeouts.
-        start_method: ``multiprocessing`` start method; ``spawn`` (default) needs importable reward functions.
+    ``reward_name`` is a registered reward or a picklable module-level function (``spawn`` needs it importable).
 
     Raises:
-        ValueError: on an unknown reward name, ``num_workers < 1`` or ``timeout_s <= 0``.
-        RuntimeError: if a worker cannot start.
+        ValueError: an unknown reward name, ``num_workers < 1`` or ``timeout_s <= 0``.
+        RuntimeError: a worker cannot start.
     """
 
     def __init__(
@@ -192,21 +179,13 @@ class RewardPool:
     def score(
         self, completions: Sequence[str], references: Sequence[str], *, extraction: str = STRICT
     ) -> tuple[list[RewardResult], dict[str, Any]]:
-        """Scores ``completions[i]`` against ``references[i]`` for every ``i``.
+        """Scores ``completions[i]`` against ``references[i]`` in ``extraction`` mode; returns ``(results, stats)``.
 
-        Args:
-            completions: decoded response texts.
-            references: dataset answers, one per completion.
-            extraction: ``strict`` or ``lenient`` (``answer_text.EXTRACTION_MODES``), for every answer of the call.
-
-        Returns:
-            ``(results, stats)``: ``results[i]`` is the :class:`RewardResult` of answer ``i`` (a zero result on
-            timeout or error). ``stats`` has ``reward`` (its name), ``num_scored``, ``num_timeouts``,
-            ``num_errors`` (ints), ``errors`` (up to 5 messages naming the answer index, the failure and the end
-            of the answer's text), ``failed_indices`` (sorted) and ``seconds`` (float, wall time of this call).
+        ``stats``: ``reward``, ``num_scored``, ``num_timeouts``, ``num_errors``, ``errors`` (up to 5 messages naming
+        the answer, the failure and the answer's end), ``failed_indices`` (sorted), ``seconds``.
 
         Raises:
-            ValueError: the two lists differ in length, or an unknown ``extraction``.
+            ValueError: the lists differ in length, or an unknown ``extraction``.
             RuntimeError: the pool is closed or a replacement worker cannot start.
         """
         if len(completions) != len(references):
@@ -220,10 +199,7 @@ class RewardPool:
         return [_FAILED if v is None else v for v in values], stats
 
     def same_answers(self, pairs: Sequence[tuple[str, str]]) -> tuple[list[bool], dict[str, Any]]:
-        """For each pair of extracted answers, whether they are the same answer under this pool's reward.
-
-        Returns:
-            ``(verdicts, stats)``; a timed-out or errored pair is not the same (``stats`` as in :meth:`score`).
+        """``(verdicts, stats)``: whether each pair of extracted answers is the same answer (a failed pair: not).
 
         Raises:
             RuntimeError: the pool is closed or a replacement worker cannot start.

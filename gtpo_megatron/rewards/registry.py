@@ -1,35 +1,8 @@
-r"""Reward functions by name: ``REWARD_REGISTRY``, ``register_reward``, ``get_reward``.
+"""Reward functions by name: ``REWARD_REGISTRY``, ``register_reward``, ``get_reward``.
 
-Contract (keep stable): a reward function is a plain, picklable callable
-
-    reward_fn(*, completion: str, reference: str, extraction: str) -> RewardResult
-
-``completion`` is the decoded response text only (no prompt); ``reference`` is the dataset answer, either the
-final answer (``"72"``, ``"\frac{1}{2}"``) or a full GSM8K / boxed solution (reduced with
-:func:`~gtpo_megatron.rewards.answer_text.reference_span`); ``extraction`` is ``strict`` or ``lenient``
-(:mod:`~gtpo_megatron.rewards.answer_text`). A grader failure propagates (an exception, or
-:class:`~gtpo_megatron.rewards.deadline.GradingTimeout` under a deadline) for the reward pool to count. Every
-reward fills the same fields so that metrics (accuracy, format rate) mean the same thing whatever reward trains
-the policy:
-
-- ``correct``: :func:`~gtpo_megatron.rewards.math_answer.grade` in the given extraction mode, with the reward's
-  numeric rule (:func:`decimal_tolerance`);
-- ``format_ok``: the strict paper format: a ``<reasoning>...</reasoning>`` block and an ``<answer>...</answer>``
-  block that ends the text (trailing whitespace allowed);
-- ``extracted``: the extracted answer (``None`` if none); maj@k votes group these with
-  :func:`~gtpo_megatron.rewards.math_answer.same_answer` under the same numeric rule.
-
-Registered rewards (each with its score range, :func:`reward_span`):
-
-- ``math_verify``: 1.0 if ``correct`` else 0.0 (binary correctness, docs/algorithm.md section 6).
-- ``format``: 1.0 if ``format_ok`` else 0.0.
-- ``paper``: the authors' scheme (docs/algorithm.md section 6): format part 10 when ``format_ok``; otherwise 1.5 when
-  exactly one of the two blocks is complete and a tag of the other is present, 1.0 when exactly one block is
-  complete, 0 when neither is. Correctness part 10 only when ``format_ok`` and the ``<answer>`` block is correct.
-  Totals are in {0, 1, 1.5, 10, 20}. Two plain decimal answers match within 1e-2 (the paper's numeric rule);
-  other answers use the exact / relative rules of :mod:`~gtpo_megatron.rewards.equivalence`. Deviation from the
-  authors' code: their "lenient string match" accepted any reference that is a substring of the prediction
-  (``"1"`` in ``"10"``); we use math-verify's equivalence instead.
+A reward is ``reward_fn(*, completion, reference, extraction) -> RewardResult``: ``math_verify``, ``format`` and
+``paper`` (contract and definitions in ``docs/rewards.md``). A grader failure propagates (an exception, or
+``GradingTimeout`` under a deadline) for the reward pool to count.
 """
 
 from __future__ import annotations
@@ -44,7 +17,7 @@ from gtpo_megatron.rewards.answer_text import STRICT
 
 @dataclass(frozen=True, slots=True)
 class RewardResult:
-    """Score and diagnostics of one completion (field meanings in the module docstring)."""
+    """Score and diagnostics of one completion (field meanings in ``docs/rewards.md``)."""
 
     score: float
     correct: bool
@@ -53,7 +26,7 @@ class RewardResult:
 
 
 class RewardFn(Protocol):
-    """A reward function: keyword-only arguments, returns a :class:`RewardResult` (contract in the module docstring)."""
+    """A reward function: keyword-only arguments, returns a :class:`RewardResult`."""
 
     def __call__(self, *, completion: str, reference: str, extraction: str) -> RewardResult:
         """Scores ``completion`` against ``reference`` in ``extraction`` mode (``strict`` or ``lenient``)."""
@@ -74,15 +47,10 @@ PAPER_DECIMAL_TOLERANCE = 1e-2
 def register_reward(
     name: str, *, score_range: tuple[float, float] = (0.0, 1.0), decimal_abs_tol: float | None = None
 ) -> Callable[[RewardFn], RewardFn]:
-    """Decorator that adds a reward function under ``name``.
-
-    Args:
-        name: registry key.
-        score_range: ``(lowest, highest)`` score the function gives (:func:`reward_span`).
-        decimal_abs_tol: the reward's tolerance for two plain decimal answers (:func:`decimal_tolerance`).
+    """Decorator that adds a reward under ``name`` (scores in ``score_range``; ``decimal_abs_tol``: plain decimals).
 
     Raises:
-        ValueError: if ``name`` is already registered, or ``score_range`` is not increasing.
+        ValueError: ``name`` is already registered, or ``score_range`` is not increasing.
     """
     if not score_range[0] < score_range[1]:
         raise ValueError(f"score_range={score_range} of reward {name!r} must be (lowest, highest), lowest < highest")
@@ -100,24 +68,17 @@ def register_reward(
 
 
 def get_reward(name: str) -> RewardFn:
-    """The reward function registered as ``name``.
-
-    Raises:
-        ValueError: if ``name`` is unknown; the message lists the available names.
-    """
+    """The reward function registered as ``name``; ``ValueError`` listing the names when unknown."""
     if name not in REWARD_REGISTRY:
         raise ValueError(f"unknown reward {name!r}; available rewards: {sorted(REWARD_REGISTRY)}")
     return REWARD_REGISTRY[name]
 
 
 def reward_span(name: str) -> float:
-    """Highest minus lowest score of the registered reward ``name``.
-
-    The unit of reward-scaled quantities such as DAPO's overlong penalty (``algorithm.overlong_penalty``): 1 for
-    ``math_verify`` and ``format``, 20 for ``paper``.
+    """Highest minus lowest score of reward ``name`` (the unit of ``algorithm.overlong_penalty``).
 
     Raises:
-        ValueError: if ``name`` is unknown (as :func:`get_reward`).
+        ValueError: ``name`` is unknown.
     """
     get_reward(name)
     low, high = _SCORE_RANGES[name]
@@ -125,15 +86,12 @@ def reward_span(name: str) -> float:
 
 
 def decimal_tolerance(reward: str | RewardFn) -> float | None:
-    """Absolute tolerance of a reward for two plain decimal answers (``None``: exact / relative rules).
-
-    ``reward`` is a registered name or a function (functions outside the registry use ``None``).
-    """
+    """Absolute tolerance of a reward (name, or function: ``None``) for two plain decimals; ``None``: exact rules."""
     return _DECIMAL_TOLERANCES.get(reward) if isinstance(reward, str) else None
 
 
 def paper_format_score(completion: str) -> float:
-    """The paper's format part: 10, 1.5, 1 or 0 (rules in the module docstring)."""
+    """The paper's format part: 10, 1.5, 1 or 0 (``docs/rewards.md``)."""
     has_reasoning = _REASONING_RE.search(completion) is not None
     has_answer = _ANSWER_AT_END_RE.search(completion) is not None
     if has_reasoning and has_answer:

@@ -201,6 +201,27 @@ def test_extraction_flag_and_grader_failures_reach_the_results(tmp_path, data_di
     assert r["pass@1"] == pytest.approx((1 / 4 + 2 / 4) / 2)
 
 
+def test_a_grader_that_fails_too_often_stops_the_evaluation(tmp_path):
+    """References no grader can read: every answer is a grader error; no number is published."""
+    folder = tmp_path / "data" / "gsm8k"
+    folder.mkdir(parents=True)
+    rows = [{"question": "q1", "answer": "#### see the figure"}, {"question": "q2", "answer": "#### ask the teacher"}]
+    (folder / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    script = [["\\boxed{5}"] * 4, ["\\boxed{100}"] * 4]
+    with pytest.raises(
+        RuntimeError,
+        match=r"^benchmark 'gsm8k': reward 'math_verify' failed to grade 8 of 8 answers \(0 timeouts, 8 errors\), "
+        r"more than --max-error-frac=0.5; e.g. answer 0 \(error: ValueError: reference 'see the figure' holds no",
+    ):
+        _evaluate(tmp_path, str(tmp_path / "data"), script=script)
+    assert not (tmp_path / "out" / "results.json").exists()
+    payload, _ = _evaluate(tmp_path, str(tmp_path / "data"), "--max-error-frac", "1", script=script)
+    r = payload["results"]["gsm8k"]
+    assert (r["accuracy"], r["reward/num_timeouts"], r["reward/num_errors"]) == (0.0, 0.0, 8.0)
+    with pytest.raises(ValueError, match=r"--max-error-frac=0.0 must be in \(0, 1\]"):
+        config_from_args(build_parser().parse_args("--model M --output O --max-error-frac 0".split()))
+
+
 def test_markdown_report_matches_table1_layout():
     res = {
         b: {

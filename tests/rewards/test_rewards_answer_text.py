@@ -10,9 +10,9 @@ from gtpo_megatron.rewards.answer_text import (
     explicit_answer,
     gsm8k_final,
     last_boxed,
+    markup_free,
     reference_answer,
     reference_span,
-    strip_emphasis,
     visible_text,
 )
 
@@ -23,6 +23,11 @@ from gtpo_megatron.rewards.answer_text import (
         ("<answer>**58**</answer>", "58"),  # Markdown emphasis around the answer
         ("<answer>__58__</answer>", "58"),
         ("<answer> *58*. </answer>", "58"),
+        ("<answer>\\$36</answer>", "36"),  # a text-mode dollar sign is no math delimiter
+        ("#### \\$1,000 in all", "1,000"),
+        ("#### 1 000 apples", "1 000"),  # digit groups: one number
+        ("<answer>1331 and 1728</answer>", "1331 and 1728"),  # "and" joins a list; it is no prose
+        ("#### 2 or 3", "2 or 3"),
         ("<answer>5</answer> then <answer>\\boxed{6}</answer>", "\\boxed{6}"),  # the last block
         ("9+8=17\n#### 17\n\nHope that helps with your 2 questions!", "17"),  # not the last number after ####
         ("#### 4,56", "4,56"),
@@ -44,7 +49,7 @@ from gtpo_megatron.rewards.answer_text import (
     ],
 )
 def test_explicit_answer(text: str, span: str | None) -> None:
-    assert explicit_answer(text) == span
+    assert explicit_answer(markup_free(text)) == span  # as grade() calls it
 
 
 def test_answer_block_wins_over_hashes_and_statements() -> None:
@@ -67,10 +72,24 @@ def test_visible_text(completion: str, visible: str | None) -> None:
     assert visible_text(completion) == visible
 
 
-def test_strip_emphasis_keeps_inner_markup() -> None:
-    assert strip_emphasis(" **\\frac{1}{2}** ") == "\\frac{1}{2}"
-    assert strip_emphasis("**2** and **3**") == "2** and **3"  # only a wrapper around the whole span goes
-    assert strip_emphasis("2 * 3") == "2 * 3"
+@pytest.mark.parametrize(
+    ("text", "plain"),
+    [
+        ("Final Answer: **73**", "Final Answer: 73"),
+        ("**Final Answer:** 73", "Final Answer: 73"),
+        ("**Final Answer: 73**.", "Final Answer: 73."),
+        ("Answer: *73*, __74__ or ***75***", "Answer: 73, 74 or 75"),
+        ("<answer>**58**</answer>", "<answer>58</answer>"),
+        ("**2** and **3**", "2 and 3"),
+        ("We get 2*234 = 468 and 2**3 = 8", "We get 2*234 = 468 and 2**3 = 8"),  # products and powers stay
+        ("(2)*3*(4) and 2 * 3 * 4", "(2)*3*(4) and 2 * 3 * 4"),
+        (r"$x_1 + y_2$, $a_{n}_{k}$, \_\_", r"$x_1 + y_2$, $a_{n}_{k}$, \_\_"),  # LaTeX subscripts stay
+        (r"It costs \$18.90, i.e. $\$18.90$", "It costs 18.90, i.e. $18.90$"),  # text-mode dollars go
+        (r"$$a \\$$ and \\\$5", r"$$a \\$$ and \\5"),  # a line break \\ before a delimiter stays
+    ],
+)
+def test_markup_free(text: str, plain: str) -> None:
+    assert markup_free(text) == plain
 
 
 def test_reference_answer_and_span() -> None:

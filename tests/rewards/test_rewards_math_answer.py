@@ -1,5 +1,6 @@
-"""Grading on hand-written completions: answer-extraction faults once found and their siblings, the strict
-and lenient modes, numeric equivalence and the vote equivalence ``same_answer``."""
+"""Grading on hand-written completions: where the answer is, the strict and lenient modes, answer notations
+(text-mode dollars, emphasis, lists joined by words, digit groups, decimal commas, times), numeric equivalence
+and the vote equivalence ``same_answer`` (rules in docs/rewards.md)."""
 
 from __future__ import annotations
 
@@ -53,7 +54,7 @@ PMATRIX = "\\begin{pmatrix} 3 \\\\ -4 \\end{pmatrix}"
     ],
 )
 def test_extraction_kind(reference: str, completion: str, correct: bool) -> None:
-    """Item 1; raw-text cases need the lenient mode (strict gives them 0, see below)."""
+    """Raw-text cases need the lenient mode (strict gives them 0, see below)."""
     assert grade(completion, reference, extraction="lenient").correct is correct
 
 
@@ -73,7 +74,7 @@ def test_extraction_kind(reference: str, completion: str, correct: bool) -> None
     ],
 )
 def test_strictness(completion: str, strict: bool, lenient: bool) -> None:
-    """Item 2: strict (MATH/AIME/AMC) needs \\boxed{}, <answer> or a final-answer statement; lenient (GSM8K) not."""
+    """Strict (MATH/AIME/AMC) needs \\boxed{}, <answer> or a final-answer statement; lenient (GSM8K) not."""
     assert grade(completion, "30", extraction="strict").correct is strict
     assert grade(completion, "30", extraction="lenient").correct is lenient
 
@@ -107,7 +108,7 @@ def test_no_answer_is_none_and_bad_modes_are_refused() -> None:
     ],
 )
 def test_numeric_equivalence(reference: str, answer: str, correct: bool) -> None:
-    """Item 3: exact rationals, relative tolerance otherwise, math-verify for structures."""
+    """Exact rationals, relative tolerance otherwise, math-verify for structures."""
     assert grade(f"\\boxed{{{answer}}}", reference).correct is correct
 
 
@@ -140,3 +141,134 @@ def test_spans_without_prose_are_one_latex_expression() -> None:
     assert is_bare("(3, -2)") and is_bare("\\text{(B)}") and is_bare(PMATRIX) and is_bare("odd")
     assert not is_bare("18 dollars") and not is_bare("$5$") and not is_bare("\\boxed{5}")
     assert parse_span("") == []
+
+
+@pytest.mark.parametrize(
+    ("reference", "completion", "correct"),
+    [
+        ("\\$18.90", "\\boxed{18.90}", True),  # MATH-500 golds in text-mode dollars
+        ("\\$18.90", "\\boxed{18.9}", True),
+        ("\\$36", "\\boxed{36}", True),
+        ("\\$36", "\\boxed{35}", False),
+        ("\\$32,\\!348", "\\boxed{32,348}", True),
+        ("\\$32,\\!348", "\\boxed{32348}", True),
+        ("36", "<answer>\\$36</answer>", True),
+        ("36", "#### \\$36", True),
+        ("36", "\\boxed{\\$36}", True),
+        ("1000", "#### \\$1,000 in all", True),
+        ("18.9", "So the total is \\$18.90.\nThe answer is \\$18.90.", True),
+    ],
+)
+def test_text_mode_dollars_are_no_delimiters(reference: str, completion: str, correct: bool) -> None:
+    assert grade(completion, reference).correct is correct
+
+
+@pytest.mark.parametrize(
+    ("reference", "completion", "correct"),
+    [
+        ("1331 and 1728", "\\boxed{1728}", False),  # a list is not its last number
+        ("1331 and 1728", "\\boxed{1331}", False),
+        ("1331 and 1728", "\\boxed{1331, 1728}", True),
+        ("1331 and 1728", "\\boxed{1728, 1331}", True),
+        ("1331 and 1728", "\\boxed{1331 \\text{ and } 1728}", True),
+        ("1331 and 1728", "<answer>1331 and 1728</answer>", True),
+        ("1728", "<answer>1331 and 1728</answer>", False),  # nor is a hedged answer
+        ("1728", "#### 1331 or 1728", False),
+        ("2 or 3", "\\boxed{3, 2}", True),
+        ("1, 2, and 3", "\\boxed{3, 2, 1}", True),
+    ],
+)
+def test_lists_joined_by_words(reference: str, completion: str, correct: bool) -> None:
+    assert grade(completion, reference).correct is correct
+
+
+@pytest.mark.parametrize(
+    "completion",
+    [
+        "We get 2*234 = 468.\nFinal Answer: **73**",
+        "Final Answer: **73**.",
+        "**Final Answer: 73**",
+        "The answer is **73**.",
+        "Answer: *73*",
+        "Answer: __73__",
+        "Final answer: ***73***",
+        "Answer: **x = 73**",
+        "<answer>**73**</answer>",
+    ],
+)
+def test_markdown_emphasis_in_strict_extraction(completion: str) -> None:
+    assert grade(completion, "73", extraction="strict") == Verdict(True, "73")
+
+
+@pytest.mark.parametrize(
+    ("reference", "completion", "extraction", "correct"),
+    [
+        ("$12:00$", "$12:00$", "lenient", True),  # 12:00 reads as 12/0: compared as written
+        ("$12:00$", "\\boxed{12:00}", "strict", True),
+        ("$12:00$", "$1:00$", "lenient", False),
+        ("$12:00$", "\\boxed{1:00}", "strict", False),
+        ("$12:00$", "\\boxed{12}", "strict", False),
+        ("12:00", "\\boxed{12:00}", "strict", True),
+        ("\\frac{1}{0}", "\\boxed{\\frac{1}{0}}", "strict", True),
+        ("\\frac{1}{0}", "\\boxed{\\frac{2}{0}}", "strict", False),
+    ],
+)
+def test_answers_without_a_finite_value(reference: str, completion: str, extraction: str, correct: bool) -> None:
+    assert grade(completion, reference, extraction=extraction).correct is correct
+
+
+def test_votes_on_answers_without_a_finite_value() -> None:
+    assert same_answer("12:00", "12:00 ") and not same_answer("12:00", "1:00")
+
+
+@pytest.mark.parametrize(
+    ("reference", "completion", "correct"),
+    [
+        ("1000", "\\boxed{1 000}", True),  # digit groups: math-verify's number reading
+        ("1000", "\\boxed{1\\,000}", True),
+        ("1000", "\\boxed{1~000}", True),
+        ("1000000", "\\boxed{1 000 000}", True),
+        ("1000.5", "\\boxed{1 000.5}", True),
+        ("0", "\\boxed{1 000}", False),  # not LaTeX's product 1*000
+        ("1 000", "\\boxed{1000}", True),
+        ("1000", "#### 1 000", True),
+        ("1000", "#### 1 000 apples", True),
+        ("1000.99", "\\boxed{1000,99}", True),  # a decimal comma
+        ("1,22", "\\boxed{1.22}", True),
+        ("1,22", "\\boxed{122}", False),  # never 122
+        ("1,22", "\\boxed{1, 22}", True),  # and still the list 1, 22
+        ("-2,1", "\\boxed{1,-2}", True),  # the MATH-500 list gold stays a list
+        ("0,111", "\\boxed{0.111}", True),
+        ("1,234", "\\boxed{1.234}", False),  # three digits after the comma: a thousands group
+        ("12,5", "\\boxed{125}", False),
+    ],
+)
+def test_number_formats(reference: str, completion: str, correct: bool) -> None:
+    assert grade(completion, reference).correct is correct
+
+
+# math-verify's own number cases expected 1 (huggingface/Math-Verify tests/test_all.py::test_number_extraction; its
+# "AZYUK2A" case is XQ7BZ above), as raw text (lenient) and as a #### line.
+MATH_VERIFY_NUMBERS = [
+    ("-5", "-5"),
+    ("7425000", "7,425,000"),
+    ("1000", "1 000"),
+    ("1000", "1000.0"),
+    ("1000.0", "1,000.0"),
+    ("1000.99", "1000,99"),
+    ("1,22", "1.22"),
+    ("2.74", "Soucis : 2,74 $ a.."),
+    ("0.4", ".4"),
+    ("1000.99", "1,000.99"),
+    ("1000.99", "$1,000.99"),
+    ("1000.99", "1,000.99$"),
+    ("1000.99", "the number is not 10 which is 1,000.99€"),
+    ("1000.99", "so the number is 10 which is 1,000.99m²"),
+    ("0,111", "0.111"),
+]
+
+
+@pytest.mark.parametrize(("reference", "pred"), MATH_VERIFY_NUMBERS)
+def test_math_verify_number_cases(reference: str, pred: str) -> None:
+    assert grade(pred, reference, extraction="lenient").correct
+    assert grade(f"#### {pred}", reference).correct
