@@ -8,23 +8,17 @@ module imports neither megatron nor vllm: they load inside the functions that ne
    Compute them on whole groups, before splitting the batch over data-parallel ranks (section 8). Rows that
    ``skip_uniform_groups`` / ``overlong_filter`` remove (``loss_row_mask`` False) leave the loss and its normaliser:
    give the micro-batch that ``loss_row_mask`` and :func:`loss_normalizer` response masks False on them.
-2. **The loss** in both of Megatron's ``loss_func`` conventions (derivations in
-   ``megatron_adapter/loss_forms.py``): :func:`per_token_loss` returns ``(loss_sum, num_tokens, metrics)`` for
-   ``calculate_per_token_loss=True``; :func:`legacy_loss` returns ``(loss, metrics)`` with the step's global
-   normaliser (:func:`loss_normalizer`) folded in. Both read vocab-parallel logits ``[b, S, V/tp]`` through the
-   fused log-prob/entropy op on an explicit ``tp_group`` (vocabulary never gathered); the ``*_from_logprobs``
-   variants take log-probs the caller already has. A packed row (THD) of several sequences is accepted with
-   ``packed=PackedLayout.of(seq_starts, seq_lengths)``.
+2. **The loss** in both of Megatron's ``loss_func`` conventions (``megatron_adapter/loss_forms.py`` derives them):
+   :func:`per_token_loss` (``calculate_per_token_loss=True``) and :func:`legacy_loss` (the step's normaliser
+   :func:`loss_normalizer` folded in), from vocab-parallel logits on an explicit ``tp_group`` or, ``*_from_logprobs``,
+   from the caller's log-probs; a packed row with ``packed=PackedLayout.of(seq_starts, seq_lengths)``.
 3. **A forward step** (:func:`make_forward_step`) for a caller's own ``GPTModel`` (any layer spec, built with
    ``parallel_output=True``), to pass to ``megatron.core.pipeline_parallel.get_forward_backward_func()``.
 4. **Weight sync** (:func:`sync_weights`) from the caller's ``GPTModel`` into a ``RolloutEngine``.
 
-Conventions. Dimension legend: P prompts, G group size (``algorithm.group_size``), B = P*G rows laid out group by
-group, S padded sequence length, b rows of one micro-batch. Per-token tensors use the ``TrainBatch`` column
-convention: column ``s`` describes token ``s`` (its log-prob is the prediction of ``input_ids[:, s]`` from the
-tokens before it), so column 0 is never a response token; a tensor in Megatron-LM's next-token convention
-(``[B, S-1]``, column ``p`` predicts token ``p+1``) becomes this one with ``torch.nn.functional.pad(x, (1, 0))``.
-Masks are bool, True = the token takes part. Log-probs and entropies are natural-log (nats), fp32.
+Conventions: B rows group by group (P prompts x G), S padded length, b rows of a micro-batch; per-token tensors in
+the ``TrainBatch`` columns (column ``s`` describes token ``s``; Megatron-LM's ``[B, S-1]`` becomes this with
+``F.pad(x, (1, 0))``); masks bool (``docs/architecture.md``, "Mask vocabulary"); log-probs and entropies in nats.
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
 """``forward_step`` and loss closure for ``megatron.core.pipeline_parallel.get_forward_backward_func()``.
 
-Micro-batch layout (a ``MicroBatch``; every stage receives the same one, the first stage reads ``input_ids``, the
-last stage everything else): ``input_ids`` ``[b, S]``; per-token tensors ``[b, S]`` where column ``s`` describes
-the prediction of ``input_ids[:, s]`` from ``input_ids[:, :s]`` (``TrainBatch`` convention), so column 0 is always
-0 / False; ``advantages`` ``[b]`` (the raw A_i). Sequences are right padded; padded columns are causally invisible
-to real tokens and masked out of the loss, so padding never changes a result. Per-token weights (GTPO lambda,
-section 3) and the per-row decisions travel with their rows.
+Every stage receives the same ``MicroBatch`` (the record of ``gtpo_megatron.batch`` plus the model's inputs); the
+first reads ``input_ids``, the last everything else. Right padding is causally invisible and masked out of the loss.
 
 One forward, no pass before it (GTPO_SPEC sections 1 and 4): the loss closure gets the log-probs at the loss
 temperature and the (detached) entropy at ``entropy_temperature`` from one call of the log-prob op, and

@@ -306,16 +306,13 @@ class MegatronPolicy:
     def forward_backward(self, batch: TrainBatch, loss: LossSpec) -> dict[str, float]:
         """Accumulate the step's gradient into the DDP buffers (``param.main_grad``) without updating weights.
 
-        The global normaliser ``N`` (``compute_normalizer`` of ``batch.loss_mask`` for ``loss.aggregation``,
-        all-reduced over DP) is fixed before the schedule (``forward_step``'s docstring: how Megatron's
-        per-micro-batch and DP averaging are cancelled); the micro-batches' loss is ``ops.policy_objective``, which
-        reads the record's fields (``TrainBatch``). Afterwards every ``main_grad`` holds the gradient of the step
-        objective, reduced over DP (and over the tied embedding copies).
+        ``N`` (``compute_normalizer`` of ``batch.loss_mask``, all-reduced over DP) is fixed before the schedule
+        (``forward_step``'s docstring); each micro-batch's loss is ``ops.policy_objective`` of its rows. Afterwards
+        every ``main_grad`` holds the step objective's gradient, reduced over DP and the tied embedding copies.
 
         Returns:
-            Metrics identical on every rank: ``loss`` (the step objective), ``normalizer``, the objective's
-            sums/counts, the means ``clip_frac``, ``ratio_mean``, ``kl_mean``, and ``logprob_diff_max`` with
-            ``old_logprobs``. ``{"normalizer": 0.0}`` only when no DP rank has a response token.
+            Metrics identical on every rank: ``loss``, ``normalizer``, the objective's sums, ``clip_frac``,
+            ``ratio_mean``, ``kl_mean``; ``{"normalizer": 0.0}`` only when no DP rank has a response token.
 
         Raises:
             ValueError: ``batch.advantages`` is None, or the loss rejects its arguments.

@@ -5,16 +5,9 @@ penalised advantage ``A_i - gamma <H>_i`` depend only on that completion's own t
 known before the step), so with one update per batch they are computed here, in the training forward, from the
 entropy the vocab-parallel log-prob op returns together with the log-probs (one read of the logits; entropy
 detached): no forward pass before the update is needed. :func:`policy_objective` is the whole per-micro-batch
-objective (the piece an external Megatron pipeline calls from its loss function); :func:`sequence_terms` is its
-per-completion part, also used on the whole batch when a caller measured the entropies in a separate pass.
-
-Normaliser: ``normalizer`` is computed by the caller from ``response_mask`` only (``losses.compute_normalizer``,
-summed over the step), so it counts filtered completions too: the ``1/G`` of GTPO_SPEC section 1 runs over all
-completions of the group, and a filtered one contributes 0 to the sum, not to the count.
-
-Dimension legend: P prompts, G group size, B = P*G sequences (or this micro-batch's rows), T token columns
-(response layout or the full ``[B, S]`` layout; everything is masked by ``response_mask``).
-Pure torch: no collectives, no ``.item()``, inputs never modified.
+objective; :func:`sequence_terms` is its per-completion part, also used on the whole batch when a caller measured
+the entropies in a separate pass. The normaliser counts filtered completions too (``ops/losses.py``: which rows
+count). B rows, T token columns. Pure torch: no collectives, no ``.item()``, inputs never modified.
 """
 
 from __future__ import annotations
@@ -87,21 +80,15 @@ def policy_objective(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor], SequenceTerms]:
     """This micro-batch's contribution to the step objective, with delta_i and ``A_i - gamma <H>_i`` decided here.
 
-    Args:
-        policy_logprobs: ``[B, T]`` fp32 log pi_theta at ``spec.temperature`` (nats), differentiable.
-        entropy: ``[B, T]`` detached token entropy at ``spec.entropy_temperature`` (nats); None only when
-            ``batch.seq_entropy`` is set or ``spec`` neither filters nor penalises.
-        batch: the rows (``gtpo_megatron.batch.TrainBatch``): ``loss_mask``, ``advantages`` (raw A_i),
-            ``token_weights`` (None: 1 on the response), ``seq_entropy``, ``old_logprobs``, ``ref_logprobs``,
-            ``rollout_logprobs`` (mismatch sums when set) are read.
-        spec: the step objective.
-        normalizer: scalar > 0 the loss sum is divided by (the step's global count; 1 gives the plain sum).
+    ``policy_logprobs``: ``[B, T]`` fp32 log pi_theta at ``spec.temperature`` (differentiable); ``entropy``:
+    ``[B, T]`` detached token entropy at ``spec.entropy_temperature``, None only with ``batch.seq_entropy`` or
+    without filter and penalty; ``batch``: the rows' record (its ``loss_mask`` and raw ``advantages``, see
+    ``gtpo_megatron.batch``); ``normalizer``: the step's global count (1 gives the plain sum).
 
     Returns:
-        ``(loss, metrics, terms)``: the fp32 scalar loss (gradient w.r.t. ``policy_logprobs``); detached sums:
-        ``policy_loss_metrics``'s plus ``loss``, ``advantage_abs_sum``, ``seq_entropy_sum`` (given an entropy),
-        ``mismatch_sums`` (given ``rollout_logprobs``) and ``logprob_diff_max`` (given ``old_logprobs``; reduce
-        with MAX); the :class:`SequenceTerms`.
+        ``(loss, metrics, terms)``: the fp32 scalar loss; detached sums (``policy_loss_metrics``'s, ``loss``,
+        ``advantage_abs_sum``, ``seq_entropy_sum`` given an entropy, ``mismatch_sums`` given
+        ``rollout_logprobs``, ``logprob_diff_max`` given ``old_logprobs``: reduce it with MAX); the terms.
 
     Raises:
         ValueError: ``batch.advantages`` is None; no entropy while ``spec`` filters or penalises; the checks of
