@@ -98,7 +98,7 @@ def main() -> None:
         rollouts = engine.generate(prompts, ALGORITHM.group_size, sampling)
         batch = collate_completions(rollouts, pad_token_id=tokenizer.eos_token_id)
         rewards = torch.tensor([reward(c.text) for g in rollouts for c in g.completions])
-        settings = plugin.loss_settings(spec, vocab_size=hf.vocab_size)
+        settings = plugin.forward_settings(spec, vocab_size=hf.vocab_size)
         old_logprobs, entropy = policy_logprobs(model, batch, settings)
         seq_entropy = plugin.sequence_mean_entropy(entropy, batch.response_mask)
         initial_entropy = initial_entropy or float(seq_entropy.mean())  # <H>_ini: the first step's mean
@@ -108,7 +108,7 @@ def main() -> None:
         batch.advantages, batch.token_weights = weights.advantages, weights.token_weights
         batch.loss_row_mask = weights.loss_row_mask
         parts = micro_batches(batch)
-        settings = plugin.loss_settings(  # legacy loss form: the step's normaliser N and M micro-batches
+        settings = plugin.forward_settings(  # legacy loss form: the step's normaliser N and M micro-batches
             spec, vocab_size=hf.vocab_size, num_microbatches=len(parts),
             normalizer=plugin.loss_normalizer([batch.loss_mask], spec, group=None),
         )  # fmt: skip
@@ -121,7 +121,7 @@ def main() -> None:
         optimizer.step()
         optimizer.zero_grad()
         plugin.sync_weights(model, engine, hf_config=hf, groups=groups)
-        rollout_logprobs = batch.extras["rollout_logprobs"]
+        rollout_logprobs = batch.rollout_logprobs
         mismatch = (old_logprobs - rollout_logprobs).abs()[batch.response_mask].mean()
         metrics = plugin.reduce_loss_metrics(store, group=None)
         metrics.update({"reward/mean": float(rewards.mean()), "mismatch/abs_logprob_diff": float(mismatch),

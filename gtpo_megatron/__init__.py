@@ -11,7 +11,7 @@ __version__ = "0.1.0"
 _PLUGIN_NAMES = frozenset(
     {
         "AlgorithmConfig",
-        "LossSettings",
+        "ForwardSettings",
         "LossSpec",
         "MicroBatch",
         "PackedLayout",
@@ -28,7 +28,7 @@ _PLUGIN_NAMES = frozenset(
         "legacy_loss",
         "legacy_loss_from_logprobs",
         "loss_normalizer",
-        "loss_settings",
+        "forward_settings",
         "make_forward_step",
         "per_token_loss",
         "per_token_loss_from_logprobs",

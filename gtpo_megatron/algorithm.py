@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from gtpo_megatron.batch import TrainBatch
 from gtpo_megatron.config import AlgorithmConfig, RolloutConfig
 from gtpo_megatron.data.sampling import filter_uniform_groups
 from gtpo_megatron.ops import (
@@ -26,9 +27,9 @@ from gtpo_megatron.ops import (
     build_conflict_weights,
     compute_group_advantages,
     conflict_normalizers,
+    means,
     sequence_terms,
 )
-from gtpo_megatron.rollout.types import TrainBatch
 
 
 @dataclass
@@ -36,28 +37,22 @@ class StepWeights:
     """Per-sequence and per-token quantities of one step's full batch, decided before the training forward.
 
     Attributes:
-        raw_advantages: ``[B]`` fp32 group-relative advantages A_i (docs/algorithm.md section 2); the loss subtracts
-            ``gamma <H>_i`` itself (``ops.policy_objective``).
-        keep_mask: ``[B]`` bool row decision independent of the entropy: ``loss_row_mask`` (True = keep); the loss
-            ANDs the entropy filter's delta_i into it.
-        conflict_weights: ``[B, S]`` fp32 lambda of section 3 before any normalisation (1 or w on P+ rows, 0 or 1
-            on P- rows), 0 off the response; the conflict metrics read it.
-        token_weights: ``[B, S]`` fp32 per-token multiplier the loss receives: lambda (divided by
-            ``max(1, n_i)`` with ``normalize_by_conflicts``), 0 on rows removed by ``loss_row_mask`` and off the
-            response.
-        loss_row_mask: ``[B]`` bool, False on rows removed from the objective (``skip_uniform_groups``,
-            ``overlong_filter``): weight 0 and no count in the loss normaliser (``TrainBatch.loss_mask``); rows the
-            entropy filter drops still count (docs/algorithm.md section 1).
-        advantages: None (the loss computes ``A_i - gamma <H>_i``), or, after :func:`with_entropy_terms`, ``[B]``
-            fp32 ``A_i - gamma <H>_i`` (``keep_mask`` then holds delta_i and ``token_weights`` lambda * delta_i).
+        raw_advantages: ``[B]`` fp32 group-relative A_i (section 2), before the entropy penalty.
+        conflict_weights: ``[B, S]`` fp32 lambda of section 3 before normalisation, 0 off the response.
+        token_weights: ``[B, S]`` fp32 the loss's multiplier: lambda (over ``max(1, n_i)`` with
+            ``normalize_by_conflicts``), 0 off the response and on rows ``loss_row_mask`` removes.
+        loss_row_mask: ``[B]`` bool, the rows in the objective (``docs/architecture.md``, "Mask vocabulary").
+        advantages, keep_mask: None (the loss decides the entropy terms), or after :func:`with_entropy_terms`
+            ``[B]`` ``A_i - gamma <H>_i`` and ``[B]`` bool delta_i AND ``loss_row_mask`` (``token_weights`` then
+            lambda * delta_i).
     """
 
     raw_advantages: torch.Tensor
-    keep_mask: torch.Tensor
     conflict_weights: torch.Tensor
     token_weights: torch.Tensor
     loss_row_mask: torch.Tensor
     advantages: torch.Tensor | None = None
+    keep_mask: torch.Tensor | None = None
 
 
 def conflicts_need_entropy(cfg: AlgorithmConfig) -> bool:
@@ -93,16 +88,10 @@ def compute_step_weights(
     seq_entropy: torch.Tensor | None = None,
     scores: torch.Tensor | None = None,
 ) -> StepWeights:
-    """:func:`compute_weights` of a ``TrainBatch`` (its ``input_ids``, ``response_mask`` and ``truncated`` extra).
+    """:func:`compute_weights` of the full step ``TrainBatch`` (``input_ids``, ``response_mask``, ``truncated``).
 
-    Args:
-        batch: the full (unsharded) step batch from ``collate_completions``.
-        rewards: ``[B]`` shaped rewards (task score plus the overlong penalty): the advantages use them.
-        cfg: algorithm section.
-        loss_spec: as :func:`compute_weights`.
-        seq_entropy: as :func:`compute_weights`.
-        scores: as :func:`compute_weights` (a group whose answers all score the same is uniform even when the
-            overlong penalty spreads its rewards).
+    ``rewards``: ``[B]`` shaped rewards (the advantages use them); ``scores``: the task scores
+    ``skip_uniform_groups`` decides on; the rest as :func:`compute_weights`.
     """
     return compute_weights(
         batch.input_ids,
@@ -111,7 +100,7 @@ def compute_step_weights(
         cfg,
         loss_spec=loss_spec,
         seq_entropy=seq_entropy,
-        truncated=batch.extras.get("truncated"),
+        truncated=batch.truncated,
         scores=scores,
     )
 
@@ -127,24 +116,13 @@ def compute_weights(
     truncated: torch.Tensor | None = None,
     scores: torch.Tensor | None = None,
 ) -> StepWeights:
-    """Advantages, row decisions and conflict weights of a whole step (docs/algorithm.md sections 2-4).
+    """Advantages, ``loss_row_mask`` and conflict weights of a whole step (docs/algorithm.md sections 2-4).
 
-    The entropy terms (delta_i, ``A_i - gamma <H>_i``) are left to the loss (``ops.policy_objective``), or to
-    :func:`with_entropy_terms` when the entropies are known beforehand.
-
-    Args:
-        input_ids: ``[B, S]`` int token ids, rows group by group (``cfg.group_size`` consecutive rows per prompt);
-            only the columns where ``response_mask`` is True are read (any padding side, any pad id).
-        response_mask: ``[B, S]`` bool, True on response tokens.
-        rewards: ``[B]`` rewards.
-        cfg: algorithm section.
-        loss_spec: the step's objective (its entropy filter and penalty, with ``initial_entropy`` filled), used
-            only when lambda depends on the entropies.
-        seq_entropy: ``[B]`` per-completion mean entropy <H>_i in nats of a pass before the update (gathered over
-            data-parallel ranks), or None when no such pass ran.
-        truncated: ``[B]`` bool, completions cut at the token limit; required by ``cfg.overlong_filter``.
-        scores: ``[B]`` task scores, on which ``skip_uniform_groups`` decides whether a group varies (never on
-            rewards shaped by an overlong penalty); None when ``rewards`` are the task scores themselves.
+    ``input_ids`` / ``response_mask`` ``[B, S]`` (rows group by group, only response columns read), ``rewards``
+    ``[B]``; ``loss_spec`` (with ``initial_entropy``) and ``seq_entropy`` (``[B]`` <H>_i of a pass before the
+    update, gathered over dp) are read only when lambda needs the entropies; ``truncated`` ``[B]`` bool
+    (``overlong_filter`` needs it); ``scores`` ``[B]`` task scores ``skip_uniform_groups`` decides on (None: the
+    rewards). The entropy terms are left to the loss (``ops.policy_objective``) or :func:`with_entropy_terms`.
 
     Raises:
         ValueError: ``cfg.overlong_filter`` without ``truncated``; lambda needs the entropies
@@ -177,7 +155,6 @@ def compute_weights(
             weights_BS = lambda_BS / counts_B.unsqueeze(-1)
     return StepWeights(
         raw_advantages=raw_B,
-        keep_mask=loss_row_B,
         conflict_weights=lambda_BS,
         token_weights=weights_BS * loss_row_B.unsqueeze(-1),
         loss_row_mask=loss_row_B,
@@ -189,9 +166,9 @@ def build_loss_row_mask(
 ) -> torch.Tensor:
     """``[B]`` bool, False on rows the switches remove from the objective (loss and normaliser), True elsewhere.
 
-    ``skip_uniform_groups`` removes every row of a group whose task ``scores`` are all equal
-    (docs/algorithm.md section 4; the one rule of ``data.sampling.filter_uniform_groups``; scores, not rewards
-    shaped by an overlong penalty);
+    ``skip_uniform_groups`` removes every row of a group whose task ``scores`` are all equal (docs/algorithm.md
+    section 4; the one rule of ``data.sampling.filter_uniform_groups``; scores, not rewards shaped by an overlong
+    penalty);
     ``overlong_filter`` removes the rows where ``truncated`` (``[B]`` bool) is True (DAPO, section 5);
     :func:`compute_weights` checks that it is given.
     """
@@ -204,19 +181,13 @@ def build_loss_row_mask(
 
 
 def with_entropy_terms(weights: StepWeights, seq_entropy: torch.Tensor, loss_spec: LossSpec) -> StepWeights:
-    """``weights`` with the entropy terms decided from known entropies, for a loss that does not apply them.
+    """``weights`` with the entropy terms of known ``seq_entropy`` (``[B]`` nats), for a loss without them.
 
-    ``advantages`` becomes ``A_i - gamma <H>_i``, ``keep_mask`` delta_i (and the row decisions) and
-    ``token_weights`` ``lambda * delta_i`` (``ops.sequence_terms``, docs/algorithm.md section 4). Pair the result with a
-    ``LossSpec`` whose entropy filter is ``off`` and penalty 0 (as ``megatron_adapter.loss_forms.loss_settings``
-    makes it), or the terms would apply twice.
-
-    Args:
-        weights: from :func:`compute_weights`.
-        seq_entropy: ``[B]`` <H>_i in nats.
-        loss_spec: the step's objective (entropy filter, ``initial_entropy``, penalty).
+    ``advantages`` becomes ``A_i - gamma <H>_i``, ``keep_mask`` delta_i (AND ``loss_row_mask``), ``token_weights``
+    ``lambda * delta_i`` (``ops.sequence_terms``). Pair it with a spec whose filter is off and penalty 0 (as
+    ``loss_forms.forward_settings`` makes it), or the terms apply twice.
     """
-    terms = sequence_terms(seq_entropy, weights.raw_advantages, loss_spec, keep_mask=weights.keep_mask)
+    terms = sequence_terms(seq_entropy, weights.raw_advantages, loss_spec, keep_mask=weights.loss_row_mask)
     return dataclasses.replace(
         weights,
         advantages=terms.advantages,
@@ -269,28 +240,20 @@ def conflict_metrics(weights: StepWeights, response_mask: torch.Tensor) -> dict[
     }
 
 
-OBJECTIVE_METRICS = {
-    "entropy/completion_mean": ("seq_entropy_sum", "num_sequences"),
-    "entropy/token_mean": ("entropy_sum", "num_tokens"),
-    "gtpo/filtered_frac": ("filtered_sequences", "num_sequences"),
-    "advantage/abs_mean": ("advantage_abs_sum", "num_sequences"),
-    "mismatch/abs_logprob_diff": ("mismatch_abs_logprob_diff", "num_tokens"),
-    "mismatch/prob_ratio_err": ("mismatch_prob_ratio_err", "num_tokens"),
+OBJECTIVE_METRICS = {  # step metric: its ops.MEANS row, over the training forward's sums (reduced over dp)
+    "entropy/completion_mean": "completion_entropy_mean",
+    "entropy/token_mean": "entropy_mean",
+    "gtpo/filtered_frac": "filtered_frac",
+    "advantage/abs_mean": "advantage_abs_mean",
+    "mismatch/abs_logprob_diff": "mismatch_abs_logprob_diff",
+    "mismatch/prob_ratio_err": "mismatch_prob_ratio_err",
 }
-"""Step metric -> (sum, count) of the training forward's metric sums (``ops.policy_objective`` and the loss closure,
-reduced over micro-batches and data-parallel ranks). Entropies in nats at ``algorithm.entropy_temperature``;
-"completion" means over completions with a response token, "token" over response tokens; the mismatch is |log
-pi_train - log pi_rollout| and |pi_train / pi_rollout - 1| per response token at the sampling temperature, measured
-before the update."""
 
 
 def objective_metrics(train_metrics: dict[str, float]) -> dict[str, float]:
-    """The :data:`OBJECTIVE_METRICS` present in ``train_metrics`` (a count of 0 gives 0)."""
-    return {
-        name: train_metrics[total] / max(train_metrics[count], 1.0)
-        for name, (total, count) in OBJECTIVE_METRICS.items()
-        if total in train_metrics and count in train_metrics
-    }
+    """The :data:`OBJECTIVE_METRICS` whose sums are in ``train_metrics`` (a count of 0 gives 0)."""
+    found = means(train_metrics, OBJECTIVE_METRICS.values())
+    return {name: found[row] for name, row in OBJECTIVE_METRICS.items() if row in found}
 
 
 def loss_temperature(algorithm: AlgorithmConfig, rollout: RolloutConfig) -> float:

@@ -6,26 +6,20 @@ module imports neither megatron nor vllm: they load inside the functions that ne
 1. **Step weights** (:func:`compute_gtpo_weights`): advantages ``[B]`` and per-token weights ``[B, T]`` (conflict
    lambda times the entropy filter's delta, docs/algorithm.md sections 2-4) from plain tensors and an
    ``AlgorithmConfig``. Compute them on whole groups, before splitting the batch over data-parallel ranks
-   (section 8). Rows that
-   ``skip_uniform_groups`` / ``overlong_filter`` remove (``loss_row_mask`` False) leave the loss and its normaliser:
-   give the loss and :func:`loss_normalizer` a response mask that is False on them (``ops.losses``: which rows count).
-2. **The loss** in both of Megatron's ``loss_func`` conventions (derivations in
-   ``megatron_adapter/loss_forms.py``): :func:`per_token_loss` returns ``(loss_sum, num_tokens, metrics)`` for
-   ``calculate_per_token_loss=True``; :func:`legacy_loss` returns ``(loss, metrics)`` with the step's global
-   normaliser (:func:`loss_normalizer`) folded in. Both read vocab-parallel logits ``[b, S, V/tp]`` through the
-   fused log-prob/entropy op on an explicit ``tp_group`` (vocabulary never gathered); the ``*_from_logprobs``
-   variants take log-probs the caller already has. A packed row (THD) of several sequences is accepted with
-   ``packed=PackedLayout.of(seq_starts, seq_lengths)``.
+   (section 8). Rows that ``skip_uniform_groups`` / ``overlong_filter`` remove (``loss_row_mask`` False) leave
+   the loss and its normaliser: give the micro-batch that ``loss_row_mask`` and :func:`loss_normalizer`
+   response masks False on them.
+2. **The loss** in both of Megatron's ``loss_func`` conventions (``megatron_adapter/loss_forms.py`` derives them):
+   :func:`per_token_loss` (``calculate_per_token_loss=True``) and :func:`legacy_loss` (the step's normaliser
+   :func:`loss_normalizer` folded in), from vocab-parallel logits on an explicit ``tp_group`` or, ``*_from_logprobs``,
+   from the caller's log-probs; a packed row with ``packed=PackedLayout.of(seq_starts, seq_lengths)``.
 3. **A forward step** (:func:`make_forward_step`) for a caller's own ``GPTModel`` (any layer spec, built with
    ``parallel_output=True``), to pass to ``megatron.core.pipeline_parallel.get_forward_backward_func()``.
 4. **Weight sync** (:func:`sync_weights`) from the caller's ``GPTModel`` into a ``RolloutEngine``.
 
-Conventions. Dimension legend: P prompts, G group size (``algorithm.group_size``), B = P*G rows laid out group by
-group, S padded sequence length, b rows of one micro-batch. Per-token tensors use the ``TrainBatch`` column
-convention: column ``s`` describes token ``s`` (its log-prob is the prediction of ``input_ids[:, s]`` from the
-tokens before it), so column 0 is never a response token; a tensor in Megatron-LM's next-token convention
-(``[B, S-1]``, column ``p`` predicts token ``p+1``) becomes this one with ``torch.nn.functional.pad(x, (1, 0))``.
-Masks are bool, True = the token takes part. Log-probs and entropies are natural-log (nats), fp32.
+Conventions: B rows group by group (P prompts x G), S padded length, b rows of a micro-batch; per-token tensors in
+the ``TrainBatch`` columns (column ``s`` describes token ``s``; Megatron-LM's ``[B, S-1]`` becomes this with
+``F.pad(x, (1, 0))``); masks bool (``docs/architecture.md``, "Mask vocabulary"); log-probs and entropies in nats.
 """
 
 from __future__ import annotations
@@ -39,12 +33,12 @@ from gtpo_megatron.algorithm import StepWeights, build_loss_spec, compute_weight
 from gtpo_megatron.config import AlgorithmConfig, RolloutConfig
 from gtpo_megatron.megatron_adapter.cpu_compat import cuda_to_cpu_mode, install_cpu_compat
 from gtpo_megatron.megatron_adapter.external_model import model_geometry, unwrap_model
-from gtpo_megatron.megatron_adapter.forward_step import LossSettings, MicroBatch, token_logprobs_entropy
+from gtpo_megatron.megatron_adapter.forward_step import ForwardSettings, MicroBatch, token_logprobs_entropy
 from gtpo_megatron.megatron_adapter.hf_stream import iter_hf_weights
 from gtpo_megatron.megatron_adapter.loss_forms import (
+    forward_settings,
     legacy_loss,
     legacy_loss_from_logprobs,
-    loss_settings,
     make_forward_step,
     per_token_loss,
     per_token_loss_from_logprobs,
@@ -58,7 +52,7 @@ from gtpo_megatron.rollout.push import DEFAULT_BUCKET_BYTES, PushStats, push_wei
 
 __all__ = [
     "AlgorithmConfig",
-    "LossSettings",
+    "ForwardSettings",
     "LossSpec",
     "MicroBatch",
     "PackedLayout",
@@ -70,12 +64,12 @@ __all__ = [
     "compute_gtpo_weights",
     "cuda_to_cpu_mode",
     "current_groups",
+    "forward_settings",
     "init_distributed",
     "install_cpu_compat",
     "legacy_loss",
     "legacy_loss_from_logprobs",
     "loss_normalizer",
-    "loss_settings",
     "make_forward_step",
     "per_token_loss",
     "per_token_loss_from_logprobs",
@@ -101,38 +95,26 @@ def compute_gtpo_weights(
     """GTPO's advantages and per-token weights of one step (docs/algorithm.md sections 2-4), the trainer's own code.
 
     Args:
-        response_ids: ``[B, T]`` int token ids (prompt columns may be included: only ``response_mask`` columns are
-            read; any padding side and pad id). Rows group by group: ``algorithm.group_size`` consecutive rows per
-            prompt. With ``packed``: ``[1, N]``, one packed row whose sequences are laid out group by group.
+        response_ids: ``[B, T]`` int token ids, rows group by group (``algorithm.group_size`` per prompt); only the
+            ``response_mask`` columns are read (any padding side, any pad id). With ``packed``: ``[1, N]``.
         response_mask: same shape, bool, True on response tokens (EOS included).
-        rewards: ``[B]`` rewards (any real dtype), one per completion.
-        seq_entropy: ``[B]`` mean full-vocabulary entropy of each completion's response tokens under the policy,
-            in nats (``sequence_mean_entropy``), e.g. from the old-log-prob pass.
-        algorithm: the algorithm section (group size, advantage estimator, conflict mode and amplification,
-            entropy filter and penalty); its defaults are GTPO's; the field values of the other algorithms are
-            ``config.PRESETS[name]`` (``AlgorithmConfig(name="grpo", **PRESETS["grpo"], group_size=8)``).
-        initial_entropy: ``<H>_ini`` of the ``paper`` filter: the mean ``seq_entropy`` of the first step's
-            completions under the initial policy (over all data-parallel ranks); required by that mode.
-        truncated: ``[B]`` bool, completions cut at the token limit; required by ``algorithm.overlong_filter``.
-        packed: where the B sequences sit in a packed row (``[1, N]`` inputs); the weights are computed on the
-            sequences laid out one per row and written back.
-        scores: ``[B]`` task scores when ``rewards`` are shaped (e.g. DAPO's overlong penalty):
-            ``algorithm.skip_uniform_groups`` decides on them; None when the rewards are the task scores.
+        rewards: ``[B]`` rewards (any real dtype).
+        seq_entropy: ``[B]`` <H>_i in nats (``sequence_mean_entropy``), e.g. from the old-log-prob pass.
+        algorithm: the algorithm section; other algorithms' values are ``config.PRESETS[name]``.
+        initial_entropy: <H>_ini of the ``paper`` filter (the first step's mean ``seq_entropy``, over all ranks).
+        truncated: ``[B]`` bool, completions cut at the token limit (``overlong_filter`` needs it).
+        packed: where the B sequences sit in a packed row; weights are computed unpacked and written back.
+        scores: ``[B]`` task scores when ``rewards`` are shaped (``skip_uniform_groups`` decides on them).
 
     Returns:
-        ``StepWeights``: ``raw_advantages`` and ``advantages`` (``A_i - gamma <H>_i``: feed these to the loss) ``[B]``
-        fp32, ``keep_mask`` ``[B]`` bool (delta_i), ``conflict_weights`` (lambda before ``normalize_by_conflicts``)
-        and ``token_weights`` (lambda * delta_i: feed these to the loss) fp32 in the shape of ``response_mask``, 0
-        off the response (``algorithm.with_entropy_terms``; :func:`loss_settings` keeps the loss from applying the
-        entropy terms again), and ``loss_row_mask`` ``[B]`` bool, False on the rows ``skip_uniform_groups`` /
-        ``overlong_filter`` remove: the response mask of the loss and of :func:`loss_normalizer` must be False on
-        them (``response_mask & loss_row_mask[:, None]``; packed: the unpacked mask of each sequence), so that they
-        count in no normaliser. An entropy-filtered row (``keep_mask`` False, ``loss_row_mask`` True) keeps its
-        response mask: it counts in the normaliser with weight 0 (docs/algorithm.md section 1).
+        ``StepWeights`` after ``algorithm.with_entropy_terms``: feed ``advantages`` (``A_i - gamma <H>_i``) and
+        ``token_weights`` (lambda * delta_i, shape of ``response_mask``) to the loss (:func:`forward_settings`
+        keeps it from applying the entropy terms again); ``keep_mask`` is delta_i and ``loss_row_mask`` the
+        rows in the objective (``docs/architecture.md``, "Mask vocabulary").
 
     Raises:
-        ValueError: shapes (one reward per sequence), a bool mask, ``group_size`` not dividing B, the ``paper``
-            filter without ``initial_entropy``, ``overlong_filter`` without ``truncated``, a bad ``packed`` layout.
+        ValueError: shapes, a bool mask, ``group_size`` not dividing B, the ``paper`` filter without
+            ``initial_entropy``, ``overlong_filter`` without ``truncated``, a bad ``packed`` layout.
     """
     if packed is None:
         ids, mask = response_ids, response_mask
@@ -159,17 +141,11 @@ def compute_gtpo_weights(
 def loss_normalizer(
     response_masks: Sequence[torch.Tensor], spec: LossSpec, *, group: torch.distributed.ProcessGroup | None
 ) -> torch.Tensor:
-    """The step's global normaliser ``N`` that :func:`legacy_loss` needs (``loss_settings(normalizer=...)``).
+    """The step's global normaliser ``N`` that :func:`legacy_loss` needs (``forward_settings(normalizer=...)``).
 
-    Args:
-        response_masks: this rank's response masks of every micro-batch of the step, ``[b, S]`` bool each (unpack
-            packed rows first: ``PackedLayout.unpack``), False on the rows removed from the objective
-            (``StepWeights.loss_row_mask``, :func:`compute_gtpo_weights`).
-        spec: the step objective (its aggregation picks tokens or sequences; Dr. GRPO's constant L).
-        group: the data-parallel group (None: a single replica).
-
-    Returns:
-        fp32 scalar, identical on every rank of ``group``; 0 when no rank has a response token (skip the step).
+    ``response_masks``: this rank's ``[b, S]`` bool masks of every micro-batch (packed rows unpacked), False on
+    rows ``loss_row_mask`` removes; ``group``: the data-parallel group (None: one replica). Returns an fp32 scalar,
+    the same on every rank; 0 when no rank has a response token (skip the step).
 
     Collectives: one SUM all-reduce on ``group``.
     """
@@ -188,29 +164,17 @@ def sync_weights(
     groups: ParallelGroups,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
 ) -> PushStats | None:
-    """Push a caller's ``GPTModel`` weights into a rollout engine, as Hugging Face tensors in bounded buckets.
+    """Push a caller's ``GPTModel`` weights into a rollout engine as Hugging Face tensors in bounded buckets.
 
-    Every rank of the model-parallel group of data-parallel replica 0 must call (they gather the TP shards and
-    broadcast the pipeline stages); other replicas return at once. The rank that owns the engine passes it, the
-    others pass None. Supported: the dense decoders the converter maps (Llama, Mistral, Qwen2, Qwen3; local or
-    Transformer Engine layer spec); anything else is refused before a weight moves.
-
-    Args:
-        model: this rank's ``GPTModel`` stage (wrapped in DDP / ``Float16Module`` or not).
-        engine: a ``RolloutEngine`` (``rollout.vllm_engine.VLLMEngine``, or any engine of the protocol) on the
-            owning rank, else None.
-        hf_config: the ``transformers`` config the engine serves (names and shapes of the HF tensors).
-        groups: this rank's ``ParallelGroups`` (``current_groups(backend=...)`` in a Megatron job).
-        bucket_bytes: byte budget of one bucket (peak extra memory is about one bucket plus one tensor).
-
-    Returns:
-        The engine owner's ``PushStats``; None elsewhere.
+    Every rank of data-parallel replica 0's model-parallel group calls (other replicas return at once); the rank
+    owning ``engine`` passes it, the others None. ``model`` is this rank's stage (wrapped or not), ``hf_config``
+    the config the engine serves, ``bucket_bytes`` one bucket's budget. Supported: the dense decoders the
+    converter maps (Llama, Mistral, Qwen2, Qwen3). Returns the owner's ``PushStats``, None elsewhere.
 
     Collectives: those of ``megatron_adapter.hf_stream.iter_hf_weights`` (TP all-gathers, PP broadcasts).
 
     Raises:
-        ValueError: a model or HF config the converter cannot map (names the parameters and the converter module),
-            or sizes that differ between the model and ``hf_config``.
+        ValueError: a model or HF config the converter cannot map, or sizes that differ from ``hf_config``.
     """
     inner = unwrap_model(model)
     geometry = model_geometry(inner, hf_config, tp_size=groups.tp_size)

@@ -1,7 +1,7 @@
 """The training-policy contract the trainer drives, next to ``rollout.engine.RolloutEngine`` (the sampling side).
 
 ``Policy`` is a ``typing.Protocol``: ``megatron_adapter.policy.MegatronPolicy`` is the real one, the trainer tests
-use small fakes. Batches are ``rollout.types.TrainBatch`` (this data-parallel rank's rows, on CPU); the step
+use small fakes. Batches are ``batch.TrainBatch`` (this data-parallel rank's rows, on CPU); the step
 objective comes as an ``ops.LossSpec``. Importing this module imports neither torch, megatron nor vllm.
 """
 
@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 if TYPE_CHECKING:
     import torch
 
+    from gtpo_megatron.batch import TrainBatch
     from gtpo_megatron.ops.losses import LossSpec
     from gtpo_megatron.rollout.engine import NamedTensor
-    from gtpo_megatron.rollout.types import TrainBatch
 
 
 @runtime_checkable

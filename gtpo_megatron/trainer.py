@@ -46,6 +46,7 @@ from gtpo_megatron.algorithm import (
     needs_old_logprob_pass,
     objective_metrics,
 )
+from gtpo_megatron.batch import TrainBatch
 from gtpo_megatron.config import GTPOConfig
 from gtpo_megatron.logging import MetricSink, format_step_line, plot_curves
 from gtpo_megatron.ops import sequence_mean_entropy
@@ -60,7 +61,6 @@ from gtpo_megatron.preemption import StopRequests
 from gtpo_megatron.rollout.batch import collate_completions, rollout_metrics
 from gtpo_megatron.rollout.collector import RolloutCollector, StepRollout, collect_step
 from gtpo_megatron.rollout.push import CollectiveWeightSync, FilesWeightSync
-from gtpo_megatron.rollout.types import TrainBatch
 
 if TYPE_CHECKING:
     from gtpo_megatron.data.loader import PromptLoader
@@ -229,7 +229,7 @@ class Trainer:
         metrics.update({f"train/{k}": v for k, v in train_metrics.items()})
         metrics.update({"time/old_logprob_s": 0.0, **({"time/ref_logprob_s": 0.0} if self.reference else {})})
         metrics.update({**rollout.stats, **measured})
-        metrics["perf/tokens_per_s"] = float(batch.attention_mask.sum()) / metrics["time/step_s"]
+        metrics["perf/tokens_per_s"] = float(batch.token_mask.sum()) / metrics["time/step_s"]
         metrics["perf/response_tokens_per_s"] = float(batch.response_mask.sum()) / metrics["time/step_s"]
         return metrics
 
@@ -304,12 +304,11 @@ class Trainer:
     ) -> TrainBatch:
         local.advantages = weights.raw_advantages[rows]
         local.token_weights = weights.token_weights[rows]
-        local.keep_mask = weights.keep_mask[rows]
         local.seq_entropy = None if seq_entropy is None else seq_entropy[rows]
         local.loss_row_mask = weights.loss_row_mask[rows]
         # One update per batch: r = exp(logp - stopgrad(logp)) = 1 with gradient (docs/algorithm.md section 1).
         local.old_logprobs = old_logprobs if self.cfg.algorithm.num_updates_per_batch > 1 else None
-        local.rollout_logprobs = local.extras["rollout_logprobs"] if self._measure_mismatch else None
+        local.rollout_logprobs = local.rollout_logprobs if self._measure_mismatch else None
         return local
 
     def _train(self, batch: TrainBatch, spec: LossSpec) -> dict[str, float]:

@@ -1,11 +1,7 @@
 """``forward_step`` and loss closure for ``megatron.core.pipeline_parallel.get_forward_backward_func()``.
 
-Micro-batch layout (a ``MicroBatch``; every stage receives the same one, the first stage reads ``input_ids``, the
-last stage everything else): ``input_ids`` ``[b, S]``; per-token tensors ``[b, S]`` where column ``s`` describes
-the prediction of ``input_ids[:, s]`` from ``input_ids[:, :s]`` (``TrainBatch`` convention), so column 0 is always
-0 / False; ``advantages`` ``[b]`` (the raw A_i). Sequences are right padded; padded columns are causally invisible
-to real tokens and masked out of the loss, so padding never changes a result. Per-token weights (GTPO lambda,
-section 3) and the per-row decisions travel with their rows.
+Every stage receives the same ``MicroBatch`` (the record of ``gtpo_megatron.batch`` plus the model's inputs); the
+first reads ``input_ids``, the last everything else. Right padding is causally invisible and masked out of the loss.
 
 One forward, no pass before it (docs/algorithm.md sections 1 and 4): the loss closure gets the log-probs at the loss
 temperature and the (detached) entropy at ``entropy_temperature`` from one call of the log-prob op, and
@@ -41,40 +37,43 @@ docs/algorithm.md section 1's ``1/G`` over all completions of the group (filtere
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from functools import partial
 
 import torch
 
+from gtpo_megatron.batch import TrainBatch
 from gtpo_megatron.ops import LossSpec, policy_objective, vocab_parallel_logprobs_entropy
-from gtpo_megatron.rollout.batch import mismatch_sums
 
 
-@dataclass
-class MicroBatch:
-    """One micro-batch, already on the model's device. Shapes: ``[b, S]`` unless noted; see module docstring."""
+@dataclass(kw_only=True)
+class MicroBatch(TrainBatch):
+    """One micro-batch on the model's device: the rows' record (``[b, S]`` / ``[b]``) plus the model's inputs.
 
-    input_ids: torch.Tensor
+    ``position_ids`` ``[b, S]`` int64; ``attention_mask`` the mask ``GPTModel`` takes (e.g. the ``[1, 1, S, S]``
+    causal mask of the local layer spec, ``model.causal_attention_mask``), or None.
+    """
+
     position_ids: torch.Tensor
-    attention_mask: torch.Tensor | None
-    response_mask: torch.Tensor
-    token_weights: torch.Tensor | None = None
-    advantages: torch.Tensor | None = None  # [b]
-    old_logprobs: torch.Tensor | None = None
-    ref_logprobs: torch.Tensor | None = None
-    keep_mask: torch.Tensor | None = None  # [b] bool
-    seq_entropy: torch.Tensor | None = None  # [b]
-    rollout_logprobs: torch.Tensor | None = None
+    attention_mask: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, rows: TrainBatch, *, position_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> MicroBatch:
+        """``rows`` (a ``TrainBatch`` already cut and on the device) with the model's inputs."""
+        record = {f.name: getattr(rows, f.name) for f in dataclasses.fields(TrainBatch)}
+        return cls(**record, position_ids=position_ids, attention_mask=attention_mask)
 
 
 @dataclass(frozen=True)
-class LossSettings:
-    """Everything the loss closure needs besides the micro-batch (shared by all micro-batches of a step).
+class ForwardSettings:
+    """What the forward step's loss closure needs besides the micro-batch (shared by all micro-batches of a step).
 
-    ``temperature`` is the softmax temperature of the log-probs, ``entropy_temperature`` that of the entropy (None:
-    the same); ``loss`` is the step objective (``ops.LossSpec``), ``None`` for the forward-only mode that returns
-    per-token values instead of a loss. ``normalizer`` is the global ``N`` (fp32 scalar tensor); ``loss_scale`` is
-    ``M * D`` (module docstring).
+    ``tp_group`` shards the logits' vocabulary (None: unsharded); columns ``>= vocab_size`` are padding;
+    ``temperature`` / ``entropy_temperature`` (None: the same) are the log-prob / entropy softmax temperatures;
+    ``chunk_size`` tokens per chunk of the log-prob op (None: one). ``loss`` is the step objective, None for the
+    forward-only mode that returns per-token values; ``normalizer`` the global ``N`` (fp32 scalar) and
+    ``loss_scale`` ``M * D`` (module docstring).
     """
 
     tp_group: object
@@ -88,19 +87,13 @@ class LossSettings:
 
 
 def token_logprobs_entropy(
-    logits: torch.Tensor, batch: MicroBatch, settings: LossSettings
+    logits: torch.Tensor, batch: MicroBatch, settings: ForwardSettings
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token log-probs and entropy in the ``TrainBatch`` column convention.
+    """Per-token ``(logprobs, entropy)`` ``[b, S]`` fp32 nats in the ``TrainBatch`` column convention.
 
-    Args:
-        logits: ``[b, S, V/tp]`` vocab-parallel logits of this TP rank (position ``s`` predicts token ``s+1``).
-        batch: the micro-batch (``input_ids`` and ``response_mask`` are read).
-        settings: the step's ``LossSettings`` (TP group, vocabulary size, temperatures, chunk size).
-
-    Returns:
-        ``(logprobs, entropy)``, both ``[b, S]`` fp32 nats (log-probs at ``settings.temperature``, entropy at
-        ``settings.entropy_temperature``); column 0 and every column off ``response_mask`` are 0. ``logprobs``
-        carries gradient w.r.t. ``logits``; ``entropy`` is detached.
+    ``logits``: ``[b, S, V/tp]`` vocab-parallel logits (position ``s`` predicts token ``s+1``); ``batch.input_ids``
+    and ``batch.response_mask`` are read. Log-probs at ``settings.temperature`` (gradient w.r.t. ``logits``),
+    entropy at ``settings.entropy_temperature`` (detached); column 0 and every column off ``response_mask`` are 0.
 
     Collectives: two all-reduces on ``settings.tp_group`` (inside the ops function).
     """
@@ -122,85 +115,22 @@ def token_logprobs_entropy(
     return torch.where(batch.response_mask, logprobs, 0.0), torch.where(batch.response_mask, entropy, 0.0)
 
 
-def policy_loss_closure(logits: torch.Tensor, batch: MicroBatch, settings: LossSettings):
+def policy_loss_closure(logits: torch.Tensor, batch: MicroBatch, settings: ForwardSettings):
     """The loss closure ``forward_step`` binds (Megatron's legacy 2-tuple contract, see the module docstring).
 
-    Args:
-        logits: ``[b, S, V/tp]`` last-stage output.
-        batch: the micro-batch the logits belong to.
-        settings: the step's ``LossSettings`` (``loss=None``: forward-only).
-
-    Returns:
-        Training (``settings.loss`` set): ``(l * loss_scale, metrics)`` with ``(l, metrics)`` of
-        :func:`policy_loss` (``l = S_dm / N``; delta_i and ``A_i - gamma <H>_i`` from ``batch.seq_entropy`` when
-        given, else from this forward's entropy). Forward-only (``loss=None``): ``(0, {"logprobs", "entropy"})``
-        with the ``[b, S]`` tensors of ``token_logprobs_entropy``.
+    Training (``settings.loss`` set): ``(l * loss_scale, metrics)`` with ``(l, metrics)`` of
+    ``ops.policy_objective`` (``l = S_dm / N``). Forward-only (``loss=None``): ``(0, {"logprobs", "entropy"})``
+    with the ``[b, S]`` tensors of :func:`token_logprobs_entropy`.
     """
     logprobs, entropy = token_logprobs_entropy(logits, batch, settings)
     if settings.loss is None:
         zero = logprobs.new_zeros(())
         return zero, {"logprobs": logprobs.detach(), "entropy": entropy}
-    loss, metrics = policy_loss(logprobs, entropy, batch, settings.loss, settings.normalizer)
+    loss, metrics, _ = policy_objective(logprobs, entropy, batch, settings.loss, settings.normalizer)
     return loss * settings.loss_scale, metrics
 
 
-def policy_loss(
-    logprobs: torch.Tensor, entropy: torch.Tensor | None, batch: MicroBatch, spec: LossSpec, normalizer: torch.Tensor
-):
-    """The objective of one micro-batch from its per-token log-probs (the loss half of ``policy_loss_closure``).
-
-    ``ops.policy_objective``: the entropy filter's delta_i and ``A_i - gamma <H>_i`` of ``spec`` are decided here
-    from each completion's own entropy (``batch.seq_entropy`` when given, else ``entropy``), then the registered
-    loss.
-
-    Args:
-        logprobs: ``[b, S]`` fp32 log pi_theta in the ``TrainBatch`` column convention, differentiable.
-        entropy: ``[b, S]`` detached token entropy in nats at ``spec.entropy_temperature``, or None (then
-            ``batch.seq_entropy`` is needed when ``spec`` filters or penalises).
-        batch: the micro-batch (``response_mask``, ``advantages`` (the raw A_i), ``token_weights``, ``keep_mask``,
-            ``seq_entropy``, ``old_logprobs``, ``ref_logprobs``, ``rollout_logprobs`` are read;
-            ``token_weights=None`` means weight 1 on every response token).
-        spec: the step objective.
-        normalizer: fp32 scalar the loss sum is divided by (the step's global ``N``; 1 gives the plain sum).
-
-    Returns:
-        ``(loss, metrics)``: the loss ``S / normalizer`` (fp32 scalar, differentiable w.r.t. ``logprobs``) and
-        detached fp32 scalars: the objective's sums/counts plus ``loss``; with ``rollout_logprobs``,
-        ``mismatch_abs_logprob_diff`` and ``mismatch_prob_ratio_err`` (sums over response tokens,
-        ``rollout.batch.mismatch_sums``); with ``old_logprobs``, ``logprob_diff_max`` (max |log pi_theta - log
-        pi_old| on response tokens; reduce with MAX).
-
-    Raises:
-        ValueError: whatever the objective rejects (shapes, aggregation, KL settings, no entropy for a filter).
-    """
-    token_weights = batch.token_weights
-    if token_weights is None:
-        token_weights = batch.response_mask.float()
-    loss, metrics, _ = policy_objective(
-        policy_logprobs=logprobs,
-        entropy=entropy,
-        raw_advantages=batch.advantages,
-        token_weights=token_weights,
-        response_mask=batch.response_mask,
-        normalizer=normalizer,
-        spec=spec,
-        keep_mask=batch.keep_mask,
-        seq_entropy=batch.seq_entropy,
-        old_logprobs=batch.old_logprobs,
-        ref_logprobs=batch.ref_logprobs,
-    )
-    metrics = dict(metrics, loss=loss.detach().float())
-    if batch.rollout_logprobs is not None:
-        sums = mismatch_sums(logprobs.detach(), batch.rollout_logprobs, batch.response_mask)
-        metrics["mismatch_abs_logprob_diff"] = sums["abs_logprob_diff"]
-        metrics["mismatch_prob_ratio_err"] = sums["prob_ratio_err"]
-    if batch.old_logprobs is not None:
-        diff = torch.where(batch.response_mask, (logprobs.detach() - batch.old_logprobs).abs(), 0.0)
-        metrics["logprob_diff_max"] = diff.max() if diff.numel() else diff.new_zeros(())
-    return loss, metrics
-
-
-def forward_step(data_iterator, model, *, settings: LossSettings, loss_fn=policy_loss_closure):
+def forward_step(data_iterator, model, *, settings: ForwardSettings, loss_fn=policy_loss_closure):
     """Megatron ``forward_step_func``: run this stage on the next ``MicroBatch``; return output and loss closure.
 
     On non-first stages ``input_ids`` is ignored by ``GPTModel`` (the activation comes from the previous stage);

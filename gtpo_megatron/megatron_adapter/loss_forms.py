@@ -17,7 +17,7 @@ with a response token for the ``seq-mean`` modes, times L for Dr. GRPO), so the 
   schedule divides by ``M`` and DDP averages over ``D`` (``forward_step``'s module docstring derives it), so the
   gradient is again ``grad J``; ``N`` (``settings.normalizer``) must be the step's global normaliser, computed
   before the schedule runs (``parallel.global_normalizer``), and ``settings.loss_scale = M * D``
-  (:func:`loss_settings`).
+  (:func:`forward_settings`).
 
 Inputs: the log-probs come either from vocab-parallel logits ``[b, S, V/tp]`` (``parallel_output=True``) through
 ``forward_step.token_logprobs_entropy`` (the fused op on ``settings.tp_group``, vocabulary never gathered), or
@@ -42,26 +42,18 @@ import torch
 
 from gtpo_megatron.megatron_adapter.external_model import unwrap_model
 from gtpo_megatron.megatron_adapter.forward_step import (
-    LossSettings,
+    ForwardSettings,
     MicroBatch,
     forward_step,
-    policy_loss,
     token_logprobs_entropy,
 )
-from gtpo_megatron.ops import LossSpec, PackedLayout, compute_normalizer
+from gtpo_megatron.ops import MEANS, LossSpec, PackedLayout, compute_normalizer, policy_objective
 from gtpo_megatron.parallel.collectives import all_reduce_sum
 
-_REPORTED = {  # reported name: (numerator, denominator) among the ops metric sums
-    "clip_frac": ("clipped_tokens", "num_tokens"),
-    "ratio_mean": ("ratio_sum", "num_tokens"),
-    "entropy_mean": ("entropy_sum", "num_tokens"),
-    "kl_mean": ("kl_sum", "num_tokens"),
-    "amplified_frac": ("amplified_tokens", "num_tokens"),
-    "zero_weight_frac": ("zero_weight_tokens", "num_tokens"),
-}
+_REPORTED = ("clip_frac", "ratio_mean", "entropy_mean", "kl_mean", "amplified_frac", "zero_weight_frac")  # of MEANS
 
 
-def loss_settings(
+def forward_settings(
     spec: LossSpec,
     *,
     vocab_size: int,
@@ -70,32 +62,21 @@ def loss_settings(
     normalizer: torch.Tensor | None = None,
     num_microbatches: int = 1,
     dp_size: int = 1,
-) -> LossSettings:
-    """The loss settings of one optimizer step.
+) -> ForwardSettings:
+    """The forward step's settings for one optimizer step of ``spec`` (``spec``'s temperatures, its loss).
 
-    The loss applies no entropy filter or penalty of its own: ``plugin.compute_gtpo_weights`` decided them
-    (``advantages`` = ``A_i - gamma <H>_i``, ``token_weights`` = lambda * delta_i), so the spec's entropy filter
-    and penalty are switched off here and never applied twice. (The trainer instead leaves them to the training
-    forward, ``ops.policy_objective``, which needs no pass before the update: build ``LossSettings`` with the full
-    spec and give raw advantages for that.)
-
-    Args:
-        spec: the step objective (``algorithm.build_loss_spec`` or a ``LossSpec``); its temperature is the
-            log-prob temperature, its ``entropy_temperature`` that of the reported entropy.
-        vocab_size: the tokenizer's vocabulary size; logit columns ``>= vocab_size`` (Megatron's padding) are
-            excluded from every softmax.
-        tp_group: the tensor-parallel group sharding the logits' vocabulary; None: the logits hold every column.
-        chunk_size: tokens per chunk of the fused log-prob op (None: one chunk).
-        normalizer: legacy form only: the step's global normaliser ``N`` (fp32 scalar).
-        num_microbatches: legacy form only: ``M``, the micro-batches of the step on this rank.
-        dp_size: legacy form only: ``D``, the data-parallel size (``loss_scale = M * D``).
+    The spec's entropy filter and penalty are switched off: ``plugin.compute_gtpo_weights`` already put them in
+    ``advantages`` and ``token_weights`` (the trainer instead leaves them to ``ops.policy_objective``). Columns
+    ``>= vocab_size`` are padding; ``tp_group`` shards the vocabulary (None: unsharded); ``chunk_size`` tokens per
+    chunk of the log-prob op. Legacy form only: ``normalizer`` the step's ``N``, ``num_microbatches`` ``M`` and
+    ``dp_size`` ``D`` (``loss_scale = M * D``).
 
     Raises:
         ValueError: ``num_microbatches`` or ``dp_size`` < 1.
     """
     if num_microbatches < 1 or dp_size < 1:
         raise ValueError(f"num_microbatches={num_microbatches} and dp_size={dp_size} must both be >= 1")
-    return LossSettings(
+    return ForwardSettings(
         tp_group=tp_group,
         vocab_size=vocab_size,
         temperature=spec.temperature,
@@ -107,51 +88,26 @@ def loss_settings(
     )
 
 
-def per_token_loss(logits: torch.Tensor, batch: MicroBatch, settings: LossSettings, packed: PackedLayout | None = None):
-    """Per-token form ``(loss_sum, count, metrics)`` of one micro-batch from its vocab-parallel logits.
+def per_token_loss(
+    logits: torch.Tensor, batch: MicroBatch, settings: ForwardSettings, packed: PackedLayout | None = None
+):
+    """Per-token form ``(S, c, metrics)`` of one micro-batch from its ``[b, S, V/tp]`` logits (module docstring).
 
-    Args:
-        logits: ``[b, S, V/tp]`` this TP rank's vocabulary shard (``parallel_output=True``), any float dtype;
-            ``[1, N, V/tp]`` for a packed row. Position ``s`` predicts token ``s + 1``. Not modified.
-        batch: the micro-batch, per-token tensors ``[b, S]`` (``[1, N]`` packed) in the ``TrainBatch`` column
-            convention: ``input_ids`` (int64, the targets), ``response_mask`` (bool, True on response tokens),
-            ``token_weights`` (fp32 lambda * delta; None = 1 on every response token), ``old_logprobs`` (nats; None =
-            one update per batch, ratio 1 with gradient), ``ref_logprobs`` (nats, for ``spec.kl_coef > 0``);
-            ``advantages`` ``[b]`` (``[n]`` packed) fp32.
-        settings: from :func:`loss_settings` (``settings.loss`` is the objective).
-        packed: the packed row's layout, or None for one sequence per row.
-
-    Returns:
-        ``(loss_sum, count, metrics)``: ``loss_sum`` fp32 scalar ``S`` (un-normalised, differentiable w.r.t.
-        ``logits``; the log-prob computation runs in fp32), ``count`` int32 scalar (the micro-batch's normaliser
-        count for ``spec.aggregation``), ``metrics`` the detached ``[numerator, denominator]`` pairs of the module
-        docstring.
-
-    Collectives: two all-reduces on ``settings.tp_group`` in forward (the fused log-prob/entropy op).
+    ``batch``: a ``MicroBatch`` (``[1, N]`` and ``[1, N, V/tp]`` logits with ``packed``); ``c`` is the int32 count
+    of ``batch.loss_mask``. Collectives: two all-reduces on ``settings.tp_group``.
 
     Raises:
-        ValueError: ``settings.loss`` is None, shape/dtype mismatches, target ids outside ``[0, vocab_size)``, a
-            logits width inconsistent with the TP group, a bad ``packed`` layout, or what the registered loss
-            refuses (e.g. ``kl_coef > 0`` for ``gtpo``, or without ``ref_logprobs``).
+        ValueError: ``settings.loss`` is None, shape/dtype mismatches, ids outside the vocabulary, a logits width
+            inconsistent with the TP group, a bad ``packed`` layout, ``kl_coef > 0`` without ``ref_logprobs``.
     """
     logprobs, entropy = token_logprobs_entropy(logits, batch, settings)
     return per_token_loss_from_logprobs(logprobs, batch, settings, entropy=entropy, packed=packed)
 
 
-def legacy_loss(logits: torch.Tensor, batch: MicroBatch, settings: LossSettings, packed: PackedLayout | None = None):
-    """Legacy form ``(loss, metrics)`` of one micro-batch from its vocab-parallel logits.
+def legacy_loss(logits: torch.Tensor, batch: MicroBatch, settings: ForwardSettings, packed: PackedLayout | None = None):
+    """Legacy form ``(S / N * M * D, metrics)`` of one micro-batch (arguments as :func:`per_token_loss`).
 
-    Args:
-        logits: as :func:`per_token_loss`.
-        batch: as :func:`per_token_loss`.
-        settings: from :func:`loss_settings` with ``normalizer`` (the step's global ``N``), ``num_microbatches``
-            and ``dp_size``.
-        packed: as :func:`per_token_loss`.
-
-    Returns:
-        ``(S / N * M * D, metrics)``: fp32 scalar differentiable w.r.t. ``logits``, and the metric pairs.
-
-    Collectives: two all-reduces on ``settings.tp_group`` in forward (the fused log-prob/entropy op).
+    Collectives: two all-reduces on ``settings.tp_group``.
 
     Raises:
         ValueError: ``settings.normalizer`` is None, and the errors of :func:`per_token_loss`.
@@ -163,29 +119,15 @@ def legacy_loss(logits: torch.Tensor, batch: MicroBatch, settings: LossSettings,
 def per_token_loss_from_logprobs(
     logprobs: torch.Tensor,
     batch: MicroBatch,
-    settings: LossSettings,
+    settings: ForwardSettings,
     *,
     entropy: torch.Tensor | None = None,
     packed: PackedLayout | None = None,
 ):
-    """:func:`per_token_loss` from log-probs the caller already has.
+    """:func:`per_token_loss` from ``[b, S]`` fp32 log-probs the caller has (no collectives).
 
-    Args:
-        logprobs: ``[b, S]`` (``[1, N]`` packed) fp32 log pi_theta in nats, ``TrainBatch`` columns (a Megatron-LM
-            ``[b, S-1]`` tensor becomes this with ``F.pad(x, (1, 0))``), differentiable; off-response values are
-            ignored.
-        batch: as :func:`per_token_loss` (``input_ids`` is not read).
-        settings: from :func:`loss_settings` (only ``settings.loss`` is read).
-        entropy: optional ``[b, S]`` detached token entropy in nats, for the ``gtpo/entropy_mean`` metric.
-        packed: as :func:`per_token_loss`.
-
-    Returns:
-        ``(loss_sum, count, metrics)`` as :func:`per_token_loss`, differentiable w.r.t. ``logprobs``.
-
-    Collectives: none.
-
-    Raises:
-        ValueError: the errors of :func:`per_token_loss` that concern the loss.
+    ``TrainBatch`` columns (Megatron-LM's ``[b, S-1]`` becomes this with ``F.pad(x, (1, 0))``); ``entropy``
+    (detached, nats) feeds ``gtpo/entropy_mean``.
     """
     loss_sum, count, metrics = _summed(logprobs, entropy, batch, settings, packed)
     return loss_sum, count.to(torch.int), metrics
@@ -194,28 +136,15 @@ def per_token_loss_from_logprobs(
 def legacy_loss_from_logprobs(
     logprobs: torch.Tensor,
     batch: MicroBatch,
-    settings: LossSettings,
+    settings: ForwardSettings,
     *,
     entropy: torch.Tensor | None = None,
     packed: PackedLayout | None = None,
 ):
-    """:func:`legacy_loss` from log-probs the caller already has.
-
-    Args:
-        logprobs: as :func:`per_token_loss_from_logprobs`.
-        batch: as :func:`per_token_loss`.
-        settings: as :func:`legacy_loss`.
-        entropy: as :func:`per_token_loss_from_logprobs`.
-        packed: as :func:`per_token_loss`.
-
-    Returns:
-        ``(S / N * M * D, metrics)`` as :func:`legacy_loss`, differentiable w.r.t. ``logprobs``.
-
-    Collectives: none.
+    """:func:`legacy_loss` from log-probs the caller has (as :func:`per_token_loss_from_logprobs`). No collectives.
 
     Raises:
-        ValueError: ``settings.normalizer`` is None (the legacy form needs the step's global normaliser), and the
-            errors of :func:`per_token_loss_from_logprobs`.
+        ValueError: ``settings.normalizer`` is None, and the errors of :func:`per_token_loss`.
     """
     if settings.normalizer is None:
         raise ValueError(
@@ -226,35 +155,30 @@ def legacy_loss_from_logprobs(
     return loss_sum / settings.normalizer * settings.loss_scale, metrics
 
 
-def _summed(logprobs, entropy, batch: MicroBatch, settings: LossSettings, packed: PackedLayout | None):
+def _summed(logprobs, entropy, batch: MicroBatch, settings: ForwardSettings, packed: PackedLayout | None):
     """``(S, count, reported metrics)`` of one micro-batch (one packed row unpacked first)."""
     spec = settings.loss
     if spec is None:
-        raise ValueError("settings.loss is None; build the settings with loss_settings(spec, ...)")
+        raise ValueError("settings.loss is None; build the settings with forward_settings(spec, ...)")
     if packed is not None:
         logprobs = packed.unpack(logprobs)
         entropy = None if entropy is None else packed.unpack(entropy)
         batch = _unpacked(batch, packed)
     one = torch.ones((), dtype=torch.float32, device=logprobs.device)
-    loss_sum, sums = policy_loss(logprobs, entropy, batch, spec, one)
-    count = compute_normalizer(batch.response_mask, spec.aggregation, max_response_length=spec.max_response_length)
+    loss_sum, sums, _ = policy_objective(logprobs, entropy, batch, spec, one)
+    count = compute_normalizer(batch.loss_mask, spec.aggregation, max_response_length=spec.max_response_length)
     return loss_sum, count, _report(loss_sum.detach(), count, sums)
 
 
 def _unpacked(batch: MicroBatch, packed: PackedLayout) -> MicroBatch:
     """The micro-batch's per-token tensors laid out one sequence per row (per-sequence tensors stay as they are)."""
-
-    def unpack(t: torch.Tensor | None) -> torch.Tensor | None:
-        return None if t is None else packed.unpack(t)
-
-    fields = ("input_ids", "position_ids", "response_mask", "token_weights", "old_logprobs", "ref_logprobs")
-    fields += ("rollout_logprobs",)
-    return dataclasses.replace(batch, attention_mask=None, **{k: unpack(getattr(batch, k)) for k in fields})
+    rows = batch.apply(lambda t: packed.unpack(t) if t.dim() == 2 else t)
+    return dataclasses.replace(rows, position_ids=packed.unpack(batch.position_ids), attention_mask=None)
 
 
 def _report(loss_sum: torch.Tensor, count: torch.Tensor, sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     pairs = {"loss": (loss_sum, count)}
-    pairs.update({name: (sums[num], sums[den]) for name, (num, den) in _REPORTED.items() if num in sums})
+    pairs.update({name: (sums[MEANS[name][0]], sums[MEANS[name][1]]) for name in _REPORTED if MEANS[name][0] in sums})
     return {f"gtpo/{name}": torch.stack([num.float(), den.float()]) for name, (num, den) in pairs.items()}
 
 
@@ -279,26 +203,18 @@ def reduce_loss_metrics(store: list[dict[str, torch.Tensor]], *, group) -> dict[
     return dict(zip(names, ratios.tolist()))
 
 
-def make_forward_step(settings: LossSettings, *, per_token: bool = True):
+def make_forward_step(settings: ForwardSettings, *, per_token: bool = True):
     """Megatron's ``forward_step_func(data_iterator, model)`` for a caller's ``GPTModel`` (any layer spec).
 
-    Each call takes the next ``MicroBatch`` from the iterator, runs ``model(input_ids, position_ids,
-    attention_mask)`` and returns the output with the bound loss (``forward_step.forward_step``).
-
-    Args:
-        settings: from :func:`loss_settings` (with ``normalizer`` for the legacy form).
-        per_token: bind :func:`per_token_loss` (for ``calculate_per_token_loss=True``), else :func:`legacy_loss`.
-
-    Returns:
-        The function to pass as ``get_forward_backward_func()(forward_step_func=...)``. When called it raises
-        ValueError for a model built with ``parallel_output=False`` under tensor parallelism (its logits would hold
-        the gathered vocabulary, which the fused op does not read).
+    Each call runs ``model(input_ids, position_ids, attention_mask)`` on the next ``MicroBatch`` and binds
+    :func:`per_token_loss` (``per_token=True``, for ``calculate_per_token_loss=True``) or :func:`legacy_loss`. The
+    returned function raises ValueError for a model built with ``parallel_output=False`` under tensor parallelism.
     """
     loss_fn = per_token_loss if per_token else legacy_loss
     return partial(_checked_forward_step, settings=settings, loss_fn=loss_fn)
 
 
-def _checked_forward_step(data_iterator, model, *, settings: LossSettings, loss_fn):
+def _checked_forward_step(data_iterator, model, *, settings: ForwardSettings, loss_fn):
     if getattr(unwrap_model(model), "parallel_output", True) is False and settings.tp_group is not None:
         raise ValueError(
             "the model was built with parallel_output=False, so its logits hold the gathered vocabulary; build the "

@@ -1,14 +1,13 @@
 """``MegatronPolicy``: the facade the trainer calls (build, log-prob pass, optimizer step, weights, checkpoints).
 
 One instance per process. It owns this rank's ``GPTModel`` stage (TP-sharded, wrapped in Megatron DDP), Megatron's
-optimizer and LR schedule. Batches are ``rollout.types.TrainBatch`` (this DP rank's rows, on CPU); they are cut
+optimizer and LR schedule. Batches are ``batch.TrainBatch`` (this DP rank's rows, on CPU); they are cut
 into micro-batches of ``micro_batch_size`` rows (the last one padded with fully masked rows, which contribute
 nothing) and run through ``get_forward_backward_func()`` with ``forward_step.forward_step``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 from functools import partial
@@ -16,16 +15,16 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from gtpo_megatron.batch import TrainBatch
 from gtpo_megatron.builtin_models import resolve_model_path
 from gtpo_megatron.megatron_adapter import hf_conversion
 from gtpo_megatron.megatron_adapter import model as model_lib
 from gtpo_megatron.megatron_adapter.cpu_compat import cuda_to_cpu_mode, install_cpu_compat
-from gtpo_megatron.megatron_adapter.forward_step import LossSettings, MicroBatch, forward_step
+from gtpo_megatron.megatron_adapter.forward_step import ForwardSettings, MicroBatch, forward_step
 from gtpo_megatron.megatron_adapter.optimizer import build_optimizer, optimizer_step, wrap_ddp
 from gtpo_megatron.megatron_adapter.step_metrics import reduce_step_metrics
 from gtpo_megatron.ops import LossSpec, compute_normalizer
 from gtpo_megatron.parallel.collectives import barrier, broadcast_, global_normalizer
-from gtpo_megatron.rollout.types import TrainBatch
 
 if TYPE_CHECKING:
     from gtpo_megatron.config import ModelConfig
@@ -142,31 +141,17 @@ class MegatronPolicy:
     ) -> MegatronPolicy:
         """Build this rank's stage and load its shard of the starting weights.
 
-        The weights come from ``model.megatron_checkpoint`` when it is set (a Megatron-LM / Megatron-Bridge dist
-        checkpoint, model tensors only, at any layout; ``external_checkpoint``), else from the HF checkpoint
-        ``model.name_or_path`` (which always supplies the HF config).
-
-        Args:
-            settings: everything the policy is built from (``settings.policy_settings`` derives it from the config
-                sections): ``model.name_or_path`` (local HF folder with safetensors, or a ``builtin:`` name, see
-                ``builtin_models.resolve_model_path``), the parameter dtype, vocabulary padding, head padding
-                (when the KV groups do not divide ``tp_size``, all-zero KV groups up to the next multiple: exact for
-                forward and training; HF export and weight streaming drop them; checkpoints keep them; see
-                ``head_padding``), recompute, sequence parallelism, ``megatron_overrides``, ``fp32_output_layer``
-                (fp32 logits from 16-bit parameters, see ``output_layer``), Adam and the LR schedule, micro-batch and
-                log-prob chunk sizes, the seed. The Megatron configs are built from it by
-                ``model.transformer_config_from_hf`` and ``optimizer.ddp_config`` / ``optimizer_config``.
-            groups: the ``ParallelGroups`` of ``init_distributed``; their TP/PP sizes must be the settings'.
-            padding_tp_size: pad the vocabulary (and, with ``pad_attention_heads``, the KV groups) as a run at
-                this TP size did, so that its checkpoint loads at ``groups.tp_size`` (e.g. a TP=2 run exported
-                in one process). Default: ``groups.tp_size``.
-            trainable: False builds a frozen forward-only copy (parameters without gradients, no DDP wrapper, no
-                optimizer state): the reference policy of the KL term.
+        Weights from ``model.megatron_checkpoint`` when set (a Megatron-LM / Megatron-Bridge dist checkpoint at any
+        layout, ``external_checkpoint``), else from the HF folder ``model.name_or_path`` (a local folder or a
+        ``builtin:`` name), which always supplies the HF config. ``settings`` (``settings.policy_settings``) holds
+        everything else: dtype, vocabulary and head padding (``head_padding``), recompute, sequence parallelism,
+        ``megatron_overrides``, ``fp32_output_layer``, Adam and the LR schedule, batch and chunk sizes, the seed.
+        ``padding_tp_size`` pads as a run at that TP size did, so its checkpoint loads here (default
+        ``groups.tp_size``); ``trainable=False`` builds a frozen forward-only copy (the KL reference).
 
         Raises:
             ValueError: groups of another layout than the settings', heads or KV groups not divisible by
-                ``tp_size`` without ``pad_attention_heads``, or an HF config / checkpoint this converter cannot
-                handle.
+                ``tp_size`` without ``pad_attention_heads``, or an HF config / checkpoint the converter cannot map.
         """
         from megatron.core.distributed import finalize_model_grads
         from transformers import AutoConfig
@@ -220,7 +205,7 @@ class MegatronPolicy:
 
     # ----------------------------------------------------------------------------------------- micro-batches
     def _micro_batches(self, batch: TrainBatch) -> list[MicroBatch]:
-        """Cut ``batch`` into equal micro-batches (padding rows: all masks False, advantages 0).
+        """``batch`` padded (rows: all masks False, advantages 0), on the device, cut into equal micro-batches.
 
         With sequence parallelism Megatron splits the sequence over the TP ranks, so the columns are right-padded
         to a multiple of ``tp_size`` too (masked out and causally invisible, like the batch's own padding).
@@ -230,27 +215,24 @@ class MegatronPolicy:
         pad_columns = (-seq_len) % self.groups.tp_size if self.model.config.sequence_parallel else 0
         seq_len += pad_columns
 
-        def prepare(t: torch.Tensor | None) -> torch.Tensor | None:
-            if t is None:
-                return None
+        def prepare(t: torch.Tensor) -> torch.Tensor:
             t = torch.cat([t, t.new_zeros((pad, *t.shape[1:]))]) if pad else t
             if pad_columns and t.dim() == 2:
                 t = torch.cat([t, t.new_zeros((t.shape[0], pad_columns))], dim=1)
             return t.to(self.device)
 
-        fields = ("input_ids", "response_mask", "token_weights", "advantages", "old_logprobs", "ref_logprobs")
-        fields += ("keep_mask", "seq_entropy", "rollout_logprobs")
-        tensors = {k: prepare(getattr(batch, k)) for k in fields}
+        padded = batch.apply(prepare)
         positions = torch.arange(seq_len, device=self.device).expand(self.micro_batch_size, -1)
         mask = model_lib.causal_attention_mask(seq_len, self.model.layer_spec_backend)
         mask = None if mask is None else mask.to(self.device)
-        out = []
-        for start in range(0, rows + pad, self.micro_batch_size):
-            part = {k: None if v is None else v[start : start + self.micro_batch_size] for k, v in tensors.items()}
-            out.append(MicroBatch(position_ids=positions, attention_mask=mask, **part))
-        return out
+        return [
+            MicroBatch.of(
+                padded.select(slice(start, start + self.micro_batch_size)), position_ids=positions, attention_mask=mask
+            )
+            for start in range(0, rows + pad, self.micro_batch_size)
+        ]
 
-    def _run_schedule(self, micro_batches: list[MicroBatch], settings: LossSettings, *, forward_only: bool):
+    def _run_schedule(self, micro_batches: list[MicroBatch], settings: ForwardSettings, *, forward_only: bool):
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         with cuda_to_cpu_mode():
@@ -264,8 +246,8 @@ class MegatronPolicy:
                 forward_only=forward_only,
             )
 
-    def _settings(self, temperature: float, entropy_temperature: float | None, **loss_fields) -> LossSettings:
-        return LossSettings(
+    def _settings(self, temperature: float, entropy_temperature: float | None, **loss_fields) -> ForwardSettings:
+        return ForwardSettings(
             tp_group=self.groups.tp if self.groups.tp_size > 1 else None,
             vocab_size=self.geometry.vocab_size,
             temperature=temperature,
@@ -279,17 +261,12 @@ class MegatronPolicy:
     def compute_logprobs(
         self, batch: TrainBatch, *, temperature: float = 1.0, entropy_temperature: float | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """No-grad pass over all micro-batches: per-token log pi and entropy of ``batch``.
+        """No-grad pass: ``(logprobs, entropy)`` of ``batch``, ``[B, S]`` fp32 nats on CPU, 0 off ``response_mask``.
 
-        Log-probs at ``temperature``, entropy at ``entropy_temperature`` (None: ``temperature``), both from one
-        read of the logits (``ops.vocab_parallel_logprobs_entropy``).
+        Log-probs at ``temperature``, entropy at ``entropy_temperature`` (None: the same), from one read of the
+        logits; identical on every rank of the TP x PP group.
 
-        Returns:
-            ``(logprobs, entropy)``: ``[B, S]`` fp32 on CPU, nats, 0 off ``response_mask`` (and in column 0),
-            identical on every rank of this rank's TP x PP group.
-
-        Collectives: the schedule's TP/PP traffic, then one broadcast of a ``[2, B, S]`` tensor on the PP group
-        from the last stage.
+        Collectives: the schedule's TP/PP traffic, then one ``[2, B, S]`` broadcast on the PP group.
         """
         self.ddp_model.eval()
         micro_batches = self._micro_batches(batch)
@@ -329,25 +306,13 @@ class MegatronPolicy:
     def forward_backward(self, batch: TrainBatch, loss: LossSpec) -> dict[str, float]:
         """Accumulate the step's gradient into the DDP buffers (``param.main_grad``) without updating weights.
 
-        The global normaliser ``N`` (``parallel.global_normalizer``: ``ops.compute_normalizer`` for
-        ``loss.aggregation`` on this rank's rows, all-reduced over the DP group) is fixed before the schedule; see
-        ``forward_step``'s docstring for how Megatron's per-micro-batch and DP averaging are cancelled. After the
-        call every ``main_grad`` holds the gradient of the step objective, reduced over DP (and over the tied
-        embedding copies). ``batch.advantages`` (the raw A_i) is required; ``token_weights=None`` means weight 1
-        on every response token; ``keep_mask`` (row decisions made without the entropy) and ``seq_entropy``
-        (<H>_i of a pass before the update; None: measured in this forward) feed ``ops.policy_objective``, which
-        applies the entropy filter and penalty of ``loss``; ``old_logprobs=None`` means one update per batch
-        (ratio 1 with gradient); ``ref_logprobs`` feeds the optional KL term; ``rollout_logprobs`` turns on the
-        mismatch sums; ``loss.max_response_length`` selects Dr. GRPO's constant normaliser. Rows where
-        ``batch.loss_row_mask`` is False are removed (``TrainBatch.loss_mask``): no loss term and no count in the
-        normaliser (``ops.losses``).
+        ``N`` (``compute_normalizer`` of ``batch.loss_mask``, all-reduced over DP) is fixed before the schedule
+        (``forward_step``'s docstring); each micro-batch's loss is ``ops.policy_objective`` of its rows. Afterwards
+        every ``main_grad`` holds the step objective's gradient, reduced over DP and the tied embedding copies.
 
         Returns:
-            Metrics identical on every rank: ``loss`` (the step objective, summed over micro-batches and DP),
-            ``normalizer``, the objective's sums/counts (``num_tokens``, ``num_sequences``, ``clipped_tokens``,
-            ``entropy_sum``, ``seq_entropy_sum``, ``filtered_sequences``, ``advantage_abs_sum``, ...), the means
-            ``clip_frac``, ``ratio_mean``, ``kl_mean`` (per response token), and ``logprob_diff_max`` when
-            ``old_logprobs`` is given. ``{"normalizer": 0.0}`` only when no DP rank has a response token.
+            Metrics identical on every rank: ``loss``, ``normalizer``, the objective's sums, ``clip_frac``,
+            ``ratio_mean``, ``kl_mean``; ``{"normalizer": 0.0}`` only when no DP rank has a response token.
 
         Raises:
             ValueError: ``batch.advantages`` is None, or the loss rejects its arguments.
@@ -359,8 +324,7 @@ class MegatronPolicy:
             )
         if batch.advantages is None:
             raise ValueError("batch.advantages is None; fill TrainBatch.advantages before train_step")
-        batch = dataclasses.replace(batch, response_mask=batch.loss_mask)  # removed rows leave loss and normaliser
-        local = compute_normalizer(batch.response_mask, loss.aggregation, max_response_length=loss.max_response_length)
+        local = compute_normalizer(batch.loss_mask, loss.aggregation, max_response_length=loss.max_response_length)
         normalizer = global_normalizer(local, group=self.groups.dp).to(self.device)
         if float(normalizer) <= 0:
             logger.warning("train_step: no response tokens on any DP rank; step skipped")

@@ -16,9 +16,9 @@ import torch
 from gtpo_megatron.megatron_adapter.policy import MegatronPolicy
 
 if TYPE_CHECKING:
+    from gtpo_megatron.batch import TrainBatch
     from gtpo_megatron.megatron_adapter.settings import PolicySettings
     from gtpo_megatron.parallel.groups import ParallelGroups
-    from gtpo_megatron.rollout.types import TrainBatch
 
 logger = logging.getLogger(__name__)
 

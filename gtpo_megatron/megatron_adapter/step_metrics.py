@@ -15,12 +15,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from gtpo_megatron.ops import means
 from gtpo_megatron.parallel.collectives import all_reduce_, broadcast_, broadcast_object
 
 if TYPE_CHECKING:
     from gtpo_megatron.parallel.groups import ParallelGroups
 
-_MEANS = {"clip_frac": "clipped_tokens", "ratio_mean": "ratio_sum", "kl_mean": "kl_sum"}
+_STEP_MEANS = ("clip_frac", "ratio_mean", "kl_mean")  # of ops.MEANS (the entropy and filter means: the trainer's)
 
 
 def _local_totals(store: list[dict[str, torch.Tensor]], keys: list[str]) -> torch.Tensor:
@@ -42,9 +43,8 @@ def reduce_step_metrics(
         device: device for the collective buffers.
 
     Returns:
-        ``{key: float}`` for every metric key, plus the means ``clip_frac``, ``ratio_mean``, ``kl_mean`` (over
-        response tokens) when their sums are present (the entropy and filter means are named by
-        ``algorithm.objective_metrics``).
+        ``{key: float}`` for every metric key, plus the means ``clip_frac``, ``ratio_mean``, ``kl_mean``
+        (``ops.MEANS``) when their sums are present.
     """
     keys = sorted(store[0]) if groups.is_last_pp_stage else None
     if groups.pp_size > 1:
@@ -62,8 +62,4 @@ def reduce_step_metrics(
     if groups.pp_size > 1:
         broadcast_(totals, src=groups.pp_last_global_rank, group=groups.pp)
     metrics = dict(zip(keys, totals.tolist()))
-    num_tokens = metrics.get("num_tokens", 0.0)
-    for mean_key, sum_key in _MEANS.items():
-        if sum_key in metrics and num_tokens > 0:
-            metrics[mean_key] = metrics[sum_key] / num_tokens
-    return metrics
+    return {**metrics, **means(metrics, _STEP_MEANS)}

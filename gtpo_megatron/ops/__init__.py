@@ -17,18 +17,8 @@ from gtpo_megatron.ops.entropy_filter import (
     sequence_mean_entropy,
 )
 from gtpo_megatron.ops.logprobs import vocab_parallel_logprobs_entropy
-from gtpo_megatron.ops.loss_metrics import policy_loss_metrics
-from gtpo_megatron.ops.losses import (
-    AGGREGATIONS,
-    KL_ESTIMATORS,
-    POLICY_LOSS_REGISTRY,
-    LossSpec,
-    PolicyLossFn,
-    clipped_surrogate_loss,
-    compute_normalizer,
-    get_policy_loss,
-    register_policy_loss,
-)
+from gtpo_megatron.ops.loss_metrics import MEANS, means, mismatch_sums, policy_loss_metrics
+from gtpo_megatron.ops.losses import AGGREGATIONS, KL_ESTIMATORS, LOSS_NAMES, LossSpec, compute_normalizer, policy_loss
 from gtpo_megatron.ops.objective import SequenceTerms, policy_objective, sequence_terms
 from gtpo_megatron.ops.packing import PackedLayout
 
@@ -39,25 +29,25 @@ __all__ = [
     "ENTROPY_FILTER_MODES",
     "KL_ESTIMATORS",
     "LN2",
+    "LOSS_NAMES",
+    "MEANS",
     "LossSpec",
     "OVERLAP_MODES",
     "PackedLayout",
-    "POLICY_LOSS_REGISTRY",
-    "PolicyLossFn",
     "SequenceTerms",
     "apply_entropy_penalty",
     "build_conflict_weights",
-    "clipped_surrogate_loss",
     "compute_group_advantages",
     "compute_normalizer",
     "conflict_normalizers",
     "entropy_keep_mask",
     "get_advantage_estimator",
-    "get_policy_loss",
+    "means",
+    "mismatch_sums",
+    "policy_loss",
     "policy_loss_metrics",
     "policy_objective",
     "register_advantage_estimator",
-    "register_policy_loss",
     "sequence_mean_entropy",
     "sequence_terms",
     "vocab_parallel_logprobs_entropy",

@@ -5,26 +5,24 @@ penalised advantage ``A_i - gamma <H>_i`` depend only on that completion's own t
 known before the step), so with one update per batch they are computed here, in the training forward, from the
 entropy the vocab-parallel log-prob op returns together with the log-probs (one read of the logits; entropy
 detached): no forward pass before the update is needed. :func:`policy_objective` is the whole per-micro-batch
-objective (the piece an external Megatron pipeline calls from its loss function); :func:`sequence_terms` is its
-per-completion part, also used on the whole batch when a caller measured the entropies in a separate pass.
-
-Normaliser: ``normalizer`` is computed by the caller from ``response_mask`` only (``losses.compute_normalizer``,
-summed over the step), so it counts filtered completions too: the ``1/G`` of docs/algorithm.md section 1 runs over all
-completions of the group, and a filtered one contributes 0 to the sum, not to the count.
-
-Dimension legend: P prompts, G group size, B = P*G sequences (or this micro-batch's rows), T token columns
-(response layout or the full ``[B, S]`` layout; everything is masked by ``response_mask``).
-Pure torch: no collectives, no ``.item()``, inputs never modified.
+objective; :func:`sequence_terms` is its per-completion part, also used on the whole batch when a caller measured
+the entropies in a separate pass. The normaliser counts filtered completions too (``ops/losses.py``: which rows
+count). B rows, T token columns. Pure torch: no collectives, no ``.item()``, inputs never modified.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from gtpo_megatron.ops.entropy_filter import apply_entropy_penalty, entropy_keep_mask, sequence_mean_entropy
-from gtpo_megatron.ops.losses import LossSpec, get_policy_loss
+from gtpo_megatron.ops.loss_metrics import mismatch_sums
+from gtpo_megatron.ops.losses import LossSpec, policy_loss
+
+if TYPE_CHECKING:
+    from gtpo_megatron.batch import TrainBatch
 
 
 @dataclass(frozen=True)
@@ -51,15 +49,8 @@ def sequence_terms(
 ) -> SequenceTerms:
     """delta_i and the penalised advantage of each completion (docs/algorithm.md section 4).
 
-    Args:
-        seq_entropy: ``[B]`` mean entropy ``<H>_i`` in nats (``entropy_filter.sequence_mean_entropy``).
-        raw_advantages: ``[B]`` group-relative advantages ``A_i`` (section 2), before the penalty.
-        spec: the step objective (``entropy_filter``, ``entropy_threshold``, ``initial_entropy``,
-            ``entropy_only_negative``, ``entropy_penalty``).
-        keep_mask: optional ``[B]`` bool decided without the entropy (e.g. ``skip_uniform_groups``); ANDed in.
-
-    Returns:
-        :class:`SequenceTerms`.
+    ``seq_entropy`` ``[B]`` <H>_i in nats, ``raw_advantages`` ``[B]`` A_i; ``keep_mask`` an optional ``[B]`` bool
+    row decision ANDed into delta_i.
 
     Raises:
         ValueError: from ``entropy_keep_mask`` / ``apply_entropy_penalty`` (e.g. the ``paper`` filter without
@@ -81,76 +72,58 @@ def sequence_terms(
 
 
 def policy_objective(
-    *,
     policy_logprobs: torch.Tensor,
     entropy: torch.Tensor | None,
-    raw_advantages: torch.Tensor,
-    token_weights: torch.Tensor,
-    response_mask: torch.Tensor,
-    normalizer: torch.Tensor,
+    batch: TrainBatch,
     spec: LossSpec,
-    keep_mask: torch.Tensor | None = None,
-    seq_entropy: torch.Tensor | None = None,
-    old_logprobs: torch.Tensor | None = None,
-    ref_logprobs: torch.Tensor | None = None,
+    normalizer: torch.Tensor,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor], SequenceTerms]:
     """This micro-batch's contribution to the step objective, with delta_i and ``A_i - gamma <H>_i`` decided here.
 
-    Args:
-        policy_logprobs: ``[B, T]`` fp32 log pi_theta at ``spec.temperature`` (nats), differentiable.
-        entropy: ``[B, T]`` fp32 token entropy at ``spec.entropy_temperature`` (nats; detached, e.g. the second
-            output of ``vocab_parallel_logprobs_entropy(..., entropy_temperature=...)``); values off
-            ``response_mask`` are ignored. None only when ``seq_entropy`` is given or ``spec`` neither filters
-            nor penalises (then no entropy metrics).
-        raw_advantages: ``[B]`` group-relative advantages ``A_i`` (docs/algorithm.md section 2, before the penalty).
-        token_weights: ``[B, T]`` per-token multiplier decided before the forward: conflict lambda (section 3)
-            times any row decision independent of the entropy (e.g. DAPO's overlong filter); ``delta_i`` is
-            applied here. Baselines pass ``response_mask.float()``.
-        response_mask: ``[B, T]`` bool, True on response tokens.
-        normalizer: scalar tensor (> 0), the step's global count (``losses.compute_normalizer`` over the step's
-            masks; independent of ``delta_i``, see the module docstring).
-        spec: the step objective (:class:`~gtpo_megatron.ops.losses.LossSpec`).
-        keep_mask: optional ``[B]`` bool row decision made without the entropy (``skip_uniform_groups``); it
-            counts as filtered in the metrics.
-        seq_entropy: optional ``[B]`` ``<H>_i`` measured beforehand (a separate pass at the old weights, when one
-            is needed); None: from ``entropy``.
-        old_logprobs: ``[B, T]`` log pi_old (several updates per batch) or None (ratio 1 with gradient).
-        ref_logprobs: ``[B, T]`` reference-policy log-probs for the KL term (``spec.kl_coef > 0``), or None.
+    ``policy_logprobs``: ``[B, T]`` fp32 log pi_theta at ``spec.temperature`` (differentiable); ``entropy``:
+    ``[B, T]`` detached token entropy at ``spec.entropy_temperature``, None only with ``batch.seq_entropy`` or
+    without filter and penalty; ``batch``: the rows' record (its ``loss_mask`` and raw ``advantages``, see
+    ``gtpo_megatron.batch``); ``normalizer``: the step's global count (1 gives the plain sum).
 
     Returns:
-        ``(loss, metrics, terms)``: the fp32 scalar loss (gradient w.r.t. ``policy_logprobs`` only); the loss's
-        metric sums (``loss_metrics.policy_loss_metrics``, with ``entropy_sum`` of ``entropy`` and
-        ``filtered_sequences`` of ``terms.keep_mask``) plus ``advantage_abs_sum`` and (given an entropy)
-        ``seq_entropy_sum`` over the rows with a response token; and the :class:`SequenceTerms`.
+        ``(loss, metrics, terms)``: the fp32 scalar loss; detached sums (``policy_loss_metrics``'s, ``loss``,
+        ``advantage_abs_sum``, ``seq_entropy_sum`` given an entropy, ``mismatch_sums`` given
+        ``rollout_logprobs``, ``logprob_diff_max`` given ``old_logprobs``: reduce it with MAX); the terms.
 
     Raises:
-        ValueError: neither ``entropy`` nor ``seq_entropy`` while ``spec`` filters or penalises, and the checks of
-            :func:`sequence_terms` and of the registered loss.
+        ValueError: ``batch.advantages`` is None; no entropy while ``spec`` filters or penalises; the checks of
+            :func:`sequence_terms` and ``losses.policy_loss``.
     """
-    measured = seq_entropy is not None or entropy is not None
-    if seq_entropy is None:
-        seq_entropy = _seq_entropy(entropy, response_mask, spec)
-    terms = sequence_terms(seq_entropy, raw_advantages, spec, keep_mask=keep_mask)
-    loss, metrics = get_policy_loss(spec.loss_name)(
+    if batch.advantages is None:
+        raise ValueError("batch.advantages is None; fill TrainBatch.advantages (the raw A_i) before the loss")
+    mask = batch.loss_mask
+    token_weights = mask.float() if batch.token_weights is None else batch.token_weights
+    measured = batch.seq_entropy is not None or entropy is not None
+    seq_entropy = batch.seq_entropy if batch.seq_entropy is not None else _seq_entropy(entropy, mask, spec)
+    terms = sequence_terms(seq_entropy, batch.advantages, spec)
+    loss, metrics = policy_loss(
         policy_logprobs=policy_logprobs,
-        old_logprobs=old_logprobs,
+        old_logprobs=batch.old_logprobs,
         advantages=terms.advantages,
         token_weights=token_weights * terms.keep_mask.unsqueeze(-1),
-        response_mask=response_mask,
+        response_mask=mask,
         normalizer=normalizer,
-        aggregation=spec.aggregation,
-        clip_eps_low=spec.clip_eps_low,
-        clip_eps_high=spec.clip_eps_high,
-        ref_logprobs=ref_logprobs,
-        kl_coef=spec.kl_coef,
-        kl_estimator=spec.kl_estimator,
+        spec=spec,
+        ref_logprobs=batch.ref_logprobs,
         entropy=entropy,
-        entropy_keep_mask=terms.keep_mask,
+        keep_mask=terms.keep_mask,
     )
-    has_tokens_B = response_mask.any(dim=-1)
+    has_tokens_B = mask.any(dim=-1)
     if measured:
         metrics["seq_entropy_sum"] = torch.where(has_tokens_B, terms.seq_entropy, 0.0).sum()
     metrics["advantage_abs_sum"] = torch.where(has_tokens_B, terms.advantages.abs(), 0.0).sum()
+    metrics["loss"] = loss.detach().float()
+    logprobs = policy_logprobs.detach()
+    if batch.rollout_logprobs is not None:
+        metrics.update(mismatch_sums(logprobs, batch.rollout_logprobs, mask))
+    if batch.old_logprobs is not None:
+        diff = torch.where(mask, (logprobs - batch.old_logprobs).abs(), 0.0)
+        metrics["logprob_diff_max"] = diff.max() if diff.numel() else diff.new_zeros(())
     return loss, metrics, terms
 
 
@@ -161,6 +134,6 @@ def _seq_entropy(entropy: torch.Tensor | None, response_mask: torch.Tensor, spec
     if spec.entropy_filter != "off" or spec.entropy_penalty > 0:
         raise ValueError(
             f"entropy_filter={spec.entropy_filter!r} / entropy_penalty={spec.entropy_penalty} need each completion's "
-            "entropy: pass entropy [B, T] (vocab_parallel_logprobs_entropy's second output) or seq_entropy [B]"
+            "entropy: pass entropy [B, T] (vocab_parallel_logprobs_entropy's second output) or batch.seq_entropy [B]"
         )
     return torch.zeros(response_mask.shape[0], dtype=torch.float32, device=response_mask.device)

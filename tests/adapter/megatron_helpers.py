@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
+from gtpo_megatron.batch import TrainBatch
 from gtpo_megatron.config import ModelConfig
 from gtpo_megatron.megatron_adapter.settings import PolicySettings
-from gtpo_megatron.rollout.types import TrainBatch
 from tests.helpers.references import ref_logprobs_entropy
 
 TINY_QWEN2 = "builtin:tiny-qwen2"
@@ -48,7 +48,7 @@ def make_batch(
     weights[weights < 0.3] = 0.0
     return TrainBatch(
         input_ids=input_ids,
-        attention_mask=attention_mask,
+        token_mask=attention_mask,
         response_mask=response_mask,
         advantages=torch.randn(rows, generator=gen),
         token_weights=weights * response_mask,
@@ -112,20 +112,18 @@ def reference_grads(
     hf_model, batch: TrainBatch, *, loss_name: str, aggregation: str, clip_eps: float = 0.2
 ) -> tuple[float, dict[str, torch.Tensor]]:
     """Single-process loss and gradient of every HF parameter for the whole ``batch`` (one micro-batch)."""
-    from gtpo_megatron.ops import compute_normalizer, get_policy_loss
+    from gtpo_megatron.ops import LossSpec, compute_normalizer, policy_loss
 
     hf_model.zero_grad(set_to_none=True)
     logprobs, _ = reference_token_logprobs(hf_model, batch)
-    loss, _ = get_policy_loss(loss_name)(
+    loss, _ = policy_loss(
         policy_logprobs=logprobs.float(),
         old_logprobs=batch.old_logprobs,
         advantages=batch.advantages,
         token_weights=batch.token_weights,
         response_mask=batch.response_mask,
         normalizer=compute_normalizer(batch.response_mask, aggregation),
-        aggregation=aggregation,
-        clip_eps_low=clip_eps,
-        clip_eps_high=clip_eps,
+        spec=LossSpec(loss_name=loss_name, aggregation=aggregation, clip_eps_low=clip_eps, clip_eps_high=clip_eps),
     )
     loss.backward()
     # With tied embeddings the single HF parameter's gradient already sums both uses.

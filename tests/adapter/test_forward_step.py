@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from gtpo_megatron.megatron_adapter.forward_step import (
-    LossSettings,
+    ForwardSettings,
     MicroBatch,
     policy_loss_closure,
     token_logprobs_entropy,
@@ -41,8 +41,8 @@ def _inputs():
     )
 
 
-def _settings(**fields) -> LossSettings:
-    return LossSettings(tp_group=None, vocab_size=VOCAB, temperature=1.0, chunk_size=None, **fields)
+def _settings(**fields) -> ForwardSettings:
+    return ForwardSettings(tp_group=None, vocab_size=VOCAB, temperature=1.0, chunk_size=None, **fields)
 
 
 def _rows(batch: MicroBatch, rows: slice) -> MicroBatch:

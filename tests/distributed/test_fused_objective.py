@@ -23,8 +23,7 @@ import torch
 
 from gtpo_megatron.algorithm import build_loss_spec, compute_step_weights
 from gtpo_megatron.config import RolloutConfig
-from gtpo_megatron.ops import sequence_mean_entropy, sequence_terms
-from gtpo_megatron.rollout.batch import mismatch_sums
+from gtpo_megatron.ops import mismatch_sums, sequence_mean_entropy, sequence_terms
 from tests.adapter.megatron_helpers import TINY_QWEN2, make_batch, model_section, settings_at
 from tests.helpers.batches import algorithm_section
 from tests.helpers.dist_harness import run_distributed
@@ -58,7 +57,7 @@ def _local(batch, groups):
 def _step_inputs(policy, groups):
     """A batch of two groups, its rewards, and the GTPO spec with a fixed tau that filters about half the rows."""
     batch = make_batch(rows=ROWS, seq_len=10, seed=5)
-    batch.extras["rollout_logprobs"] = -torch.rand(batch.input_ids.shape, generator=torch.Generator().manual_seed(2))
+    batch.rollout_logprobs = -torch.rand(batch.input_ids.shape, generator=torch.Generator().manual_seed(2))
     rewards = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 1.0, 0.0])
     _, entropy = policy.compute_logprobs(batch, temperature=1.0)
     tau = float(sequence_mean_entropy(entropy, batch.response_mask).median())  # the median: some rows filtered
@@ -77,14 +76,14 @@ def _two_pass(policy, batch, rewards, cfg, spec, groups) -> dict:
         sequence_mean_entropy(entropy, local.response_mask),
         weights.raw_advantages[rows],
         spec,
-        keep_mask=weights.keep_mask[rows],
+        keep_mask=weights.loss_row_mask[rows],
     )
     local.advantages = terms.advantages
     local.token_weights = weights.token_weights[rows] * terms.keep_mask.unsqueeze(-1)
     plain = dataclasses.replace(spec, entropy_filter="off", entropy_penalty=0.0)
     policy.zero_grad()
     metrics = policy.forward_backward(local, plain)
-    mismatch = mismatch_sums(old_logprobs, local.extras["rollout_logprobs"], local.response_mask)
+    mismatch = mismatch_sums(old_logprobs, local.rollout_logprobs, local.response_mask)
     return dict(metrics=metrics, grads=_grads(policy), terms=terms, mismatch=mismatch)
 
 
@@ -94,8 +93,7 @@ def _fused(policy, batch, rewards, cfg, spec, groups) -> dict:
     rows = slice(groups.dp_rank * local.num_sequences, (groups.dp_rank + 1) * local.num_sequences)
     local.advantages = weights.raw_advantages[rows]
     local.token_weights = weights.token_weights[rows]
-    local.keep_mask = weights.keep_mask[rows]
-    local.rollout_logprobs = local.extras["rollout_logprobs"]
+    local.loss_row_mask = weights.loss_row_mask[rows]
     policy.zero_grad()
     return dict(metrics=policy.forward_backward(local, spec), grads=_grads(policy))
 
@@ -128,8 +126,8 @@ def _check_fused_equals_two_pass(tp: int) -> None:
         "advantage_abs_sum": _dp_sum(float(terms.advantages.abs()[has_tokens].sum()), groups),
         "seq_entropy_sum": _dp_sum(float(terms.seq_entropy[has_tokens].sum()), groups),
         "filtered_sequences": _dp_sum(float((~terms.keep_mask & has_tokens).sum()), groups),
-        "mismatch_abs_logprob_diff": _dp_sum(float(old["mismatch"]["abs_logprob_diff"]), groups),
-        "mismatch_prob_ratio_err": _dp_sum(float(old["mismatch"]["prob_ratio_err"]), groups),
+        "mismatch_abs_logprob_diff": _dp_sum(float(old["mismatch"]["mismatch_abs_logprob_diff"]), groups),
+        "mismatch_prob_ratio_err": _dp_sum(float(old["mismatch"]["mismatch_prob_ratio_err"]), groups),
     }
     worst = max(abs(b[k] - v) for k, v in expected.items())
     assert worst <= ATOL * b["num_tokens"], (label, {k: (b[k], v) for k, v in expected.items()})

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from gtpo_megatron.ops import compute_normalizer, get_policy_loss, vocab_parallel_logprobs_entropy
+from gtpo_megatron.ops import LossSpec, compute_normalizer, policy_loss, vocab_parallel_logprobs_entropy
 from gtpo_megatron.parallel import (
     all_gather_rows,
     all_reduce_,
@@ -185,16 +185,14 @@ def _dp_invariance(rank, world, group) -> None:
             (mine, global_normalizer(local_normalizer(mask[mine], aggregation), group=group)),
         ):
             leaf = policy[part].clone().requires_grad_()
-            loss, metrics = get_policy_loss("gtpo")(
+            loss, metrics = policy_loss(
                 policy_logprobs=leaf,
                 old_logprobs=old[part],
                 advantages=adv[part],
                 token_weights=weights[part],
                 response_mask=mask[part],
                 normalizer=normalizer,
-                aggregation=aggregation,
-                clip_eps_low=0.2,
-                clip_eps_high=0.2,
+                spec=LossSpec(loss_name="gtpo", aggregation=aggregation, clip_eps_low=0.2, clip_eps_high=0.2),
             )
             loss.backward()
             outputs.append((loss.detach(), metrics, leaf.grad))

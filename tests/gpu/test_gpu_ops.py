@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gtpo_megatron.ops import get_policy_loss, vocab_parallel_logprobs_entropy
+from gtpo_megatron.ops import LossSpec, policy_loss, vocab_parallel_logprobs_entropy
 from gtpo_megatron.plan.memory import logits_bytes
 from tests.gpu.common import DEVICE, DRY_RUN, needs_cuda
 from tests.gpu.report import record
@@ -134,12 +134,14 @@ def test_policy_loss_cuda_vs_float64(name: str) -> None:
     normalizer = float(mask.sum()) if case["aggregation"] == "token-mean" else float(mask.any(-1).sum())
 
     cuda_policy = policy.float().to(DEVICE).requires_grad_(True)
-    loss, _ = get_policy_loss(name)(
+    spec = LossSpec(
+        loss_name=name, aggregation=case["aggregation"], clip_eps_low=case["clip"][0], clip_eps_high=case["clip"][1],
+        kl_coef=case["kl"],
+    )  # fmt: skip
+    loss, _ = policy_loss(
         policy_logprobs=cuda_policy, old_logprobs=old.float().to(DEVICE), advantages=advantages.float().to(DEVICE),
         token_weights=weights.float().to(DEVICE), response_mask=mask.to(DEVICE),
-        normalizer=torch.tensor(normalizer, device=DEVICE), aggregation=case["aggregation"],
-        clip_eps_low=case["clip"][0], clip_eps_high=case["clip"][1], ref_logprobs=ref.float().to(DEVICE),
-        kl_coef=case["kl"],
+        normalizer=torch.tensor(normalizer, device=DEVICE), spec=spec, ref_logprobs=ref.float().to(DEVICE),
     )  # fmt: skip
     loss.backward()
     ref_policy = policy.float().double().requires_grad_(True)  # the same fp32-rounded inputs, in float64

@@ -19,9 +19,9 @@ import importlib.util
 import pytest
 import torch
 
+from gtpo_megatron.batch import TrainBatch
 from gtpo_megatron.config import ModelConfig
 from gtpo_megatron.ops import LossSpec
-from gtpo_megatron.rollout.types import TrainBatch
 from tests.gpu.common import DRY_RUN, MODEL, reference_train_loss, single_rank_world
 from tests.gpu.report import record
 
@@ -98,18 +98,18 @@ def _with_advantages(batch: TrainBatch) -> TrainBatch:
 
 
 def test_vllm_logprobs_match_trainer(engine, policy, rollout_batch: TrainBatch) -> None:
-    from gtpo_megatron.rollout.batch import mismatch_sums
+    from gtpo_megatron.ops import mismatch_sums
 
     trainer_logprobs, _ = policy.compute_logprobs(rollout_batch, temperature=1.0)
-    sums = mismatch_sums(trainer_logprobs, rollout_batch.extras["rollout_logprobs"], rollout_batch.response_mask)
-    count = sums["count"].item()
-    mean_abs = sums["abs_logprob_diff"].item() / count
-    delta = (trainer_logprobs - rollout_batch.extras["rollout_logprobs"])[rollout_batch.response_mask]
+    sums = mismatch_sums(trainer_logprobs, rollout_batch.rollout_logprobs, rollout_batch.response_mask)
+    count = rollout_batch.response_mask.sum().item()
+    mean_abs = sums["mismatch_abs_logprob_diff"].item() / count
+    delta = (trainer_logprobs - rollout_batch.rollout_logprobs)[rollout_batch.response_mask]
     check = "test_vllm_logprobs_match_trainer"
     record(check, f"mean |log pi_train - log pi_vllm| over {int(count)} tokens", mean_abs,
            limit=MEAN_MISMATCH_LIMIT, unit="nats")  # fmt: skip
     record(check, "max |log pi_train - log pi_vllm|", delta.abs().max().item(), unit="nats")
-    record(check, "mean |pi_train / pi_vllm - 1|", sums["prob_ratio_err"].item() / count)
+    record(check, "mean |pi_train / pi_vllm - 1|", sums["mismatch_prob_ratio_err"].item() / count)
     assert count > 0 and mean_abs <= MEAN_MISMATCH_LIMIT
 
 

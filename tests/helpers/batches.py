@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from gtpo_megatron.batch import TrainBatch
 from gtpo_megatron.config import PRESETS, AlgorithmConfig
 from gtpo_megatron.rollout.batch import collate_completions
-from gtpo_megatron.rollout.types import Completion, PromptCompletions, TrainBatch
+from gtpo_megatron.rollout.types import Completion, PromptCompletions
 
 EOS = 2
 

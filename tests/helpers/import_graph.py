@@ -18,6 +18,7 @@ PACKAGE = "gtpo_megatron"
 # Each layer lists module prefixes; the longest matching prefix decides.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("collectives: torch.distributed calls", ("gtpo_megatron.parallel.collectives",)),
+    ("the per-row record", ("gtpo_megatron.batch",)),
     ("ops: torch math", ("gtpo_megatron.ops",)),
     (
         "torch-free helpers",

@@ -1,17 +1,11 @@
-"""Policy losses vs the float64 token-loop reference, registry contract, micro-batch and padding invariance."""
+"""The policy loss vs the float64 token-loop reference, LossSpec's rules, micro-batch and padding invariance."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from gtpo_megatron.ops import (
-    KL_ESTIMATORS,
-    POLICY_LOSS_REGISTRY,
-    compute_normalizer,
-    get_policy_loss,
-    register_policy_loss,
-)
+from gtpo_megatron.ops import KL_ESTIMATORS, LOSS_NAMES, LossSpec, compute_normalizer, policy_loss
 from tests.helpers.references import ref_policy_loss
 
 B, T = 8, 6
@@ -33,23 +27,24 @@ def _batch(seed=0, extra_pad=0):
     return dict(policy=policy, old=old, ref=ref, weights=weights, adv=adv, mask=mask, lengths=lengths)
 
 
+def _spec(name, aggregation, **fields) -> LossSpec:
+    return LossSpec(loss_name=name, aggregation=aggregation, clip_eps_low=0.2, clip_eps_high=0.28, **fields)
+
+
 def _call(
     name, b, normalizer, aggregation, *, rows=slice(None), kl_coef=0.0, old=True, dtype=torch.float32, estimator="k3"
 ):
     policy = b["policy"][rows].to(dtype).requires_grad_()
-    loss, metrics = get_policy_loss(name)(
+    spec = _spec(name, aggregation, kl_coef=kl_coef, kl_estimator=estimator)
+    loss, metrics = policy_loss(
         policy_logprobs=policy,
         old_logprobs=b["old"][rows].to(dtype) if old else None,
         advantages=b["adv"][rows].to(dtype),
         token_weights=b["weights"][rows].to(dtype),
         response_mask=b["mask"][rows],
         normalizer=normalizer,
-        aggregation=aggregation,
-        clip_eps_low=0.2,
-        clip_eps_high=0.28,
+        spec=spec,
         ref_logprobs=b["ref"][rows].to(dtype),
-        kl_coef=kl_coef,
-        kl_estimator=estimator,
     )
     loss.backward()
     return loss, metrics, policy.grad
@@ -108,8 +103,8 @@ def test_kl_estimators_match_reference(estimator):
     torch.testing.assert_close(metrics["kl_sum"].double(), expected_kl, atol=1e-5, rtol=1e-6)
 
 
-@pytest.mark.parametrize("name", sorted(POLICY_LOSS_REGISTRY))
-def test_every_registered_loss_with_canonical_kwargs(name):
+@pytest.mark.parametrize("name", LOSS_NAMES)
+def test_every_loss_with_its_aggregation(name):
     aggregation = {"dapo": "token-mean", "dr_grpo": "seq-mean-token-sum"}.get(name, "seq-mean-token-mean")
     b = _batch()
     loss, metrics, grad = _call(name, b, compute_normalizer(b["mask"], aggregation), aggregation)
@@ -143,18 +138,16 @@ def test_metrics_literal():
     weights = torch.tensor([[2.0, 1.0, 0.0], [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
     policy = torch.zeros(3, 3, requires_grad=True)
     old = torch.tensor([[0.0, -1.0, 0.0], [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]])  # ratio e at (0,1): clipped for A>0
-    _, m = get_policy_loss("gtpo")(
+    _, m = policy_loss(
         policy_logprobs=policy,
         old_logprobs=old,
         advantages=torch.tensor([1.0, -1.0, 0.0]),
         token_weights=weights,
         response_mask=mask,
         normalizer=torch.tensor(2.0),
-        aggregation="seq-mean-token-mean",
-        clip_eps_low=0.2,
-        clip_eps_high=0.2,
+        spec=LossSpec(loss_name="gtpo", aggregation="seq-mean-token-mean", clip_eps_low=0.2, clip_eps_high=0.2),
         entropy=torch.full((3, 3), 0.5),
-        entropy_keep_mask=torch.tensor([True, False, True]),
+        keep_mask=torch.tensor([True, False, True]),
     )
     expected = {
         "num_tokens": 5,
@@ -174,18 +167,28 @@ def test_metrics_literal():
     assert m["ratio_sum"].item() == pytest.approx(4 + torch.e)
 
 
-def test_registry_and_validation_errors():
+def test_loss_spec_refuses_what_a_loss_is_not_defined_with():
     b = _batch()
-    with pytest.raises(ValueError, match="already registered"):
-        register_policy_loss("gtpo")(lambda **kw: None)
     with pytest.raises(ValueError, match="dr_grpo"):
-        get_policy_loss("ppo")
-    with pytest.raises(ValueError, match="token-mean"):
-        _call("dapo", b, torch.tensor(1.0), "seq-mean-token-mean")
-    with pytest.raises(ValueError, match="KL"):
-        _call("gtpo", b, torch.tensor(1.0), "token-mean", kl_coef=0.1)
+        _spec("ppo", "token-mean")
+    with pytest.raises(ValueError, match="dapo uses aggregation='token-mean'"):
+        _spec("dapo", "seq-mean-token-mean")
+    with pytest.raises(ValueError, match="dr_grpo uses aggregation='seq-mean-token-sum'"):
+        _spec("dr_grpo", "token-mean")
+    for name in ("gtpo", "dapo"):
+        with pytest.raises(ValueError, match=f"{name} has no KL term"):
+            _spec(name, "token-mean", kl_coef=0.1)
     with pytest.raises(ValueError, match="aggregation"):
-        _call("grpo", b, torch.tensor(1.0), "sum")
+        _spec("grpo", "sum")
+    with pytest.raises(ValueError, match="kl_estimator"):
+        _spec("grpo", "token-mean", kl_coef=0.1, kl_estimator="k4")
+    with pytest.raises(ValueError, match="must both be >= 0"):
+        LossSpec(loss_name="grpo", aggregation="token-mean", clip_eps_low=-0.1, clip_eps_high=0.2)
+    with pytest.raises(ValueError, match="needs ref_logprobs"):
+        policy_loss(
+            policy_logprobs=b["policy"], old_logprobs=None, advantages=b["adv"], token_weights=b["weights"],
+            response_mask=b["mask"], normalizer=torch.tensor(1.0), spec=_spec("grpo", "token-mean", kl_coef=0.1),
+        )  # fmt: skip
     with pytest.raises(ValueError, match="max_response_length"):
         compute_normalizer(b["mask"], "token-mean", max_response_length=4)
     assert compute_normalizer(b["mask"], "seq-mean-token-sum", max_response_length=6).item() == 7 * 6

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from gtpo_megatron.batch import TrainBatch
 from gtpo_megatron.ops import LossSpec, compute_normalizer, policy_objective, sequence_mean_entropy
 from tests.helpers.references import ref_keep, ref_policy_loss
 
@@ -29,18 +30,17 @@ def _spec(**fields) -> LossSpec:
     return LossSpec(**{**base, "entropy_filter": "paper", "initial_entropy": 0.5, "entropy_penalty": 0.1, **fields})
 
 
-def _objective(logprobs, entropy, weights, raw, mask, spec, **extra):
+def _objective(logprobs, entropy, weights, raw, mask, spec, **fields):
     leaf = logprobs.float().clone().requires_grad_(True)
-    loss, metrics, terms = policy_objective(
-        policy_logprobs=leaf,
-        entropy=entropy.float(),
-        raw_advantages=raw.float(),
-        token_weights=weights.float(),
+    batch = TrainBatch(
+        input_ids=torch.zeros(mask.shape, dtype=torch.long),
         response_mask=mask,
-        normalizer=compute_normalizer(mask, spec.aggregation),
-        spec=spec,
-        **extra,
+        advantages=raw.float(),
+        token_weights=weights.float(),
+        **fields,
     )
+    normalizer = compute_normalizer(batch.loss_mask, spec.aggregation)
+    loss, metrics, terms = policy_objective(leaf, entropy.float(), batch, spec, normalizer)
     loss.backward()
     return loss, metrics, terms, leaf.grad
 
@@ -73,18 +73,36 @@ def test_matches_float64_filter_penalty_and_loss(aggregation):
     assert metrics["entropy_sum"].item() == pytest.approx(float(entropy[mask].sum()), rel=1e-6)
 
 
-def test_given_seq_entropy_and_keep_mask():
+def test_given_seq_entropy_and_removed_rows():
     logprobs, entropy, weights, raw, mask = _inputs(seed=1)
     spec = _spec()
     measured = _objective(logprobs, entropy, weights, raw, mask, spec)
     given = sequence_mean_entropy(entropy.float(), mask)
     again = _objective(logprobs, torch.zeros_like(entropy), weights, raw, mask, spec, seq_entropy=given)
     assert torch.equal(measured[0], again[0]) and torch.equal(measured[3], again[3])  # the pass-before path
-    keep = torch.tensor([False, True, True, True, True, True])  # e.g. skip_uniform_groups
-    _, metrics, terms, grad = _objective(logprobs, entropy, weights, raw, mask, spec, keep_mask=keep)
-    assert not terms.keep_mask[0] and bool((grad[0] == 0).all())
-    dropped = ~(measured[2].keep_mask & keep) & mask.any(dim=-1)  # counted over rows with a response token
-    assert metrics["filtered_sequences"].item() == int(dropped.sum())
+    # loss_row_mask False (e.g. skip_uniform_groups): the row leaves loss, normaliser and metrics, as if deleted
+    row_mask = torch.tensor([False, True, True, True, True, True])
+    loss, metrics, _, grad = _objective(logprobs, entropy, weights, raw, mask, spec, loss_row_mask=row_mask)
+    kept = _objective(logprobs[1:], entropy[1:], weights[1:], raw[1:], mask[1:], spec)
+    torch.testing.assert_close(loss, kept[0], atol=1e-7, rtol=1e-6)
+    assert bool((grad[0] == 0).all()) and torch.equal(grad[1:], kept[3])
+    assert {k: v.item() for k, v in metrics.items() if k != "loss"} == {
+        k: v.item() for k, v in kept[1].items() if k != "loss"
+    }
+
+
+def test_mismatch_and_logprob_diff_sums_literal():
+    mask = torch.tensor([[False, True, True, False]])
+    logprobs = torch.tensor([[5.0, -1.0, -2.0, 9.0]])
+    rollout = torch.tensor([[0.0, -1.5, -2.0, 0.0]])
+    spec = LossSpec(loss_name="grpo", aggregation="token-mean", clip_eps_low=0.2, clip_eps_high=0.2)
+    _, metrics, _, _ = _objective(
+        logprobs, torch.zeros(1, 4), mask.float(), torch.tensor([1.0]), mask, spec, rollout_logprobs=rollout,
+        old_logprobs=torch.tensor([[0.0, -1.25, -2.0, 0.0]]),
+    )  # fmt: skip
+    assert metrics["mismatch_abs_logprob_diff"].item() == pytest.approx(0.5)  # |-1 + 1.5| on the response only
+    assert metrics["mismatch_prob_ratio_err"].item() == pytest.approx(math.exp(0.5) - 1)
+    assert metrics["logprob_diff_max"].item() == pytest.approx(0.25)
 
 
 def test_filter_and_penalty_off_is_the_plain_loss():

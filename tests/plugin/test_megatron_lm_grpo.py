@@ -91,7 +91,7 @@ def test_padded_batch_matches_megatron_lm_grpo(micro_batches):
     tokens, loss_mask, logits, old, ref, inference, rewards, advantages = _rollout()
     weights = _gtpo_off_weights(tokens, loss_mask, rewards)
     batch = _plugin_batch(tokens, loss_mask, old, ref, inference, advantages, weights.token_weights)
-    settings = plugin.loss_settings(SPEC, vocab_size=VOCAB)
+    settings = plugin.forward_settings(SPEC, vocab_size=VOCAB)
     rows = ROWS // micro_batches
     per_token, sums, counts, mean_of_means = [], 0.0, 0, 0.0
     for m in range(micro_batches):
@@ -155,7 +155,7 @@ def test_packed_bin_matches_megatron_lm_grpo():
     reference.backward()
     batch = _plugin_batch(p_tokens, p_mask, p_old, p_ref, p_inference, advantages, weights.token_weights)
     ours_leaf = p_logits.clone().requires_grad_(True)
-    loss_sum, count, _ = plugin.per_token_loss(ours_leaf, batch, plugin.loss_settings(SPEC, vocab_size=VOCAB),
+    loss_sum, count, _ = plugin.per_token_loss(ours_leaf, batch, plugin.forward_settings(SPEC, vocab_size=VOCAB),
                                                packed=layout)  # fmt: skip
     loss_sum.backward()
     assert count.item() == int(mask.sum()) and abs(loss_sum.item() - reference.item()) <= 1e-5

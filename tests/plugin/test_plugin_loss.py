@@ -83,7 +83,9 @@ def _reference(logits: torch.Tensor, batch: plugin.MicroBatch, spec) -> tuple[fl
 def _replay(logits, batch, spec, *, dp: int, micro: int, form: str):
     """Gradient w.r.t. the logits after Megatron's schedule, DDP and finalize_model_grads, and the stored metrics."""
     normalizer = compute_normalizer(batch.response_mask, spec.aggregation, max_response_length=spec.max_response_length)
-    settings = plugin.loss_settings(spec, vocab_size=VOCAB, normalizer=normalizer, num_microbatches=micro, dp_size=dp)
+    settings = plugin.forward_settings(
+        spec, vocab_size=VOCAB, normalizer=normalizer, num_microbatches=micro, dp_size=dp
+    )
     leaf = logits.clone().requires_grad_(True)
     per_rank, per_micro = ROWS // dp, ROWS // dp // micro
     summed, total_count, store = torch.zeros_like(leaf), 0, []
@@ -132,10 +134,28 @@ def test_per_token_form_without_per_token_normalisation_is_a_micro_batch_mean():
     assert torch.allclose(grad, expected, atol=1e-7, rtol=0)
 
 
+@pytest.mark.parametrize("aggregation", list(SPECS))
+def test_a_micro_batch_loss_row_mask_removes_its_rows(aggregation):
+    # the record's one row mask: a row with loss_row_mask False gives what masking its response by hand gives
+    logits, batch = _inputs()
+    settings = plugin.forward_settings(SPECS[aggregation], vocab_size=VOCAB)
+    row_mask = torch.arange(ROWS) != 1
+    by_hand = dataclasses.replace(batch, response_mask=batch.response_mask & row_mask[:, None])
+    results = []
+    for micro in (dataclasses.replace(batch, loss_row_mask=row_mask), by_hand):
+        leaf = logits.clone().requires_grad_(True)
+        loss, count, metrics = plugin.per_token_loss(leaf, micro, settings)
+        loss.backward()
+        results.append((loss, count, metrics, leaf.grad))
+    (loss, count, metrics, grad), (loss2, count2, metrics2, grad2) = results
+    assert torch.equal(loss, loss2) and torch.equal(count, count2) and torch.equal(grad, grad2)
+    assert grad[1].abs().sum() == 0 and all(torch.equal(metrics[k], metrics2[k]) for k in metrics)
+
+
 def test_logprobs_path_equals_logits_path_and_metrics_are_pairs():
     logits, batch = _inputs()
     spec = SPECS["token-mean"]
-    settings = plugin.loss_settings(spec, vocab_size=VOCAB)
+    settings = plugin.forward_settings(spec, vocab_size=VOCAB)
     loss, count, metrics = plugin.per_token_loss(logits, batch, settings)
     logprobs, entropy = plugin.token_logprobs_entropy(logits, batch, settings)
     loss2, count2, metrics2 = plugin.per_token_loss_from_logprobs(logprobs, batch, settings, entropy=entropy)
@@ -169,7 +189,7 @@ def _packed_inputs(logits, batch):
 def test_a_packed_row_gives_the_padded_loss_and_gradient(aggregation):
     logits, batch = _inputs()
     layout, packed_batch, packed_logits = _packed_inputs(logits, batch)
-    settings = plugin.loss_settings(SPECS[aggregation], vocab_size=VOCAB)
+    settings = plugin.forward_settings(SPECS[aggregation], vocab_size=VOCAB)
     leaf = logits.clone().requires_grad_(True)
     loss, count, _ = plugin.per_token_loss(leaf, batch, settings)
     loss.backward()
@@ -197,7 +217,7 @@ class _FakeModel(torch.nn.Module):
 
 def test_forward_step_factory_binds_the_chosen_form():
     logits, batch = _inputs()
-    settings = plugin.loss_settings(SPECS["token-mean"], vocab_size=VOCAB, normalizer=torch.tensor(5.0))
+    settings = plugin.forward_settings(SPECS["token-mean"], vocab_size=VOCAB, normalizer=torch.tensor(5.0))
     output, loss_fn = plugin.make_forward_step(settings)(iter([batch]), _FakeModel(logits))
     assert torch.equal(output, logits) and len(loss_fn(output)) == 3
     _, loss_fn = plugin.make_forward_step(settings, per_token=False)(iter([batch]), _FakeModel(logits))
@@ -211,10 +231,10 @@ def test_refusals():
     logits, batch = _inputs()
     spec = SPECS["token-mean"]
     with pytest.raises(ValueError, match="needs settings.normalizer"):
-        plugin.legacy_loss(logits, batch, plugin.loss_settings(spec, vocab_size=VOCAB))
+        plugin.legacy_loss(logits, batch, plugin.forward_settings(spec, vocab_size=VOCAB))
     with pytest.raises(ValueError, match="settings.loss is None"):
         plugin.per_token_loss(
-            logits, batch, dataclasses.replace(plugin.loss_settings(spec, vocab_size=VOCAB), loss=None)
+            logits, batch, dataclasses.replace(plugin.forward_settings(spec, vocab_size=VOCAB), loss=None)
         )
     with pytest.raises(ValueError, match="num_microbatches=0"):
-        plugin.loss_settings(spec, vocab_size=VOCAB, num_microbatches=0)
+        plugin.forward_settings(spec, vocab_size=VOCAB, num_microbatches=0)

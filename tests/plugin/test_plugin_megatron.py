@@ -85,7 +85,7 @@ def _train_pass(ddp, groups, local, *, per_token: bool):
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     parts = _micro_batches(local)
-    settings = plugin.loss_settings(
+    settings = plugin.forward_settings(
         SPEC, vocab_size=49152, tp_group=groups.tp if groups.tp_size > 1 else None, num_microbatches=len(parts),
         dp_size=groups.dp_size,
         normalizer=None if per_token else plugin.loss_normalizer([local.response_mask], SPEC, group=groups.dp),

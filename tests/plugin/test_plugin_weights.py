@@ -37,12 +37,12 @@ def test_removed_rows_as_the_trainer():
     # overlong_filter removes truncated row 1 (loss_row_mask False: out of the loss and its normaliser, as in the
     # trainer); skip_uniform_groups removes the whole group when its rewards are equal. The entropy filter does not.
     batch = conflict_batch()
-    batch.extras["truncated"] = torch.tensor([False, True, False, False])
+    batch.truncated = torch.tensor([False, True, False, False])
     cfg = algorithm_section(skip_uniform_groups=True, overlong_filter=True)
     for rewards, kept in ((REWARDS, [True, False, True, True]), (torch.ones(4), [False] * 4)):
         ours = plugin.compute_gtpo_weights(
             batch.input_ids, batch.response_mask, rewards, ENTROPY, cfg, initial_entropy=0.5,
-            truncated=batch.extras["truncated"],
+            truncated=batch.truncated,
         )  # fmt: skip
         spec = dataclasses.replace(build_loss_spec(cfg, RolloutConfig()), initial_entropy=0.5)
         trainer = with_entropy_terms(
@@ -56,7 +56,7 @@ def test_removed_rows_as_the_trainer():
 
 def _packed(batch, starts: list[int], width: int):
     """The rows of ``batch`` (prompt + response, padding dropped) written at ``starts`` of one row of ``width``."""
-    lengths = batch.attention_mask.sum(dim=-1).tolist()
+    lengths = batch.token_mask.sum(dim=-1).tolist()
     layout = plugin.PackedLayout.of(starts, lengths)
     return layout, layout.pack(batch.input_ids, width), layout.pack(batch.response_mask, width)
 

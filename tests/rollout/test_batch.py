@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
-from gtpo_megatron.rollout.batch import collate_completions, mismatch_sums, rollout_metrics
+from gtpo_megatron.rollout.batch import collate_completions, rollout_metrics
 from tests.helpers.batches import EOS, conflict_batch, make_group
 
 
@@ -16,23 +14,15 @@ def test_collate_right_pads_and_builds_masks_from_lengths():
         [make_group([7, 8], [[5, EOS], [6]], ["stop", "length"]), make_group([9], [[4, 4, EOS], []])], pad_token_id=EOS
     )
     assert batch.input_ids.tolist() == [[7, 8, 5, EOS], [7, 8, 6, EOS], [9, 4, 4, EOS], [9, EOS, EOS, EOS]]
-    assert batch.attention_mask.int().tolist() == [[1, 1, 1, 1], [1, 1, 1, 0], [1, 1, 1, 1], [1, 0, 0, 0]]
+    assert batch.token_mask.int().tolist() == [[1, 1, 1, 1], [1, 1, 1, 0], [1, 1, 1, 1], [1, 0, 0, 0]]
     assert batch.response_mask.int().tolist() == [[0, 0, 1, 1], [0, 0, 1, 0], [0, 1, 1, 1], [0, 0, 0, 0]]
-    assert batch.extras["truncated"].tolist() == [False, True, False, False]
-    assert batch.extras["rollout_logprobs"][0].tolist() == [0.0, 0.0, -0.5, -0.5]
+    assert batch.truncated.tolist() == [False, True, False, False]
+    assert batch.rollout_logprobs[0].tolist() == [0.0, 0.0, -0.5, -0.5]
 
 
 def test_collate_rejects_ragged_groups():
     with pytest.raises(ValueError, match="same number of completions"):
         collate_completions([make_group([1], [[3]]), make_group([1], [[3], [4]])], pad_token_id=0)
-
-
-def test_mismatch_sums():
-    mask = torch.tensor([[True, True, False]])
-    sums = mismatch_sums(torch.tensor([[-1.0, -2.0, 9.0]]), torch.tensor([[-1.5, -2.0, 0.0]]), mask)
-    assert sums["abs_logprob_diff"].item() == pytest.approx(0.5)
-    assert sums["prob_ratio_err"].item() == pytest.approx(math.exp(0.5) - 1)
-    assert sums["count"].item() == 2
 
 
 def test_rollout_metrics():

@@ -20,7 +20,6 @@ from gtpo_megatron.data.loader import PromptLoader
 from gtpo_megatron.logging import MetricSink
 from gtpo_megatron.ops import compute_normalizer, policy_objective
 from gtpo_megatron.rewards.registry import RewardResult
-from gtpo_megatron.rollout.batch import mismatch_sums
 from gtpo_megatron.rollout.collector import RolloutCollector
 from gtpo_megatron.rollout.types import Completion, PromptCompletions
 from gtpo_megatron.run_dir import list_checkpoints, mark_complete
@@ -134,23 +133,8 @@ class FakePolicy:
 
     def train_step(self, batch, loss):
         logprobs, entropy = _fake_logprobs_entropy(batch)
-        _, sums, terms = policy_objective(
-            policy_logprobs=logprobs,
-            entropy=entropy,
-            raw_advantages=batch.advantages,
-            token_weights=batch.token_weights,
-            response_mask=batch.response_mask,
-            normalizer=compute_normalizer(batch.response_mask, loss.aggregation),
-            spec=loss,
-            keep_mask=batch.keep_mask,
-            seq_entropy=batch.seq_entropy,
-            old_logprobs=batch.old_logprobs,
-            ref_logprobs=batch.ref_logprobs,
-        )
-        if batch.rollout_logprobs is not None:
-            mismatch = mismatch_sums(logprobs, batch.rollout_logprobs, batch.response_mask)
-            sums["mismatch_abs_logprob_diff"] = mismatch["abs_logprob_diff"]
-            sums["mismatch_prob_ratio_err"] = mismatch["prob_ratio_err"]
+        normalizer = compute_normalizer(batch.loss_mask, loss.aggregation)
+        _, sums, terms = policy_objective(logprobs, entropy, batch, loss, normalizer)
         self.train_batches.append((batch, loss, terms))
         metrics = {k: float(v) for k, v in sums.items()}
         kl_mean = metrics["kl_sum"] / max(metrics["num_tokens"], 1.0)

@@ -44,7 +44,7 @@ def test_gtpo_weights_hand_computed():
     weights, spec = _weights(batch, rewards, algorithm_section(), initial_entropy=1.0)
     # docs/algorithm.md section 2: A = r - mean = +-0.5; section 4: A - 0.1 <H> (applied by the objective).
     assert weights.raw_advantages.tolist() == [0.5, 0.5, -0.5, -0.5]
-    terms = sequence_terms(entropy, weights.raw_advantages, spec, keep_mask=weights.keep_mask)
+    terms = sequence_terms(entropy, weights.raw_advantages, spec, keep_mask=weights.loss_row_mask)
     torch.testing.assert_close(terms.advantages, torch.tensor([0.49, 0.48, -0.53, -0.54]))
     # initial entropy 1.0 > ln 2: the paper filter keeps everything.
     assert terms.keep_mask.all()
@@ -72,7 +72,7 @@ def test_paper_filter_drops_high_entropy_and_still_defines_conflicts():
     rewards = torch.tensor([1.0, 1.0, 0.0, 0.0])
     entropy = torch.tensor([0.1, 0.9, 0.3, math.log(2)])  # completion 1 above ln 2; completion 3 exactly at ln 2
     weights, spec = _weights(batch, rewards, algorithm_section(), initial_entropy=0.5)
-    terms = sequence_terms(entropy, weights.raw_advantages, spec, keep_mask=weights.keep_mask)
+    terms = sequence_terms(entropy, weights.raw_advantages, spec, keep_mask=weights.loss_row_mask)
     assert terms.keep_mask.tolist() == [True, False, True, True]  # ties count as below (section 4)
     assert weights.token_weights[0, 2].item() == 2.0  # conflicts still use the filtered completion
     cfg = algorithm_section(exclude_filtered_from_conflicts=True)
@@ -149,7 +149,7 @@ def test_uniform_group_skip_and_overlong_filter():
     cfg = algorithm_section(group_size=2, skip_uniform_groups=True, overlong_filter=True)
     weights, _ = _weights(batch, rewards, cfg, initial_entropy=1.0)
     assert weights.loss_row_mask.tolist() == [False, False, True, False]  # row 3 truncated
-    assert torch.equal(weights.keep_mask, weights.loss_row_mask)  # the loss ANDs delta_i into it
+    assert weights.keep_mask is None  # one row mask until the entropy terms are known (with_entropy_terms)
     assert weights.token_weights.sum(dim=-1).tolist() == [0.0, 0.0, 2.0, 0.0]
     assert conflict_metrics(weights, batch.response_mask)["gtpo/removed_frac"] == 0.75
     # one uniform-group rule (data.sampling.filter_uniform_groups, atol 1e-6) for this switch and dynamic sampling
@@ -213,10 +213,10 @@ def test_skip_uniform_groups_decides_on_scores_not_shaped_rewards():
     rewards = shape_rewards(scores, torch.tensor([20, 10, 2, 2]), cfg, max_tokens=20, reward_span=1.0)
     assert rewards.tolist() == [-1.0, 0.0, 1.0, 0.0]  # the shaped group 0 looks varied
     weights, _ = _weights(batch, rewards, cfg, initial_entropy=1.0, scores=scores)
-    assert weights.keep_mask.tolist() == [False, False, True, True]
+    assert weights.loss_row_mask.tolist() == [False, False, True, True]
     # the sibling: scores that vary while the shaped rewards are equal keep the group
     flipped, _ = _weights(batch, torch.zeros(4), cfg, initial_entropy=1.0, scores=torch.tensor([1.0, 0.0, 1.0, 0.0]))
-    assert flipped.keep_mask.tolist() == [True, True, True, True]
+    assert flipped.loss_row_mask.tolist() == [True, True, True, True]
 
 
 def _issue_batch(finish=("stop", "stop", "stop", "stop")):
