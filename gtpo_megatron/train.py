@@ -18,6 +18,7 @@ import torch
 
 from gtpo_megatron.config import load_config, save_config
 from gtpo_megatron.logging import (
+    PhaseTimer,
     format_startup_line,
     quiet_known_warnings,
     report_optional_accelerators,
@@ -68,8 +69,6 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         print(f"gtpo-train: config error: {err}", file=sys.stderr)
         return 2
-    from gtpo_megatron.trainer import PhaseTimer
-
     timer = PhaseTimer()
     timer.seconds["time/startup/imports_s"] = age
     timer.seconds["time/startup/config_s"] = time.perf_counter() - imported

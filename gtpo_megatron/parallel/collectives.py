@@ -2,7 +2,7 @@
 
 The primitives (:func:`all_reduce_`, :func:`broadcast_`, :func:`all_reduce_sum`, :func:`broadcast_object`,
 :func:`barrier`), the step's global statistics (STYLE section 3: statistics split from decisions; the policy's loss
-normaliser, <H>_ini), the data-parallel row layout of a step and the trainer's control messages (rollout broadcast,
+normaliser, <H>_ini) and the trainer's control messages (rollout broadcast,
 stop flag). The ops layer's vocab-parallel log-prob op issues its TP all-reduces through :func:`all_reduce_` too,
 which is why this module imports nothing from the package. The one other caller of ``torch.distributed``
 collectives is the weight gather (``megatron_adapter/hf_stream.py``); ``tests/distributed/test_collective_device.py``
@@ -87,29 +87,15 @@ def broadcast_(tensor: torch.Tensor, *, src: int, group: dist.ProcessGroup | Non
     return tensor
 
 
-def row_shard(num_rows: int, *, rank: int, size: int) -> slice:
-    """Rows ``[rank * B/size, (rank + 1) * B/size)`` of a ``B``-row step batch: one data-parallel rank's share.
-
-    Every rank builds the same full batch; rank ``r`` of the data-parallel group trains on this slice, and
-    :func:`all_gather_rows` puts the shares back together in the same order.
-
-    Raises:
-        ValueError: ``size`` does not divide ``num_rows``.
-    """
-    if num_rows % size:
-        raise ValueError(f"batch of {num_rows} rows does not split over dp_size={size}; see GTPOConfig.validate")
-    share = num_rows // size
-    return slice(rank * share, (rank + 1) * share)
-
-
 def all_gather_rows(local: torch.Tensor, *, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """``[B]`` fp32 from each rank's ``[B/size]`` share (:func:`row_shard` order), identical on every rank.
+    """``[B]`` fp32 from each rank's ``[B/size]`` share, concatenated in rank order, identical on every rank.
 
     Collectives: one SUM all-reduce of a zero-padded ``[B]`` vector on ``group`` (none when ``group`` is None).
     """
     rank, size = (0, 1) if group is None else (dist.get_rank(group), dist.get_world_size(group))
     full = torch.zeros(local.shape[0] * size, dtype=torch.float32)
-    full[row_shard(full.shape[0], rank=rank, size=size)] = local
+    share = local.shape[0]
+    full[rank * share : (rank + 1) * share] = local
     return all_reduce_sum(full, group=group)
 
 
@@ -123,6 +109,18 @@ def broadcast_object(obj: Any, *, src: int, group: dist.ProcessGroup | None) -> 
     box = [obj]
     dist.broadcast_object_list(box, src=src, group=group)
     return box[0]
+
+
+def all_gather_object(obj: Any, *, group: dist.ProcessGroup | None) -> list[Any]:
+    """Every rank's ``obj`` (picklable), in rank order of ``group``, on every rank.
+
+    Collectives: one ``all_gather_object`` on ``group`` (none when ``group`` is None).
+    """
+    if group is None:
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
 
 
 def barrier(*, group: dist.ProcessGroup | None) -> None:

@@ -3,7 +3,7 @@
 Pure functions of tensors (no collectives, no I/O), composed by ``trainer.py``. Every rank builds the same full
 batch (the rollouts are broadcast), the GTPO weights are computed on whole groups (``algorithm.py``; GTPO_SPEC
 section 8: lambda is computed before the batch is split over data-parallel ranks) and each rank then keeps its own
-rows, ``batch.select(parallel.row_shard(...))``.
+rows, ``batch.select(plan.layout.row_shard(...))``.
 
 Dimension legend: P prompts, G group size, B = P*G rows laid out group by group, S padded prompt+response length.
 Per-token tensors use the ``TrainBatch`` layout: column ``s`` describes the prediction of ``input_ids[:, s]``.
