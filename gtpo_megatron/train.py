@@ -25,7 +25,7 @@ from gtpo_megatron.logging import (
     setup_logging,
 )
 from gtpo_megatron.megatron_adapter.settings import policy_settings
-from gtpo_megatron.preemption import ignore_stop_signals_in_children
+from gtpo_megatron.preemption import hold_stop_signals, release_stop_signals
 from gtpo_megatron.run_dir import check_fresh_run, config_path, resolve_megatron_lm_checkpoint
 
 
@@ -60,6 +60,7 @@ def _check_inputs(cfg) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Run one training job; returns the exit code (0 on success, 2 on a config error, printed without a traceback)."""
+    hold_stop_signals()  # a save request during start-up waits for the first step boundary
     imported, age = time.perf_counter(), _process_age_s()
     args = parse_args(argv)
     _single_process_defaults()
@@ -69,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         print(f"gtpo-train: config error: {err}", file=sys.stderr)
         return 2
+    if not cfg.checkpoint.save_on_sigusr1:
+        release_stop_signals()
     timer = PhaseTimer()
     timer.seconds["time/startup/imports_s"] = age
     timer.seconds["time/startup/config_s"] = time.perf_counter() - imported
@@ -119,8 +122,6 @@ def _train(cfg, timer, *, started: float) -> int:
             groups.dp_size,
         )
     torch.manual_seed(cfg.trainer.seed)
-    if cfg.checkpoint.save_on_sigusr1:
-        ignore_stop_signals_in_children()  # before the engine, reward and wandb processes start
     trainer = build_trainer(cfg, groups, timer=timer)
     trainer.sink.write(format_startup_line(timer.seconds, time.perf_counter() - started))
     try:
