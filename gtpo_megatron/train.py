@@ -24,7 +24,7 @@ from gtpo_megatron.logging import (
     report_optional_accelerators,
     setup_logging,
 )
-from gtpo_megatron.megatron_adapter.settings import policy_settings
+from gtpo_megatron.megatron_adapter.settings import policy_settings, validate_config
 from gtpo_megatron.preemption import hold_stop_signals, release_stop_signals
 from gtpo_megatron.run_dir import check_fresh_run, config_path, resolve_megatron_lm_checkpoint
 
@@ -94,7 +94,7 @@ def _checked_config(args: argparse.Namespace):
     cfg = load_config(args.config, args.overrides)
     if not cfg.logging.verbose:
         quiet_known_warnings(cuda=torch.cuda.is_available())  # before megatron-core is imported (validate)
-    cfg.validate(int(os.environ["WORLD_SIZE"]))
+    validate_config(cfg, int(os.environ["WORLD_SIZE"]))
     policy_settings(cfg)  # refuses what the policy cannot build (e.g. overrides of owned fields) before any init
     _check_inputs(cfg)
     check_fresh_run(cfg.output_dir, resume=cfg.resume)
