@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from gtpo_megatron.data.sampling import overlong_filter_mask
+from gtpo_megatron.data.overlong import overlong_filter_mask
 from gtpo_megatron.rollout.types import PromptCompletions, TrainBatch
 
 
