@@ -1,19 +1,11 @@
 """The GTPO training loop: orchestration only (the math is in ``ops`` and ``algorithm``, the model behind ``Policy``).
 
-A step, as ``Trainer.step`` reads: rollout (engine leaders sample and score, every rank gets the whole step) -> only
-where unavoidable, a no-grad pass before the update (``algorithm.needs_old_logprob_pass``) -> with a KL term, the
-reference's pass -> advantages and conflict weights on the full batch -> train (the entropy filter and penalty are
-decided inside its forward) -> weight sync -> metrics. ``run`` adds logging, resume and checkpoints (``resume``).
-
-Stop signals (``preemption``): SIGUSR1 saves at the next step boundary and stops; SIGTERM aborts the step in flight
-at its next safe point and saves the last completed step. Safe points, where every rank takes the same decision: the
-rollout (the exchange carries "aborted" to every rank), before the update (the previous step is saved), before the
-sync (this step is saved, its sync skipped) and the step's end.
-
-Collectives per step, all through ``parallel.collectives``: the rollout exchange (world); with the pass before the
-update, one all-gather of the sequence entropies (dp) and, while <H>_ini is measured, one global mean (dp); the
-policy's and the reference's own; the weight push (``rollout.push``); three MAX all-reduces of the stop flags (world);
-a save adds two barriers (world).
+``Trainer.step`` reads as the algorithm: rollout -> a no-grad pass before the update only where needed -> the
+reference's pass (KL term) -> advantages and conflict weights on the full batch -> train -> weight sync -> metrics.
+``run`` adds resume, logging and checkpoints (``resume.RunCheckpoints``). Stop signals (``preemption``): SIGUSR1
+saves at the next step boundary; SIGTERM aborts the step in flight at its next safe point (the rollout, before the
+update, before the sync, the step's end: one MAX all-reduce on the world each) and saves the last completed step.
+Every collective goes through ``parallel.collectives`` (listed per method).
 """
 
 from __future__ import annotations
@@ -185,11 +177,7 @@ class Trainer:
         train_metrics: dict[str, float],
         measured: dict[str, float],
     ) -> dict[str, float]:
-        """The step's metrics, identical on every rank except timings.
-
-        Rollout, conflict and objective metrics, the policy's as ``train/*``, ``measured`` (the weight sync's
-        ``sync/*`` and the phase times ``time/*``) and throughput.
-        """
+        """Rollout, conflict and objective metrics, the policy's as ``train/*``, ``measured`` and throughput."""
         metrics = rollout_metrics(
             batch, torch.tensor(rollout.scores), torch.tensor(rollout.correct), torch.tensor(rollout.format_ok)
         )
@@ -205,11 +193,10 @@ class Trainer:
         return metrics
 
     def _rollout(self, step: int) -> StepRollout | None:
-        """Engine leaders sample and score (engines sleep afterwards when colocated); every rank gets the result.
+        """Engine leaders sample and score; every rank gets the step (None on every rank after a SIGTERM).
 
-        None on every rank when a SIGTERM made an engine leader leave the rollout. With ``rollout.offload_train_state``
-        (CUDA) every rank's gradient buffers and optimizer states leave the GPU for the duration (the previous
-        ``train_step`` consumed the gradients) and are back before it returns.
+        With ``rollout.offload_train_state`` (CUDA) the gradient buffers and optimizer states leave the GPU meanwhile.
+        Collectives: the rollout exchange (``collect_step``, world).
         """
         if self._offload_enabled:
             self.policy.offload_train_state()
@@ -234,7 +221,8 @@ class Trainer:
         """The no-grad pass before the update (one forward; docs/algorithm.md section 4).
 
         Returns log pi_old ``[b, S]`` at the loss temperature and the gathered ``[B]`` <H>_i at
-        ``entropy_temperature``; adds this step to <H>_ini while the ``paper`` filter measures it.
+        ``entropy_temperature``; adds this step to <H>_ini while the ``paper`` filter measures it. Collectives: one
+        all-gather of the sequence entropies and, while <H>_ini is measured, one global mean (dp).
         """
         old_logprobs, entropy = self.policy.compute_logprobs(
             local, temperature=self.loss_spec.temperature, entropy_temperature=self.loss_spec.entropy_temperature
@@ -244,7 +232,7 @@ class Trainer:
         return old_logprobs, all_gather_rows(local_seq_entropy, group=self._dp_group)
 
     def _ref_logprob_pass(self, local: TrainBatch) -> torch.Tensor:
-        """Log-probs ``[b, S]`` of the frozen reference at the loss temperature (the KL term, GTPO_SPEC section 5)."""
+        """Log-probs ``[b, S]`` of the frozen reference at the loss temperature (the KL term)."""
         ref_logprobs, _ = self.reference.compute_logprobs(local, temperature=self.loss_spec.temperature)
         return ref_logprobs
 
