@@ -20,20 +20,15 @@ UNIFORM_REWARD_ATOL = 1e-6
 def filter_uniform_groups(
     rewards: Sequence[float] | torch.Tensor, group_size: int, *, atol: float = UNIFORM_REWARD_ATOL
 ) -> torch.Tensor:
-    """Which prompt groups have varied scores: the one uniform-group rule (GTPO_SPEC sections 4 and 5).
-
-    Used by dynamic sampling and ``rollout/varied_group_frac`` (``rollout.collector``) and by
-    ``algorithm.skip_uniform_groups`` (its per-completion view ``mask.repeat_interleave(group_size)``), always on
-    the task scores, never on the shaped rewards.
+    """Which prompt groups have varied task scores: the one uniform-group rule (module docstring).
 
     Args:
         rewards: ``[B]`` task scores, B = P * group_size, grouped by prompt. Not modified.
-        group_size: G, completions per prompt (>= 1; with G = 1 every group is uniform, so all are dropped).
-        atol: rewards within ``atol`` of each other count as equal (``max - min <= atol``).
+        group_size: G, completions per prompt (>= 1; with G = 1 every group is uniform).
+        atol: scores within ``atol`` of each other count as equal (``max - min <= atol``).
 
     Returns:
-        ``[P]`` bool, True for a group whose rewards are not all equal (keep), False for a uniform group (drop).
-        Use ``mask.repeat_interleave(group_size)`` for a per-completion ``[B]`` mask.
+        ``[P]`` bool, True for a varied group (keep); ``mask.repeat_interleave(group_size)`` is the ``[B]`` view.
 
     Raises:
         ValueError: if ``group_size < 1`` or ``B`` is not a multiple of ``group_size``.

@@ -19,17 +19,13 @@ if TYPE_CHECKING:
 def overlong_penalty(
     lengths: Sequence[int] | torch.Tensor, max_len: int, cache_len: int, penalty: float = 1.0
 ) -> torch.Tensor:
-    """DAPO's soft overlong punishment (eq. 13), scaled by ``penalty``.
-
-    With L_max = ``max_len`` and L_cache = ``cache_len``, a completion of ``|y|`` tokens gets
-    ``0`` if ``|y| <= L_max - L_cache``; ``((L_max - L_cache) - |y|) / L_cache`` if
-    ``L_max - L_cache < |y| <= L_max``; ``-1`` if ``|y| > L_max``; all multiplied by ``penalty``.
+    """DAPO's soft overlong punishment (eq. 13) times ``penalty``: 0 up to L_max - L_cache, then a ramp to -1 at L_max.
 
     Args:
         lengths: ``[B]`` response lengths in tokens (EOS included, padding excluded). Not modified.
-        max_len: L_max, the length the penalty reaches -1 (usually the sampling max_tokens), >= 1.
-        cache_len: L_cache, the width of the linear ramp, 1 <= cache_len <= max_len.
-        penalty: scale, >= 0 (DAPO uses 1.0 for 0/1 rewards; scale it with the reward range).
+        max_len: L_max (usually the sampling max_tokens), >= 1.
+        cache_len: L_cache, the ramp's width, 1 <= cache_len <= max_len.
+        penalty: scale, >= 0.
 
     Returns:
         ``[B]`` fp32 penalties in ``[-penalty, 0]``, to add to the rewards.

@@ -141,18 +141,10 @@ def any_rank(flag: bool, *, group: dist.ProcessGroup | None) -> bool:
 
 
 def global_normalizer(local_normalizer: torch.Tensor, *, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """The step's loss normaliser: this rank's count summed over the data-parallel group.
+    """The step's loss normaliser: this rank's fp32 scalar count summed over the data-parallel ``group``.
 
-    Args:
-        local_normalizer: fp32 scalar, ``ops.compute_normalizer`` of this rank's rows of the step (summed over its
-            micro-batches when they are counted apart).
-        group: the data-parallel group of the step (None: single replica).
-
-    Returns:
-        fp32 scalar on ``local_normalizer``'s device, identical on every rank of ``group``; 0 when no rank has a
-        response token (the caller skips such a step: dividing by it is undefined).
-
-    Collectives: one SUM all-reduce on ``group``.
+    ``local_normalizer``: ``ops.compute_normalizer`` of this rank's rows. Returns an fp32 scalar on its device; 0
+    when no rank has a response token. Collectives: one SUM all-reduce on ``group``.
     """
     return all_reduce_sum(local_normalizer.float(), group=group)
 
