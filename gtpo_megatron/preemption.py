@@ -1,27 +1,19 @@
 """Stop requests from signals: save what the run has before the job is killed (stdlib only).
 
-Two signals, two deadlines:
-
-- ``SIGUSR1``: an early warning. ``launch/submit.sbatch`` asks Slurm for ``--signal=B:USR1@<seconds>`` before the
-  time limit and forwards it to the workers (``srun`` to ``torchrun``, which forwards it to its ranks); there is
-  time to finish the step in flight, so the trainer saves at the next step boundary and stops.
-- ``SIGTERM``: preemption, the time limit, ``scancel``, or ``torchrun`` forwarding its own SIGTERM. SIGKILL follows
-  about 30 s later (Slurm's ``KillWait``, ``torchrun --shutdown-timeout``), often less than one step of a large run.
-  The trainer aborts the step in flight at its next safe point and saves the last COMPLETED step: the state after
-  the previous optimizer step (model, optimizer, RNG, loader position). A step whose optimizer update has already
-  happened is completed: only its weight sync is skipped.
+- ``SIGUSR1``: an early warning (``launch/submit.sbatch``: Slurm's ``--signal=B:USR1@<seconds>``, forwarded by
+  ``srun`` and ``torchrun``): the trainer saves at the next step boundary and stops.
+- ``SIGTERM``: preemption, the time limit, ``scancel``; SIGKILL follows about 30 s later. The trainer aborts the
+  step in flight at its next safe point and saves the last completed step (a step whose update is done counts as
+  completed: only its weight sync is skipped).
 
 From the start of the run (:func:`hold_stop_signals`) SIGUSR1 is held: blocked in the main thread, so that a request
-sent during start-up or the checkpoint load waits, and :meth:`StopRequests.installed` honours it at the first step
-boundary (saying so in the log). The helper processes started meanwhile (engine, reward pool, wandb) inherit it
-blocked, so the signal that torchrun and Slurm send every process of the job does not kill them.
+during start-up or the checkpoint load waits and :meth:`StopRequests.installed` honours it at the first step
+boundary (saying so in the log). Helper processes started meanwhile (engine, reward pool, wandb) inherit it blocked,
+so the signal torchrun and Slurm send to every process of the job does not kill them.
 
 The handlers only set flags, except inside :meth:`StopRequests.interruptible` (an engine leader's sampling and
-scoring of one round, which holds no collective): there SIGTERM also raises :class:`StepInterrupted`, so that a long
-generation is left at once; the rollout exchange then tells every rank that the step was abandoned
-(``rollout.collector.collect_step``). Every other decision is taken by the trainer at its safe points with one
-collective over all ranks (``parallel.collectives.any_rank``), so that all ranks stop at the same point and none
-waits in a collective the others skip.
+scoring of a round, which holds no collective), where SIGTERM raises :class:`StepInterrupted`. Every other decision
+is the trainer's, at its safe points, with one collective over all ranks (``parallel.collectives.any_rank``).
 """
 
 from __future__ import annotations

@@ -1,22 +1,15 @@
 """Every collective the package issues itself, over explicit process groups (torch only: no package imports).
 
-The primitives (:func:`all_reduce_`, :func:`broadcast_`, :func:`all_reduce_sum`, :func:`broadcast_object`,
-:func:`barrier`), the step's global statistics (STYLE section 3: statistics split from decisions; the policy's loss
-normaliser, <H>_ini) and the trainer's control messages (rollout broadcast,
-stop flag). The ops layer's vocab-parallel log-prob op issues its TP all-reduces through :func:`all_reduce_` too,
-which is why this module imports nothing from the package. The one other caller of ``torch.distributed``
-collectives is the weight gather (``megatron_adapter/hf_stream.py``); ``tests/distributed/test_collective_device.py``
-enforces both rules.
+Primitives, the step's global statistics (the loss normaliser, <H>_ini's step mean: statistics apart from the
+decisions that use them) and the trainer's control messages (stop flags, the resume choice). The ops layer's
+log-prob op issues its TP all-reduces through :func:`all_reduce_`; the weight gather (``megatron_adapter/hf_stream``)
+is the one other caller of ``torch.distributed`` (``tests/distributed/test_collective_device.py``).
 
-Devices: a tensor collective runs on its group's device (:func:`group_device`: the current CUDA device for a group
-with an NCCL backend, including the ``cuda:nccl`` half of the ``cpu:gloo,cuda:nccl`` default group that
-``parallel.groups.init_distributed`` creates on GPU machines; the CPU otherwise). Tensors elsewhere are moved there
-and the results come back on the input's device, so CPU tensors work with an NCCL group. Object collectives and
-barriers let torch pick the device (the CPU through gloo when the group has one).
+Devices: a tensor collective runs on its group's device (:func:`group_device`: the current CUDA device for an NCCL
+group, the ``cuda:nccl`` half of ``cpu:gloo,cuda:nccl`` included; else the CPU); results come back on the input's
+device. Object collectives and barriers let torch choose (gloo's CPU when the group has it).
 
-Each function takes the group it works on as the keyword ``group``. ``group=None`` has exactly one meaning: "this
-process is the whole group" (single process, or a statistic that is local by design); it never falls back to the
-default world group. The collectives are not differentiable and are listed per function.
+``group=None`` means "this process is the whole group", never the default world. No collective is differentiable.
 """
 
 from __future__ import annotations
