@@ -8,6 +8,7 @@ import logging
 import pytest
 
 from gtpo_megatron import run_dir
+from gtpo_megatron.resume import agreed_checkpoint
 
 
 def _make(root, *names, complete=True):
@@ -143,7 +144,7 @@ def test_a_lagging_latest_gives_way_to_the_newest_complete_checkpoint(tmp_path, 
     with caplog.at_level(logging.WARNING, logger="gtpo_megatron.run_dir"):
         for path in (root, tmp_path):  # what gtpo-eval and the export read
             assert run_dir.resolve_step_dir(path) == root / "step_000010"
-    assert run_dir.newest_checkpoint(root) == root / "step_000010"  # what the trainer resumes from
+    assert agreed_checkpoint(root, rank=0, group=None) == root / "step_000010"  # what the trainer resumes from
     assert "latest names step_000005, but" in caplog.text and "step_000010 is the newest complete" in caplog.text
     (root / "latest").unlink()  # killed before the first ``latest`` was written: the root is still a checkpoint
     assert run_dir.is_megatron_checkpoint(root) and run_dir.is_megatron_checkpoint(tmp_path)
