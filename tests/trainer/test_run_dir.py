@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 import logging
+from types import SimpleNamespace
 
 import pytest
 
 from gtpo_megatron import run_dir
-from gtpo_megatron.resume import agreed_checkpoint
+from gtpo_megatron.resume import RunCheckpoints, agreed_checkpoint
 
 
 def _make(root, *names, complete=True):
@@ -164,3 +165,14 @@ def test_marker_rename_and_latest_reach_the_disk(tmp_path, monkeypatch):
         str(final.parent / ".latest.tmp"),
         root,
     ]
+
+
+def test_pruning_keeps_step_1000000_over_step_999999(tmp_path):
+    from tests.trainer.fakes import FakePolicy
+
+    cfg = SimpleNamespace(output_dir=str(tmp_path), resume=False, checkpoint=SimpleNamespace(keep_last=1))
+    empty = SimpleNamespace(state_dict=dict)
+    checkpoints = RunCheckpoints(cfg, FakePolicy(), empty, empty, rank=0, group=None)
+    checkpoints.save(999999)
+    checkpoints.save(1000000)
+    assert [p.name for p in run_dir.list_checkpoints(tmp_path / "checkpoints")] == ["step_1000000"]
