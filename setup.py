@@ -44,7 +44,7 @@ setup(
             "gtpo-train=gtpo_megatron.train:main",
             "gtpo-eval=gtpo_megatron.evaluation.cli:main",
             "gtpo-compare=gtpo_megatron.evaluation.compare:main",
-            "gtpo-plan=gtpo_megatron.plan.cli:main",
+            "gtpo-plan=gtpo_megatron.plan_cli:main",
             "gtpo-data=gtpo_megatron.data.download:main",
         ]
     },

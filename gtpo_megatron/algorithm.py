@@ -21,7 +21,7 @@ import torch
 
 from gtpo_megatron.batch import TrainBatch
 from gtpo_megatron.config import AlgorithmConfig, RolloutConfig
-from gtpo_megatron.data.sampling import filter_uniform_groups
+from gtpo_megatron.data.dynamic_sampling import filter_uniform_groups
 from gtpo_megatron.ops import (
     LossSpec,
     build_conflict_weights,
@@ -167,8 +167,8 @@ def build_loss_row_mask(
     """``[B]`` bool, False on rows the switches remove from the objective (loss and normaliser), True elsewhere.
 
     ``skip_uniform_groups`` removes every row of a group whose task ``scores`` are all equal (docs/algorithm.md
-    section 4; the one rule of ``data.sampling.filter_uniform_groups``; scores, not rewards shaped by an overlong
-    penalty);
+    section 4; the one rule of ``data.dynamic_sampling.filter_uniform_groups``; scores, not rewards shaped by an
+    overlong penalty);
     ``overlong_filter`` removes the rows where ``truncated`` (``[B]`` bool) is True (DAPO, section 5);
     :func:`compute_weights` checks that it is given.
     """

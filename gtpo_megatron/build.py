@@ -22,7 +22,7 @@ import torch.distributed as dist
 from gtpo_megatron import run_dir
 from gtpo_megatron.builtin_models import resolve_model_path
 from gtpo_megatron.config import GTPOConfig, config_to_dict
-from gtpo_megatron.logging import MetricSink
+from gtpo_megatron.logging import MetricSink, PhaseTimer
 from gtpo_megatron.plan.engines import (
     EnginePlacement,
     cpu_thread_binding,
@@ -31,7 +31,7 @@ from gtpo_megatron.plan.engines import (
     relay_workers,
     resolve_num_engines,
 )
-from gtpo_megatron.trainer import PhaseTimer, Trainer
+from gtpo_megatron.trainer import Trainer
 
 if TYPE_CHECKING:
     from gtpo_megatron.megatron_adapter.policy import MegatronPolicy

@@ -1,4 +1,4 @@
-"""Rank-0 logging: the project logger's setup, the per-step metric sink (jsonl, wandb, progress bar), the curves.
+"""Rank-0 logging: the logger's setup, the metric sink (jsonl, wandb, progress bar), the phase timer, the curves.
 
 Modules log through ``logging.getLogger(__name__)`` (children of the ``gtpo_megatron`` logger); only rank 0 writes
 anything: ``setup_logging(rank)`` lowers the other ranks to warnings, and ``MetricSink`` is built with
@@ -12,6 +12,7 @@ network) logs a warning and the run continues with jsonl only.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import logging
@@ -19,6 +20,7 @@ import math
 import os
 import re
 import sys
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -170,6 +172,20 @@ def format_step_line(step: int, metrics: dict[str, float]) -> str:
     )
     parts = [f"{k}={metrics[k]:.4g}" for k in keys if k in metrics]
     return f"step {step}: " + " ".join(parts)
+
+
+class PhaseTimer:
+    """Wall-clock seconds per named phase, reported as ``time/<name>_s``."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        """Time the ``with`` block as ``time/<name>_s``."""
+        start = time.perf_counter()
+        yield
+        self.seconds[f"time/{name}_s"] = time.perf_counter() - start
 
 
 def format_startup_line(seconds: dict[str, float], total_s: float) -> str:

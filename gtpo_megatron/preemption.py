@@ -1,41 +1,53 @@
 """Stop requests from signals: save what the run has before the job is killed (stdlib only).
 
-Two signals, two deadlines:
+- ``SIGUSR1``: an early warning (``launch/submit.sbatch``: Slurm's ``--signal=B:USR1@<seconds>``, forwarded by
+  ``srun`` and ``torchrun``): the trainer saves at the next step boundary and stops.
+- ``SIGTERM``: preemption, the time limit, ``scancel``; SIGKILL follows about 30 s later. The trainer aborts the
+  step in flight at its next safe point and saves the last completed step (a step whose update is done counts as
+  completed: only its weight sync is skipped).
 
-- ``SIGUSR1``: an early warning. ``launch/submit.sbatch`` asks Slurm for ``--signal=B:USR1@<seconds>`` before the
-  time limit and forwards it to the workers (``srun`` to ``torchrun``, which forwards it to its ranks); there is
-  time to finish the step in flight, so the trainer saves at the next step boundary and stops.
-- ``SIGTERM``: preemption, the time limit, ``scancel``, or ``torchrun`` forwarding its own SIGTERM. SIGKILL follows
-  about 30 s later (Slurm's ``KillWait``, ``torchrun --shutdown-timeout``), often less than one step of a large run.
-  The trainer aborts the step in flight at its next safe point and saves the last COMPLETED step: the state after
-  the previous optimizer step (model, optimizer, RNG, loader position). A step whose optimizer update has already
-  happened is completed: only its weight sync is skipped.
+From the start of the run (:func:`hold_stop_signals`) SIGUSR1 is held: blocked in the main thread, so that a request
+during start-up or the checkpoint load waits and :meth:`StopRequests.installed` honours it at the first step
+boundary (saying so in the log). Helper processes started meanwhile (engine, reward pool, wandb) inherit it blocked,
+so the signal torchrun and Slurm send to every process of the job does not kill them.
 
 The handlers only set flags, except inside :meth:`StopRequests.interruptible` (an engine leader's sampling and
-scoring of one round, which holds no collective): there SIGTERM also raises :class:`StepInterrupted`, so that a long
-generation is left at once; the rollout exchange then tells every rank that the step was abandoned
-(``rollout.collector.collect_step``). Every other decision is taken by the trainer at its safe points with one
-collective over all ranks (``parallel.collectives.any_rank``), so that all ranks stop at the same point and none
-waits in a collective the others skip.
+scoring of a round, which holds no collective), where SIGTERM raises :class:`StepInterrupted`. Every other decision
+is the trainer's, at its safe points, with one collective over all ranks (``parallel.collectives.any_rank``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import signal
 import threading
 from collections.abc import Iterator
 
+logger = logging.getLogger(__name__)
+_HELD = {"received": False}  # a SIGUSR1 handled while held (taken by another thread), for StopRequests.installed
 
-def ignore_stop_signals_in_children() -> None:
-    """Ignore SIGUSR1 in this process until ``StopRequests.installed`` handles it; call before starting helpers.
 
-    torchrun forwards a signal to each worker's whole process group and Slurm to every process of the step, so the
-    rollout engine's, the reward pool's and wandb's processes receive SIGUSR1 too, whose default action kills them:
-    the step that SIGUSR1 asks to finish would then fail. An ignored signal stays ignored in every child, forked or
-    spawned, so the helpers started after this call survive it. (SIGTERM keeps killing them: it aborts the step.)
+def _on_held_sigusr1(signum, frame) -> None:
+    _HELD["received"] = True
+
+
+def hold_stop_signals() -> None:
+    """Hold SIGUSR1 from here on (module docstring); call first thing, before any thread or helper process starts.
+
+    The signal is blocked in the calling (main) thread and in every thread and process started from it; a handler
+    records it should another thread take it. (SIGTERM keeps its default: during start-up there is nothing to save.)
     """
-    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGUSR1, _on_held_sigusr1)
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
+
+
+def release_stop_signals() -> None:
+    """Undo :func:`hold_stop_signals` (``checkpoint.save_on_sigusr1=false``: SIGUSR1 gets its default action again)."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGUSR1, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR1})
 
 
 def ignore_stop_signals() -> None:
@@ -81,8 +93,9 @@ class StopRequests:
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[StopRequests]:
-        """Install the enabled handlers for the ``with`` block, then restore the previous ones.
+        """Install the enabled handlers for the ``with`` block, then restore the previous ones (and the held mask).
 
+        A SIGUSR1 held since :func:`hold_stop_signals` is delivered here: the run saves at the first step boundary.
         Signal handlers can only be set from the main thread; elsewhere (a test runner's thread) nothing is
         installed and the flags stay False.
         """
@@ -91,9 +104,17 @@ class StopRequests:
             wanted = []
         handlers = {signal.SIGTERM: self._on_sigterm, signal.SIGUSR1: self._on_sigusr1}
         previous = {sig: signal.signal(sig, handlers[sig]) for sig in wanted}
+        held = signal.SIGUSR1 in wanted and (signal.SIGUSR1 in signal.sigpending() or _HELD["received"])
+        _HELD["received"] = False
+        mask = signal.pthread_sigmask(signal.SIG_UNBLOCK, set(wanted)) if wanted else None
+        if held:
+            self.save_requested = True
+            logger.warning("SIGUSR1 received during start-up: saving at the first step boundary and stopping")
         try:
             yield self
         finally:
+            if mask is not None:
+                signal.pthread_sigmask(signal.SIG_SETMASK, mask)
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
 

@@ -8,17 +8,23 @@ A run folder (``output_dir``) holds::
     checkpoints/step_000010/         one Megatron dist checkpoint per saved step (``megatron_adapter.checkpoint``)
     checkpoints/step_000010/complete.json   written last: the checkpoint's files and sizes (completeness marker)
     checkpoints/.step_000010.tmp/    a save in progress, renamed into place when complete
-    checkpoints/latest               text file: the name of the newest complete checkpoint folder
+    checkpoints/latest               text file: the name of the last checkpoint saved (informational)
     checkpoints/step_000010/hf/      its Hugging Face export, made on demand (``evaluation.checkpoint_export``)
 
-Checkpoint folders are named ``step_`` plus the 1-based step number on six digits; only folders named that way
-count as checkpoints (temporary folders never do).
+Checkpoint folders are named ``step_`` plus the 1-based step number on six digits or more; only folders named that
+way count as checkpoints (temporary folders never do), and they are ordered by that number (``step_999999`` before
+``step_1000000``).
 
 Completeness, defined once here: a checkpoint folder is complete when its ``complete.json`` marker exists and every
 file the marker lists is there with the listed size (:func:`checkpoint_problem`). The writer adds the marker after
 every other file (:func:`mark_complete`), and :func:`remove_checkpoint` deletes it first, so an interrupted save, a
 half-deleted folder, a partial copy or a truncated file is never taken for a checkpoint: resume picks the newest
-complete one and warns about the others (:func:`newest_checkpoint`).
+complete one and warns about the others (:func:`newest_checkpoint`). The marker, the folder's rename and ``latest``
+are each made durable (``fsync`` of the file and of its folder) before the next one is written.
+
+The newest complete checkpoint (:func:`newest_checkpoint`) is the one every reader takes: resume, ``gtpo-eval`` and
+the export of a checkpoint root. ``latest`` can lag it (a save killed between the rename and the ``latest`` write);
+:func:`resolve_checkpoint_dir` then warns and takes the newest complete one.
 
 A Megatron-LM / Megatron-Bridge checkpoint (``model.megatron_checkpoint``, a starting policy written by another
 trainer) is laid out the way those trainers write it::
@@ -99,7 +105,25 @@ def _step_folders(folder: str | Path) -> list[Path]:
     folder = Path(folder)
     if not folder.is_dir():
         return []
-    return sorted(p for p in folder.iterdir() if p.is_dir() and _is_step_name(p.name))
+    return sorted((p for p in folder.iterdir() if p.is_dir() and _is_step_name(p.name)), key=checkpoint_step)
+
+
+def _fsync(path: Path) -> None:
+    """Flush ``path`` (a file, or a folder's entries: a rename or a new file in it) to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_durably(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary name, renamed into place; file and folder flushed to disk."""
+    tmp = path.parent / f".{path.name}.tmp"
+    tmp.write_text(text)
+    _fsync(tmp)
+    os.replace(tmp, path)
+    _fsync(path.parent)
 
 
 def mark_complete(folder: str | Path) -> None:
@@ -113,9 +137,7 @@ def mark_complete(folder: str | Path) -> None:
         for p in sorted(folder.rglob("*"))
         if p.is_file() and p.name != COMPLETE_MARKER
     }
-    tmp = folder / f".{COMPLETE_MARKER}.tmp"
-    tmp.write_text(json.dumps({"files": files}, indent=0))
-    os.replace(tmp, folder / COMPLETE_MARKER)
+    _write_durably(folder / COMPLETE_MARKER, json.dumps({"files": files}, indent=0))
 
 
 def checkpoint_problem(folder: str | Path) -> str | None:
@@ -158,7 +180,7 @@ def newest_checkpoint(folder: str | Path) -> Path | None:
     for step_folder in _step_folders(folder):
         problem = checkpoint_problem(step_folder)
         if problem is not None:
-            newer = not complete or step_folder.name > complete[-1].name
+            newer = not complete or checkpoint_step(step_folder) > checkpoint_step(complete[-1])
             logger.warning(
                 "%s is not a complete checkpoint (%s); %s",
                 step_folder,
@@ -183,18 +205,17 @@ def check_fresh_run(output_dir: str | Path, *, resume: bool) -> None:
 
 
 def write_latest(final: str | Path) -> None:
-    """Point the ``latest`` file of ``final``'s checkpoint root at ``final`` (write to a temporary, then rename)."""
+    """Point ``latest`` at ``final``, once ``final``'s rename into its checkpoint root is on disk (both flushed)."""
     final = Path(final)
-    pointer = final.parent / f".{LATEST_FILE}.tmp"
-    pointer.write_text(final.name)
-    os.replace(pointer, final.parent / LATEST_FILE)
+    _fsync(final.parent)
+    _write_durably(final.parent / LATEST_FILE, final.name)
 
 
 def resolve_checkpoint_dir(path: str | Path) -> Path:
     """The complete checkpoint that ``path`` (a step folder or a checkpoint root) designates.
 
-    A step folder is returned as it is; for a root, the folder its ``latest`` file names when that one is complete,
-    else the newest complete one (:func:`newest_checkpoint`, which warns about the others).
+    A step folder is returned as it is; for a root, the newest complete one (:func:`newest_checkpoint`, which warns
+    about the others), with a warning when ``latest`` names another.
 
     Raises:
         ValueError: ``path`` is an incomplete step folder (names what is wrong), or a root without a complete
@@ -209,16 +230,15 @@ def resolve_checkpoint_dir(path: str | Path) -> Path:
                 "its checkpoints/ root (the newest complete checkpoint is taken)"
             )
         return path
-    pointer = path / LATEST_FILE
-    if pointer.exists():
-        named = path / pointer.read_text().strip()
-        if checkpoint_problem(named) is None:
-            return named
     newest = newest_checkpoint(path)
     if newest is None:
         raise ValueError(
             f"checkpoint path={str(path)!r} holds no complete checkpoint (step_NNNNNN with {COMPLETE_MARKER})"
         )
+    pointer = path / LATEST_FILE
+    named = pointer.read_text().strip() if pointer.is_file() else newest.name
+    if named != newest.name:
+        logger.warning("%s names %s, but %s is the newest complete checkpoint: using it", pointer, named, newest)
     return newest
 
 
@@ -230,15 +250,12 @@ def _is_step_folder(path: Path) -> bool:
 
 
 def is_megatron_checkpoint(path: str | Path) -> bool:
-    """True when ``path`` is a step folder, a ``checkpoints/`` root with ``latest``, or a run dir holding one."""
+    """True when ``path`` is a step folder, a ``checkpoints/`` root holding one (or ``latest``), or its run dir."""
     path = Path(path)
     if not path.is_dir():
         return False
-    return (
-        _is_step_folder(path)
-        or (path / LATEST_FILE).exists()
-        or ((path / CONFIG_FILE).exists() and (path / CHECKPOINTS_DIR / LATEST_FILE).exists())
-    )
+    roots = [path, *([path / CHECKPOINTS_DIR] if (path / CONFIG_FILE).exists() else [])]
+    return _is_step_folder(path) or any((root / LATEST_FILE).exists() or _step_folders(root) for root in roots)
 
 
 def resolve_step_dir(path: str | Path) -> Path:

@@ -18,13 +18,14 @@ import torch
 
 from gtpo_megatron.config import load_config, save_config
 from gtpo_megatron.logging import (
+    PhaseTimer,
     format_startup_line,
     quiet_known_warnings,
     report_optional_accelerators,
     setup_logging,
 )
-from gtpo_megatron.megatron_adapter.settings import policy_settings
-from gtpo_megatron.preemption import ignore_stop_signals_in_children
+from gtpo_megatron.megatron_adapter.settings import policy_settings, validate_config
+from gtpo_megatron.preemption import hold_stop_signals, release_stop_signals
 from gtpo_megatron.run_dir import check_fresh_run, config_path, resolve_megatron_lm_checkpoint
 
 
@@ -59,6 +60,7 @@ def _check_inputs(cfg) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Run one training job; returns the exit code (0 on success, 2 on a config error, printed without a traceback)."""
+    hold_stop_signals()  # a save request during start-up waits for the first step boundary
     imported, age = time.perf_counter(), _process_age_s()
     args = parse_args(argv)
     _single_process_defaults()
@@ -68,8 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         print(f"gtpo-train: config error: {err}", file=sys.stderr)
         return 2
-    from gtpo_megatron.trainer import PhaseTimer
-
+    if not cfg.checkpoint.save_on_sigusr1:
+        release_stop_signals()
     timer = PhaseTimer()
     timer.seconds["time/startup/imports_s"] = age
     timer.seconds["time/startup/config_s"] = time.perf_counter() - imported
@@ -92,7 +94,7 @@ def _checked_config(args: argparse.Namespace):
     cfg = load_config(args.config, args.overrides)
     if not cfg.logging.verbose:
         quiet_known_warnings(cuda=torch.cuda.is_available())  # before megatron-core is imported (validate)
-    cfg.validate(int(os.environ["WORLD_SIZE"]))
+    validate_config(cfg, int(os.environ["WORLD_SIZE"]))
     policy_settings(cfg)  # refuses what the policy cannot build (e.g. overrides of owned fields) before any init
     _check_inputs(cfg)
     check_fresh_run(cfg.output_dir, resume=cfg.resume)
@@ -120,8 +122,6 @@ def _train(cfg, timer, *, started: float) -> int:
             groups.dp_size,
         )
     torch.manual_seed(cfg.trainer.seed)
-    if cfg.checkpoint.save_on_sigusr1:
-        ignore_stop_signals_in_children()  # before the engine, reward and wandb processes start
     trainer = build_trainer(cfg, groups, timer=timer)
     trainer.sink.write(format_startup_line(timer.seconds, time.perf_counter() - started))
     try:

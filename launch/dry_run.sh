@@ -8,4 +8,4 @@ cd "$(dirname "$0")/.."
 CONFIG="${1:?usage: bash launch/dry_run.sh CONFIG GPUS [gtpo-plan options] [key=value overrides...]}"
 GPUS="${2:?usage: bash launch/dry_run.sh CONFIG GPUS [gtpo-plan options] [key=value overrides...]}"
 shift 2
-exec python -m gtpo_megatron.plan.cli --config "$CONFIG" --gpus "$GPUS" "$@"
+exec python -m gtpo_megatron.plan_cli --config "$CONFIG" --gpus "$GPUS" "$@"

@@ -1,27 +1,19 @@
-"""Typed, frozen run configuration: one root ``GTPOConfig`` made of sections.
+"""Typed, frozen run configuration: one root ``GTPOConfig`` made of sections (PyYAML and the planner's arithmetic).
 
-``sections``: the frozen section dataclasses, their own checks and ``GTPOConfig.validate``; ``loader``: YAML recipes,
-presets, shorthands and dotted overrides. ``loader`` imports ``sections``, never the reverse. Importing this package
-imports neither torch, megatron nor vllm.
+One module per group of sections (``model``, ``rollout``, ``algorithm``, ``run``: each section checks its own fields;
+``run.GTPOConfig.validate`` the cross-section arithmetic), ``checks`` (the error shape) and ``loader`` (YAML
+recipes, presets, shorthands and dotted overrides; nothing else imports it). Reading the model's ``config.json``
+and Megatron's field names is ``megatron_adapter.settings.validate_config``'s job. Importing this package imports
+neither torch, megatron nor vllm.
 """
 
 from __future__ import annotations
 
+from gtpo_megatron.config.algorithm import AlgorithmConfig
 from gtpo_megatron.config.loader import PRESETS, config_to_dict, load_config, save_config
-from gtpo_megatron.config.sections import (
-    AlgorithmConfig,
-    CheckpointConfig,
-    DataConfig,
-    GTPOConfig,
-    LoggingConfig,
-    ModelConfig,
-    OptimConfig,
-    ParallelConfig,
-    RewardConfig,
-    RolloutConfig,
-    TrainerConfig,
-    read_hf_config,
-)
+from gtpo_megatron.config.model import ModelConfig, OptimConfig, ParallelConfig
+from gtpo_megatron.config.rollout import DataConfig, RewardConfig, RolloutConfig
+from gtpo_megatron.config.run import CheckpointConfig, GTPOConfig, LoggingConfig, TrainerConfig
 
 __all__ = [
     "PRESETS",
@@ -38,6 +30,5 @@ __all__ = [
     "TrainerConfig",
     "config_to_dict",
     "load_config",
-    "read_hf_config",
     "save_config",
 ]

@@ -25,7 +25,8 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
-from gtpo_megatron.config.sections import GTPOConfig, RolloutConfig
+from gtpo_megatron.config.rollout import RolloutConfig
+from gtpo_megatron.config.run import GTPOConfig
 
 PRESETS: dict[str, dict[str, object]] = {
     "gtpo": dict(

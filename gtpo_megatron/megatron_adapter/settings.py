@@ -6,17 +6,23 @@ Megatron ``TransformerConfig`` (``model.transformer_config_from_hf``), the DDP c
 (``optimizer.ddp_config``, ``optimizer.optimizer_config``, ``optimizer.scheduler_kwargs``) from these settings and
 nothing else, and ``gtpo-plan`` reports on the same object, so the plan and the run cannot disagree.
 
-``model.megatron_overrides`` may set any other ``TransformerConfig`` field (``GTPOConfig.validate`` checks the names
+``validate_config(cfg, world_size)`` is ``GTPOConfig.validate`` with what the config package may not read: the
+model's ``config.json`` on disk, Megatron's ``TransformerConfig`` fields and the registered estimators and rewards.
+
+``model.megatron_overrides`` may set any other ``TransformerConfig`` field (``validate_config`` checks the names
 against Megatron's dataclass); the fields listed in :data:`OWNED_FIELDS` are refused, each with the config field (or
 HF ``config.json`` entry) that sets it, so that an override can neither contradict a section nor the checkpoint.
 """
 
 from __future__ import annotations
 
+import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING
 
+from gtpo_megatron.builtin_models import local_model_folder
+from gtpo_megatron.config.checks import require
 from gtpo_megatron.plan.layout import padded_vocab_size
 
 if TYPE_CHECKING:
@@ -200,3 +206,39 @@ def policy_settings(cfg: GTPOConfig) -> PolicySettings:
         logprob_chunk_size=cfg.algorithm.logprob_chunk_size,
         seed=cfg.trainer.seed,
     )
+
+
+def read_hf_config(name_or_path: str) -> dict | None:
+    """The model's ``config.json`` as a dict when it is on local disk (built-ins: once materialised), else None."""
+    path = local_model_folder(name_or_path) / "config.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def validate_config(cfg: GTPOConfig, world_size: int, *, check_registries: bool = True) -> None:
+    """``cfg.validate(world_size)`` with the local model's ``config.json``, then Megatron's and the registries' names.
+
+    With ``check_registries`` (imports torch, megatron and the rewards): the ``model.megatron_overrides`` keys are
+    ``TransformerConfig`` fields, the advantage estimator and the reward are registered.
+
+    Raises:
+        ValueError: naming the fields, the values, the rule and a fix.
+    """
+    cfg.validate(world_size, hf_config=read_hf_config(cfg.model.name_or_path))
+    if not check_registries:
+        return
+    from megatron.core.transformer import TransformerConfig
+
+    from gtpo_megatron.ops import advantages
+    from gtpo_megatron.rewards import registry
+
+    known = {f.name for f in fields(TransformerConfig)}
+    for key in cfg.model.megatron_overrides:
+        require(
+            key in known,
+            "model.megatron_overrides",
+            key,
+            "is not a field of megatron TransformerConfig",
+            f"use one of its fields, e.g. {sorted(known)[:5]}",
+        )
+    advantages.get_advantage_estimator(cfg.algorithm.advantage_estimator)
+    registry.get_reward(cfg.reward.name)

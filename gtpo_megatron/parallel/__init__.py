@@ -7,6 +7,7 @@ Only ``collectives`` is re-exported here: ``groups`` imports megatron and must b
 from __future__ import annotations
 
 from gtpo_megatron.parallel.collectives import (
+    all_gather_object,
     all_gather_rows,
     all_reduce_,
     all_reduce_sum,
@@ -18,10 +19,10 @@ from gtpo_megatron.parallel.collectives import (
     global_normalizer,
     group_device,
     reduce_metric_sums,
-    row_shard,
 )
 
 __all__ = [
+    "all_gather_object",
     "all_gather_rows",
     "all_reduce_",
     "all_reduce_sum",
@@ -33,5 +34,4 @@ __all__ = [
     "global_normalizer",
     "group_device",
     "reduce_metric_sums",
-    "row_shard",
 ]

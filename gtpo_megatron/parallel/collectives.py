@@ -1,22 +1,15 @@
 """Every collective the package issues itself, over explicit process groups (torch only: no package imports).
 
-The primitives (:func:`all_reduce_`, :func:`broadcast_`, :func:`all_reduce_sum`, :func:`broadcast_object`,
-:func:`barrier`), the step's global statistics (statistics are split from decisions; the policy's loss
-normaliser, <H>_ini), the data-parallel row layout of a step and the trainer's control messages (rollout broadcast,
-stop flag). The ops layer's vocab-parallel log-prob op issues its TP all-reduces through :func:`all_reduce_` too,
-which is why this module imports nothing from the package. The one other caller of ``torch.distributed``
-collectives is the weight gather (``megatron_adapter/hf_stream.py``); ``tests/distributed/test_collective_device.py``
-enforces both rules.
+Primitives, the step's global statistics (the loss normaliser, <H>_ini's step mean: statistics apart from the
+decisions that use them) and the trainer's control messages (stop flags, the resume choice). The ops layer's
+log-prob op issues its TP all-reduces through :func:`all_reduce_`; the weight gather (``megatron_adapter/hf_stream``)
+is the one other caller of ``torch.distributed`` (``tests/distributed/test_collective_device.py``).
 
-Devices: a tensor collective runs on its group's device (:func:`group_device`: the current CUDA device for a group
-with an NCCL backend, including the ``cuda:nccl`` half of the ``cpu:gloo,cuda:nccl`` default group that
-``parallel.groups.init_distributed`` creates on GPU machines; the CPU otherwise). Tensors elsewhere are moved there
-and the results come back on the input's device, so CPU tensors work with an NCCL group. Object collectives and
-barriers let torch pick the device (the CPU through gloo when the group has one).
+Devices: a tensor collective runs on its group's device (:func:`group_device`: the current CUDA device for an NCCL
+group, the ``cuda:nccl`` half of ``cpu:gloo,cuda:nccl`` included; else the CPU); results come back on the input's
+device. Object collectives and barriers let torch choose (gloo's CPU when the group has it).
 
-Each function takes the group it works on as the keyword ``group``. ``group=None`` has exactly one meaning: "this
-process is the whole group" (single process, or a statistic that is local by design); it never falls back to the
-default world group. The collectives are not differentiable and are listed per function.
+``group=None`` means "this process is the whole group", never the default world. No collective is differentiable.
 """
 
 from __future__ import annotations
@@ -87,29 +80,15 @@ def broadcast_(tensor: torch.Tensor, *, src: int, group: dist.ProcessGroup | Non
     return tensor
 
 
-def row_shard(num_rows: int, *, rank: int, size: int) -> slice:
-    """Rows ``[rank * B/size, (rank + 1) * B/size)`` of a ``B``-row step batch: one data-parallel rank's share.
-
-    Every rank builds the same full batch; rank ``r`` of the data-parallel group trains on this slice, and
-    :func:`all_gather_rows` puts the shares back together in the same order.
-
-    Raises:
-        ValueError: ``size`` does not divide ``num_rows``.
-    """
-    if num_rows % size:
-        raise ValueError(f"batch of {num_rows} rows does not split over dp_size={size}; see GTPOConfig.validate")
-    share = num_rows // size
-    return slice(rank * share, (rank + 1) * share)
-
-
 def all_gather_rows(local: torch.Tensor, *, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """``[B]`` fp32 from each rank's ``[B/size]`` share (:func:`row_shard` order), identical on every rank.
+    """``[B]`` fp32 from each rank's ``[B/size]`` share, concatenated in rank order, identical on every rank.
 
     Collectives: one SUM all-reduce of a zero-padded ``[B]`` vector on ``group`` (none when ``group`` is None).
     """
     rank, size = (0, 1) if group is None else (dist.get_rank(group), dist.get_world_size(group))
     full = torch.zeros(local.shape[0] * size, dtype=torch.float32)
-    full[row_shard(full.shape[0], rank=rank, size=size)] = local
+    share = local.shape[0]
+    full[rank * share : (rank + 1) * share] = local
     return all_reduce_sum(full, group=group)
 
 
@@ -123,6 +102,18 @@ def broadcast_object(obj: Any, *, src: int, group: dist.ProcessGroup | None) -> 
     box = [obj]
     dist.broadcast_object_list(box, src=src, group=group)
     return box[0]
+
+
+def all_gather_object(obj: Any, *, group: dist.ProcessGroup | None) -> list[Any]:
+    """Every rank's ``obj`` (picklable), in rank order of ``group``, on every rank.
+
+    Collectives: one ``all_gather_object`` on ``group`` (none when ``group`` is None).
+    """
+    if group is None:
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
 
 
 def barrier(*, group: dist.ProcessGroup | None) -> None:
@@ -143,18 +134,10 @@ def any_rank(flag: bool, *, group: dist.ProcessGroup | None) -> bool:
 
 
 def global_normalizer(local_normalizer: torch.Tensor, *, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """The step's loss normaliser: this rank's count summed over the data-parallel group.
+    """The step's loss normaliser: this rank's fp32 scalar count summed over the data-parallel ``group``.
 
-    Args:
-        local_normalizer: fp32 scalar, ``ops.compute_normalizer`` of this rank's rows of the step (summed over its
-            micro-batches when they are counted apart).
-        group: the data-parallel group of the step (None: single replica).
-
-    Returns:
-        fp32 scalar on ``local_normalizer``'s device, identical on every rank of ``group``; 0 when no rank has a
-        response token (the caller skips such a step: dividing by it is undefined).
-
-    Collectives: one SUM all-reduce on ``group``.
+    ``local_normalizer``: ``ops.compute_normalizer`` of this rank's rows. Returns an fp32 scalar on its device; 0
+    when no rank has a response token. Collectives: one SUM all-reduce on ``group``.
     """
     return all_reduce_sum(local_normalizer.float(), group=group)
 

@@ -1,4 +1,4 @@
-"""Cluster planning without GPUs: model dimensions, layout arithmetic and per-GPU memory estimates (``gtpo-plan``).
+"""Cluster planning without GPUs: model dimensions, layout arithmetic and per-GPU memory estimates (``plan_cli``).
 
 Pure arithmetic: importing it imports neither torch, megatron nor vllm.
 """

@@ -254,3 +254,18 @@ def _next_prompts(num_prompts: int, group_size: int, dp_size: int) -> int:
     while (prompts * group_size) % dp_size:
         prompts += 1
     return prompts
+
+
+def row_shard(num_rows: int, *, rank: int, size: int) -> slice:
+    """Rows ``[rank * B/size, (rank + 1) * B/size)`` of a ``B``-row step batch: one data-parallel rank's share.
+
+    Every rank builds the same full batch and trains on its slice; ``parallel.all_gather_rows`` puts the shares
+    back together in rank order.
+
+    Raises:
+        ValueError: ``size`` does not divide ``num_rows``.
+    """
+    if num_rows % size:
+        raise ValueError(f"batch of {num_rows} rows does not split over dp_size={size}; see GTPOConfig.validate")
+    share = num_rows // size
+    return slice(rank * share, (rank + 1) * share)

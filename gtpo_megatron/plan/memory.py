@@ -174,17 +174,9 @@ def logprob_working_set_bytes(
 ) -> int:
     """Peak bytes of the logits, the log-prob/entropy op and, with an fp32 output layer, that layer's backward.
 
-    Args:
-        vocab_per_rank: ``V/t`` columns of the local logits shard.
-        tokens: ``b*s`` tokens in one micro-batch.
-        hidden_size: ``h``, the output layer's input width.
-        param_bytes: bytes per parameter (2 for bf16/fp16, 4 for fp32).
-        chunk_size: ``algorithm.logprob_chunk_size`` (None = the whole micro-batch at once).
-        fp32_output_layer: ``model.fp32_output_layer``; only changes anything with 16-bit parameters.
-
-    Returns:
-        :func:`logits_bytes` in the parameter dtype; with ``fp32_output_layer`` and 16-bit parameters
-        ``max(logits_bytes(param_bytes=4), 4*b*s*V/t + 10*V/t*h)`` (module docstring).
+    ``vocab_per_rank`` V/t, ``tokens`` b*s of one micro-batch, ``hidden_size`` h, ``param_bytes`` 2 or 4,
+    ``chunk_size`` (``algorithm.logprob_chunk_size``). Returns :func:`logits_bytes` in the parameter dtype; with
+    ``fp32_output_layer`` and 16-bit parameters ``max(logits_bytes(param_bytes=4), 4*b*s*V/t + 10*V/t*h)``.
     """
     if not fp32_output_layer or param_bytes >= 4:
         return logits_bytes(vocab_per_rank, tokens=tokens, param_bytes=param_bytes, chunk_size=chunk_size)

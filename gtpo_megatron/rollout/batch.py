@@ -2,7 +2,7 @@
 
 Pure functions of tensors (no collectives, no I/O), composed by ``trainer.py``. Every rank builds the same full
 batch (the rollouts are broadcast); the GTPO weights are computed on whole groups (``algorithm.py``,
-docs/algorithm.md section 8) before each rank keeps its rows, ``batch.select(parallel.row_shard(...))``.
+docs/algorithm.md section 8) before each rank keeps its rows, ``batch.select(plan.layout.row_shard(...))``.
 Dimension legend: P prompts, G group size, B = P*G rows group by group, S padded prompt+response length.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from gtpo_megatron.batch import TrainBatch
-from gtpo_megatron.data.sampling import overlong_filter_mask
+from gtpo_megatron.data.overlong import overlong_filter_mask
 from gtpo_megatron.rollout.types import PromptCompletions
 
 

@@ -11,7 +11,7 @@ scores them in its own reward pool.
 ``collect_step`` runs on every rank. With DAPO dynamic sampling (docs/algorithm.md section 5) it repeats rounds with
 fresh prompts until ``num_prompts`` groups vary in their task score, counting varied groups over all engines with
 one all-reduce per round, or until ``dynamic_sampling_max_rounds`` (then uniform groups fill the batch,
-``data.sampling.choose_groups``). Every decision about a group's variance (dynamic sampling,
+``data.dynamic_sampling.choose_groups``). Every decision about a group's variance (dynamic sampling,
 ``rollout/varied_group_frac`` and ``algorithm.skip_uniform_groups``) uses the task scores, never the shaped
 rewards: the overlong penalty can make a group whose answers are all equally wrong look varied. The chosen groups
 then cross ranks once, as one packed tensor (``rollout/exchange.py``), and every rank rebuilds the same
@@ -31,9 +31,10 @@ import torch
 import torch.distributed as dist
 
 from gtpo_megatron.config import AlgorithmConfig, RewardConfig, RolloutConfig
+from gtpo_megatron.data.dynamic_sampling import choose_groups, filter_uniform_groups
 from gtpo_megatron.data.loader import PromptLoader
+from gtpo_megatron.data.overlong import shape_rewards
 from gtpo_megatron.data.prompts import SYSTEM_PROMPT, build_prompt_ids
-from gtpo_megatron.data.sampling import choose_groups, filter_uniform_groups, shape_rewards
 from gtpo_megatron.data.types import Problem
 from gtpo_megatron.parallel.collectives import all_reduce_sum
 from gtpo_megatron.plan.engines import engine_prompt_range

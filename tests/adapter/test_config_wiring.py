@@ -35,8 +35,8 @@ from gtpo_megatron.megatron_adapter.model import (
 from gtpo_megatron.megatron_adapter.optimizer import ddp_config, optimizer_config, scheduler_kwargs
 from gtpo_megatron.megatron_adapter.settings import OWNED_FIELDS, PolicySettings, policy_settings
 from gtpo_megatron.plan.architectures import architecture_from_hf_config
-from gtpo_megatron.plan.cli import DTYPE_BYTES, training_shape
 from gtpo_megatron.plan.layout import check_layout
+from gtpo_megatron.plan_cli import DTYPE_BYTES, training_shape
 
 SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "optim": OptimConfig}
 NOT_MEGATRON = {

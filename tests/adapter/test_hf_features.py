@@ -21,15 +21,7 @@ from gtpo_megatron.megatron_adapter.hf_features import (
 from gtpo_megatron.megatron_adapter.model import transformer_config_from_hf
 from gtpo_megatron.megatron_adapter.settings import PolicySettings
 from tests.adapter.megatron_helpers import model_section
-
-SMALL = dict(
-    vocab_size=1000,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-)
+from tests.helpers.tiny_configs import SMALL
 
 
 def test_linear_biases_follow_the_transformers_classes():

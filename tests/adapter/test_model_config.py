@@ -11,21 +11,11 @@ from gtpo_megatron.megatron_adapter.hf_features import rope_settings
 from gtpo_megatron.megatron_adapter.model import transformer_config_from_hf
 from gtpo_megatron.megatron_adapter.settings import PolicySettings
 from tests.adapter.megatron_helpers import model_section
+from tests.helpers.tiny_configs import SMALL
 
 
 def _settings(tp: int = 1, pp: int = 1, **model_fields) -> PolicySettings:
     return PolicySettings(model=model_section("x", **model_fields), tp_size=tp, pp_size=pp)
-
-
-SMALL = dict(
-    vocab_size=1000,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    rms_norm_eps=1e-6,
-)
 
 
 def test_architecture_flags():

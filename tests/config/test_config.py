@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from gtpo_megatron.config import PRESETS, GTPOConfig, load_config, save_config
+from gtpo_megatron.megatron_adapter.settings import validate_config
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO = REPO / "configs" / "cpu_demo.yaml"
@@ -165,7 +166,7 @@ def _cfg(*overrides: str) -> GTPOConfig:
 )
 def test_validate_world_arithmetic(overrides, world, fragment):
     with pytest.raises(ValueError) as err:
-        _cfg(*overrides).validate(world, check_registries=False)
+        validate_config(_cfg(*overrides), world, check_registries=False)
     assert fragment in str(err.value)
 
 
@@ -174,12 +175,12 @@ def test_validate_heads_against_local_model():
     from gtpo_megatron.builtin_models import resolve_model_path
 
     resolve_model_path("builtin:tiny-qwen2")
-    _cfg("parallel.tp_size=2", "rollout.max_tokens=64").validate(2, check_registries=False)
+    validate_config(_cfg("parallel.tp_size=2", "rollout.max_tokens=64"), 2, check_registries=False)
     with pytest.raises(ValueError, match="parallel.tp_size=4 must divide num_attention_heads=4 and num_query_groups=2"):
-        _cfg("parallel.tp_size=4").validate(4, check_registries=False)
-    _cfg("parallel.tp_size=4", "model.pad_attention_heads=true").validate(4, check_registries=False)
+        validate_config(_cfg("parallel.tp_size=4"), 4, check_registries=False)
+    validate_config(_cfg("parallel.tp_size=4", "model.pad_attention_heads=true"), 4, check_registries=False)
     with pytest.raises(ValueError, match="max_position_embeddings=2048"):
-        _cfg("rollout.max_tokens=2000").validate(1, check_registries=False)
+        validate_config(_cfg("rollout.max_tokens=2000"), 1, check_registries=False)
 
 
 def test_validate_applies_the_planner_rules(monkeypatch):
@@ -189,13 +190,13 @@ def test_validate_applies_the_planner_rules(monkeypatch):
     monkeypatch.setattr(layout, "world_problems", lambda *args, **kw: ["world rule"])
     monkeypatch.setattr(layout, "batch_problems", lambda **kw: [f"batch rule dp_size={kw['dp_size']}"])
     with pytest.raises(ValueError, match=r"layout does not divide:\n  - world rule\n  - batch rule dp_size=1$"):
-        _cfg("model=/no/local/model").validate(1, check_registries=False)
+        validate_config(_cfg("model=/no/local/model"), 1, check_registries=False)
 
 
 def test_validate_rejects_unknown_megatron_override():
     pytest.importorskip("megatron.core")
     with pytest.raises(ValueError, match="not a field of megatron TransformerConfig"):
-        _cfg("model.megatron_overrides.not_a_field=1").validate(1)
+        validate_config(_cfg("model.megatron_overrides.not_a_field=1"), 1)
 
 
 def test_dapo_overlong_buffer_is_a_fifth_of_max_tokens():
@@ -229,7 +230,7 @@ def test_reward_extraction_choices_match_the_rewards_owner():
     """The config's Literal lists exactly the modes ``rewards.answer_text`` implements."""
     from typing import get_args, get_type_hints
 
-    from gtpo_megatron.config.sections import RewardConfig
+    from gtpo_megatron.config import RewardConfig
     from gtpo_megatron.rewards import EXTRACTION_MODES
 
     literal = get_args(get_type_hints(RewardConfig)["extraction"])[0]
@@ -238,7 +239,7 @@ def test_reward_extraction_choices_match_the_rewards_owner():
 
 @pytest.mark.parametrize("value", [0.0, 1.5])
 def test_reward_max_error_frac_out_of_range_is_refused(value):
-    from gtpo_megatron.config.sections import RewardConfig
+    from gtpo_megatron.config import RewardConfig
 
     with pytest.raises(ValueError, match=r"reward.max_error_frac.*must be in \(0, 1\]"):
         RewardConfig(max_error_frac=value)
@@ -296,7 +297,7 @@ def test_fidelity_switches_refuse_bad_values(override, fragment):
 def test_system_prompt_choices_match_the_prompts_owner():
     from typing import get_args, get_type_hints
 
-    from gtpo_megatron.config.sections import DataConfig
+    from gtpo_megatron.config import DataConfig
     from gtpo_megatron.data import SYSTEM_PROMPTS
 
     assert set(get_args(get_type_hints(DataConfig)["system_prompt"])) == set(SYSTEM_PROMPTS)
@@ -336,8 +337,8 @@ def test_num_engines_must_tile_the_world():
     cfg = load_config(None, [*BASE, "rollout.num_engines=3"])
     with pytest.raises(ValueError, match=r"rollout.num_engines=3 x rollout.engine_tp_size=1 = 3 GPUs must divide the "
                                          r"world size \(2, rollout.placement=colocated\)"):  # fmt: skip
-        cfg.validate(2, check_registries=False)
-    load_config(None, [*BASE, "rollout.num_engines=2"]).validate(2, check_registries=False)
+        validate_config(cfg, 2, check_registries=False)
+    validate_config(load_config(None, [*BASE, "rollout.num_engines=2"]), 2, check_registries=False)
     separate = load_config(None, [*BASE, "rollout.placement=separate", "rollout.num_engines=2"])
     with pytest.raises(ValueError, match=r"must divide the engine pool \(1,"):
-        separate.validate(2, check_registries=False)
+        validate_config(separate, 2, check_registries=False)

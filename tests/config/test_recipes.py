@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from gtpo_megatron.config import PRESETS, load_config
+from gtpo_megatron.megatron_adapter.settings import validate_config
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 PAPER_MODELS = ("qwen2.5-3b-instruct", "llama3.1-8b-instruct")  # docs/algorithm.md section 6
@@ -44,7 +45,7 @@ def test_paper_recipes_exist_and_equal_their_generator():
 def test_paper_recipe_loads_validates_and_follows_preset(path):
     cfg = load_config(path)
     gpus = int(re.search(r"--nproc_per_node=(\d+)", path.read_text()).group(1))
-    cfg.validate(gpus, check_registries=False)
+    validate_config(cfg, gpus, check_registries=False)
     model, data, algorithm = path.stem.split("_")[:3]
     assert cfg.algorithm.name == algorithm and cfg.data.source == data
     preset = dict(PRESETS[algorithm])
@@ -70,7 +71,7 @@ def test_paper_recipe_loads_validates_and_follows_preset(path):
 def test_cpu_demo_validates_with_registries():
     pytest.importorskip("megatron.core")
     cfg = load_config(CONFIGS / "cpu_demo.yaml")
-    cfg.validate(2)
+    validate_config(cfg, 2)
     assert cfg.model.name_or_path == "builtin:smollm2-135m-instruct" and cfg.data.source == "synthetic"
 
 
@@ -80,7 +81,7 @@ def test_compare_recipe_differs_only_by_the_algorithm(algorithm):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the preset replacing the YAML's GTPO fields is announced, and expected
         cfg = load_config(CONFIGS / "compare_cpu.yaml", [f"algorithm={algorithm}"])
-    cfg.validate(2, check_registries=False)
+    validate_config(cfg, 2, check_registries=False)
     assert cfg.algorithm.name == algorithm and cfg.algorithm.kl_coef == 0.0  # GRPO with beta = 0
     assert (cfg.data.source, cfg.data.synthetic_difficulty, cfg.trainer.max_steps) == ("synthetic", "medium", 30)
     assert (cfg.trainer.seed, cfg.rollout.seed, cfg.data.shuffle_seed) == (0, 0, 0)

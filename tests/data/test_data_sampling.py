@@ -12,7 +12,7 @@ from gtpo_megatron.data import (
     overlong_penalty,
     shape_rewards,
 )
-from gtpo_megatron.data.sampling import UNIFORM_REWARD_ATOL
+from gtpo_megatron.data.dynamic_sampling import UNIFORM_REWARD_ATOL
 from gtpo_megatron.rewards import reward_span
 from tests.helpers.batches import algorithm_section
 

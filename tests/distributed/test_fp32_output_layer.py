@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from tests.adapter.megatron_helpers import model_section, save_random_hf_model, settings_at
 from tests.helpers.dist_harness import run_distributed
+from tests.helpers.tiny_configs import tiny_llama
 
 pytestmark = pytest.mark.distributed
 VOCAB, HIDDEN = 1000, 64
@@ -132,7 +133,6 @@ def _model_error(path: str, groups, params_dtype: torch.dtype, fp32_output_layer
 
 
 def _worker(rank: int, world_size: int, out_root: str) -> None:
-    from transformers import LlamaConfig
 
     from gtpo_megatron.parallel.groups import init_distributed
 
@@ -140,15 +140,7 @@ def _worker(rank: int, world_size: int, out_root: str) -> None:
     if rank == 0:
         save_random_hf_model(
             path,
-            LlamaConfig(
-                vocab_size=VOCAB,
-                hidden_size=HIDDEN,
-                intermediate_size=128,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-                tie_word_embeddings=True,
-            ),
+            tiny_llama(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=128, tie_word_embeddings=True),
         )
     dist.barrier()
     _check_layer(init_distributed(tp_size=2))

@@ -32,6 +32,7 @@ from tests.adapter.megatron_helpers import (
     settings_at,
 )
 from tests.helpers.dist_harness import run_distributed
+from tests.helpers.tiny_configs import tiny_llama
 
 pytestmark = pytest.mark.distributed
 
@@ -55,15 +56,13 @@ def _build(path: str, tp: int, *, optim: dict | None = None, **model_fields):
 def _save_three_group_llama(out_dir: str) -> None:
     """Random 2-layer Llama, 3 KV groups x 2 heads, head_dim 32 (attention width 192 != hidden 96), tied
     embeddings, perturbed norms; the tokenizer of ``builtin:tiny-llama`` so the folder is complete."""
-    from transformers import LlamaConfig
 
     from gtpo_megatron.builtin_models import resolve_model_path
 
-    config = LlamaConfig(
+    config = tiny_llama(
         vocab_size=49152,
         hidden_size=96,
         intermediate_size=128,
-        num_hidden_layers=2,
         num_attention_heads=6,
         num_key_value_heads=3,
         head_dim=32,

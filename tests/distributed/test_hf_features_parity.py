@@ -18,17 +18,9 @@ import torch.distributed as dist
 
 from tests.adapter.megatron_helpers import check_hf_weights, check_logits, load_hf_model, save_random_hf_model
 from tests.helpers.dist_harness import run_distributed
+from tests.helpers.tiny_configs import TINY
 
 pytestmark = pytest.mark.distributed
-
-SIZES = dict(
-    vocab_size=300,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-)
 
 
 def _configs() -> dict:
@@ -37,20 +29,20 @@ def _configs() -> dict:
 
     tp_only, with_pp = ((1, 1), (2, 1)), ((1, 1), (2, 1), (1, 2))
     return {
-        "llama-attention-bias": (LlamaConfig(**SIZES, attention_bias=True), tp_only),
-        "llama-mlp-bias-tied": (LlamaConfig(**SIZES, mlp_bias=True, tie_word_embeddings=True), with_pp),
+        "llama-attention-bias": (LlamaConfig(**TINY, attention_bias=True), tp_only),
+        "llama-mlp-bias-tied": (LlamaConfig(**TINY, mlp_bias=True, tie_word_embeddings=True), with_pp),
         "llama-linear-rope": (
-            LlamaConfig(**SIZES, rope_parameters={"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}),
+            LlamaConfig(**TINY, rope_parameters={"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}),
             tp_only,
         ),
-        "mistral-window-4": (MistralConfig(**SIZES, sliding_window=4, head_dim=16), tp_only),
+        "mistral-window-4": (MistralConfig(**TINY, sliding_window=4, head_dim=16), tp_only),
         "qwen2-window-5-last-layer": (
-            Qwen2Config(**SIZES, use_sliding_window=True, sliding_window=5, max_window_layers=1),
+            Qwen2Config(**TINY, use_sliding_window=True, sliding_window=5, max_window_layers=1),
             with_pp,
         ),
         "qwen3-bias-window-3": (
             Qwen3Config(
-                **SIZES,
+                **TINY,
                 head_dim=32,
                 attention_bias=True,
                 use_sliding_window=True,
@@ -78,7 +70,7 @@ def _check_refusal(out_root: str, rank: int) -> None:
     path = f"{out_root}/llama-yarn"
     if rank == 0:
         LlamaConfig(
-            **SIZES,
+            **TINY,
             rope_parameters={
                 "rope_type": "yarn",
                 "factor": 4.0,

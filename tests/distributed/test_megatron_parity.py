@@ -29,6 +29,7 @@ from tests.adapter.megatron_helpers import (
     settings_at,
 )
 from tests.helpers.dist_harness import run_distributed
+from tests.helpers.tiny_configs import tiny_qwen3
 
 pytestmark = pytest.mark.distributed
 
@@ -63,19 +64,7 @@ def _build(path: str, tp: int, pp: int, **model_fields):
 
 def _save_tiny_qwen3(out_dir: str) -> None:
     """Random 2-layer Qwen3 (q/k norms, head_dim 32 != hidden/heads, tied embeddings, perturbed norm weights)."""
-    from transformers import Qwen3Config
-
-    config = Qwen3Config(
-        vocab_size=300,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        tie_word_embeddings=True,
-    )
-    save_random_hf_model(out_dir, config)
+    save_random_hf_model(out_dir, tiny_qwen3())
 
 
 def _worker(rank: int, world_size: int, out_root: str) -> None:

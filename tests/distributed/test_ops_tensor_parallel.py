@@ -23,8 +23,8 @@ from gtpo_megatron.parallel import (
     global_mean,
     global_normalizer,
     reduce_metric_sums,
-    row_shard,
 )
+from gtpo_megatron.plan.layout import row_shard
 from tests.helpers.dist_harness import run_distributed
 from tests.helpers.references import ref_logprobs_entropy
 

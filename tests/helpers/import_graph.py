@@ -14,37 +14,48 @@ from pathlib import Path
 
 PACKAGE = "gtpo_megatron"
 
-# Lowest layer first: a module may import its own layer and the layers below it.
-# Each layer lists module prefixes; the longest matching prefix decides.
-LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("collectives: torch.distributed calls", ("gtpo_megatron.parallel.collectives",)),
-    ("the per-row record", ("gtpo_megatron.batch",)),
-    ("ops: torch math", ("gtpo_megatron.ops",)),
+# Lowest layer first: a module may import its own layer and the layers below it. Each layer: a name, the module
+# prefixes it holds (the longest matching prefix decides) and the third-party imports it may make.
+# docs/architecture.md shows this table as ``render_layers()`` prints it (tests/test_import_graph.py compares them).
+LAYERS: list[tuple[str, tuple[str, ...], str]] = [
+    ("collectives", ("gtpo_megatron.parallel.collectives",), "torch, torch.distributed; no package module"),
+    ("the per-row record", ("gtpo_megatron.batch",), "torch"),
+    ("ops", ("gtpo_megatron.ops",), "torch; the log-prob op's TP all-reduces go through `parallel.collectives`"),
     (
         "torch-free helpers",
-        (
-            "gtpo_megatron.builtin_models",
-            "gtpo_megatron.run_dir",
-            "gtpo_megatron.preemption",
-            "gtpo_megatron.plan.architectures",
-            "gtpo_megatron.plan.layout",
-            "gtpo_megatron.plan.memory",
-            "gtpo_megatron.plan",
-        ),
+        ("gtpo_megatron.builtin_models", "gtpo_megatron.run_dir", "gtpo_megatron.preemption", "gtpo_megatron.plan"),
+        "stdlib (transformers lazily, to build a built-in)",
     ),
-    ("parallel", ("gtpo_megatron.parallel",)),
-    ("rewards", ("gtpo_megatron.rewards",)),
-    ("config", ("gtpo_megatron.config",)),
-    ("data", ("gtpo_megatron.data",)),
+    ("parallel", ("gtpo_megatron.parallel",), "torch.distributed; megatron only in `groups.py`"),
+    ("rewards", ("gtpo_megatron.rewards",), "math-verify, no torch"),
+    ("config", ("gtpo_megatron.config",), "PyYAML"),
+    ("data", ("gtpo_megatron.data",), "torch (no torch.distributed), tokenizer"),
     (
-        "rollout, megatron_adapter, policy contract, logging",
+        "edges",
         ("gtpo_megatron.rollout", "gtpo_megatron.megatron_adapter", "gtpo_megatron.policy", "gtpo_megatron.logging"),
+        "vllm (only `rollout/vllm_engine.py`), megatron-core, transformers, wandb",
     ),
-    ("algorithm", ("gtpo_megatron.algorithm",)),
-    ("plugin API", ("gtpo_megatron.plugin",)),
-    ("trainer", ("gtpo_megatron.trainer", "gtpo_megatron.build")),
-    ("entry points", ("gtpo_megatron.train", "gtpo_megatron.evaluation", "gtpo_megatron.plan.cli")),
+    ("algorithm", ("gtpo_megatron.algorithm",), ""),
+    ("plugin API", ("gtpo_megatron.plugin",), ""),
+    ("run state", ("gtpo_megatron.initial_entropy", "gtpo_megatron.resume"), ""),
+    ("trainer", ("gtpo_megatron.trainer", "gtpo_megatron.build"), ""),
+    (
+        "entry points",
+        ("gtpo_megatron.train", "gtpo_megatron.evaluation", "gtpo_megatron.plan_cli", "gtpo_megatron"),
+        "",
+    ),
 ]
+
+
+def render_layers() -> str:
+    """``LAYERS`` as the markdown table docs/architecture.md shows (lowest first)."""
+    rows = ["| layer | modules | third-party imports |", "|---|---|---|"]
+    for index, (name, prefixes, external) in enumerate(LAYERS):
+        modules = ", ".join(
+            f"`{p.removeprefix(PACKAGE + '.')}`" if p != PACKAGE else "the package root" for p in prefixes
+        )
+        rows.append(f"| {index} {name} | {modules} | {external} |")
+    return "\n".join(rows)
 
 
 @dataclass
@@ -126,17 +137,16 @@ def read_imports(root: Path) -> dict[str, Imports]:
 
 
 def layer_of(module: str) -> int:
-    """Index in ``LAYERS`` of ``module`` (the package root counts as an entry point).
+    """Index in ``LAYERS`` of ``module``.
 
     Raises:
         AssertionError: ``module`` belongs to no layer (a new top-level module: add it to ``LAYERS``).
     """
-    if module == PACKAGE:
-        return len(LAYERS) - 1
     best, best_len = None, -1
-    for index, (_, prefixes) in enumerate(LAYERS):
+    for index, (_, prefixes, _) in enumerate(LAYERS):
         for prefix in prefixes:
-            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best_len:
+            inside = module == prefix or (prefix != PACKAGE and module.startswith(prefix + "."))
+            if inside and len(prefix) > best_len:
                 best, best_len = index, len(prefix)
     assert best is not None, f"{module} belongs to no layer; add it to LAYERS in tests/helpers/import_graph.py"
     return best
@@ -153,6 +163,35 @@ def back_edges(imports: dict[str, Imports], *, include_type_only: bool = False) 
     if include_type_only:
         pairs |= {(a, b) for a, found in imports.items() for b in found.type_only}
     return sorted((a, b) for a, b in pairs if layer_of(b) > layer_of(a))
+
+
+def room_of(module: str) -> str:
+    """The room (folder, or top-level module) that holds ``module``; a layer made of one module is a room of its own."""
+    for _, prefixes, _ in LAYERS:
+        if prefixes == (module,) and module.count(".") > 1:
+            return module
+    parts = module.split(".")
+    return ".".join(parts[:2])
+
+
+def rooms(modules) -> dict[str, int]:
+    """``{room: layer}``: a room is as high as the highest module it holds."""
+    out: dict[str, int] = {}
+    for module in modules:
+        room = room_of(module)
+        out[room] = max(out.get(room, -1), layer_of(module))
+    return out
+
+
+def room_arrows_up(imports: dict[str, Imports]) -> list[tuple[str, str]]:
+    """Room-level arrows ``(importer's room, imported room)`` that point to a higher room (type-only ones included).
+
+    A room that holds modules of two layers (the CLI beside the arithmetic it plans with) makes every room that
+    imports the lower part point up at it.
+    """
+    layer = rooms(imports)
+    pairs = {(room_of(a), room_of(b)) for a, found in imports.items() for b in found.runtime | found.type_only}
+    return sorted((a, b) for a, b in pairs if a != b and layer[b] > layer[a])
 
 
 def cycles(imports: dict[str, Imports]) -> list[list[str]]:

@@ -18,8 +18,8 @@ from gtpo_megatron.parallel import (
     global_mean,
     global_normalizer,
     reduce_metric_sums,
-    row_shard,
 )
+from gtpo_megatron.plan.layout import row_shard
 from tests.helpers.batches import conflict_batch
 
 

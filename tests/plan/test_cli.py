@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from gtpo_megatron.plan.cli import run
+from gtpo_megatron.plan_cli import run
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 SCALE_RECIPES = sorted(CONFIGS.glob("*_gtpo_*gpu.yaml"))
@@ -110,10 +110,10 @@ def test_local_builtin_model_is_read_from_its_config() -> None:
 
 def test_console_script_exit_status() -> None:
     path = CONFIGS / "llama3.1-70b_gsm8k_gtpo_32gpu.yaml"
-    ok = subprocess.run([sys.executable, "-m", "gtpo_megatron.plan.cli", "--config", str(path), "--gpus", "32"],
+    ok = subprocess.run([sys.executable, "-m", "gtpo_megatron.plan_cli", "--config", str(path), "--gpus", "32"],
                         capture_output=True, text=True)  # fmt: skip
     assert ok.returncode == 0 and "training phase total" in ok.stdout
-    bad = subprocess.run([sys.executable, "-m", "gtpo_megatron.plan.cli", "--config", str(path), "--gpus", "30"],
+    bad = subprocess.run([sys.executable, "-m", "gtpo_megatron.plan_cli", "--config", str(path), "--gpus", "30"],
                          capture_output=True, text=True)  # fmt: skip
     assert bad.returncode == 2 and "--gpus=30" in bad.stderr
 
@@ -132,8 +132,8 @@ def test_separate_placement_gives_the_engine_its_own_gpus() -> None:
 
 
 def test_train_state_offload_leaves_only_weights_during_rollout() -> None:
-    from gtpo_megatron.plan.cli import rollout_resident, training_fixes
     from gtpo_megatron.plan.memory import StageMemory, TrainingShape
+    from gtpo_megatron.plan_cli import rollout_resident, training_fixes
 
     stage = StageMemory(stage=0, params=10, weights=20, grads=40, optimizer=120, activations=7, logits=3)
     assert rollout_resident(stage, offload=False) == 180 and rollout_resident(stage, offload=True) == 20
@@ -171,7 +171,7 @@ def test_yaml_syntax_error_exits_2(tmp_path) -> None:
 
 def test_plan_imports_no_torch() -> None:
     """gtpo-plan runs where torch is not installed: the policy settings it reports on are torch-free."""
-    probe = "import sys, gtpo_megatron.plan.cli; sys.exit('torch' in sys.modules)"
+    probe = "import sys, gtpo_megatron.plan_cli; sys.exit('torch' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", probe], cwd=CONFIGS.parent, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-2000:]
 

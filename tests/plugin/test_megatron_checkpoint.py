@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from gtpo_megatron.megatron_adapter.settings import validate_config
 from gtpo_megatron.rollout.types import Completion, PromptCompletions
 from tests.helpers.dist_harness import run_distributed
 from tests.helpers.references import ref_logprobs_entropy
@@ -152,7 +153,7 @@ def _start_run(rank: int, world_size: int, root: str, output_dir: str) -> None:
         "trainer.max_steps=1", "checkpoint.every_n_steps=0", "logging.wandb_mode=disabled", "logging.progress=false",
         f"output_dir={output_dir}",
     ])  # fmt: skip
-    cfg.validate(world_size)
+    validate_config(cfg, world_size)
     groups = init_distributed(tp_size=1, pp_size=2)
     policy = build_policy(cfg, resolve_model_path(cfg.model.name_or_path), groups)
     assert policy.geometry.padded_vocab_size == PADDED_VOCAB  # read from the checkpoint, not 49,152

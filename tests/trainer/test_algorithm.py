@@ -152,7 +152,7 @@ def test_uniform_group_skip_and_overlong_filter():
     assert weights.keep_mask is None  # one row mask until the entropy terms are known (with_entropy_terms)
     assert weights.token_weights.sum(dim=-1).tolist() == [0.0, 0.0, 2.0, 0.0]
     assert conflict_metrics(weights, batch.response_mask)["gtpo/removed_frac"] == 0.75
-    # one uniform-group rule (data.sampling.filter_uniform_groups, atol 1e-6) for this switch and dynamic sampling
+    # one uniform-group rule (dynamic_sampling.filter_uniform_groups, atol 1e-6) for this switch and dynamic sampling
     nearly_equal = torch.tensor([1.0, 1.0 + 1e-9, 1.0, 0.0])
     weights, _ = _weights(batch, nearly_equal, cfg, initial_entropy=1.0)
     assert weights.loss_row_mask.tolist() == [False, False, True, False]
@@ -202,7 +202,7 @@ def test_objective_metrics_name_the_averages():
 def test_skip_uniform_groups_decides_on_scores_not_shaped_rewards():
     """G=2, scores [0, 0], lengths 20 and 10, max_tokens=20, overlong buffer 4: the overlong
     penalty shapes the rewards to [-1, 0], which look varied, but the group is uniform in score and is dropped."""
-    from gtpo_megatron.data.sampling import shape_rewards
+    from gtpo_megatron.data.overlong import shape_rewards
 
     batch = collate_completions(
         [make_group([1], [[5] * 19 + [EOS], [6] * 9 + [EOS]]), make_group([1], [[5, EOS], [6, EOS]])],

@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from gtpo_megatron.preemption import StepInterrupted, StopRequests
+from gtpo_megatron.preemption import StepInterrupted, StopRequests, hold_stop_signals, release_stop_signals
 from gtpo_megatron.run_dir import list_checkpoints
 from tests.trainer.fakes import FakeEngine, FakePolicy, make_trainer, one_rank_process_group
 
@@ -133,3 +133,30 @@ def test_signals_are_off_when_disabled_and_handlers_are_restored(tmp_path):
     requests.abort_requested = True  # a SIGTERM arrived before the interruptible block started
     with pytest.raises(StepInterrupted), requests.interruptible():
         pytest.fail("the block must not start")
+
+
+class _SignalWhileLoading(FakePolicy):
+    """Sends SIGUSR1 to this process while it loads the checkpoint (a start-up phase that takes minutes at scale)."""
+
+    def load_checkpoint(self, path):
+        os.kill(os.getpid(), signal.SIGUSR1)
+        return super().load_checkpoint(path)
+
+
+def test_sigusr1_during_start_up_is_honoured_at_the_first_step_boundary(tmp_path, caplog):
+    _run(tmp_path / "resumed", "trainer.max_steps=1")
+    hold_stop_signals()  # gtpo-train's first call
+    try:
+        os.kill(os.getpid(), signal.SIGUSR1)  # while the components are built: held, the process lives on
+        with caplog.at_level(logging.INFO):
+            _run(tmp_path / "fresh")
+        _run(tmp_path / "resumed", "resume=true", policy=_SignalWhileLoading())  # sent during the checkpoint load
+    finally:
+        release_stop_signals()
+    assert _steps_logged(tmp_path / "fresh") == [1] and list_checkpoints(tmp_path / "fresh" / "checkpoints")
+    assert _steps_logged(tmp_path / "resumed") == [1, 2]  # resumed after step 1, saved step 2 and stopped
+    assert [p.name for p in list_checkpoints(tmp_path / "resumed" / "checkpoints")][-1] == "step_000002"
+    assert "SIGUSR1 received during start-up: saving at the first step boundary" in caplog.text
+    assert "SIGUSR1: saved step 1 and stopped" in caplog.text
+    assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL
+    assert signal.SIGUSR1 not in signal.pthread_sigmask(signal.SIG_BLOCK, set())

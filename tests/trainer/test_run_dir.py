@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import logging
+from types import SimpleNamespace
 
 import pytest
 
 from gtpo_megatron import run_dir
+from gtpo_megatron.resume import RunCheckpoints, agreed_checkpoint
 
 
 def _make(root, *names, complete=True):
@@ -121,3 +123,56 @@ def test_latest_pointer_and_resolution(tmp_path):
         run_dir.resolve_checkpoint_dir(tmp_path / "missing")
     with pytest.raises(FileNotFoundError, match="must sit at RUN_DIR/checkpoints/<step>/"):
         run_dir.run_config_path(tmp_path / "moved" / "away" / "step_000001")
+
+
+def test_steps_sort_by_number_not_by_name(tmp_path):
+    # step_1000000 sorts before step_999999 as text; resume, pruning and the fresh-run guard go by the number
+    root = tmp_path / "checkpoints"
+    _make(root, "step_999999", "step_1000000")
+    assert [p.name for p in run_dir.list_checkpoints(root)] == ["step_999999", "step_1000000"]
+    assert run_dir.newest_checkpoint(root).name == "step_1000000"
+    assert run_dir.list_checkpoints(root)[:-1] == [root / "step_999999"]  # the trainer prunes all but keep_last=1
+    with pytest.raises(ValueError, match=r"last: step_1000000"):
+        run_dir.check_fresh_run(tmp_path, resume=False)
+
+
+def test_a_lagging_latest_gives_way_to_the_newest_complete_checkpoint(tmp_path, caplog):
+    # a save killed between its folder's rename and the ``latest`` write: step 10 complete, ``latest`` at step 5
+    (tmp_path / "config.yaml").write_text("model: m\n")
+    root = run_dir.checkpoints_dir(tmp_path)
+    _make(root, "step_000005", "step_000010")
+    (root / "latest").write_text("step_000005")
+    with caplog.at_level(logging.WARNING, logger="gtpo_megatron.run_dir"):
+        for path in (root, tmp_path):  # what gtpo-eval and the export read
+            assert run_dir.resolve_step_dir(path) == root / "step_000010"
+    assert agreed_checkpoint(root, rank=0, group=None) == root / "step_000010"  # what the trainer resumes from
+    assert "latest names step_000005, but" in caplog.text and "step_000010 is the newest complete" in caplog.text
+    (root / "latest").unlink()  # killed before the first ``latest`` was written: the root is still a checkpoint
+    assert run_dir.is_megatron_checkpoint(root) and run_dir.is_megatron_checkpoint(tmp_path)
+
+
+def test_marker_rename_and_latest_reach_the_disk(tmp_path, monkeypatch):
+    synced = []
+    monkeypatch.setattr(run_dir.os, "fsync", lambda fd: synced.append(run_dir.os.readlink(f"/proc/self/fd/{fd}")))
+    final = run_dir.checkpoint_dir(tmp_path, 3)
+    _make(final.parent, final.name)  # mark_complete
+    run_dir.write_latest(final)
+    root = str(final.parent)
+    assert synced == [
+        str(final / ".complete.json.tmp"),
+        str(final),
+        root,  # the folder's rename into the root
+        str(final.parent / ".latest.tmp"),
+        root,
+    ]
+
+
+def test_pruning_keeps_step_1000000_over_step_999999(tmp_path):
+    from tests.trainer.fakes import FakePolicy
+
+    cfg = SimpleNamespace(output_dir=str(tmp_path), resume=False, checkpoint=SimpleNamespace(keep_last=1))
+    empty = SimpleNamespace(state_dict=dict)
+    checkpoints = RunCheckpoints(cfg, FakePolicy(), empty, empty, rank=0, group=None)
+    checkpoints.save(999999)
+    checkpoints.save(1000000)
+    assert [p.name for p in run_dir.list_checkpoints(tmp_path / "checkpoints")] == ["step_1000000"]

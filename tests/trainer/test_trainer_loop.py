@@ -62,8 +62,8 @@ def test_step_phases_feed_the_policy_and_engine(tmp_path):
     entropy = 0.25 * (torch.arange(8) % 4).float()
     torch.testing.assert_close(batch.advantages, torch.tensor([0.5, -0.5, 0.5, -0.5] * 2))
     torch.testing.assert_close(terms.advantages, torch.tensor([0.5, -0.5, 0.5, -0.5] * 2) - 0.1 * entropy)
-    assert trainer.initial_entropy == pytest.approx(float(entropy.mean()))  # 0.375 <= ln 2: the filter is active
-    assert loss.initial_entropy == trainer.initial_entropy and loss.entropy_temperature == 1.0
+    assert trainer.initial_entropy.value == pytest.approx(float(entropy.mean()))  # 0.375 <= ln 2: the filter is active
+    assert loss.initial_entropy == trainer.initial_entropy.value and loss.entropy_temperature == 1.0
     assert batch.old_logprobs is None and loss.loss_name == "gtpo" and loss.temperature == 0.9
     assert metrics["accuracy"] == 0.5 and metrics["reward/mean"] == 0.5
     assert metrics["gtpo/filtered_frac"] == pytest.approx(2 / 8)  # rows with <H> = 0.75 > ln 2
@@ -224,7 +224,7 @@ def test_no_pass_before_the_update_once_initial_entropy_is_known(tmp_path):
     # Steps 1-2 measure <H>_ini (one pass each, before the update), step 3 computes everything in its forward.
     assert policy.events == ["compute_logprobs", "train_step"] * 2 + ["train_step"]
     assert first["time/old_logprob_s"] > 0 and second["time/old_logprob_s"] > 0 and third["time/old_logprob_s"] == 0
-    assert trainer.initial_entropy_steps == 2 and trainer.initial_entropy == pytest.approx(0.375)
+    assert trainer.initial_entropy.steps == 2 and trainer.initial_entropy.value == pytest.approx(0.375)
     # the pass before the update feeds <H>_i to the loss; without it the loss measures <H>_i itself
     assert policy.train_batches[0][0].seq_entropy is not None and policy.train_batches[2][0].seq_entropy is None
     assert third["gtpo/filtered_frac"] == first["gtpo/filtered_frac"] == pytest.approx(2 / 8)
@@ -271,13 +271,13 @@ def test_resume_refuses_to_measure_initial_entropy_on_a_trained_policy(tmp_path)
     make_trainer(tmp_path / "paper", "trainer.max_steps=2").run()
     resumed = make_trainer(tmp_path / "paper", "resume=true")
     resumed.run()
-    assert resumed.initial_entropy == pytest.approx(0.375) and resumed.initial_entropy_steps == 1
+    assert resumed.initial_entropy.value == pytest.approx(0.375) and resumed.initial_entropy.steps == 1
     # measuring over 3 steps: a checkpoint at step 2 (2 of 3 measured) resumes and measures step 3 as the
     # uninterrupted run would; asking for more steps than the checkpoint measured after them is refused
     make_trainer(tmp_path / "three", "trainer.max_steps=2", "algorithm.initial_entropy_steps=3").run()
     resumed = make_trainer(tmp_path / "three", "resume=true", "algorithm.initial_entropy_steps=3")
     resumed.run()
-    assert resumed.initial_entropy_steps == 3
+    assert resumed.initial_entropy.steps == 3
     with pytest.raises(ValueError, match="measured over 3 of the first algorithm.initial_entropy_steps=5"):
         make_trainer(
             tmp_path / "three", "resume=true", "trainer.max_steps=6", "algorithm.initial_entropy_steps=5"

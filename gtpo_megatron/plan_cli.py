@@ -23,7 +23,7 @@ import sys
 from dataclasses import dataclass
 
 from gtpo_megatron.config import GTPOConfig, load_config
-from gtpo_megatron.megatron_adapter.settings import PolicySettings, policy_settings
+from gtpo_megatron.megatron_adapter.settings import PolicySettings, policy_settings, validate_config
 from gtpo_megatron.plan.architectures import Architecture, resolve_architecture
 from gtpo_megatron.plan.layout import Layout, check_layout
 from gtpo_megatron.plan.memory import (
@@ -270,7 +270,7 @@ def run(argv: list[str] | None = None) -> tuple[int, str]:
             gpus_per_node=args.gpus_per_node, pad_attention_heads=settings.model.pad_attention_heads,
             num_engines=cfg.rollout.num_engines, num_engine_gpus=cfg.rollout.num_engine_gpus,
         )  # fmt: skip
-        cfg.validate(layout.train_world_size, check_registries=False)  # the torchrun world
+        validate_config(cfg, layout.train_world_size, check_registries=False)  # the torchrun world
     except ValueError as err:
         return 2, f"gtpo-plan: {args.config} on {args.gpus} GPUs: {err}"
     shape = training_shape(

@@ -1,0 +1,132 @@
+"""The ``model``, ``parallel`` and ``optim`` sections: what Megatron trains and how it is laid out."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from gtpo_megatron.config.checks import require as _require
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelConfig:
+    """The model to train and how Megatron holds it (``model.*``)."""
+
+    name_or_path: str
+    """Local HF folder, hub name (online users) or ``builtin:smollm2-135m-instruct|tiny-llama|tiny-qwen2``."""
+    params_dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    """Dtype of the Megatron parameters (the optimizer keeps fp32 master weights for 16-bit types)."""
+    make_vocab_size_divisible_by: int = 128
+    """Megatron pads the vocabulary to a multiple of this times tp_size (padded_vocab_size)."""
+    recompute: Literal["none", "selective", "full"] = "none"
+    """Activation recompute granularity passed to Megatron."""
+    pad_attention_heads: bool = False
+    """Pad the KV groups (zero weights, exact: they stay zero in training) up to a multiple of ``parallel.tp_size``
+    when they do not divide it, e.g. SmolLM2-135M's 3 groups x 3 heads at TP=2 (see
+    ``megatron_adapter/head_padding.py``). Export and weight sync strip the padding."""
+    megatron_overrides: dict[str, object] = field(default_factory=dict)
+    """Extra ``TransformerConfig`` fields (checked against Megatron's dataclass in ``GTPOConfig.validate``); the
+    fields a section or the HF config sets are refused (``megatron_adapter.settings.OWNED_FIELDS``)."""
+    megatron_checkpoint: str | None = None
+    """A Megatron-LM / Megatron-Bridge checkpoint (``torch_dist`` format: the root holding
+    ``latest_checkpointed_iteration.txt``, or one ``iter_NNNNNNN`` folder) whose model weights are the starting
+    policy, loaded at any TP/PP layout; weights only (no optimizer state, RNG or iteration count). ``name_or_path``
+    then supplies the HF config and tokenizer only (its folder needs no weights); the vLLM engine starts with
+    dummy weights and receives these by a weight push before the first rollout. null: start from
+    ``name_or_path``'s weights."""
+    fp32_output_layer: bool = True
+    """Compute the logits in fp32 when the parameters are bf16/fp16: the output layer multiplies fp32 casts of its
+    16-bit input and weight (``megatron_adapter/output_layer.py``), so the log-probs and entropies the loss, the
+    filter and the train/rollout mismatch read are not rounded to 16 bits first (up to ~4e-3 nats otherwise). Costs
+    fp32 logits and their gradient on the last pipeline stage (``gtpo-plan`` counts it). No effect with fp32
+    parameters."""
+
+    def __post_init__(self) -> None:
+        _require(
+            bool(self.name_or_path),
+            "model.name_or_path",
+            self.name_or_path,
+            "must not be empty",
+            "give a local HF folder or builtin:smollm2-135m-instruct",
+        )
+        _require(
+            self.make_vocab_size_divisible_by >= 1,
+            "model.make_vocab_size_divisible_by",
+            self.make_vocab_size_divisible_by,
+            "must be >= 1",
+            "use 128 (Megatron's default)",
+        )
+        _require(
+            self.megatron_checkpoint is None or (bool(self.megatron_checkpoint) and not self.pad_attention_heads),
+            "model.megatron_checkpoint/model.pad_attention_heads",
+            (self.megatron_checkpoint, self.pad_attention_heads),
+            "a Megatron checkpoint is loaded as written (unpadded heads) and must not be empty",
+            "set model.pad_attention_heads=false and give the checkpoint folder, or model.megatron_checkpoint=null",
+        )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ParallelConfig:
+    """Training parallelism and the distributed backend (``parallel.*``)."""
+
+    tp_size: int = 1
+    """Tensor-parallel size (shards heads, MLP and vocabulary)."""
+    pp_size: int = 1
+    """Pipeline-parallel size (shards layers)."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism (needs tp_size > 1): activations outside the tensor-parallel regions are split
+    over the TP ranks along the sequence; with Megatron's local layer specs the norms are
+    ``megatron_adapter.model.SequenceParallelRMSNorm``."""
+    use_distributed_optimizer: bool = False
+    """Shard optimizer states over data-parallel ranks (Megatron distributed optimizer)."""
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    """torch.distributed backend; ``auto`` is ``cpu:gloo,cuda:nccl`` with CUDA (NCCL for CUDA tensors, gloo for CPU
+    tensors and objects; ``parallel.groups.CUDA_BACKEND``) and gloo otherwise; ``nccl`` is NCCL alone."""
+
+    def __post_init__(self) -> None:
+        for name in ("tp_size", "pp_size"):
+            _require(getattr(self, name) >= 1, f"parallel.{name}", getattr(self, name), "must be >= 1", "use 1")
+        _require(
+            not self.sequence_parallel or self.tp_size > 1,
+            "parallel.sequence_parallel",
+            self.sequence_parallel,
+            "needs parallel.tp_size > 1",
+            "set parallel.sequence_parallel=false",
+        )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class OptimConfig:
+    """Adam, the learning-rate schedule and micro-batching (``optim.*``)."""
+
+    lr: float = 1e-6
+    """Peak AdamW learning rate (section 6: 1e-6)."""
+    min_lr: float = 0.0
+    """Learning rate at the end of the cosine decay over trainer.max_steps (== lr for a constant schedule)."""
+    warmup_steps: int = 0
+    """Linear warm-up steps."""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay."""
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    clip_grad: float = 0.1
+    """Global gradient-norm clip (section 6: 0.1); 0 disables."""
+    micro_batch_size: int = 1
+    """Sequences per micro-batch on each data-parallel rank."""
+
+    def __post_init__(self) -> None:
+        _require(self.lr > 0, "optim.lr", self.lr, "must be > 0", "use 1e-6 (paper)")
+        _require(
+            0 <= self.min_lr <= self.lr, "optim.min_lr", self.min_lr, "must be in [0, optim.lr]", "use 0 or optim.lr"
+        )
+        _require(self.warmup_steps >= 0, "optim.warmup_steps", self.warmup_steps, "must be >= 0", "use 0")
+        for name in ("adam_beta1", "adam_beta2"):
+            _require(
+                0 <= getattr(self, name) < 1,
+                f"optim.{name}",
+                getattr(self, name),
+                "must be in [0, 1)",
+                "use 0.9 / 0.999",
+            )
+        _require(self.clip_grad >= 0, "optim.clip_grad", self.clip_grad, "must be >= 0", "use 0.1 (paper)")
+        _require(self.micro_batch_size >= 1, "optim.micro_batch_size", self.micro_batch_size, "must be >= 1", "use 1")

@@ -1,0 +1,143 @@
+"""The ``trainer``, ``checkpoint`` and ``logging`` sections and the root ``GTPOConfig`` (its cross-section checks)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from gtpo_megatron.config.algorithm import AlgorithmConfig
+from gtpo_megatron.config.checks import require as _require
+from gtpo_megatron.config.model import ModelConfig, OptimConfig, ParallelConfig
+from gtpo_megatron.config.rollout import DataConfig, RewardConfig, RolloutConfig
+from gtpo_megatron.plan import engines, layout
+from gtpo_megatron.plan.architectures import architecture_from_hf_config
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrainerConfig:
+    """Length of the run, seed and log cadence (``trainer.*``)."""
+
+    max_steps: int = 20
+    """Training steps (one rollout batch each)."""
+    seed: int = 0
+    """Seed of model init RNGs and of everything not seeded elsewhere."""
+    log_every: int = 1
+    """Print a log line every this many steps (metrics.jsonl gets every step)."""
+
+    def __post_init__(self) -> None:
+        _require(self.max_steps >= 1, "trainer.max_steps", self.max_steps, "must be >= 1", "use e.g. 20")
+        _require(self.log_every >= 1, "trainer.log_every", self.log_every, "must be >= 1", "use 1")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CheckpointConfig:
+    """When checkpoints are written and how many are kept (``checkpoint.*``)."""
+
+    every_n_steps: int = 10
+    """Save every N steps (and after the last step); 0 saves only at the end and on a stop signal."""
+    keep_last: int = 2
+    """Checkpoints kept under output_dir/checkpoints (older ones are deleted)."""
+    save_on_sigterm: bool = True
+    """On SIGTERM (preemption; SIGKILL follows ~30 s later) abort the step in flight at its next safe point, save
+    the last completed step and exit cleanly (``gtpo_megatron.preemption``)."""
+    save_on_sigusr1: bool = True
+    """On SIGUSR1 (Slurm's early warning, ``--signal=B:USR1@<seconds>`` in ``launch/submit.sbatch``) finish the
+    step in flight, save it and exit cleanly."""
+
+    def __post_init__(self) -> None:
+        _require(self.every_n_steps >= 0, "checkpoint.every_n_steps", self.every_n_steps, "must be >= 0", "use 10")
+        _require(self.keep_last >= 1, "checkpoint.keep_last", self.keep_last, "must be >= 1", "use 2")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LoggingConfig:
+    """Metric mirrors: wandb and the progress bar (``logging.*``)."""
+
+    wandb_mode: Literal["offline", "online", "disabled"] = "offline"
+    """wandb mode; the environment variable WANDB_MODE wins when set. Offline needs no network."""
+    wandb_project: str = "gtpo-megatron"
+    progress: bool = True
+    """Show a progress bar on rank 0."""
+    verbose: bool = False
+    """Show third-party logs in full: vLLM's INFO lines (engine configuration, loads, requests) and the warnings
+    hidden as harmless here (vLLM's, listed in ``rollout/vllm_logging.py``; Megatron's fallbacks for absent Apex and
+    Transformer Engine, named once instead: ``logging.quiet_known_warnings``)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class GTPOConfig:
+    """The root config: the sections, the run folder and ``resume``; ``validate`` checks it for a world size."""
+
+    model: ModelConfig
+    output_dir: str
+    """Run folder: config.yaml, metrics.jsonl, curves.png, checkpoints/."""
+    resume: bool = False
+    """Continue from the last checkpoint in output_dir/checkpoints (same data order)."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def validate(self, world_size: int, *, hf_config: dict | None = None) -> None:
+        """Cross-section checks once the world size is known (``megatron_adapter.settings.validate_config`` wraps it).
+
+        The planner's rules (``plan.layout``, ``plan.engines``): tp*pp divides the world size, P*G splits over dp
+        and the per-rank share into micro-batches, an explicit ``rollout.num_engines`` tiles the world (colocated)
+        or the engine GPUs (separate), and, given the model's ``hf_config``, tp divides the attention heads and KV
+        heads (unless ``model.pad_attention_heads``), pp the layers, and prompt + completion fit its
+        ``max_position_embeddings``.
+
+        Raises:
+            ValueError: naming the fields, the values, the rule and a fix (every layout problem at once).
+        """
+        tp, pp = self.parallel.tp_size, self.parallel.pp_size
+        dp = max(world_size // (tp * pp), 1)
+        problems = layout.world_problems(
+            world_size,
+            tp_size=tp,
+            pp_size=pp,
+            described=f"the world size {world_size}",
+            launch=f"a multiple of {tp * pp} ranks",
+        )
+        problems += layout.batch_problems(
+            num_prompts=self.rollout.num_prompts,
+            group_size=self.algorithm.group_size,
+            dp_size=dp,
+            micro_batch_size=self.optim.micro_batch_size,
+        )
+        if self.rollout.num_engines != "auto":
+            problems += engines.engine_count_problems(
+                self.rollout.num_engines,
+                placement=self.rollout.placement,
+                train_world_size=world_size,
+                engine_tp_size=self.rollout.engine_tp_size,
+                pool_gpus=engines.engine_pool_gpus(
+                    placement=self.rollout.placement,
+                    engine_tp_size=self.rollout.engine_tp_size,
+                    num_engine_gpus=self.rollout.num_engine_gpus,
+                ),
+            )
+        hf = hf_config
+        if hf is not None:
+            arch = architecture_from_hf_config(hf, name=self.model.name_or_path)
+            problems += layout.model_problems(
+                arch, tp_size=tp, pp_size=pp, pad_attention_heads=self.model.pad_attention_heads
+            )
+        layout.raise_problems(problems)
+        if hf is not None:
+            self._validate_sequence_length(hf.get("max_position_embeddings"))
+
+    def _validate_sequence_length(self, max_pos: int | None) -> None:
+        total = self.rollout.max_prompt_len + self.rollout.max_tokens
+        _require(
+            max_pos is None or total <= max_pos,
+            "rollout.max_prompt_len+rollout.max_tokens",
+            total,
+            f"must not exceed the model's max_position_embeddings={max_pos}",
+            "shorten prompts or completions",
+        )

@@ -1,0 +1,118 @@
+"""Saving and resuming across ranks, beside ``run_dir`` (which names the folders and decides completeness).
+
+Resume: global rank 0 chooses the newest complete checkpoint it sees and every rank follows it, after checking that
+it sees the same folder complete; a rank that cannot (a node-local output folder, a network filesystem with stale
+attributes) stops every rank with a message naming rank 0's choice and its own view, instead of loading another
+step or hanging in the load. Save (:class:`RunCheckpoints`): the policy writes (every rank; rank 0 marks the folder
+complete and renames it), then rank 0 prunes all but the newest ``checkpoint.keep_last`` complete checkpoints.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from gtpo_megatron import run_dir
+from gtpo_megatron.parallel.collectives import all_gather_object, barrier, broadcast_object
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+    from gtpo_megatron.config import GTPOConfig
+    from gtpo_megatron.initial_entropy import InitialEntropy
+    from gtpo_megatron.policy import Policy
+
+logger = logging.getLogger(__name__)
+
+
+def agreed_checkpoint(root: str | Path, *, rank: int, group: dist.ProcessGroup | None) -> Path | None:
+    """The checkpoint every rank resumes from: rank 0's newest complete one under ``root`` (None: start fresh).
+
+    Args:
+        root: the checkpoint root (``run_dir.checkpoints_dir``) as this rank sees it.
+        rank: this process's global rank.
+        group: the world (None: a single process).
+
+    Raises:
+        RuntimeError: on every rank, when some rank does not see rank 0's choice as a complete checkpoint (names
+            the choice, each such rank, what it sees wrong and its own newest complete checkpoint).
+
+    Collectives: one ``broadcast_object`` and one ``all_gather_object`` on ``group``.
+    """
+    root = Path(root)
+    mine = run_dir.newest_checkpoint(root)
+    chosen = broadcast_object(mine.name if rank == 0 and mine is not None else None, src=0, group=group)
+    problem = None if chosen is None else run_dir.checkpoint_problem(root / chosen)
+    if chosen is None and mine is not None:
+        problem = "rank 0 sees no complete checkpoint"
+    views = all_gather_object((rank, None if mine is None else mine.name, problem), group=group)
+    refused = [f"rank {r} ({issue}; its newest complete: {own})" for r, own, issue in views if issue is not None]
+    if refused:
+        raise RuntimeError(
+            f"resume=true: rank 0 chose {chosen or 'a fresh start'} under {root}, which "
+            + "; ".join(refused)
+            + " cannot follow: every rank must see the same checkpoints (a shared output_dir, synced before resuming)"
+        )
+    if mine is not None and mine.name != chosen:
+        logger.warning("resume: rank %d's newest complete checkpoint is %s; following rank 0's %s", rank, mine, chosen)
+    return None if chosen is None else root / chosen
+
+
+class RunCheckpoints:
+    """The run's checkpoints as the trainer drives them: the trainer state, saves (pruned) and the resume.
+
+    The trainer state of a checkpoint: ``step`` (completed steps), <H>_ini (``InitialEntropy.state_dict``) and the
+    prompt loader's position.
+
+    Args:
+        cfg: the run config (``output_dir``, ``resume``, ``checkpoint.keep_last``).
+        policy: the trained policy (``save_checkpoint``/``load_checkpoint``).
+        loader: the prompt loader.
+        initial_entropy: the run's <H>_ini.
+        rank: this process's global rank.
+        group: the world.
+    """
+
+    def __init__(self, cfg: GTPOConfig, policy: Policy, loader, initial_entropy: InitialEntropy, *, rank: int, group):
+        self.cfg, self.policy, self.loader, self.initial_entropy = cfg, policy, loader, initial_entropy
+        self.rank, self.group = rank, group
+        self.root = run_dir.checkpoints_dir(cfg.output_dir)
+        self.last_saved_step = 0
+
+    def state(self, step: int) -> dict:
+        """The trainer state after ``step`` completed steps."""
+        return {"step": step, **self.initial_entropy.state_dict(), "loader": self.loader.state_dict()}
+
+    def save(self, step: int, state: dict | None = None) -> None:
+        """Checkpoint the policy and ``state`` (default: the current one) as ``step``; rank 0 then prunes.
+
+        Collectives: the policy's save, and two barriers on the world.
+        """
+        self.policy.save_checkpoint(str(run_dir.checkpoint_dir(self.cfg.output_dir, step)), state or self.state(step))
+        self.last_saved_step = step
+        barrier(group=self.group)
+        if self.rank == 0:
+            for old in run_dir.list_checkpoints(self.root)[: -self.cfg.checkpoint.keep_last]:
+                run_dir.remove_checkpoint(old)
+        barrier(group=self.group)
+
+    def resume(self) -> int:
+        """Load the agreed checkpoint when ``resume=true`` (:func:`agreed_checkpoint`); the completed steps (0: none).
+
+        Raises:
+            RuntimeError: the ranks disagree (:func:`agreed_checkpoint`).
+            ValueError: <H>_ini cannot be restored (``InitialEntropy.load_state_dict``).
+        """
+        chosen = agreed_checkpoint(self.root, rank=self.rank, group=self.group) if self.cfg.resume else None
+        if chosen is None:
+            if self.cfg.resume:
+                logger.warning("resume=true but %s holds no complete checkpoint; starting from step 0", self.root)
+            return 0
+        state = self.policy.load_checkpoint(str(chosen))
+        self.initial_entropy.load_state_dict(state, completed_steps=int(state["step"]), path=chosen)
+        if state.get("loader") is not None:
+            self.loader.load_state_dict(state["loader"])
+        logger.info("resumed from %s (step %d)", chosen, state["step"])
+        self.last_saved_step = int(state["step"])
+        return self.last_saved_step
