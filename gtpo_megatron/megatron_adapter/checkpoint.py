@@ -15,7 +15,8 @@ dangling ``latest``; a folder that lost files afterwards is refused (``run_dir.c
 Resharding: model and optimizer tensors are saved as Megatron ``ShardedTensor`` s in the model's global layout
 (the distributed optimizer in its ``fully_reshardable`` format), so a checkpoint written with one TP/PP/DP layout
 loads into another. The per-rank RNG states are only restored when the layout is identical (otherwise they are
-meaningless and a warning says so). The LR schedule and ``trainer_state`` are common (rank-0) objects.
+meaningless and a warning says so). The LR schedule and ``trainer_state`` are common (rank-0) objects; a load takes
+the schedule's position only (``optimizer.restore_schedule``: the config's schedule applies).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from gtpo_megatron.megatron_adapter.optimizer import restore_schedule
 from gtpo_megatron.parallel.collectives import barrier
 from gtpo_megatron.run_dir import (
     mark_complete,
@@ -213,7 +215,7 @@ def load_checkpoint(path: str | Path, policy) -> dict:
         loaded = dist_checkpointing.load(template, str(folder))
         policy.model.load_state_dict(loaded["model"])
         policy.optimizer.load_state_dict(loaded["optimizer"])
-    policy.scheduler.load_state_dict(common["scheduler"])
+    restore_schedule(policy.scheduler, common["scheduler"])
     if same_layout:
         _set_rng_state(loaded["rng"])
     return common["trainer_state"]

@@ -8,6 +8,13 @@ distributed optimizer (sharded fp32 main weights and Adam states over the DP gro
 
 Precision: fp32 parameters, or bf16 parameters with fp32 main weights, fp32 gradient reduction and fp32 Adam
 states (``Float16OptimizerWithFloat16Params`` / distributed optimizer). No loss scaler (bf16 does not need one).
+
+LR convention (Megatron-LM's): update k (1-based) trains at ``lr(k-1)`` of Megatron's ``OptimizerParamScheduler``
+and the schedule advances after the update. With ``W`` warm-up steps the ramp starts at ``lr / (W + 1)``, so
+update k <= W + 1 trains at ``lr * k / (W + 1)`` and the first update after warm-up at the peak; then
+``decay_style`` from ``lr`` at position ``W`` to ``min_lr`` at ``total_steps`` (the last update of a run trains at
+``lr(total_steps - 1)``, above ``min_lr``). On resume the config's schedule applies at the checkpoint's position
+(:func:`restore_schedule`), not the checkpoint's max/min lr, warm-up and decay length.
 """
 
 from __future__ import annotations
@@ -65,11 +72,11 @@ def optimizer_config(settings: OptimSettings, *, params_dtype: torch.dtype):
 def scheduler_kwargs(settings: OptimSettings) -> dict:
     """Keyword arguments of Megatron's ``OptimizerParamScheduler`` besides the optimizer.
 
-    Linear warm-up from 0 (a constant ``lr`` without warm-up), ``decay_style`` to ``min_lr`` at ``total_steps``,
-    constant weight decay.
+    Linear warm-up from ``lr / (warmup_steps + 1)`` (module docstring), ``decay_style`` to ``min_lr`` at
+    ``total_steps``, constant weight decay.
     """
     return dict(
-        init_lr=0.0 if settings.warmup_steps else settings.lr,
+        init_lr=settings.lr / (settings.warmup_steps + 1),
         max_lr=settings.lr,
         min_lr=settings.min_lr,
         lr_warmup_steps=settings.warmup_steps,
@@ -118,8 +125,8 @@ def optimizer_step(optimizer, scheduler, ddp_model) -> dict[str, float]:
 
     The norm is Megatron's (all-reduced over model-parallel and, for the distributed optimizer, DP groups), so
     every rank takes the same decision. On a non-finite norm the update is skipped, gradients are zeroed, the
-    schedule does not advance and a ``RuntimeWarning`` is issued. The schedule advances *before* the update, so
-    the k-th applied step uses ``lr(k)`` (with warm-up, the first step is not a zero-lr step).
+    schedule does not advance and a ``RuntimeWarning`` is issued. The schedule advances after the update (module
+    docstring: update k trains at ``lr(k-1)``).
 
     Returns:
         ``{"grad_norm", "lr", "skipped"}``: norm before clipping, lr of this step, 1.0 if skipped else 0.0.
@@ -129,10 +136,33 @@ def optimizer_step(optimizer, scheduler, ddp_model) -> dict[str, float]:
         skipped = not math.isfinite(grad_norm)
         if skipped:
             warnings.warn(f"non-finite gradient norm {grad_norm}: optimizer step skipped", RuntimeWarning, stacklevel=2)
-        else:
-            scheduler.step(increment=1)  # step k (1-based) uses the schedule's lr(k): no zero-lr first step
+        lr = float(optimizer.param_groups[0]["lr"])
+        if not skipped:
             optimizer.step()
+            scheduler.step(increment=1)
         optimizer.zero_grad()
         ddp_model.zero_grad_buffer()
-    lr = float(optimizer.param_groups[0]["lr"])
     return {"grad_norm": grad_norm, "lr": lr, "skipped": float(skipped)}
+
+
+_SCHEDULE_FIELDS = ("max_lr", "min_lr", "lr_warmup_steps", "lr_decay_steps", "lr_decay_style")
+
+
+def restore_schedule(scheduler, saved: dict) -> dict[str, tuple]:
+    """Move the config's ``scheduler`` to the position of a checkpoint's schedule state ``saved``.
+
+    Megatron's ``load_state_dict`` would take max/min lr, warm-up and decay length from ``saved`` (and a loaded
+    optimizer state brings back the param groups' old ``max_lr``/``min_lr``); here only ``num_steps`` is taken.
+    Call after loading the optimizer state. Returns ``{field: (checkpoint value, config value)}`` of the schedule
+    fields that differ (also logged).
+    """
+    current = scheduler.state_dict()
+    changed = {name: (saved[name], current[name]) for name in _SCHEDULE_FIELDS if saved.get(name) != current[name]}
+    for group in scheduler.optimizer.param_groups:
+        group.update(max_lr=scheduler.max_lr, min_lr=scheduler.min_lr)
+    scheduler.num_steps = 0
+    scheduler.step(increment=saved["num_steps"])
+    if changed:
+        listed = ", ".join(f"{name} {old} -> {new}" for name, (old, new) in changed.items())
+        logger.warning("resume at update %d applies the config's LR schedule: %s", saved["num_steps"], listed)
+    return changed

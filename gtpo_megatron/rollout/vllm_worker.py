@@ -99,7 +99,11 @@ class WeightReloadExtension:
         if link is None:
             raise RuntimeError("gtpo_receive_weights called before gtpo_join_weight_group")
         start, stats = time.perf_counter(), WireStats()
-        self.reload_weights(weights_iterator=receive_weights(link.source, stats, forward=link.forward))
+        updates = receive_weights(link.source, stats, forward=link.forward)
+        try:
+            self.reload_weights(weights_iterator=updates)
+        finally:  # a failed load: drop the rest now (its traceback would keep the iterator open)
+            updates.close()
         self._gtpo_repack_tied_head()
         seconds = time.perf_counter() - start
         return {"num_tensors": stats.num_tensors, "num_bytes": stats.num_bytes, "seconds": seconds,

@@ -5,7 +5,7 @@ The sender (global rank 0, member 0 of the weight group, ``parallel/weight_group
 broadcasts each bucket as three messages:
 
 1. ``sizes``: int64 ``[2]`` = (header bytes, payload bytes); ``(0, 0)`` ends the update and ``(-1, 0)`` aborts it
-   (the sender's stream failed: the workers raise at once instead of waiting for the group's timeout);
+   (the sender's stream or packing failed: the workers raise at once instead of waiting for the group's timeout);
 2. ``header``: uint8 UTF-8 JSON ``{"dtype": "bfloat16", "tensors": [[name, shape, byte_offset], ...]}``;
 3. ``payload``: uint8 ``[payload bytes]``, the tensors back to back (one dtype, so every offset is aligned).
 
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import math
-import queue
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -130,12 +129,16 @@ class _Sender:
         self.in_flight = []
         self.stats.transfer_s += time.perf_counter() - start
 
-    def end(self, *, abort: bool) -> None:
-        """Flush and send the end (or abort) message, then wait for everything."""
-        if not abort:
-            self.flush()
+    def end(self) -> None:
+        """Send the last bucket and the end message, then wait for everything."""
+        self.flush()
         self.wait()
-        broadcast_buffer(_control([-1 if abort else 0, 0], self.group), root=SENDER, group=self.group)
+        broadcast_buffer(_control([0, 0], self.group), root=SENDER, group=self.group)
+
+    def abort(self) -> None:
+        """Tell the workers to drop the update (best effort: not when the bucket in flight failed to arrive)."""
+        self.wait()
+        broadcast_buffer(_control([-1, 0], self.group), root=SENDER, group=self.group)
 
 
 def send_weights(
@@ -158,22 +161,22 @@ def send_weights(
     Raises:
         ValueError: ``bucket_bytes < 2`` or this process is not member 0.
         RuntimeError: a worker died or timed out (``group.timeout_s``).
-        BaseException: whatever the stream raised, after the workers were told to abort.
+        BaseException: whatever the stream, the packing or a send raised, after the workers were told to abort.
     """
     if bucket_bytes < 2 or group.rank != SENDER:
         raise ValueError(f"send_weights needs bucket_bytes >= 2 (got {bucket_bytes}) on member 0 (got {group.rank})")
     sender = _Sender(group, bucket_bytes, dtype)
-    stream = iter(named_tensors)
-    while True:
+    try:
+        for name, tensor in named_tensors:
+            sender.add(name, tensor)
+        sender.flush()
+    except BaseException as err:
         try:
-            item = next(stream)
-        except StopIteration:
-            break
-        except BaseException:
-            sender.end(abort=True)
-            raise
-        sender.add(*item)
-    sender.end(abort=False)
+            sender.abort()
+        except Exception as abort_err:  # the wire itself failed: the workers time out
+            err.add_note(f"the abort message could not be sent either: {abort_err!r}")
+        raise
+    sender.end()
     return sender.stats
 
 
@@ -197,25 +200,58 @@ def _receive_bucket(group: WeightGroup, forward: WeightGroup | None) -> tuple[di
     return json.loads(header.cpu().numpy().tobytes()), payload
 
 
-def _prefetch(group: WeightGroup, forward: WeightGroup | None, out: queue.Queue, stop: threading.Event) -> None:
+class _Handoff:
+    """The one-bucket slot between the receive thread and the consumer (vLLM's load).
+
+    The thread's wait for its bucket to be taken also ends when the consumer stopped, whenever the stop comes.
+    """
+
+    def __init__(self) -> None:
+        self.stopped = threading.Event()
+        self._changed = threading.Condition()
+        self._items: list = []
+
+    def put(self, item) -> None:
+        """Hand ``item`` over and wait until it is taken or the consumer stopped (then it is dropped)."""
+        with self._changed:
+            if self.stopped.is_set():
+                return
+            self._items.append(item)
+            self._changed.notify_all()
+            self._changed.wait_for(lambda: not self._items or self.stopped.is_set())
+
+    def get(self):
+        """The next item (consumer side)."""
+        with self._changed:
+            self._changed.wait_for(lambda: self._items)
+            item = self._items.pop()
+            self._changed.notify_all()
+            return item
+
+    def stop(self) -> None:
+        """The consumer stopped: drop what was handed over and release the thread."""
+        self.stopped.set()
+        with self._changed:
+            self._items.clear()
+            self._changed.notify_all()
+
+
+def _prefetch(group: WeightGroup, forward: WeightGroup | None, out: _Handoff) -> None:
     """Receive bucket after bucket into ``out``, each only once the previous one was taken (two alive at most).
 
-    Once the consumer stopped early (``stop``), the rest of the update is received and dropped, so the sender (and
-    a relay's target) finish at once instead of waiting for the group's timeout.
+    Once the consumer stopped early, the rest of the update is received and dropped, so the sender (and a relay's
+    target) finish at once instead of waiting for the group's timeout.
     """
     if group.device.type == "cuda":  # UNTESTED: no GPU here
         torch.cuda.set_device(group.device)
     try:
         while True:
             bucket = _receive_bucket(group, forward)
-            if not stop.is_set():
-                out.put(bucket)
-                out.join()
+            out.put(bucket)
             if bucket is None:
                 return
     except BaseException as err:  # handed to the consumer
-        if not stop.is_set():
-            out.put(err)
+        out.put(err)
 
 
 def receive_weights(
@@ -235,15 +271,12 @@ def receive_weights(
         RuntimeError: the sender aborted, died or timed out (``group.timeout_s``); the update is then incomplete.
     """
     stats = stats if stats is not None else WireStats()
-    buckets: queue.Queue = queue.Queue(maxsize=1)
-    stop = threading.Event()
-    args = (group, forward, buckets, stop)
-    threading.Thread(target=_prefetch, args=args, name="gtpo-weights", daemon=True).start()
+    buckets = _Handoff()
+    threading.Thread(target=_prefetch, args=(group, forward, buckets), name="gtpo-weights", daemon=True).start()
     try:
         while True:
             start = time.perf_counter()
             bucket = buckets.get()
-            buckets.task_done()
             stats.transfer_s += time.perf_counter() - start
             if bucket is None:
                 return
@@ -257,7 +290,4 @@ def receive_weights(
                 yield name, payload[offset : offset + nbytes].view(dtype).view(shape)
             stats.add_bucket(len(meta["tensors"]), payload.numel())
     finally:  # stopped early (vLLM's load raised): let the thread drop the rest of the update
-        stop.set()
-        while not buckets.empty():
-            buckets.get_nowait()
-            buckets.task_done()
+        buckets.stop()
