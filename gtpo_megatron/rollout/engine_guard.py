@@ -13,11 +13,14 @@
 
 Watchdog threads are daemons: a hung engine call cannot keep the process from exiting after the error, and
 ``close`` gives a hung engine ``CLOSE_TIMEOUT_S`` at most, so the failing rank exits and torchrun stops the job.
+:func:`close_all` runs every teardown step even when one fails (a dead engine core's close usually raises), and
+keeps the job's own error the one reported.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -148,11 +151,17 @@ class GuardedEngine:
         self.engine.wake_up()
 
     def close(self) -> None:
-        """``engine.close``, given at most ``CLOSE_TIMEOUT_S`` (a hung engine must not keep the job from exiting)."""
+        """``engine.close``, given at most ``CLOSE_TIMEOUT_S`` (a hung engine must not keep the job from exiting).
+
+        Raises:
+            RuntimeError: naming the engine, when its close raised.
+        """
         try:
             EngineCall(self.engine.close, "closing").result(min(self.timeout_s, CLOSE_TIMEOUT_S))
         except TimeoutError:
             logger.warning("%s did not shut down within %g s; leaving it behind", self.name, CLOSE_TIMEOUT_S)
+        except Exception as err:
+            raise RuntimeError(f"{self.name}: closing failed ({type(err).__name__}: {err})") from err
 
     # ------------------------------------------------------------------------------------ collective weight path
     def start_join(self, spec: dict, worker_offset: int) -> EngineCall:
@@ -163,3 +172,31 @@ class GuardedEngine:
         """Start the workers' ``receive_weights`` for one update in the background; :meth:`wait` for it."""
         self._check_usable()
         return EngineCall(self.engine.receive_weights, "weight update (collective)")
+
+
+def close_all(steps: Sequence[tuple[str, Callable[[], object]]]) -> None:
+    """Run every ``(what, close)`` teardown step in order, whichever fail.
+
+    Called while an error leaves (a ``finally`` or ``except`` block), each failure is logged and added to that
+    error's notes, so its traceback still comes first; otherwise the first failure is raised once every step ran
+    (the others in its notes).
+    """
+    original = sys.exception()
+    failures: list[Exception] = []
+    for what, close in steps:
+        try:
+            close()
+        except Exception as err:
+            logger.error("closing %s failed: %s: %s", what, type(err).__name__, err)
+            err.add_note(f"while closing {what}")
+            failures.append(err)
+    if not failures:
+        return
+    notes = [f"teardown: {failure!r} ({failure.__notes__[-1]})" for failure in failures]
+    if original is not None:
+        for note in notes:
+            original.add_note(note)
+        return
+    for note in notes[1:]:
+        failures[0].add_note(note)
+    raise failures[0]
