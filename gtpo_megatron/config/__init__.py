@@ -7,7 +7,7 @@ imports neither torch, megatron nor vllm.
 
 from __future__ import annotations
 
-from gtpo_megatron.config.loader import PRESETS, config_to_dict, load_config, save_config
+from gtpo_megatron.config.loader import PRESETS, config_to_dict, load_config, preset_values, save_config
 from gtpo_megatron.config.sections import (
     AlgorithmConfig,
     CheckpointConfig,
@@ -38,6 +38,7 @@ __all__ = [
     "TrainerConfig",
     "config_to_dict",
     "load_config",
+    "preset_values",
     "read_hf_config",
     "save_config",
 ]

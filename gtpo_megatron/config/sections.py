@@ -27,6 +27,17 @@ def _require(ok: bool, name: str, value: object, rule: str, fix: str) -> None:
         raise ValueError(f"{name}={value!r}: {rule}; {fix}")
 
 
+def _require_numbers(section: object, prefix: str) -> None:
+    """Refuse a non-number in an ``int`` or ``float`` field (e.g. a symbolic ``"max_tokens/5"`` from Python)."""
+    for spec in fields(section):
+        value = getattr(section, spec.name)
+        number = isinstance(value, int | float) and not isinstance(value, bool)
+        optional = spec.type.endswith("| None") and value is None
+        if spec.type.split(" |")[0] in ("int", "float") and not (number or optional):
+            _require(False, f"{prefix}.{spec.name}", value, f"must be a number ({spec.type})",
+                     "give the number itself (config.preset_values(name, max_tokens=N) for a preset)")  # fmt: skip
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ModelConfig:
     """The model to train and how Megatron holds it (``model.*``)."""
@@ -323,6 +334,7 @@ class AlgorithmConfig:
     CPU."""
 
     def __post_init__(self) -> None:
+        _require_numbers(self, "algorithm")
         _require(
             self.group_size >= 2,
             "algorithm.group_size",
