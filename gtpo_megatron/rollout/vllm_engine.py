@@ -46,7 +46,7 @@ import os
 import shutil
 import tempfile
 import weakref
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -246,9 +246,10 @@ class VLLMEngine:
         """Sample ``n`` completions per prompt (see ``RolloutEngine.generate``).
 
         ``rollout_logprobs`` are natural-log probabilities of the sampled tokens under the temperature-scaled,
-        top-p-renormalised distribution (empty lists when ``sampling.logprobs`` is False). With a stop string the
-        text and the token ids both include the matched string. Sample ``j`` of prompt ``i`` is seeded with
-        ``request_seed(sampling.seed, prompt_indices[i], j)`` (module docstring).
+        top-p-renormalised distribution (empty lists when ``sampling.logprobs`` is False). ``text`` decodes
+        ``token_ids``: after a stop string, the string and the rest of its last token (vLLM's own text ends at the
+        string: the reward would score another completion than the one trained on). Sample ``j`` of prompt ``i`` is
+        seeded with ``request_seed(sampling.seed, prompt_indices[i], j)`` (module docstring).
 
         Args:
             prompt_ids: P tokenised prompts.
@@ -285,9 +286,11 @@ class VLLMEngine:
         ]
         prompts = [TokensPrompt(prompt_token_ids=[int(t) for t in ids]) for ids in prompt_ids for _ in range(n)]
         outputs = self._llm.generate(prompts, params, use_tqdm=False)
+        decode = self._llm.get_tokenizer().decode
         return [
             PromptCompletions(
-                prompt_ids=list(ids), completions=[_to_completion(o.outputs[0]) for o in outputs[i * n : (i + 1) * n]]
+                prompt_ids=list(ids),
+                completions=[_to_completion(o.outputs[0], decode) for o in outputs[i * n : (i + 1) * n]],
             )
             for i, ids in enumerate(prompt_ids)
         ]
@@ -427,12 +430,14 @@ class VLLMEngine:
         self.close()
 
 
-def _to_completion(output) -> Completion:
-    """Convert one ``vllm.CompletionOutput`` (typed loosely: vLLM types stay out of signatures)."""
+def _to_completion(output, decode: Callable[..., str]) -> Completion:
+    """Convert one ``vllm.CompletionOutput`` (typed loosely: vLLM types stay out of signatures).
+
+    A stop string's completion gets ``decode(token_ids)`` as its text (``generate``); ``decode`` is the tokenizer's.
+    """
     if output.finish_reason not in _FINISH_REASONS:
         raise RuntimeError(f"vLLM finished a request with reason {output.finish_reason!r} (aborted or failed)")
     token_ids = [int(t) for t in output.token_ids]
     logprobs = [] if output.logprobs is None else [d[t].logprob for d, t in zip(output.logprobs, token_ids)]
-    return Completion(
-        token_ids=token_ids, rollout_logprobs=logprobs, text=output.text, finish_reason=output.finish_reason
-    )
+    text = decode(token_ids, skip_special_tokens=True) if isinstance(output.stop_reason, str) else output.text
+    return Completion(token_ids=token_ids, rollout_logprobs=logprobs, text=text, finish_reason=output.finish_reason)

@@ -33,7 +33,7 @@ def _fake_bin(tmp_path: Path) -> dict[str, str]:
     for name, body in (("torchrun", RECORDER), ("srun", SRUN), ("scontrol", SCONTROL), ("nvidia-smi", "exit 1")):
         (bin_dir / name).write_text(body if body.startswith("#!") else f"#!/usr/bin/env bash\n{body}\n")
         (bin_dir / name).chmod(0o755)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "NGPU", "LOG_", "MASTER_"))}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "NGPU", "LOG_", "MASTER_", "SHUTDOWN_"))}
     return {**env, "PATH": f"{bin_dir}:{env['PATH']}", "RECORD": str(tmp_path / "calls.txt")}
 
 
@@ -51,6 +51,7 @@ def test_run_local_defaults_and_overrides(tmp_path: Path) -> None:
     assert "--nproc-per-node=2" in call  # no GPU visible: 2 CPU ranks
     assert "--master-port=29500" in call and f"--log-dir={log_dir}" in call and "--tee=3" in call
     assert "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1" in call  # USR1: save and stop
+    assert "--shutdown-timeout=270" in call  # torchrun's own default of 30 s is shorter than a step and a save
     assert call[-6:] == ["-m", "gtpo_megatron.train", "--config", "configs/cpu_demo.yaml", "trainer.max_steps=3",
                          "output_dir=runs/a b"]  # fmt: skip
     assert log_dir.is_dir()
@@ -58,10 +59,12 @@ def test_run_local_defaults_and_overrides(tmp_path: Path) -> None:
 
 def test_run_local_knobs(tmp_path: Path) -> None:
     env = {**_fake_bin(tmp_path), "NGPU": "8", "CONFIG": "configs/x.yaml", "MASTER_PORT": "31000",
-           "LOG_DIR": str(tmp_path / "l"), "LOG_RANK": "0,7"}  # fmt: skip
+           "LOG_DIR": str(tmp_path / "l"), "LOG_RANK": "0,7", "SHUTDOWN_TIMEOUT": "600"}  # fmt: skip
     subprocess.run(["bash", "launch/run_local.sh"], cwd=REPO, env=env, check=True, capture_output=True)
     (call,) = _calls(tmp_path)
-    assert {"--nproc-per-node=8", "--master-port=31000", "--local-ranks-filter=0,7"} <= set(call)
+    assert {"--nproc-per-node=8", "--master-port=31000", "--local-ranks-filter=0,7", "--shutdown-timeout=600"} <= set(
+        call
+    )
     assert call[-3:] == ["gtpo_megatron.train", "--config", "configs/x.yaml"]
 
 
