@@ -1,20 +1,13 @@
-"""Megatron DDP wrapper, Megatron Adam optimizer, LR schedule and the non-finite-gradient guard.
+"""Megatron DDP, Megatron Adam(W), the LR schedule and the non-finite-gradient guard, from ``OptimSettings``.
 
-The DDP config, the optimizer config and the schedule's arguments are built by the pure functions
-:func:`ddp_config`, :func:`optimizer_config` and :func:`scheduler_kwargs` from ``settings.OptimSettings`` (which
-``settings.policy_settings`` derives from the config sections). ``use_distributed_optimizer`` selects Megatron's
-distributed optimizer (sharded fp32 main weights and Adam states over the DP group); the CPU shim runs both
-(FEASIBILITY section 2), and the plain one is logged as the CPU fallback.
+Precision: fp32 parameters, or bf16 ones with fp32 main weights, gradient reduction and Adam states; no loss
+scaler. The distributed optimizer shards main weights and Adam states over the DP group (both run on CPU).
 
-Precision: fp32 parameters, or bf16 parameters with fp32 main weights, fp32 gradient reduction and fp32 Adam
-states (``Float16OptimizerWithFloat16Params`` / distributed optimizer). No loss scaler (bf16 does not need one).
-
-LR convention (Megatron-LM's): update k (1-based) trains at ``lr(k-1)`` of Megatron's ``OptimizerParamScheduler``
-and the schedule advances after the update. With ``W`` warm-up steps the ramp starts at ``lr / (W + 1)``, so
-update k <= W + 1 trains at ``lr * k / (W + 1)`` and the first update after warm-up at the peak; then
-``decay_style`` from ``lr`` at position ``W`` to ``min_lr`` at ``total_steps`` (the last update of a run trains at
-``lr(total_steps - 1)``, above ``min_lr``). On resume the config's schedule applies at the checkpoint's position
-(:func:`restore_schedule`), not the checkpoint's max/min lr, warm-up and decay length.
+LR convention (Megatron-LM's): update k (1-based) trains at ``lr(k-1)`` of Megatron's ``OptimizerParamScheduler``;
+the schedule advances after the update. Warm-up over ``W`` steps starts at ``lr / (W + 1)``: update k <= W + 1
+trains at ``lr * k / (W + 1)``, the first after warm-up at the peak; then ``decay_style`` to ``min_lr`` at
+``total_steps`` (the last update trains at ``lr(total_steps - 1)``). A resume applies the config's schedule at the
+checkpoint's position (:func:`restore_schedule`).
 """
 
 from __future__ import annotations
@@ -35,11 +28,7 @@ logger = logging.getLogger(__name__)
 
 
 def ddp_config(settings: OptimSettings):
-    """Megatron's ``DistributedDataParallelConfig``: fp32 gradient buffers, no overlap, sum of pre-scaled grads.
-
-    ``average_in_collective=False``: the gradient is pre-scaled by ``1/dp_size`` and summed, which
-    ``forward_step``'s normalisation arithmetic relies on (any averaging variant gives the same factor).
-    """
+    """Megatron's DDP config: fp32 grad buffers, no overlap, grads pre-scaled by ``1/dp_size`` (``forward_step``)."""
     from megatron.core.distributed import DistributedDataParallelConfig
 
     return DistributedDataParallelConfig(
@@ -70,11 +59,7 @@ def optimizer_config(settings: OptimSettings, *, params_dtype: torch.dtype):
 
 
 def scheduler_kwargs(settings: OptimSettings) -> dict:
-    """Keyword arguments of Megatron's ``OptimizerParamScheduler`` besides the optimizer.
-
-    Linear warm-up from ``lr / (warmup_steps + 1)`` (module docstring), ``decay_style`` to ``min_lr`` at
-    ``total_steps``, constant weight decay.
-    """
+    """Arguments of Megatron's ``OptimizerParamScheduler`` besides the optimizer (module docstring)."""
     return dict(
         init_lr=settings.lr / (settings.warmup_steps + 1),
         max_lr=settings.lr,
@@ -110,26 +95,19 @@ def build_optimizer(ddp_model, *, settings: OptimSettings, params_dtype: torch.d
 
 
 def global_grad_norm(optimizer) -> float:
-    """L2 norm of the whole model's gradient; prepares the main grads.
-
-    Megatron's norm: TP duplicates counted once, all-reduced over the model-parallel group and, for the
-    distributed optimizer, the DP group.
-    """
+    """Megatron's L2 norm of the whole gradient (model-parallel and, distributed optimizer, DP all-reduce)."""
     with cuda_to_cpu_mode():
         optimizer.prepare_grads()
         return float(optimizer.get_grad_norm())
 
 
 def optimizer_step(optimizer, scheduler, ddp_model) -> dict[str, float]:
-    """Clip and apply the gradients unless their global norm is non-finite; advance the LR schedule.
+    """Clip and apply the gradients, then advance the LR schedule; zero the gradients.
 
-    The norm is Megatron's (all-reduced over model-parallel and, for the distributed optimizer, DP groups), so
-    every rank takes the same decision. On a non-finite norm the update is skipped, gradients are zeroed, the
-    schedule does not advance and a ``RuntimeWarning`` is issued. The schedule advances after the update (module
-    docstring: update k trains at ``lr(k-1)``).
+    A non-finite global norm (the same on every rank) skips the update and the schedule with a ``RuntimeWarning``.
 
     Returns:
-        ``{"grad_norm", "lr", "skipped"}``: norm before clipping, lr of this step, 1.0 if skipped else 0.0.
+        ``{"grad_norm", "lr", "skipped"}``: norm before clipping, lr of this update, 1.0 if skipped else 0.0.
     """
     grad_norm = global_grad_norm(optimizer)
     with cuda_to_cpu_mode():
@@ -149,12 +127,11 @@ _SCHEDULE_FIELDS = ("max_lr", "min_lr", "lr_warmup_steps", "lr_decay_steps", "lr
 
 
 def restore_schedule(scheduler, saved: dict) -> dict[str, tuple]:
-    """Move the config's ``scheduler`` to the position of a checkpoint's schedule state ``saved``.
+    """Move the config's ``scheduler`` to the position of ``saved``, a checkpoint's scheduler state.
 
-    Megatron's ``load_state_dict`` would take max/min lr, warm-up and decay length from ``saved`` (and a loaded
-    optimizer state brings back the param groups' old ``max_lr``/``min_lr``); here only ``num_steps`` is taken.
-    Call after loading the optimizer state. Returns ``{field: (checkpoint value, config value)}`` of the schedule
-    fields that differ (also logged).
+    Call after loading the optimizer state (it brings back the param groups' old ``max_lr``/``min_lr``). Megatron's
+    ``load_state_dict`` would take lr, warm-up and decay length from ``saved``; only ``num_steps`` is. Returns
+    ``{field: (checkpoint value, config value)}`` of the differing fields (also logged).
     """
     current = scheduler.state_dict()
     changed = {name: (saved[name], current[name]) for name in _SCHEDULE_FIELDS if saved.get(name) != current[name]}

@@ -1,24 +1,17 @@
 """The bucket protocol of the collective weight sync: the sender's side and the engine workers' side.
 
-The sender (global rank 0, member 0 of the weight group, ``parallel/weight_group.py``) packs the stream of
-``(hf_name, full_tensor)`` pairs into buckets (each tensor cast to the engines' dtype while it is copied in) and
-broadcasts each bucket as three messages:
+The sender (member 0 of the weight group, ``parallel/weight_group.py``) packs ``(hf_name, full_tensor)`` pairs
+into buckets, cast to the engines' dtype while copied in, and broadcasts each bucket as three messages:
 
-1. ``sizes``: int64 ``[2]`` = (header bytes, payload bytes); ``(0, 0)`` ends the update and ``(-1, 0)`` aborts it
-   (the sender's stream or packing failed: the workers raise at once instead of waiting for the group's timeout);
+1. ``sizes``: int64 ``[2]`` = (header bytes, payload bytes); ``(0, 0)`` ends the update, ``(-1, 0)`` aborts it
+   (any failure on the sender's side: the workers raise at once instead of after the group's timeout);
 2. ``header``: uint8 UTF-8 JSON ``{"dtype": "bfloat16", "tensors": [[name, shape, byte_offset], ...]}``;
-3. ``payload``: uint8 ``[payload bytes]``, the tensors back to back (one dtype, so every offset is aligned).
+3. ``payload``: uint8, the tensors back to back (one dtype, so every offset is aligned).
 
-Every worker turns the messages back into ``(name, tensor)`` views of its payload (:func:`receive_weights`), which
-vLLM's ``reload_weights`` consumes in one pass.
-
-Pipelining: the transfer of one bucket overlaps the work on its neighbours. The sender packs the next bucket while
-the previous one is still being broadcast (asynchronous broadcasts), and each worker receives the next bucket in a
-background thread while vLLM loads the current one. Both sides therefore hold two buckets at a time, so a bucket
-is half of ``bucket_bytes``: the extra memory stays about ``bucket_bytes`` per process (plus, on a worker, the
-pieces of a layer that vLLM's layerwise reload holds until the layer is complete). A tensor larger than a bucket
-travels alone (without a copy when it already has the engines' dtype). All messages go through
-``parallel.collectives`` with the group's timeout.
+Pipelining: the sender packs the next bucket while the previous one is broadcast, and each worker receives the
+next bucket in a thread while vLLM loads the current one, so each side holds two half-``bucket_bytes`` buckets.
+A tensor larger than a bucket travels alone. All messages go through ``parallel.collectives`` with the group's
+timeout.
 """
 
 from __future__ import annotations
@@ -41,16 +34,7 @@ SENDER = 0
 
 @dataclass
 class WireStats:
-    """What one update moved (filled while the stream runs).
-
-    Attributes:
-        num_tensors: tensors sent or received.
-        num_bytes: payload bytes (in the engines' dtype).
-        num_buckets: buckets.
-        max_bucket_bytes: the largest payload.
-        transfer_s: seconds spent waiting for broadcasts: on the sender for its bucket in flight, on a worker
-            the time vLLM's load waited for the next bucket (the rest of the pass is the load itself).
-    """
+    """What one update moved; ``transfer_s``: seconds waiting for broadcasts (a worker: vLLM waiting for buckets)."""
 
     num_tensors: int = 0
     num_bytes: int = 0
@@ -144,19 +128,10 @@ class _Sender:
 def send_weights(
     named_tensors: Iterable[NamedTensor], *, group: WeightGroup, bucket_bytes: int, dtype: torch.dtype
 ) -> WireStats:
-    """Broadcast a whole update from the sender (member 0); every worker must run :func:`receive_weights`.
+    """Broadcast ``(hf_name, full_tensor)`` pairs from member 0, cast to ``dtype``; returns the ``WireStats``.
 
-    Args:
-        named_tensors: ``(hf_name, full_tensor)`` pairs, each name once; not modified.
-        group: the joined weight group (this process is member 0).
-        bucket_bytes: byte budget of the two buckets in flight (>= 2).
-        dtype: the engines' weight dtype; tensors are cast while they are packed.
-
-    Returns:
-        ``WireStats`` of the update.
-
-    Collectives: three broadcasts per bucket (asynchronous, at most one bucket outstanding) and one to end, on
-    ``group`` (``parallel.collectives``).
+    Every worker runs :func:`receive_weights`. ``bucket_bytes``: budget of the two buckets in flight.
+    Collectives: three asynchronous broadcasts per bucket (one bucket outstanding) and one to end, on ``group``.
 
     Raises:
         ValueError: ``bucket_bytes < 2`` or this process is not member 0.
@@ -181,11 +156,7 @@ def send_weights(
 
 
 def _receive_bucket(group: WeightGroup, forward: WeightGroup | None) -> tuple[dict, torch.Tensor] | None:
-    """One bucket's ``(header, payload)``, or None at the end of the update.
-
-    Raises:
-        RuntimeError: the sender aborted, died or timed out.
-    """
+    """One bucket's ``(header, payload)``, or None at the end; ``RuntimeError`` if the sender aborted or died."""
     sizes = _control([0, 0], group)
     _relayed(sizes, group, forward)
     header_bytes, payload_bytes = (int(v) for v in sizes.tolist())
@@ -201,10 +172,7 @@ def _receive_bucket(group: WeightGroup, forward: WeightGroup | None) -> tuple[di
 
 
 class _Handoff:
-    """The one-bucket slot between the receive thread and the consumer (vLLM's load).
-
-    The thread's wait for its bucket to be taken also ends when the consumer stopped, whenever the stop comes.
-    """
+    """The one-bucket slot between the receive thread and the consumer; a stop releases the thread at any time."""
 
     def __init__(self) -> None:
         self.stopped = threading.Event()
@@ -237,11 +205,7 @@ class _Handoff:
 
 
 def _prefetch(group: WeightGroup, forward: WeightGroup | None, out: _Handoff) -> None:
-    """Receive bucket after bucket into ``out``, each only once the previous one was taken (two alive at most).
-
-    Once the consumer stopped early, the rest of the update is received and dropped, so the sender (and a relay's
-    target) finish at once instead of waiting for the group's timeout.
-    """
+    """Receive bucket after bucket into ``out`` (two alive at most); after a stop, receive and drop the rest."""
     if group.device.type == "cuda":  # UNTESTED: no GPU here
         torch.cuda.set_device(group.device)
     try:
@@ -257,15 +221,11 @@ def _prefetch(group: WeightGroup, forward: WeightGroup | None, out: _Handoff) ->
 def receive_weights(
     group: WeightGroup, stats: WireStats | None = None, *, forward: WeightGroup | None = None
 ) -> Iterator[NamedTensor]:
-    """Yield the ``(hf_name, tensor)`` pairs of one update as the sender's buckets arrive (an engine worker).
+    """Yield the ``(hf_name, tensor)`` pairs of one update as the buckets arrive (an engine worker).
 
-    Tensors are views of the bucket they came in (on ``group.device``, in the sender's dtype); the next bucket is
-    received in a background thread meanwhile. The generator ends with the sender's end message. ``stats``
-    (optional) is filled as buckets arrive. A relay (``parallel.weight_group.WorkerLink``) passes every message on
-    to ``forward``, where it is member 0, so the worker there receives the same update with this function.
-
-    Collectives: the receiving side of :func:`send_weights` on ``group`` (member 0 sends), plus the same
-    broadcasts as sender on ``forward``.
+    Tensors are views of their bucket (``group.device``, the sender's dtype); ``stats`` is filled as they arrive.
+    A relay passes every message on to ``forward`` (as its member 0). Close the generator when the load fails, so
+    the rest of the update is dropped at once. Collectives: :func:`send_weights`'s, received, and sent on ``forward``.
 
     Raises:
         RuntimeError: the sender aborted, died or timed out (``group.timeout_s``); the update is then incomplete.
