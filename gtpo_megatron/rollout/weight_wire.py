@@ -163,7 +163,7 @@ def _receive_bucket(group: WeightGroup, forward: WeightGroup | None) -> tuple[di
     if header_bytes == 0:
         return None
     if header_bytes < 0:
-        raise RuntimeError("the sender aborted the weight update half-way (its weight stream failed)")
+        raise RuntimeError("the sender aborted the weight update half-way (its error is in the trainer log)")
     header = torch.empty(header_bytes, dtype=torch.uint8, device=group.device)
     payload = torch.empty(payload_bytes, dtype=torch.uint8, device=group.device)
     _relayed(header, group, forward)
