@@ -114,8 +114,7 @@ class _Sender:
         self.stats.transfer_s += time.perf_counter() - start
 
     def end(self) -> None:
-        """Send the last bucket and the end message, then wait for everything."""
-        self.flush()
+        """Wait for the last bucket, then send the end message."""
         self.wait()
         broadcast_buffer(_control([0, 0], self.group), root=SENDER, group=self.group)
 
