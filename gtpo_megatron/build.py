@@ -327,10 +327,10 @@ def _in_background(timer: PhaseTimer, phase: str, fn, *args) -> concurrent.futur
 
 def _discard(rollout_side: concurrent.futures.Future | None, sink: MetricSink | None) -> None:
     """After a failed build: close the sink and the rollout side, once that is built (it cannot be interrupted)."""
-    if sink is not None:
-        sink.close()
-    if rollout_side is None or rollout_side.exception() is not None:
-        return
-    collector = rollout_side.result()
-    collector.engine.close()
-    collector.reward_pool.close()
+    from gtpo_megatron.rollout.engine_guard import close_all
+
+    steps = [("the metric sink", sink.close)] if sink is not None else []
+    if rollout_side is not None and rollout_side.exception() is None:
+        collector = rollout_side.result()
+        steps += [("the rollout engine", collector.engine.close), ("the reward pool", collector.reward_pool.close)]
+    close_all(steps)

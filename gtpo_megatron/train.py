@@ -105,6 +105,7 @@ def _train(cfg, timer, *, started: float) -> int:
     """Initialise the distributed groups, build the trainer, run it and tear everything down."""
     from gtpo_megatron.build import build_trainer
     from gtpo_megatron.parallel.groups import destroy_distributed, init_distributed
+    from gtpo_megatron.rollout.engine_guard import close_all
 
     with timer.phase("startup/distributed_init"):
         backend = None if cfg.parallel.backend == "auto" else cfg.parallel.backend
@@ -127,8 +128,7 @@ def _train(cfg, timer, *, started: float) -> int:
     try:
         trainer.run()
     finally:
-        trainer.close()
-        destroy_distributed()
+        close_all([("the trainer", trainer.close), ("the process groups", destroy_distributed)])
     return 0
 
 

@@ -37,6 +37,7 @@ from gtpo_megatron.preemption import StopRequests
 from gtpo_megatron.resume import RunCheckpoints
 from gtpo_megatron.rollout.batch import collate_completions, rollout_metrics
 from gtpo_megatron.rollout.collector import RolloutCollector, StepRollout, collect_step
+from gtpo_megatron.rollout.engine_guard import close_all
 from gtpo_megatron.rollout.push import CollectiveWeightSync, FilesWeightSync
 
 if TYPE_CHECKING:
@@ -312,11 +313,14 @@ class Trainer:
         )
 
     def close(self) -> None:
-        """Close the engine, the reward pool and the sink (rank 0); idempotent."""
+        """Close the engine, the reward pool and the sink (rank 0), each whatever the others do; idempotent."""
+        steps = [("the metric sink", self.sink.close)]
         if self.collector is not None:
-            self.collector.engine.close()
-            self.collector.reward_pool.close()
-        self.sink.close()
+            steps[:0] = [
+                ("the rollout engine", self.collector.engine.close),
+                ("the reward pool", self.collector.reward_pool.close),
+            ]
+        close_all(steps)
 
 
 def _cuda_available() -> bool:

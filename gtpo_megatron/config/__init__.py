@@ -10,7 +10,7 @@ neither torch, megatron nor vllm.
 from __future__ import annotations
 
 from gtpo_megatron.config.algorithm import AlgorithmConfig
-from gtpo_megatron.config.loader import PRESETS, config_to_dict, load_config, save_config
+from gtpo_megatron.config.loader import PRESETS, config_to_dict, load_config, preset_values, save_config
 from gtpo_megatron.config.model import ModelConfig, OptimConfig, ParallelConfig
 from gtpo_megatron.config.rollout import DataConfig, RewardConfig, RolloutConfig
 from gtpo_megatron.config.run import CheckpointConfig, GTPOConfig, LoggingConfig, TrainerConfig
@@ -30,5 +30,6 @@ __all__ = [
     "TrainerConfig",
     "config_to_dict",
     "load_config",
+    "preset_values",
     "save_config",
 ]

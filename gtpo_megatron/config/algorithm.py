@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from gtpo_megatron.config.checks import require as _require
+from gtpo_megatron.config.checks import require_numbers
 
 LN2 = math.log(2.0)
 
@@ -99,6 +100,7 @@ class AlgorithmConfig:
     CPU."""
 
     def __post_init__(self) -> None:
+        require_numbers(self, "algorithm")
         _require(
             self.group_size >= 2,
             "algorithm.group_size",

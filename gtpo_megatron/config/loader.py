@@ -63,7 +63,7 @@ PRESETS: dict[str, dict[str, object]] = {
         clip_eps_high=0.28,
         kl_coef=0.0,
         dynamic_sampling=True,
-        overlong_buffer_len="max_tokens/5",
+        overlong_buffer_len=300,  # dapo_overlong_buffer(RolloutConfig().max_tokens)
     ),
     "dr_grpo": dict(
         advantage_estimator="group_mean",
@@ -78,11 +78,25 @@ PRESETS: dict[str, dict[str, object]] = {
         overlong_buffer_len=0,
     ),
 }
-"""Per-algorithm values of ``PRESET_FIELDS`` (docs/algorithm.md sections 1-5). DAPO's overlong buffer is a fifth of
-``rollout.max_tokens`` (DAPO: 4096 of 20480)."""
+"""Per-algorithm values of ``PRESET_FIELDS`` (docs/algorithm.md sections 1-5), usable as
+``AlgorithmConfig(**PRESETS[name])``. DAPO's overlong buffer is for the default ``rollout.max_tokens``;
+:func:`preset_values` gives it for another."""
 PRESET_FIELDS = frozenset(PRESETS["gtpo"])
 SHORTHANDS = {"algorithm": "name", "data": "source", "model": "name_or_path"}
 _NULLS = ("null", "none", "None", "~", "")
+
+
+def dapo_overlong_buffer(max_tokens: int) -> int:
+    """DAPO's overlong buffer: a fifth of the completion length limit (DAPO: 4096 of 20480 tokens)."""
+    return max(1, max_tokens // 5)
+
+
+def preset_values(name: str, *, max_tokens: int = RolloutConfig().max_tokens) -> dict[str, object]:
+    """``PRESETS[name]`` for completions of at most ``max_tokens`` tokens (``rollout.max_tokens``)."""
+    values = dict(PRESETS[name])
+    if name == "dapo":
+        values["overlong_buffer_len"] = dapo_overlong_buffer(max_tokens)
+    return values
 
 
 def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> GTPOConfig:
@@ -190,13 +204,8 @@ def _set_path(raw: dict, keys: tuple[str, ...], value: object) -> None:
 def _preset(name: object, raw: dict) -> dict[str, object]:
     if name not in PRESETS:
         return {}  # the Literal check on algorithm.name reports the bad value with the choices
-    preset = dict(PRESETS[name])
-    if preset["overlong_buffer_len"] == "max_tokens/5":
-        max_tokens = _coerce(
-            raw.get("rollout", {}).get("max_tokens", RolloutConfig().max_tokens), int, "rollout.max_tokens"
-        )
-        preset["overlong_buffer_len"] = max(1, max_tokens // 5)
-    return preset
+    max_tokens = raw.get("rollout", {}).get("max_tokens", RolloutConfig().max_tokens)
+    return preset_values(name, max_tokens=_coerce(max_tokens, int, "rollout.max_tokens"))
 
 
 def _all_keys(cls: type, prefix: str) -> list[str]:

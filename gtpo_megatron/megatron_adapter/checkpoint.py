@@ -1,21 +1,12 @@
-"""Save/load a ``MegatronPolicy`` (model, optimizer, LR schedule, RNG) and trainer state: Megatron dist checkpoints.
+"""Save/load a ``MegatronPolicy`` (model, optimizer, LR schedule, RNG) and trainer state as Megatron dist checkpoints.
 
-``megatron.core.dist_checkpointing`` writes and reads the sharded state. Layout of a run's checkpoint folder (names
-owned by ``run_dir``)::
+Layout (names owned by ``run_dir``): ``<root>/step_000010/`` (sharded tensors + common state) and ``<root>/latest``.
+Every rank writes into ``run_dir.temporary_dir``; after a barrier rank 0 writes the completeness marker, renames
+the folder and replaces ``latest``, so a killed save leaves at most a stale ``.tmp`` folder.
 
-    <root>/step_000010/         one dist checkpoint (Megatron's format: sharded tensors + common.pt)
-    <root>/latest               text file holding the name of the newest complete checkpoint folder
-
-Atomicity: every rank writes into ``run_dir.temporary_dir(<root>/<name>)``; after a barrier global rank 0 writes
-the completeness marker (``run_dir.mark_complete``: the files and their sizes, written last), renames the folder to
-``<root>/<name>`` and then replaces ``latest`` (``run_dir.write_latest``: write-to-temp + ``os.replace``). A killed
-save therefore leaves at most a stale ``.tmp`` folder (removed by the next save of the same name) and never a
-dangling ``latest``; a folder that lost files afterwards is refused (``run_dir.checkpoint_problem``).
-
-Resharding: model and optimizer tensors are saved as Megatron ``ShardedTensor`` s in the model's global layout
-(the distributed optimizer in its ``fully_reshardable`` format), so a checkpoint written with one TP/PP/DP layout
-loads into another. The per-rank RNG states are only restored when the layout is identical (otherwise they are
-meaningless and a warning says so). The LR schedule and ``trainer_state`` are common (rank-0) objects.
+Model and optimizer tensors are ``ShardedTensor`` s in the global layout (the distributed optimizer
+``fully_reshardable``): a checkpoint loads into any TP/PP/DP layout. RNG states are restored only into the same
+layout. A load takes the LR schedule's position only (``optimizer.restore_schedule``: the config's schedule applies).
 """
 
 from __future__ import annotations
@@ -31,6 +22,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from gtpo_megatron.megatron_adapter.optimizer import restore_schedule
 from gtpo_megatron.parallel.collectives import barrier
 from gtpo_megatron.run_dir import (
     mark_complete,
@@ -77,15 +69,10 @@ def _set_rng_state(state: dict) -> None:
 
 
 def _check_loadable(optimizer) -> None:
-    """Refuse a load that megatron-core (0.16.1 and 0.19.2 alike) cannot perform, with the remedy.
+    """Refuse loading into the distributed optimizer without Apex/TE (``RuntimeError`` with the remedy).
 
-    Without Apex or Transformer Engine (always the case on CPU) the distributed optimizer wraps ``torch.optim.Adam``,
-    whose lazily created per-parameter ``step`` state breaks loading the reshardable formats (``state_dict``'s
-    ``assert len(steps) == 1`` on a fresh optimizer; ``KeyError: 'step'`` in ``_set_main_param_and_optimizer_states``).
-    Saving works; loading does not.
-
-    Raises:
-        RuntimeError: distributed optimizer without Apex/TE.
+    megatron-core 0.16-0.19 then wraps ``torch.optim.Adam``, whose lazy per-parameter ``step`` state breaks loading
+    the reshardable formats (``assert len(steps) == 1``; ``KeyError: 'step'``); saving works.
     """
     from megatron.core.optimizer.distrib_optimizer import HAVE_APEX_OR_TE, DistributedOptimizer
 
@@ -119,17 +106,12 @@ def _sharded_state_dict(policy, *, is_loading: bool, rng: dict | None) -> dict:
 
 
 def _sigterm_proof_write_queue() -> None:
-    """Serve Megatron's write-results queue from a process that ignores the stop signals (once per process).
+    """Serve Megatron's write-results queue from a forked process that ignores the stop signals (once).
 
-    megatron-core's ``torch_dist`` writer (0.16 and 0.19 alike) reports through a queue served by a spawned
-    ``multiprocessing`` manager process, created at the first save and kept in
-    ``filesystem_async._results_queue``. On preemption SIGTERM reaches every process of the job (Slurm signals the
-    whole step; torchrun signals each worker's process group), which kills that server and every later save with
-    it, the one meant to save the run included (SIGUSR1, forwarded the same way, too). Started here first, the
-    server ignores both (SIGKILL still ends it, and it exits with the trainer). It is forked, not spawned: it starts
-    in milliseconds (a SIGTERM during a spawned interpreter's start-up would kill it before it ignores the signal)
-    and does not re-import the trainer. The writer processes Megatron forks for each save inherit the trainer's own
-    handlers and survive as well. Without that module attribute (another megatron-core) nothing is done.
+    megatron-core's ``torch_dist`` writer reports through a queue served by a ``multiprocessing`` manager
+    (``filesystem_async._results_queue``). SIGTERM/SIGUSR1 reach every process of the job and would kill that
+    server, and with it the save meant to keep the run. Forked (milliseconds, no re-import), it ignores them;
+    SIGKILL still ends it. Without that attribute (another megatron-core) nothing is done.
     """
     import multiprocessing
     from multiprocessing.managers import SyncManager
@@ -146,15 +128,11 @@ def _sigterm_proof_write_queue() -> None:
 
 
 def save_checkpoint(path: str | Path, policy, trainer_state: dict, *, rng: dict | None = None) -> Path:
-    """Save ``policy`` and ``trainer_state`` to the checkpoint folder ``path``; all ranks call.
+    """Save ``policy`` and ``trainer_state`` to the folder ``path`` (its parent's ``latest`` is updated); all ranks.
 
-    ``trainer_state`` must hold plain Python values and tensors only: it is read back with ``torch.load``'s
-    default ``weights_only=True`` (as global rank 0's copy; every rank should pass the same value). ``rng``: the
-    RNG states to store (a :func:`rng_state` taken earlier, e.g. at the last step boundary); None: the current ones.
-
-    ``path``'s parent is the checkpoint root whose ``latest`` file is updated. Returns the final folder.
-
-    Collectives: barriers on the world group, plus dist_checkpointing's own (world group).
+    ``trainer_state``: plain values and tensors (read back ``weights_only``; rank 0's copy is kept). ``rng``: the
+    RNG states to store (:func:`rng_state` taken at the last step boundary); None: the current ones. Returns the
+    final folder. Collectives: barriers and dist_checkpointing's own, on the world group.
     """
     from megatron.core import dist_checkpointing
 
@@ -186,13 +164,11 @@ def save_checkpoint(path: str | Path, policy, trainer_state: dict, *, rng: dict 
 
 
 def load_checkpoint(path: str | Path, policy) -> dict:
-    """Load a checkpoint (folder or root with ``latest``) into ``policy``; returns the saved trainer state.
-
-    Works across TP/PP/DP layouts (module docstring). All ranks call.
+    """Load a checkpoint (folder or root) into ``policy`` in any layout; returns the saved trainer state. All ranks.
 
     Raises:
         ValueError: see ``run_dir.resolve_checkpoint_dir``.
-        RuntimeError: see ``_check_loadable`` (distributed optimizer without Apex/TE).
+        RuntimeError: distributed optimizer without Apex/TE (``_check_loadable``).
     """
     from megatron.core import dist_checkpointing
 
@@ -213,7 +189,7 @@ def load_checkpoint(path: str | Path, policy) -> dict:
         loaded = dist_checkpointing.load(template, str(folder))
         policy.model.load_state_dict(loaded["model"])
         policy.optimizer.load_state_dict(loaded["optimizer"])
-    policy.scheduler.load_state_dict(common["scheduler"])
+    restore_schedule(policy.scheduler, common["scheduler"])
     if same_layout:
         _set_rng_state(loaded["rng"])
     return common["trainer_state"]

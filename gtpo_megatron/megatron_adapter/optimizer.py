@@ -1,13 +1,13 @@
-"""Megatron DDP wrapper, Megatron Adam optimizer, LR schedule and the non-finite-gradient guard.
+"""Megatron DDP, Megatron Adam(W), the LR schedule and the non-finite-gradient guard, from ``OptimSettings``.
 
-The DDP config, the optimizer config and the schedule's arguments are built by the pure functions
-:func:`ddp_config`, :func:`optimizer_config` and :func:`scheduler_kwargs` from ``settings.OptimSettings`` (which
-``settings.policy_settings`` derives from the config sections). ``use_distributed_optimizer`` selects Megatron's
-distributed optimizer (sharded fp32 main weights and Adam states over the DP group); the CPU shim runs both
-(``megatron_adapter/cpu_compat.py``), and the plain one is logged as the CPU fallback.
+Precision: fp32 parameters, or bf16 ones with fp32 main weights, gradient reduction and Adam states; no loss
+scaler. The distributed optimizer shards main weights and Adam states over the DP group (both run on CPU).
 
-Precision: fp32 parameters, or bf16 parameters with fp32 main weights, fp32 gradient reduction and fp32 Adam
-states (``Float16OptimizerWithFloat16Params`` / distributed optimizer). No loss scaler (bf16 does not need one).
+LR convention (Megatron-LM's): update k (1-based) trains at ``lr(k-1)`` of Megatron's ``OptimizerParamScheduler``;
+the schedule advances after the update. Warm-up over ``W`` steps starts at ``lr / (W + 1)``: update k <= W + 1
+trains at ``lr * k / (W + 1)``, the first after warm-up at the peak; then ``decay_style`` to ``min_lr`` at
+``total_steps`` (the last update trains at ``lr(total_steps - 1)``). A resume applies the config's schedule at the
+checkpoint's position (:func:`restore_schedule`).
 """
 
 from __future__ import annotations
@@ -28,11 +28,7 @@ logger = logging.getLogger(__name__)
 
 
 def ddp_config(settings: OptimSettings):
-    """Megatron's ``DistributedDataParallelConfig``: fp32 gradient buffers, no overlap, sum of pre-scaled grads.
-
-    ``average_in_collective=False``: the gradient is pre-scaled by ``1/dp_size`` and summed, which
-    ``forward_step``'s normalisation arithmetic relies on (any averaging variant gives the same factor).
-    """
+    """Megatron's DDP config: fp32 grad buffers, no overlap, grads pre-scaled by ``1/dp_size`` (``forward_step``)."""
     from megatron.core.distributed import DistributedDataParallelConfig
 
     return DistributedDataParallelConfig(
@@ -63,13 +59,9 @@ def optimizer_config(settings: OptimSettings, *, params_dtype: torch.dtype):
 
 
 def scheduler_kwargs(settings: OptimSettings) -> dict:
-    """Keyword arguments of Megatron's ``OptimizerParamScheduler`` besides the optimizer.
-
-    Linear warm-up from 0 (a constant ``lr`` without warm-up), ``decay_style`` to ``min_lr`` at ``total_steps``,
-    constant weight decay.
-    """
+    """Arguments of Megatron's ``OptimizerParamScheduler`` besides the optimizer (module docstring)."""
     return dict(
-        init_lr=0.0 if settings.warmup_steps else settings.lr,
+        init_lr=settings.lr / (settings.warmup_steps + 1),
         max_lr=settings.lr,
         min_lr=settings.min_lr,
         lr_warmup_steps=settings.warmup_steps,
@@ -103,36 +95,51 @@ def build_optimizer(ddp_model, *, settings: OptimSettings, params_dtype: torch.d
 
 
 def global_grad_norm(optimizer) -> float:
-    """L2 norm of the whole model's gradient; prepares the main grads.
-
-    Megatron's norm: TP duplicates counted once, all-reduced over the model-parallel group and, for the
-    distributed optimizer, the DP group.
-    """
+    """Megatron's L2 norm of the whole gradient (model-parallel and, distributed optimizer, DP all-reduce)."""
     with cuda_to_cpu_mode():
         optimizer.prepare_grads()
         return float(optimizer.get_grad_norm())
 
 
 def optimizer_step(optimizer, scheduler, ddp_model) -> dict[str, float]:
-    """Clip and apply the gradients unless their global norm is non-finite; advance the LR schedule.
+    """Clip and apply the gradients, then advance the LR schedule; zero the gradients.
 
-    The norm is Megatron's (all-reduced over model-parallel and, for the distributed optimizer, DP groups), so
-    every rank takes the same decision. On a non-finite norm the update is skipped, gradients are zeroed, the
-    schedule does not advance and a ``RuntimeWarning`` is issued. The schedule advances *before* the update, so
-    the k-th applied step uses ``lr(k)`` (with warm-up, the first step is not a zero-lr step).
+    A non-finite global norm (the same on every rank) skips the update and the schedule with a ``RuntimeWarning``.
 
     Returns:
-        ``{"grad_norm", "lr", "skipped"}``: norm before clipping, lr of this step, 1.0 if skipped else 0.0.
+        ``{"grad_norm", "lr", "skipped"}``: norm before clipping, lr of this update, 1.0 if skipped else 0.0.
     """
     grad_norm = global_grad_norm(optimizer)
     with cuda_to_cpu_mode():
         skipped = not math.isfinite(grad_norm)
         if skipped:
             warnings.warn(f"non-finite gradient norm {grad_norm}: optimizer step skipped", RuntimeWarning, stacklevel=2)
-        else:
-            scheduler.step(increment=1)  # step k (1-based) uses the schedule's lr(k): no zero-lr first step
+        lr = float(optimizer.param_groups[0]["lr"])
+        if not skipped:
             optimizer.step()
+            scheduler.step(increment=1)
         optimizer.zero_grad()
         ddp_model.zero_grad_buffer()
-    lr = float(optimizer.param_groups[0]["lr"])
     return {"grad_norm": grad_norm, "lr": lr, "skipped": float(skipped)}
+
+
+_SCHEDULE_FIELDS = ("max_lr", "min_lr", "lr_warmup_steps", "lr_decay_steps", "lr_decay_style")
+
+
+def restore_schedule(scheduler, saved: dict) -> dict[str, tuple]:
+    """Move the config's ``scheduler`` to the position of ``saved``, a checkpoint's scheduler state.
+
+    Call after loading the optimizer state (it brings back the param groups' old ``max_lr``/``min_lr``). Megatron's
+    ``load_state_dict`` would take lr, warm-up and decay length from ``saved``; only ``num_steps`` is. Returns
+    ``{field: (checkpoint value, config value)}`` of the differing fields (also logged).
+    """
+    current = scheduler.state_dict()
+    changed = {name: (saved[name], current[name]) for name in _SCHEDULE_FIELDS if saved.get(name) != current[name]}
+    for group in scheduler.optimizer.param_groups:
+        group.update(max_lr=scheduler.max_lr, min_lr=scheduler.min_lr)
+    scheduler.num_steps = 0
+    scheduler.step(increment=saved["num_steps"])
+    if changed:
+        listed = ", ".join(f"{name} {old} -> {new}" for name, (old, new) in changed.items())
+        logger.warning("resume at update %d applies the config's LR schedule: %s", saved["num_steps"], listed)
+    return changed

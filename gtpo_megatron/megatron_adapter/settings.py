@@ -75,9 +75,9 @@ OWNED_FIELDS: dict[str, str] = {
 class OptimSettings:
     """Adam and LR-schedule settings (plain values; ``policy_settings`` maps the ``optim`` section onto them).
 
-    Linear warm-up over ``warmup_steps`` from 0 to ``lr``, then ``decay_style`` (``"constant"``, ``"linear"`` or
-    ``"cosine"``) down to ``min_lr`` at ``total_steps``. ``clip_grad`` is the global L2 gradient-norm clip (0 disables
-    clipping; the norm is still reported).
+    Linear warm-up over ``warmup_steps`` to ``lr``, then ``decay_style`` (``"constant"``, ``"linear"`` or
+    ``"cosine"``) down to ``min_lr`` at ``total_steps`` (update k trains at lr(k-1): ``optimizer.py``).
+    ``clip_grad`` is the global L2 gradient-norm clip (0 disables clipping; the norm is still reported).
 
     Raises:
         ValueError: ``lr <= 0``, ``min_lr`` outside ``[0, lr]``, ``warmup_steps`` outside ``[0, total_steps)`` or an

@@ -1,23 +1,16 @@
 """An engine leader's guard around its engine: time limits, a name in every error, and no use after a failed update.
 
-``GuardedEngine`` wraps a ``RolloutEngine`` (``VLLMEngine`` in production) for the trainer:
-
-- every generation and every weight update runs under a watchdog of ``rollout.timeout_s``: an engine that hangs
-  stops the job with a ``RuntimeError`` naming the engine and its ranks (``plan.engines.EnginePlacement``) instead
-  of leaving every rank waiting; a dead engine's own error is re-raised with the same name;
-- a weight update that fails or times out half-way marks the engine unusable (its weights are partly new): every
-  later ``generate`` raises instead of sampling from a mixed model;
-- the collective weight path's worker calls (``join_weight_group``, ``receive_weights``) block until the sender has
-  sent everything, so they run in a background thread (:meth:`start_receive`, :meth:`start_join`) while this
-  process takes its own part in the transfer, and are awaited with :meth:`wait`.
-
-Watchdog threads are daemons: a hung engine call cannot keep the process from exiting after the error, and
-``close`` gives a hung engine ``CLOSE_TIMEOUT_S`` at most, so the failing rank exits and torchrun stops the job.
+``GuardedEngine`` wraps a ``RolloutEngine`` for the trainer: every generation and weight update runs under a
+``rollout.timeout_s`` watchdog (daemon threads), and a hung or dead engine stops the job with a ``RuntimeError``
+naming the engine and its ranks; an update that fails half-way marks the engine unusable. The collective path's
+worker calls run in the background (:meth:`~GuardedEngine.start_receive`) while this process sends. ``close``
+waits ``CLOSE_TIMEOUT_S`` at most; :func:`close_all` runs every teardown step, keeping the job's own error first.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -52,12 +45,7 @@ class EngineCall:
             self._done.set()
 
     def result(self, timeout_s: float) -> Any:
-        """The call's value.
-
-        Raises:
-            TimeoutError: not done within ``timeout_s`` seconds (the thread is left behind, as a daemon).
-            BaseException: whatever the call raised.
-        """
+        """The call's value; ``TimeoutError`` after ``timeout_s`` (the daemon is left behind), or the call's error."""
         if not self._done.wait(timeout_s):
             raise TimeoutError(f"{self.what} did not finish within {timeout_s:g} s")
         if self._error is not None:
@@ -66,13 +54,7 @@ class EngineCall:
 
 
 class GuardedEngine:
-    """A ``RolloutEngine`` with a watchdog, a name and an unusable state (module docstring).
-
-    Args:
-        engine: the engine to guard (``VLLMEngine`` or a fake with the same methods).
-        placement: where the engine lives (its name in errors).
-        timeout_s: ``rollout.timeout_s``, the limit of one generation and of one weight update.
-    """
+    """``engine`` with a ``timeout_s`` watchdog, the name of its ``placement`` in errors and an unusable state."""
 
     def __init__(self, engine: RolloutEngine, *, placement: EnginePlacement, timeout_s: float) -> None:
         self.engine = engine
@@ -89,11 +71,7 @@ class GuardedEngine:
         return self.wait(EngineCall(fn, what), breaks_weights=breaks_weights)
 
     def wait(self, call: EngineCall, *, breaks_weights: bool = True) -> Any:
-        """Wait for a background call (at most ``timeout_s``); on failure mark the engine unusable and raise.
-
-        Raises:
-            RuntimeError: naming the engine, its ranks and what failed (timeout or the engine's error).
-        """
+        """Wait for a call (``timeout_s`` at most); a failure marks the engine unusable and raises, naming it."""
         try:
             return call.result(self.timeout_s)
         except BaseException as err:
@@ -148,11 +126,17 @@ class GuardedEngine:
         self.engine.wake_up()
 
     def close(self) -> None:
-        """``engine.close``, given at most ``CLOSE_TIMEOUT_S`` (a hung engine must not keep the job from exiting)."""
+        """``engine.close``, given at most ``CLOSE_TIMEOUT_S`` (a hung engine must not keep the job from exiting).
+
+        Raises:
+            RuntimeError: naming the engine, when its close raised.
+        """
         try:
             EngineCall(self.engine.close, "closing").result(min(self.timeout_s, CLOSE_TIMEOUT_S))
         except TimeoutError:
             logger.warning("%s did not shut down within %g s; leaving it behind", self.name, CLOSE_TIMEOUT_S)
+        except Exception as err:
+            raise RuntimeError(f"{self.name}: closing failed ({type(err).__name__}: {err})") from err
 
     # ------------------------------------------------------------------------------------ collective weight path
     def start_join(self, spec: dict, worker_offset: int) -> EngineCall:
@@ -163,3 +147,30 @@ class GuardedEngine:
         """Start the workers' ``receive_weights`` for one update in the background; :meth:`wait` for it."""
         self._check_usable()
         return EngineCall(self.engine.receive_weights, "weight update (collective)")
+
+
+def close_all(steps: Sequence[tuple[str, Callable[[], object]]]) -> None:
+    """Run every ``(what, close)`` teardown step in order, whichever fail.
+
+    While an error leaves (``finally``/``except``), failures are logged and added to its notes (its traceback
+    comes first); otherwise the first failure is raised once every step ran, the others in its notes.
+    """
+    original = sys.exception()
+    failures: list[Exception] = []
+    for what, close in steps:
+        try:
+            close()
+        except Exception as err:
+            logger.error("closing %s failed: %s: %s", what, type(err).__name__, err)
+            err.add_note(f"while closing {what}")
+            failures.append(err)
+    if not failures:
+        return
+    notes = [f"teardown: {failure!r} ({failure.__notes__[-1]})" for failure in failures]
+    if original is not None:
+        for note in notes:
+            original.add_note(note)
+        return
+    for note in notes[1:]:
+        failures[0].add_note(note)
+    raise failures[0]

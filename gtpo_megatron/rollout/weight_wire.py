@@ -1,31 +1,23 @@
 """The bucket protocol of the collective weight sync: the sender's side and the engine workers' side.
 
-The sender (global rank 0, member 0 of the weight group, ``parallel/weight_group.py``) packs the stream of
-``(hf_name, full_tensor)`` pairs into buckets (each tensor cast to the engines' dtype while it is copied in) and
-broadcasts each bucket as three messages:
+The sender (member 0 of the weight group, ``parallel/weight_group.py``) packs ``(hf_name, full_tensor)`` pairs
+into buckets, cast to the engines' dtype while copied in, and broadcasts each bucket as three messages:
 
-1. ``sizes``: int64 ``[2]`` = (header bytes, payload bytes); ``(0, 0)`` ends the update and ``(-1, 0)`` aborts it
-   (the sender's stream failed: the workers raise at once instead of waiting for the group's timeout);
+1. ``sizes``: int64 ``[2]`` = (header bytes, payload bytes); ``(0, 0)`` ends the update, ``(-1, 0)`` aborts it
+   (any failure on the sender's side: the workers raise at once instead of after the group's timeout);
 2. ``header``: uint8 UTF-8 JSON ``{"dtype": "bfloat16", "tensors": [[name, shape, byte_offset], ...]}``;
-3. ``payload``: uint8 ``[payload bytes]``, the tensors back to back (one dtype, so every offset is aligned).
+3. ``payload``: uint8, the tensors back to back (one dtype, so every offset is aligned).
 
-Every worker turns the messages back into ``(name, tensor)`` views of its payload (:func:`receive_weights`), which
-vLLM's ``reload_weights`` consumes in one pass.
-
-Pipelining: the transfer of one bucket overlaps the work on its neighbours. The sender packs the next bucket while
-the previous one is still being broadcast (asynchronous broadcasts), and each worker receives the next bucket in a
-background thread while vLLM loads the current one. Both sides therefore hold two buckets at a time, so a bucket
-is half of ``bucket_bytes``: the extra memory stays about ``bucket_bytes`` per process (plus, on a worker, the
-pieces of a layer that vLLM's layerwise reload holds until the layer is complete). A tensor larger than a bucket
-travels alone (without a copy when it already has the engines' dtype). All messages go through
-``parallel.collectives`` with the group's timeout.
+Pipelining: the sender packs the next bucket while the previous one is broadcast, and each worker receives the
+next bucket in a thread while vLLM loads the current one, so each side holds two half-``bucket_bytes`` buckets.
+A tensor larger than a bucket travels alone. All messages go through ``parallel.collectives`` with the group's
+timeout.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import queue
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -42,16 +34,7 @@ SENDER = 0
 
 @dataclass
 class WireStats:
-    """What one update moved (filled while the stream runs).
-
-    Attributes:
-        num_tensors: tensors sent or received.
-        num_bytes: payload bytes (in the engines' dtype).
-        num_buckets: buckets.
-        max_bucket_bytes: the largest payload.
-        transfer_s: seconds spent waiting for broadcasts: on the sender for its bucket in flight, on a worker
-            the time vLLM's load waited for the next bucket (the rest of the pass is the load itself).
-    """
+    """What one update moved; ``transfer_s``: seconds waiting for broadcasts (a worker: vLLM waiting for buckets)."""
 
     num_tensors: int = 0
     num_bytes: int = 0
@@ -130,66 +113,56 @@ class _Sender:
         self.in_flight = []
         self.stats.transfer_s += time.perf_counter() - start
 
-    def end(self, *, abort: bool) -> None:
-        """Flush and send the end (or abort) message, then wait for everything."""
-        if not abort:
-            self.flush()
+    def end(self) -> None:
+        """Wait for the last bucket, then send the end message."""
         self.wait()
-        broadcast_buffer(_control([-1 if abort else 0, 0], self.group), root=SENDER, group=self.group)
+        broadcast_buffer(_control([0, 0], self.group), root=SENDER, group=self.group)
+
+    def abort(self) -> None:
+        """Tell the workers to drop the update (best effort: not when the bucket in flight failed to arrive)."""
+        self.wait()
+        broadcast_buffer(_control([-1, 0], self.group), root=SENDER, group=self.group)
 
 
 def send_weights(
     named_tensors: Iterable[NamedTensor], *, group: WeightGroup, bucket_bytes: int, dtype: torch.dtype
 ) -> WireStats:
-    """Broadcast a whole update from the sender (member 0); every worker must run :func:`receive_weights`.
+    """Broadcast ``(hf_name, full_tensor)`` pairs from member 0, cast to ``dtype``; returns the ``WireStats``.
 
-    Args:
-        named_tensors: ``(hf_name, full_tensor)`` pairs, each name once; not modified.
-        group: the joined weight group (this process is member 0).
-        bucket_bytes: byte budget of the two buckets in flight (>= 2).
-        dtype: the engines' weight dtype; tensors are cast while they are packed.
-
-    Returns:
-        ``WireStats`` of the update.
-
-    Collectives: three broadcasts per bucket (asynchronous, at most one bucket outstanding) and one to end, on
-    ``group`` (``parallel.collectives``).
+    Every worker runs :func:`receive_weights`. ``bucket_bytes``: budget of the two buckets in flight.
+    Collectives: three asynchronous broadcasts per bucket (one bucket outstanding) and one to end, on ``group``.
 
     Raises:
         ValueError: ``bucket_bytes < 2`` or this process is not member 0.
         RuntimeError: a worker died or timed out (``group.timeout_s``).
-        BaseException: whatever the stream raised, after the workers were told to abort.
+        BaseException: whatever the stream, the packing or a send raised, after the workers were told to abort.
     """
     if bucket_bytes < 2 or group.rank != SENDER:
         raise ValueError(f"send_weights needs bucket_bytes >= 2 (got {bucket_bytes}) on member 0 (got {group.rank})")
     sender = _Sender(group, bucket_bytes, dtype)
-    stream = iter(named_tensors)
-    while True:
+    try:
+        for name, tensor in named_tensors:
+            sender.add(name, tensor)
+        sender.flush()
+    except BaseException as err:
         try:
-            item = next(stream)
-        except StopIteration:
-            break
-        except BaseException:
-            sender.end(abort=True)
-            raise
-        sender.add(*item)
-    sender.end(abort=False)
+            sender.abort()
+        except Exception as abort_err:  # the wire itself failed: the workers time out
+            err.add_note(f"the abort message could not be sent either: {abort_err!r}")
+        raise
+    sender.end()
     return sender.stats
 
 
 def _receive_bucket(group: WeightGroup, forward: WeightGroup | None) -> tuple[dict, torch.Tensor] | None:
-    """One bucket's ``(header, payload)``, or None at the end of the update.
-
-    Raises:
-        RuntimeError: the sender aborted, died or timed out.
-    """
+    """One bucket's ``(header, payload)``, or None at the end; ``RuntimeError`` if the sender aborted or died."""
     sizes = _control([0, 0], group)
     _relayed(sizes, group, forward)
     header_bytes, payload_bytes = (int(v) for v in sizes.tolist())
     if header_bytes == 0:
         return None
     if header_bytes < 0:
-        raise RuntimeError("the sender aborted the weight update half-way (its weight stream failed)")
+        raise RuntimeError("the sender aborted the weight update half-way (its error is in the trainer log)")
     header = torch.empty(header_bytes, dtype=torch.uint8, device=group.device)
     payload = torch.empty(payload_bytes, dtype=torch.uint8, device=group.device)
     _relayed(header, group, forward)
@@ -197,53 +170,72 @@ def _receive_bucket(group: WeightGroup, forward: WeightGroup | None) -> tuple[di
     return json.loads(header.cpu().numpy().tobytes()), payload
 
 
-def _prefetch(group: WeightGroup, forward: WeightGroup | None, out: queue.Queue, stop: threading.Event) -> None:
-    """Receive bucket after bucket into ``out``, each only once the previous one was taken (two alive at most).
+class _Handoff:
+    """The one-bucket slot between the receive thread and the consumer; a stop releases the thread at any time."""
 
-    Once the consumer stopped early (``stop``), the rest of the update is received and dropped, so the sender (and
-    a relay's target) finish at once instead of waiting for the group's timeout.
-    """
+    def __init__(self) -> None:
+        self.stopped = threading.Event()
+        self._changed = threading.Condition()
+        self._items: list = []
+
+    def put(self, item) -> None:
+        """Hand ``item`` over and wait until it is taken or the consumer stopped (then it is dropped)."""
+        with self._changed:
+            if self.stopped.is_set():
+                return
+            self._items.append(item)
+            self._changed.notify_all()
+            self._changed.wait_for(lambda: not self._items or self.stopped.is_set())
+
+    def get(self):
+        """The next item (consumer side)."""
+        with self._changed:
+            self._changed.wait_for(lambda: self._items)
+            item = self._items.pop()
+            self._changed.notify_all()
+            return item
+
+    def stop(self) -> None:
+        """The consumer stopped: drop what was handed over and release the thread."""
+        self.stopped.set()
+        with self._changed:
+            self._items.clear()
+            self._changed.notify_all()
+
+
+def _prefetch(group: WeightGroup, forward: WeightGroup | None, out: _Handoff) -> None:
+    """Receive bucket after bucket into ``out`` (two alive at most); after a stop, receive and drop the rest."""
     if group.device.type == "cuda":  # UNTESTED: no GPU here
         torch.cuda.set_device(group.device)
     try:
         while True:
             bucket = _receive_bucket(group, forward)
-            if not stop.is_set():
-                out.put(bucket)
-                out.join()
+            out.put(bucket)
             if bucket is None:
                 return
     except BaseException as err:  # handed to the consumer
-        if not stop.is_set():
-            out.put(err)
+        out.put(err)
 
 
 def receive_weights(
     group: WeightGroup, stats: WireStats | None = None, *, forward: WeightGroup | None = None
 ) -> Iterator[NamedTensor]:
-    """Yield the ``(hf_name, tensor)`` pairs of one update as the sender's buckets arrive (an engine worker).
+    """Yield the ``(hf_name, tensor)`` pairs of one update as the buckets arrive (an engine worker).
 
-    Tensors are views of the bucket they came in (on ``group.device``, in the sender's dtype); the next bucket is
-    received in a background thread meanwhile. The generator ends with the sender's end message. ``stats``
-    (optional) is filled as buckets arrive. A relay (``parallel.weight_group.WorkerLink``) passes every message on
-    to ``forward``, where it is member 0, so the worker there receives the same update with this function.
-
-    Collectives: the receiving side of :func:`send_weights` on ``group`` (member 0 sends), plus the same
-    broadcasts as sender on ``forward``.
+    Tensors are views of their bucket (``group.device``, the sender's dtype); ``stats`` is filled as they arrive.
+    A relay passes every message on to ``forward`` (as its member 0). Close the generator when the load fails, so
+    the rest of the update is dropped at once. Collectives: :func:`send_weights`'s, received, and sent on ``forward``.
 
     Raises:
         RuntimeError: the sender aborted, died or timed out (``group.timeout_s``); the update is then incomplete.
     """
     stats = stats if stats is not None else WireStats()
-    buckets: queue.Queue = queue.Queue(maxsize=1)
-    stop = threading.Event()
-    args = (group, forward, buckets, stop)
-    threading.Thread(target=_prefetch, args=args, name="gtpo-weights", daemon=True).start()
+    buckets = _Handoff()
+    threading.Thread(target=_prefetch, args=(group, forward, buckets), name="gtpo-weights", daemon=True).start()
     try:
         while True:
             start = time.perf_counter()
             bucket = buckets.get()
-            buckets.task_done()
             stats.transfer_s += time.perf_counter() - start
             if bucket is None:
                 return
@@ -257,7 +249,4 @@ def receive_weights(
                 yield name, payload[offset : offset + nbytes].view(dtype).view(shape)
             stats.add_bucket(len(meta["tensors"]), payload.numel())
     finally:  # stopped early (vLLM's load raised): let the thread drop the rest of the update
-        stop.set()
-        while not buckets.empty():
-            buckets.get_nowait()
-            buckets.task_done()
+        buckets.stop()

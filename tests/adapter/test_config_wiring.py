@@ -123,7 +123,7 @@ ARRIVALS = {
     "optim.lr": lambda b: [(b.optimizer.lr, 3e-5), (b.scheduler["max_lr"], 3e-5)],
     "optim.min_lr": lambda b: [
         (b.optimizer.min_lr, 1e-6), (b.scheduler["min_lr"], 1e-6), (b.scheduler["lr_decay_style"], "cosine")],
-    "optim.warmup_steps": lambda b: [(b.scheduler["lr_warmup_steps"], 3), (b.scheduler["init_lr"], 0.0)],
+    "optim.warmup_steps": lambda b: [(b.scheduler["lr_warmup_steps"], 3), (b.scheduler["init_lr"], 3e-5 / 4)],
     "optim.weight_decay": lambda b: [
         (b.optimizer.weight_decay, 0.01), (b.scheduler["start_wd"], 0.01), (b.scheduler["end_wd"], 0.01)],
     "optim.adam_beta1": lambda b: [(b.optimizer.adam_beta1, 0.8)],

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gtpo_megatron.config import PRESETS, GTPOConfig, load_config, save_config
+from gtpo_megatron.config import PRESETS, AlgorithmConfig, GTPOConfig, load_config, preset_values, save_config
 from gtpo_megatron.megatron_adapter.settings import validate_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -97,12 +97,30 @@ def test_unknown_yaml_key_in_file(tmp_path):
 def test_algorithm_shorthand_applies_preset_over_yaml(name):
     with pytest.warns(UserWarning, match="replaced by the"):
         cfg = load_config(DEMO, [f"algorithm={name}"])
-    expected = dict(PRESETS[name])
-    if expected["overlong_buffer_len"] == "max_tokens/5":
-        expected["overlong_buffer_len"] = cfg.rollout.max_tokens // 5
+    expected = preset_values(name, max_tokens=cfg.rollout.max_tokens)
     assert {k: getattr(cfg.algorithm, k) for k in expected} == expected
     # Fields outside the preset (group size) keep the YAML value.
     assert cfg.algorithm.group_size == yaml.safe_load(DEMO.read_text())["algorithm"]["group_size"]
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_presets_build_an_algorithm_section_from_python(name):
+    section = AlgorithmConfig(name=name, **PRESETS[name], group_size=8)
+    assert {k: getattr(section, k) for k in PRESETS[name]} == PRESETS[name]
+
+
+def test_the_dapo_buffer_is_a_fifth_of_max_tokens():
+    assert PRESETS["dapo"]["overlong_buffer_len"] == 300 and preset_values("dapo") == PRESETS["dapo"]  # 1500 tokens
+    assert preset_values("dapo", max_tokens=20480)["overlong_buffer_len"] == 4096  # DAPO's 4096 of 20480
+    with pytest.warns(UserWarning, match="replaced by the dapo preset"):
+        cfg = load_config(DEMO, ["algorithm=dapo", "rollout.max_tokens=64"])
+    assert cfg.algorithm.overlong_buffer_len == 12
+
+
+def test_a_symbolic_number_is_refused_with_the_field():
+    with pytest.raises(ValueError, match=r"algorithm.overlong_buffer_len='max_tokens/5': must be a number \(int\); "
+                                         r"give the number itself \(config.preset_values"):  # fmt: skip
+        AlgorithmConfig(name="dapo", **{**PRESETS["dapo"], "overlong_buffer_len": "max_tokens/5"})
 
 
 def test_explicit_override_wins_over_preset():

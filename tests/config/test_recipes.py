@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from gtpo_megatron.config import PRESETS, load_config
+from gtpo_megatron.config import load_config, preset_values
 from gtpo_megatron.megatron_adapter.settings import validate_config
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -48,9 +48,7 @@ def test_paper_recipe_loads_validates_and_follows_preset(path):
     validate_config(cfg, gpus, check_registries=False)
     model, data, algorithm = path.stem.split("_")[:3]
     assert cfg.algorithm.name == algorithm and cfg.data.source == data
-    preset = dict(PRESETS[algorithm])
-    if algorithm == "dapo":
-        preset["overlong_buffer_len"] = cfg.rollout.max_tokens // 5
+    preset = preset_values(algorithm, max_tokens=cfg.rollout.max_tokens)
     if algorithm == "grpo":  # the paper's GRPO runs: beta = 1e-6 (docs/algorithm.md section 5)
         preset["kl_coef"] = 1e-6
     if algorithm == "gtpo":  # the recipes pick the paper rule or the authors' fixed 0.7 (docs/algorithm.md section 4)

@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from gtpo_megatron.builtin_models import resolve_model_path
 from gtpo_megatron.rollout.engine import SamplingConfig
@@ -135,6 +135,16 @@ class TestTinyLlama:
         assert tokens(engine.generate(prompts[5:6], 4, sampling)) != whole[5:6]  # index 0 is another stream
         with pytest.raises(ValueError, match="distinct indices"):
             engine.generate(prompts[:2], 4, sampling, prompt_indices=[3, 3])
+
+    def test_a_stop_string_inside_a_token_keeps_text_and_ids_one_completion(self, engine, path):
+        """The stop string "ste" ends inside the token "uster": the text is what the ids decode to (the reward
+        scores the completion the trainer trains on), vLLM's own text would end at "dansuste"."""
+        sampling = SamplingConfig(temperature=0.8, max_tokens=8, seed=7, stop=("ste",))
+        completion = engine.generate([self.PROMPTS[0]], 1, sampling)[0].completions[0]
+        assert completion.token_ids == [18009, 5013, 44612, 5404] and completion.finish_reason == "stop"
+        assert completion.text == "comed       dansuster"
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        assert tokenizer.decode(completion.token_ids, skip_special_tokens=True) == completion.text
 
     def test_score_matches_hf(self, engine, hf_model):
         completions = [[5, 6, 7], [8, 9, 10, 11], [12]]

@@ -33,7 +33,11 @@ def _fake_bin(tmp_path: Path) -> dict[str, str]:
     for name, body in (("torchrun", RECORDER), ("srun", SRUN), ("scontrol", SCONTROL), ("nvidia-smi", "exit 1")):
         (bin_dir / name).write_text(body if body.startswith("#!") else f"#!/usr/bin/env bash\n{body}\n")
         (bin_dir / name).chmod(0o755)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "NGPU", "LOG_", "MASTER_"))}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("SLURM_", "NGPU", "LOG_", "MASTER_", "SHUTDOWN_", "PRELOAD_"))
+    }
     return {**env, "PATH": f"{bin_dir}:{env['PATH']}", "RECORD": str(tmp_path / "calls.txt")}
 
 
@@ -51,6 +55,7 @@ def test_run_local_defaults_and_overrides(tmp_path: Path) -> None:
     assert "--nproc-per-node=2" in call  # no GPU visible: 2 CPU ranks
     assert "--master-port=29500" in call and f"--log-dir={log_dir}" in call and "--tee=3" in call
     assert "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1" in call  # USR1: save and stop
+    assert "--shutdown-timeout=270" in call  # torchrun's own default of 30 s is shorter than a step and a save
     assert call[-6:] == ["-m", "gtpo_megatron.train", "--config", "configs/cpu_demo.yaml", "trainer.max_steps=3",
                          "output_dir=runs/a b"]  # fmt: skip
     assert log_dir.is_dir()
@@ -58,11 +63,29 @@ def test_run_local_defaults_and_overrides(tmp_path: Path) -> None:
 
 def test_run_local_knobs(tmp_path: Path) -> None:
     env = {**_fake_bin(tmp_path), "NGPU": "8", "CONFIG": "configs/x.yaml", "MASTER_PORT": "31000",
-           "LOG_DIR": str(tmp_path / "l"), "LOG_RANK": "0,7"}  # fmt: skip
+           "LOG_DIR": str(tmp_path / "l"), "LOG_RANK": "0,7", "SHUTDOWN_TIMEOUT": "600"}  # fmt: skip
     subprocess.run(["bash", "launch/run_local.sh"], cwd=REPO, env=env, check=True, capture_output=True)
     (call,) = _calls(tmp_path)
-    assert {"--nproc-per-node=8", "--master-port=31000", "--local-ranks-filter=0,7"} <= set(call)
+    assert {"--nproc-per-node=8", "--master-port=31000", "--local-ranks-filter=0,7", "--shutdown-timeout=600"} <= set(
+        call
+    )
     assert call[-3:] == ["gtpo_megatron.train", "--config", "configs/x.yaml"]
+
+
+def test_run_local_preloads_intel_openmp_on_cpu(tmp_path: Path) -> None:
+    """Without GPUs, the venv's libiomp5.so (next to torchrun: ``bin/../lib``) is preloaded; PRELOAD_IOMP=0 not."""
+    env = _fake_bin(tmp_path)
+    (tmp_path / "bin" / "torchrun").write_text('#!/usr/bin/env bash\necho "${LD_PRELOAD:-}" >> "$RECORD"\n')
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "libiomp5.so").write_text("")
+    env = {**env, "LOG_DIR": str(tmp_path / "l"), "LD_PRELOAD": "/x/libother.so"}
+    for preload in ("", "0"):
+        run_env = {**env, "PRELOAD_IOMP": preload} if preload else env
+        subprocess.run(["bash", "launch/run_local.sh"], cwd=REPO, env=run_env, check=True, capture_output=True)
+    assert (tmp_path / "calls.txt").read_text().splitlines() == [
+        f"{tmp_path}/bin/../lib/libiomp5.so:/x/libother.so",
+        "/x/libother.so",
+    ]
 
 
 def test_submit_sbatch_one_torchrun_per_node_at_the_head_node(tmp_path: Path) -> None:
