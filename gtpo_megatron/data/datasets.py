@@ -13,6 +13,10 @@ math500     math500/test.jsonl         problem, answer       as is
 aime24      aime24/test.jsonl          problem, answer       as is
 aime25      aime25/test.jsonl          problem, answer       as is
 amc23       amc2023/test.jsonl         problem, answer       as is
+mmlu        mmlu/{test,validation,     question, choices,    the choice's letter (:mod:`.mmlu`; sources
+            dev}.jsonl                 answer, subject       ``mmlu``, ``mmlu/<subject>``)
+openr1-     openr1-math/train.jsonl    problem, answer,      as is; unverified rows dropped and counted
+math                                   correctness_*         (:mod:`.openr1`)
 ==========  =========================  ====================  =============================================
 
 ``gtpo-data`` (:mod:`gtpo_megatron.data.download`) writes these files from the Hugging Face datasets named in
@@ -31,36 +35,50 @@ name with a question field (question/problem/prompt) and an answer field (answer
 from __future__ import annotations
 
 import difflib
+import functools
 import importlib.util
 import json
+import logging
 import os
 import warnings
+from collections import Counter
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gtpo_megatron.builtin_models import cache_dir
+from gtpo_megatron.data import openr1
+from gtpo_megatron.data.mmlu import MMLU, is_mmlu, mmlu_problem, subject_of
+from gtpo_megatron.data.openr1 import OPENR1_MATH, openr1_problem
 from gtpo_megatron.data.types import Problem
 from gtpo_megatron.rewards.answer_text import reference_answer
 
 if TYPE_CHECKING:
     from gtpo_megatron.data.synthetic import SyntheticLevel
 
+RecordReader = Callable[..., "Problem | str"]
+"""``reader(record, *, default_id, where) -> Problem`` or the name of the reason the row is dropped."""
+logger = logging.getLogger(__name__)
 _BOXED_SUFFIX = "Please reason step by step, and put your final answer within \\boxed{}."
 
 
 @dataclass(frozen=True)
 class Benchmark:
-    """A local benchmark: its folder under the data directory and its Hugging Face source.
+    """A local data set: its folder under the data directory, its Hugging Face source and its row format.
 
     ``splits`` maps each local split (the first is the default) to the hub's split name; ``hub_config`` is the
-    dataset's config name (None: the default one).
+    dataset's config name (None: the default one). ``fields``: the row fields ``gtpo-data`` keeps (None: the
+    question and answer fields of :data:`QUESTION_KEYS` / :data:`ANSWER_KEYS`); ``reader``: the row -> problem rule
+    (None: the generic one, :func:`record_to_problem`).
     """
 
     folder: str
     hub_name: str
     hub_config: str | None
     splits: dict[str, str]
+    fields: tuple[str, ...] | None = None
+    reader: RecordReader | None = None
 
 
 BENCHMARKS = {
@@ -69,6 +87,17 @@ BENCHMARKS = {
     "aime24": Benchmark("aime24", "HuggingFaceH4/aime_2024", None, {"test": "train"}),
     "aime25": Benchmark("aime25", "math-ai/aime25", None, {"test": "test"}),
     "amc23": Benchmark("amc2023", "math-ai/amc23", None, {"test": "test"}),
+    MMLU: Benchmark(
+        "mmlu",
+        "cais/mmlu",
+        "all",
+        {"test": "test", "validation": "validation", "dev": "dev"},
+        ("question", "choices", "answer", "subject"),
+        mmlu_problem,
+    ),
+    OPENR1_MATH: Benchmark(
+        "openr1-math", "open-r1/OpenR1-Math-220k", "default", {"train": "train"}, openr1.FIELDS, openr1_problem
+    ),
 }
 SHARED_DATA_DIR = Path(__file__).resolve().parents[2].parent / "shared" / "data"
 _HF_ALIASES = {"math": "DigitalLearningGmbH/MATH-lighteval"}
@@ -107,8 +136,8 @@ def hub_dataset(name: str, split: str) -> tuple[str, str | None, str]:
     return _HF_ALIASES.get(name, name), None, split
 
 
-def _record_to_problem(record: Any, *, source: str, default_id: str, where: str) -> Problem:
-    """Validates one record and builds its :class:`Problem`; ``where`` names the file and line for errors."""
+def record_to_problem(record: Any, *, source: str, default_id: str, where: str) -> Problem:
+    """The generic rule: validates one record and builds its :class:`Problem`; ``where`` names it in errors."""
     if not isinstance(record, dict):
         raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
     question_key = next((k for k in QUESTION_KEYS if k in record), None)
@@ -124,8 +153,78 @@ def _record_to_problem(record: Any, *, source: str, default_id: str, where: str)
     return Problem(id=problem_id, question=question, answer=answer, source=source)
 
 
+def local_key(source: str, *, field: str = "source") -> str:
+    """The :data:`BENCHMARKS` key of ``source``: ``mmlu`` for ``mmlu/<subject>``, else ``source`` itself.
+
+    Raises:
+        ValueError: an MMLU subject that does not exist (names ``field`` and the closest subjects).
+    """
+    if is_mmlu(source):
+        try:
+            subject_of(source)
+        except ValueError as err:
+            raise ValueError(f"{field}={err}") from None
+        return MMLU
+    return source
+
+
+def _reader(source: str) -> RecordReader:
+    """The row rule of ``source``: its benchmark's ``reader``, else :func:`record_to_problem`."""
+    benchmark = BENCHMARKS.get(local_key(source))
+    if benchmark is not None and benchmark.reader is not None:
+        return benchmark.reader
+    return functools.partial(record_to_problem, source=source)
+
+
+def _to_problems(rows: Iterable[tuple[str, str, Any]], *, source: str, limit: int | None, origin: str) -> list[Problem]:
+    """``(where, default_id, record)`` rows as problems through ``source``'s reader, up to ``limit`` problems.
+
+    Rows the reader drops are counted by reason and logged once (``origin`` names the file or dataset); an
+    ``mmlu/<subject>`` source keeps that subject's rows only.
+
+    Raises:
+        ValueError: a repeated ``id``, the reader's errors, or a subject with no rows in ``origin``.
+    """
+    reader, subject = _reader(source), subject_of(source) if is_mmlu(source) else None
+    problems: list[Problem] = []
+    seen_ids: set[str] = set()
+    drops: Counter[str] = Counter()
+    for where, default_id, record in rows:
+        if limit is not None and len(problems) >= limit:
+            break
+        problem = reader(record, default_id=default_id, where=where)
+        if isinstance(problem, str):
+            drops[problem] += 1
+            continue
+        if subject is not None and problem.source != source:
+            continue
+        if problem.id in seen_ids:
+            raise ValueError(f"{where}: duplicate id {problem.id!r}; ids must be unique within a file")
+        seen_ids.add(problem.id)
+        problems.append(problem)
+    if drops:
+        counts = ", ".join(f"{reason} {n}" for reason, n in sorted(drops.items()))
+        logger.warning("%s: dropped %d rows (%s); kept %d problems", origin, drops.total(), counts, len(problems))
+    if subject is not None and not problems:
+        raise ValueError(f"{origin} holds no question of the MMLU subject {subject!r}; run `gtpo-data mmlu` for all")
+    return problems
+
+
+def _jsonl_rows(path: Path, id_prefix: str) -> Iterable[tuple[str, str, Any]]:
+    with path.open(encoding="utf-8") as handle:
+        for line_no, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{line_no}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{where}: malformed JSON ({exc.msg} at column {exc.colno})") from exc
+            yield where, f"{id_prefix}-{path.stem}-{line_no - 1}", record
+
+
 def read_jsonl(path: str | Path, *, source: str, limit: int | None = None) -> list[Problem]:
-    """Reads a jsonl file of problems (fields as in the module docstring), stopping after ``limit`` problems.
+    """Reads a jsonl file of problems with ``source``'s row rule (module docstring), stopping after ``limit``.
 
     Raises:
         FileNotFoundError: if ``path`` does not exist (the message says how to point at the data).
@@ -138,27 +237,7 @@ def read_jsonl(path: str | Path, *, source: str, limit: int | None = None) -> li
             f"{path}: no such data file; pass path=... (data.path in configs) or set GTPO_DATA_DIR to the folder "
             "that holds gsm8k/, math500/, aime24/, aime25/, amc2023/ (`gtpo-data --out DIR` downloads them)"
         )
-    problems: list[Problem] = []
-    seen_ids: set[str] = set()
-    with path.open(encoding="utf-8") as handle:
-        for line_no, line in enumerate(handle, start=1):
-            if limit is not None and len(problems) >= limit:
-                break
-            if not line.strip():
-                continue
-            where = f"{path}:{line_no}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{where}: malformed JSON ({exc.msg} at column {exc.colno})") from exc
-            problem = _record_to_problem(
-                record, source=source, default_id=f"{source}-{path.stem}-{line_no - 1}", where=where
-            )
-            if problem.id in seen_ids:
-                raise ValueError(f"{where}: duplicate id {problem.id!r}; ids must be unique within a file")
-            seen_ids.add(problem.id)
-            problems.append(problem)
-    return problems
+    return _to_problems(_jsonl_rows(path, local_key(source)), source=source, limit=limit, origin=str(path))
 
 
 def load_hub_rows(name: str, *, split: str) -> Any:
@@ -190,12 +269,9 @@ def load_hub_rows(name: str, *, split: str) -> Any:
 def _load_hf(name: str, *, split: str, limit: int | None) -> list[Problem]:
     """A Hugging Face dataset split as problems (:func:`load_hub_rows`, then the jsonl rules per row)."""
     rows = load_hub_rows(name, split=split)
-    count = len(rows) if limit is None else min(limit, len(rows))
-    source = name.split("/")[-1]
-    return [
-        _record_to_problem(rows[i], source=source, default_id=f"{source}-{i}", where=f"{name}[{split}][{i}]")
-        for i in range(count)
-    ]
+    source = next((key for key, b in BENCHMARKS.items() if name == b.hub_name), name.split("/")[-1])
+    indexed = ((f"{name}[{split}][{i}]", f"{source}-{i}", row) for i, row in enumerate(rows))
+    return _to_problems(indexed, source=source, limit=limit, origin=f"{name}[{split}]")
 
 
 def check_source(
@@ -210,6 +286,7 @@ def check_source(
     Raises:
         ValueError: naming the field, its value and a fix.
     """
+    key = local_key(source, field=f"{prefix}source")
     if path is not None:
         if not Path(path).is_file():
             raise ValueError(
@@ -219,18 +296,18 @@ def check_source(
         return
     if source == "synthetic":
         return
-    if source in BENCHMARKS:
-        splits = list(BENCHMARKS[source].splits)
+    if key in BENCHMARKS:
+        splits = list(BENCHMARKS[key].splits)
         split = split or splits[0]
         if split not in splits:
             raise ValueError(
                 f"{prefix}split={split!r}: {source!r} has only the split(s) {splits}; use {prefix}split={splits[0]}"
             )
-        file = (Path(data_dir) if data_dir else default_data_dir()) / BENCHMARKS[source].folder / f"{split}.jsonl"
+        file = (Path(data_dir) if data_dir else default_data_dir()) / BENCHMARKS[key].folder / f"{split}.jsonl"
         if not file.is_file():
             raise ValueError(
                 f"{prefix}source={source!r}: {file} does not exist; download the benchmarks once with "
-                f"`gtpo-data --out DIR {source}` (needs `pip install datasets` and network) and set GTPO_DATA_DIR=DIR "
+                f"`gtpo-data --out DIR {key}` (needs `pip install datasets` and network) and set GTPO_DATA_DIR=DIR "
                 f"(gtpo-eval: --data-dir DIR), or give {prefix}path=FILE.jsonl"
             )
         return
@@ -259,7 +336,7 @@ def load_problems(
     """Loads a problem set as a list of :class:`Problem` in file order.
 
     Args:
-        source: gsm8k, math500, aime24, aime25, amc23, synthetic, math (HF) or a Hugging Face dataset name.
+        source: a key of :data:`BENCHMARKS`, ``mmlu/<subject>``, synthetic, math (HF) or a Hugging Face name.
         path: explicit jsonl file (overrides ``data_dir``/``split`` lookup); read with ``source``'s rules.
         split: ``train`` or ``test``; ``None`` means ``train`` where the source has one, else ``test``.
         limit: keep at most this many problems (the first ones).
@@ -284,11 +361,12 @@ def load_problems(
 
         num = SYNTHETIC_DEFAULT_SIZE if limit is None else limit
         return generate_problems(num, seed=seed, split=split or "train", difficulty=difficulty)
-    if source in BENCHMARKS:
-        splits = list(BENCHMARKS[source].splits)
+    key = local_key(source)
+    if key in BENCHMARKS:
+        splits = list(BENCHMARKS[key].splits)
         split = split or splits[0]
         if split not in splits:
             raise ValueError(f"split={split!r} does not exist for {source!r}; available splits: {splits}")
         base = Path(data_dir) if data_dir else default_data_dir()
-        return read_jsonl(base / BENCHMARKS[source].folder / f"{split}.jsonl", source=source, limit=limit)
+        return read_jsonl(base / BENCHMARKS[key].folder / f"{split}.jsonl", source=source, limit=limit)
     return _load_hf(source, split=split or "train", limit=limit)
