@@ -45,3 +45,20 @@ def test_a_row_without_the_verification_fields_is_an_error(tmp_path):
     path.write_text(json.dumps({"problem": "1+1?", "answer": "2", "correctness_math_verify": "yes"}) + "\n")
     with pytest.raises(ValueError, match="correctness_math_verify must be a list of booleans or null, got 'yes'"):
         load_problems("openr1-math", path=str(path))
+
+
+def test_the_r1_recipe_is_its_generator_output_and_validates():
+    import importlib.util
+
+    from gtpo_megatron.config import load_config
+
+    repo = Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location("write_paper_recipes", repo / "scripts/write_paper_recipes.py")
+    generator = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(generator)
+    ((name, text),) = generator.render_extra_recipes().items()
+    assert name == "qwen2.5-3b-instruct_openr1-math_gtpo.yaml" and (repo / "configs" / name).read_text() == text
+    cfg = load_config(repo / "configs" / name)
+    cfg.validate(8, check_registries=False)
+    assert (cfg.data.source, cfg.data.split, cfg.algorithm.name, cfg.reward.name) == ("openr1-math", "train", "gtpo",
+                                                                                      "paper")  # fmt: skip
