@@ -260,9 +260,11 @@ def test_compare_runs(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     lines = md.read_text().splitlines()
     # accuracy, entropy/completion_mean, format_rate, filtered fraction, reward, conflicts, length: final | mean
-    assert lines[0].startswith("| run | steps | accuracy final | accuracy mean | mean entropy (nats) final |")
-    assert lines[2] == "| gtpo | 2 | 0.3 | 0.2 | 0.5 | 0.75 | 0.75 | 0.5 | 0 | 0.25 | 1 | 0.5 | 0.4 | 0.3 | 20 | 25 |"
-    assert lines[3] == "| grpo | 1 | 0.2 | 0.2 | 2 | 2 | - | - | - | - | 2 | 2 | - | - | - | - |"
+    assert lines[0].startswith("| method | seeds | steps | accuracy final | accuracy mean | mean entropy (nats) final")
+    assert (
+        lines[2] == "| gtpo | 1 | 2 | 0.3 | 0.2 | 0.5 | 0.75 | 0.75 | 0.5 | 0 | 0.25 | 1 | 0.5 | 0.4 | 0.3 | 20 | 25 |"
+    )
+    assert lines[3] == "| grpo | 1 | 1 | 0.2 | 0.2 | 2 | 2 | - | - | - | - | 2 | 2 | - | - | - | - |"
 
 
 def test_compare_errors_name_the_file_and_line(tmp_path):
