@@ -42,67 +42,32 @@ import logging
 import os
 import warnings
 from collections import Counter
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gtpo_megatron.builtin_models import cache_dir
-from gtpo_megatron.data import openr1
-from gtpo_megatron.data.mmlu import MMLU, is_mmlu, mmlu_problem, subject_of
-from gtpo_megatron.data.openr1 import OPENR1_MATH, openr1_problem
+from gtpo_megatron.data.benchmarks import (
+    ANSWER_KEYS,
+    BENCHMARKS,
+    HF_ALIASES,
+    QUESTION_KEYS,
+    RecordReader,
+    load_hub_rows,
+    local_key,
+)
+from gtpo_megatron.data.mmlu import is_mmlu, subject_of
 from gtpo_megatron.data.types import Problem
 from gtpo_megatron.rewards.answer_text import reference_answer
 
 if TYPE_CHECKING:
     from gtpo_megatron.data.synthetic import SyntheticLevel
 
-RecordReader = Callable[..., "Problem | str"]
-"""``reader(record, *, default_id, where) -> Problem`` or the name of the reason the row is dropped."""
 logger = logging.getLogger(__name__)
 _BOXED_SUFFIX = "Please reason step by step, and put your final answer within \\boxed{}."
 
 
-@dataclass(frozen=True)
-class Benchmark:
-    """A local data set: its folder under the data directory, its Hugging Face source and its row format.
-
-    ``splits`` maps each local split (the first is the default) to the hub's split name; ``hub_config`` is the
-    dataset's config name (None: the default one). ``fields``: the row fields ``gtpo-data`` keeps (None: the
-    question and answer fields of :data:`QUESTION_KEYS` / :data:`ANSWER_KEYS`); ``reader``: the row -> problem rule
-    (None: the generic one, :func:`record_to_problem`).
-    """
-
-    folder: str
-    hub_name: str
-    hub_config: str | None
-    splits: dict[str, str]
-    fields: tuple[str, ...] | None = None
-    reader: RecordReader | None = None
-
-
-BENCHMARKS = {
-    "gsm8k": Benchmark("gsm8k", "openai/gsm8k", "main", {"train": "train", "test": "test"}),
-    "math500": Benchmark("math500", "HuggingFaceH4/MATH-500", None, {"test": "test"}),
-    "aime24": Benchmark("aime24", "HuggingFaceH4/aime_2024", None, {"test": "train"}),
-    "aime25": Benchmark("aime25", "math-ai/aime25", None, {"test": "test"}),
-    "amc23": Benchmark("amc2023", "math-ai/amc23", None, {"test": "test"}),
-    MMLU: Benchmark(
-        "mmlu",
-        "cais/mmlu",
-        "all",
-        {"test": "test", "validation": "validation", "dev": "dev"},
-        ("question", "choices", "answer", "subject"),
-        mmlu_problem,
-    ),
-    OPENR1_MATH: Benchmark(
-        "openr1-math", "open-r1/OpenR1-Math-220k", "default", {"train": "train"}, openr1.FIELDS, openr1_problem
-    ),
-}
 SHARED_DATA_DIR = Path(__file__).resolve().parents[2].parent / "shared" / "data"
-_HF_ALIASES = {"math": "DigitalLearningGmbH/MATH-lighteval"}
-QUESTION_KEYS = ("question", "problem", "prompt")
-ANSWER_KEYS = ("answer", "solution", "final_answer")
 SYNTHETIC_DEFAULT_SIZE = 2000
 
 
@@ -124,18 +89,6 @@ def default_download_dir() -> Path:
     return Path(env) if env else cache_dir() / "data"
 
 
-def hub_dataset(name: str, split: str) -> tuple[str, str | None, str]:
-    """``(hub name, config, hub split)`` to load for the source ``name`` and the local ``split``.
-
-    A local benchmark name or its hub name (``gsm8k``, ``openai/gsm8k``) gets the config and split naming of
-    :data:`BENCHMARKS`; ``math`` is MATH-lighteval; any other name is loaded as it is.
-    """
-    for benchmark_name, benchmark in BENCHMARKS.items():
-        if name in (benchmark_name, benchmark.hub_name):
-            return benchmark.hub_name, benchmark.hub_config, benchmark.splits.get(split, split)
-    return _HF_ALIASES.get(name, name), None, split
-
-
 def record_to_problem(record: Any, *, source: str, default_id: str, where: str) -> Problem:
     """The generic rule: validates one record and builds its :class:`Problem`; ``where`` names it in errors."""
     if not isinstance(record, dict):
@@ -151,21 +104,6 @@ def record_to_problem(record: Any, *, source: str, default_id: str, where: str) 
         raise ValueError(f"{where}: field {question_key if not question else answer_key!r} is empty")
     problem_id = str(record.get("id", record.get("unique_id", default_id)))
     return Problem(id=problem_id, question=question, answer=answer, source=source)
-
-
-def local_key(source: str, *, field: str = "source") -> str:
-    """The :data:`BENCHMARKS` key of ``source``: ``mmlu`` for ``mmlu/<subject>``, else ``source`` itself.
-
-    Raises:
-        ValueError: an MMLU subject that does not exist (names ``field`` and the closest subjects).
-    """
-    if is_mmlu(source):
-        try:
-            subject_of(source)
-        except ValueError as err:
-            raise ValueError(f"{field}={err}") from None
-        return MMLU
-    return source
 
 
 def _reader(source: str) -> RecordReader:
@@ -240,32 +178,6 @@ def read_jsonl(path: str | Path, *, source: str, limit: int | None = None) -> li
     return _to_problems(_jsonl_rows(path, local_key(source)), source=source, limit=limit, origin=str(path))
 
 
-def load_hub_rows(name: str, *, split: str) -> Any:
-    """The rows of a Hugging Face dataset split (``hub_dataset`` naming), through ``datasets`` (imported lazily).
-
-    Raises:
-        RuntimeError: ``datasets`` is not installed, or the download failed (offline, unknown name): the message
-            names the dataset, the error and the offline alternatives.
-    """
-    try:
-        import datasets
-    except ImportError as exc:
-        raise RuntimeError(
-            f"data source {name!r} is a Hugging Face dataset and needs the `datasets` package "
-            "(pip install datasets) plus network access or a warm HF cache; offline, use a local jsonl via "
-            "path=... or the built-in 'synthetic' source"
-        ) from exc
-    hub_name, config, hub_split = hub_dataset(name, split)
-    try:
-        return datasets.load_dataset(hub_name, config, split=hub_split)
-    except Exception as exc:  # noqa: BLE001 - datasets raises many kinds (connection, offline mode, missing split)
-        raise RuntimeError(
-            f"could not load the Hugging Face dataset {hub_name!r} (config {config}, split {hub_split!r}): "
-            f"{type(exc).__name__}: {exc}. It needs network access or a warm HF cache; offline, run `gtpo-data` "
-            "on a machine that is online and copy its folder here (GTPO_DATA_DIR), or pass a local jsonl"
-        ) from exc
-
-
 def _load_hf(name: str, *, split: str, limit: int | None) -> list[Problem]:
     """A Hugging Face dataset split as problems (:func:`load_hub_rows`, then the jsonl rules per row)."""
     rows = load_hub_rows(name, split=split)
@@ -313,9 +225,9 @@ def check_source(
         return
     if importlib.util.find_spec("datasets") is None:
         known = ["synthetic", *BENCHMARKS]
-        near = difflib.get_close_matches(source, known, n=1) if source not in _HF_ALIASES else []
+        near = difflib.get_close_matches(source, known, n=1) if source not in HF_ALIASES else []
         fix = f"did you mean {near[0]!r}? Otherwise" if near else f"use one of {known} or"
-        what = f"the Hugging Face dataset {_HF_ALIASES[source]!r}" if source in _HF_ALIASES else "not a local source"
+        what = f"the Hugging Face dataset {HF_ALIASES[source]!r}" if source in HF_ALIASES else "not a local source"
         raise ValueError(
             f"{prefix}source={source!r}: {what}, and loading it from Hugging Face needs the `datasets` "
             f"package, which is not installed (pip install datasets); {fix} give a local jsonl with "

@@ -3,7 +3,7 @@
     gtpo-data --out DIR gsm8k math500 aime24 aime25 amc23 mmlu    # then: export GTPO_DATA_DIR=DIR
     gtpo-data --out DIR openr1-math                                # the R1-style training set (not by default)
 
-Each source of :data:`~gtpo_megatron.data.datasets.BENCHMARKS` is loaded split by split from its Hugging Face
+Each source of :data:`~gtpo_megatron.data.benchmarks.BENCHMARKS` is loaded split by split from its Hugging Face
 dataset with ``datasets`` (``pip install datasets``; needs network access) and written to
 ``DIR/<folder>/<split>.jsonl`` (``gsm8k/train.jsonl``, ``amc2023/test.jsonl``, ...), one JSON object per line with
 the id of the source row and its question and answer fields (a benchmark's ``fields`` where it names them: MMLU's
@@ -20,16 +20,8 @@ import os
 import sys
 from pathlib import Path
 
-from gtpo_megatron.data.datasets import (
-    ANSWER_KEYS,
-    BENCHMARKS,
-    OPENR1_MATH,
-    QUESTION_KEYS,
-    default_data_dir,
-    default_download_dir,
-    load_hub_rows,
-    read_jsonl,
-)
+from gtpo_megatron.data.benchmarks import ANSWER_KEYS, BENCHMARKS, OPENR1_MATH, QUESTION_KEYS, load_hub_rows
+from gtpo_megatron.data.datasets import default_data_dir, default_download_dir, read_jsonl
 
 DEFAULT_SOURCES = [name for name in BENCHMARKS if name != OPENR1_MATH]
 
@@ -39,7 +31,7 @@ def download_benchmark(source: str, out_dir: str | Path, *, force: bool = False)
 
     Raises:
         ValueError: ``source`` is not a key of ``BENCHMARKS``.
-        RuntimeError: ``datasets`` is missing or the download failed (see ``datasets.load_hub_rows``).
+        RuntimeError: ``datasets`` is missing or the download failed (see ``benchmarks.load_hub_rows``).
     """
     if source not in BENCHMARKS:
         raise ValueError(f"unknown benchmark {source!r}; choose from {sorted(BENCHMARKS)}")
