@@ -1,4 +1,4 @@
-"""Run benchmarks with vLLM and score them with the training reward code (docs/algorithm.md sections 6-7).
+"""Run benchmarks with vLLM and score them with the training reward code (issue 5; GTPO_SPEC sections 6-7).
 
 For each benchmark: load the problems (``data.datasets.load_problems``, test split), build the same chat prompts
 as training (``data.prompts.build_prompt_ids``), sample n completions per problem with ``VLLMEngine`` (per-request
