@@ -141,7 +141,10 @@ def plot_methods(methods: dict[str, Runs], path: Path) -> None:
         for color, (name, runs) in enumerate(methods.items()):
             steps, mean, low, high = seed_band(runs, key)
             if steps:
-                ax.plot(steps, mean, color=f"C{color}", label=f"{name} ({len(runs)} seeds)")
+                seeds = f"{len(runs)} seed" + ("s" if len(runs) > 1 else "")
+                ax.plot(
+                    steps, mean, color=f"C{color}", marker="o" if len(steps) == 1 else None, label=f"{name} ({seeds})"
+                )
                 if len(runs) > 1:
                     ax.fill_between(steps, low, high, color=f"C{color}", alpha=0.2, linewidth=0)
         if key == "entropy/completion_mean":
