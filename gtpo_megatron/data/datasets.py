@@ -1,35 +1,22 @@
-r"""Problem sets: local jsonl benchmarks, Hugging Face datasets and the built-in synthetic task.
+r"""Problem sets: local jsonl files, Hugging Face datasets and the built-in synthetic task, as :class:`Problem`.
 
-Every example becomes a :class:`Problem` ``(id, question, answer, source)`` where ``answer`` is the *final*
-reference answer (``"72"``, ``"\\frac{14}{3}"``), ready for :mod:`gtpo_megatron.rewards`.
+``Problem.answer`` is the *final* reference answer (``"72"``, ``"\\frac{14}{3}"``), ready for the rewards. Local
+sets (:data:`~gtpo_megatron.data.benchmarks.BENCHMARKS`, in :func:`default_data_dir`, written by ``gtpo-data``):
 
-Local files (in :func:`default_data_dir`; ``gtpo-data`` downloads them once; fields checked on every line):
+==============  ==============================  =============================  =================================
+source          file                            fields                         answer
+==============  ==============================  =============================  =================================
+gsm8k           gsm8k/{train,test}.jsonl        question, answer               after ``####``, commas removed
+math500, aime*  <folder>/test.jsonl             problem, answer                as is
+mmlu[/subject]  mmlu/{test,validation,dev}      question, choices, answer      the letter (:mod:`.mmlu`)
+openr1-math     openr1-math/train.jsonl         problem, answer, correctness_  as is, unusable rows dropped
+                                                                               (:mod:`.openr1`)
+==============  ==============================  =============================  =================================
 
-==========  =========================  ====================  =============================================
-source      file                       fields                answer
-==========  =========================  ====================  =============================================
-gsm8k       gsm8k/{train,test}.jsonl   question, answer      text after ``####``, commas removed
-math500     math500/test.jsonl         problem, answer       as is
-aime24      aime24/test.jsonl          problem, answer       as is
-aime25      aime25/test.jsonl          problem, answer       as is
-amc23       amc2023/test.jsonl         problem, answer       as is
-mmlu        mmlu/{test,validation,     question, choices,    the choice's letter (:mod:`.mmlu`; sources
-            dev}.jsonl                 answer, subject       ``mmlu``, ``mmlu/<subject>``)
-openr1-     openr1-math/train.jsonl    problem, answer,      as is; unverified rows dropped and counted
-math                                   correctness_*         (:mod:`.openr1`)
-==========  =========================  ====================  =============================================
-
-``gtpo-data`` (:mod:`gtpo_megatron.data.download`) writes these files from the Hugging Face datasets named in
-:data:`BENCHMARKS` (those names are also accepted as sources, with their config and split names).
-
-The benchmark files end each problem with "Please reason step by step, and put your final answer within
-\\boxed{}."; that sentence is removed, because the system prompt (:mod:`gtpo_megatron.data.prompts`) asks for the
-paper's ``<answer>`` block instead (a ``\\boxed{}`` inside it is still understood by the rewards).
-
-Other sources: ``synthetic`` (:mod:`gtpo_megatron.data.synthetic`, no download), ``math`` (Hugging Face
-``DigitalLearningGmbH/MATH-lighteval``, answer = last ``\\boxed{}`` of the solution), or any Hugging Face dataset
-name with a question field (question/problem/prompt) and an answer field (answer/solution); those need the
-``datasets`` package and network access (or its cache).
+The benchmarks' "Please reason step by step, and put your final answer within \\boxed{}." is removed: the system
+prompt asks for the ``<answer>`` block instead. Other sources: ``synthetic`` (no download), ``math``
+(``DigitalLearningGmbH/MATH-lighteval``, answer = last ``\\boxed{}``), or any Hugging Face name with a
+question/problem/prompt and an answer/solution field (needs ``datasets`` and network or its cache).
 """
 
 from __future__ import annotations
@@ -72,11 +59,7 @@ SYNTHETIC_DEFAULT_SIZE = 2000
 
 
 def default_data_dir() -> Path:
-    """Where the benchmark folders are read from.
-
-    ``$GTPO_DATA_DIR`` when set; else ``../shared/data`` next to the repository when that folder exists (the
-    development machine); else :func:`default_download_dir`, where ``gtpo-data`` writes by default.
-    """
+    """``$GTPO_DATA_DIR``, else ``../shared/data`` next to the repository if it exists, else the download dir."""
     env = os.environ.get("GTPO_DATA_DIR")
     if env:
         return Path(env)

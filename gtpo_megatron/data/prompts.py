@@ -7,9 +7,7 @@ default, the CPU demo).
 
 - :func:`build_prompt_text` renders ``[system, user]`` with the tokenizer's chat template and the generation
   prompt (the assistant turn opener). A tokenizer without a chat template gets :data:`PLAIN_TEMPLATE`.
-- :func:`choice_question` writes a multiple-choice question (MMLU) as the user message: the question, lettered
-  choices and "Answer with the letter of the correct choice (A, B, C or D)."; the system prompt still asks for the
-  ``<answer>`` block, so the letter lands there.
+- :func:`choice_question`: a multiple-choice (MMLU) user message; the system prompt still asks for ``<answer>``.
 - :func:`build_prompt_ids` tokenises that text. A chat template already writes any BOS it wants, so the text is
   encoded with ``add_special_tokens=False``; the plain template is encoded with the tokenizer's defaults (BOS
   added when the tokenizer adds one).
@@ -45,11 +43,7 @@ CHOICE_INSTRUCTION = "Answer with the letter of the correct choice ({letters})."
 
 
 def choice_question(question: str, choices: list[str]) -> str:
-    """A multiple-choice question as one user message: the question, one ``X. text`` line per choice, the ask.
-
-    Raises:
-        ValueError: fewer than 2 or more than ``len(CHOICE_LETTERS)`` choices.
-    """
+    """A multiple-choice user message: question, one ``X. text`` line per choice, the ask; ValueError if not 2..10."""
     if not 2 <= len(choices) <= len(CHOICE_LETTERS):
         raise ValueError(f"{len(choices)} choices: a multiple-choice question needs 2..{len(CHOICE_LETTERS)}")
     letters = CHOICE_LETTERS[: len(choices)]

@@ -162,13 +162,12 @@ def _is_count(key: str) -> bool:
 
 
 def pool_summaries(summaries: Sequence[dict[str, float]]) -> dict[str, float]:
-    """The :func:`aggregate` summary of the union of several benchmarks (MMLU's subjects), from their summaries.
+    """:func:`aggregate` of the union of several benchmarks (MMLU's subjects) from their summaries.
 
-    Counts (``num_*``) add up; every other value is a mean over problems (or over samples, n per problem), so the
-    pooled value is the mean weighted by ``num_problems``: the value :func:`aggregate` gives on all problems at once.
+    Counts (``num_*``) add up; every other value is a mean over problems (or samples), weighted by ``num_problems``.
 
     Raises:
-        ValueError: no summary, or summaries with different samples per problem.
+        ValueError: no summary, or different samples per problem.
     """
     sizes = {s["num_samples"] for s in summaries}
     if len(sizes) != 1:
