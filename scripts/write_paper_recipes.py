@@ -1,8 +1,9 @@
 """Write the paper-sized recipes ``configs/{model}_{data}_{algorithm}[_g12].yaml`` from one table.
 
-Usage: ``python scripts/write_paper_recipes.py`` (rewrites the 24 files; ``tests/config/test_recipes.py`` checks that
-the committed files equal :func:`render_recipes`). Each file stays a complete recipe (every field, no includes);
-this script is the one owner of the values they share, so a change of, say, the Adam betas is made once here.
+Usage: ``python scripts/write_paper_recipes.py`` (rewrites the 24 files and :data:`EXTRA_RECIPES`; the tests
+check that the committed files equal :func:`render_recipes` and :func:`render_extra_recipes`). Each file stays a
+complete recipe (every field, no includes); this script is the one owner of the values they share, so a change of,
+say, the Adam betas is made once here.
 
 Values: docs/algorithm.md section 6 where it speaks; where it is silent, the authors' code
 (github.com/winstonsmith1897/GTPO, ``config.yaml`` and ``train_model.py``): AdamW betas, weight decay, cosine
@@ -31,7 +32,16 @@ MODELS = {
 DATA = {
     "gsm8k": dict(problems=7473, text="GSM8K train (7,473 problems, answer after ####)"),
     "math": dict(problems=7500, text="MATH train (7,500 problems, answer = last \\boxed{})"),
+    "openr1-math": dict(
+        problems=7500,
+        text="OpenR1-Math-220k (DeepSeek-R1 math traces, config default; its problems and verified final answers, "
+        "unverified rows dropped and counted: gtpo_megatron/data/openr1.py; 7,500 steps of one prompt, a part of one "
+        "epoch; `gtpo-data openr1-math` writes the file)",
+    ),
 }
+PAPER_DATA = ("gsm8k", "math")
+EXTRA_RECIPES = (("qwen2.5-3b-instruct", "openr1-math", "gtpo", 8),)
+"""Recipes beyond the paper's grid: (model, data, algorithm, group size)."""
 ALGORITHMS = {
     "gtpo": "GTPO (docs/algorithm.md sections 1-4): conflict-aware token weights, entropy filter and penalty.",
     "grpo": "GRPO baseline (docs/algorithm.md section 5): std-normalised advantages, clip 0.2, KL to the initial "
@@ -135,24 +145,28 @@ def _header(model: str, data: str, algorithm: str, group_size: int) -> str:
     )
 
 
+def render_recipe(model: str, data: str, algorithm: str, group_size: int) -> tuple[str, str]:
+    """``(file name, text)`` of one recipe."""
+    cfg = config_to_dict(load_config(None, recipe_overrides(model, data, algorithm, group_size)))
+    ordered = {"output_dir": cfg.pop("output_dir"), "resume": cfg.pop("resume"), **cfg}
+    body = yaml.safe_dump(ordered, sort_keys=False)
+    return recipe_stem(model, data, algorithm, group_size) + ".yaml", _header(model, data, algorithm, group_size) + body
+
+
 def render_recipes() -> dict[str, str]:
     """``{file name: text}`` of every paper recipe."""
-    out = {}
-    for model in MODELS:
-        for data in DATA:
-            for algorithm in ALGORITHMS:
-                for group_size in GROUP_SIZES:
-                    cfg = config_to_dict(load_config(None, recipe_overrides(model, data, algorithm, group_size)))
-                    ordered = {"output_dir": cfg.pop("output_dir"), "resume": cfg.pop("resume"), **cfg}
-                    body = yaml.safe_dump(ordered, sort_keys=False)
-                    name = recipe_stem(model, data, algorithm, group_size) + ".yaml"
-                    out[name] = _header(model, data, algorithm, group_size) + body
-    return out
+    grid = [(m, d, a, g) for m in MODELS for d in PAPER_DATA for a in ALGORITHMS for g in GROUP_SIZES]
+    return dict(render_recipe(*recipe) for recipe in grid)
+
+
+def render_extra_recipes() -> dict[str, str]:
+    """``{file name: text}`` of :data:`EXTRA_RECIPES`."""
+    return dict(render_recipe(*recipe) for recipe in EXTRA_RECIPES)
 
 
 def main() -> None:
     """Write every recipe into ``configs/``."""
-    for name, text in render_recipes().items():
+    for name, text in (render_recipes() | render_extra_recipes()).items():
         (REPO / "configs" / name).write_text(text)
         print(f"wrote configs/{name}")
 

@@ -1,78 +1,59 @@
-r"""Problem sets: local jsonl benchmarks, Hugging Face datasets and the built-in synthetic task.
+r"""Problem sets: local jsonl files, Hugging Face datasets and the built-in synthetic task, as :class:`Problem`.
 
-Every example becomes a :class:`Problem` ``(id, question, answer, source)`` where ``answer`` is the *final*
-reference answer (``"72"``, ``"\\frac{14}{3}"``), ready for :mod:`gtpo_megatron.rewards`.
+``Problem.answer`` is the *final* reference answer (``"72"``, ``"\\frac{14}{3}"``), ready for the rewards. Local
+sets (:data:`~gtpo_megatron.data.benchmarks.BENCHMARKS`, in :func:`default_data_dir`, written by ``gtpo-data``):
 
-Local files (in :func:`default_data_dir`; ``gtpo-data`` downloads them once; fields checked on every line):
+==============  ==============================  =============================  =================================
+source          file                            fields                         answer
+==============  ==============================  =============================  =================================
+gsm8k           gsm8k/{train,test}.jsonl        question, answer               after ``####``, commas removed
+math500, aime*  <folder>/test.jsonl             problem, answer                as is
+mmlu[/subject]  mmlu/{test,validation,dev}      question, choices, answer      the letter (:mod:`.mmlu`)
+openr1-math     openr1-math/train.jsonl         problem, answer, correctness_  as is, unusable rows dropped
+                                                                               (:mod:`.openr1`)
+==============  ==============================  =============================  =================================
 
-==========  =========================  ====================  =============================================
-source      file                       fields                answer
-==========  =========================  ====================  =============================================
-gsm8k       gsm8k/{train,test}.jsonl   question, answer      text after ``####``, commas removed
-math500     math500/test.jsonl         problem, answer       as is
-aime24      aime24/test.jsonl          problem, answer       as is
-aime25      aime25/test.jsonl          problem, answer       as is
-amc23       amc2023/test.jsonl         problem, answer       as is
-==========  =========================  ====================  =============================================
-
-``gtpo-data`` (:mod:`gtpo_megatron.data.download`) writes these files from the Hugging Face datasets named in
-:data:`BENCHMARKS` (those names are also accepted as sources, with their config and split names).
-
-The benchmark files end each problem with "Please reason step by step, and put your final answer within
-\\boxed{}."; that sentence is removed, because the system prompt (:mod:`gtpo_megatron.data.prompts`) asks for the
-paper's ``<answer>`` block instead (a ``\\boxed{}`` inside it is still understood by the rewards).
-
-Other sources: ``synthetic`` (:mod:`gtpo_megatron.data.synthetic`, no download), ``math`` (Hugging Face
-``DigitalLearningGmbH/MATH-lighteval``, answer = last ``\\boxed{}`` of the solution), or any Hugging Face dataset
-name with a question field (question/problem/prompt) and an answer field (answer/solution); those need the
-``datasets`` package and network access (or its cache).
+The benchmarks' "Please reason step by step, and put your final answer within \\boxed{}." is removed: the system
+prompt asks for the ``<answer>`` block instead. Other sources: ``synthetic`` (no download), ``math``
+(``DigitalLearningGmbH/MATH-lighteval``, answer = last ``\\boxed{}``), or any Hugging Face name with a
+question/problem/prompt and an answer/solution field (needs ``datasets`` and network or its cache).
 """
 
 from __future__ import annotations
 
 import difflib
+import functools
 import importlib.util
 import json
+import logging
 import os
 import warnings
-from dataclasses import dataclass
+from collections import Counter
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gtpo_megatron.builtin_models import cache_dir
+from gtpo_megatron.data.benchmarks import (
+    ANSWER_KEYS,
+    BENCHMARKS,
+    HF_ALIASES,
+    QUESTION_KEYS,
+    RecordReader,
+    load_hub_rows,
+    local_key,
+)
+from gtpo_megatron.data.mmlu import is_mmlu, subject_of
 from gtpo_megatron.data.types import Problem
 from gtpo_megatron.rewards.answer_text import reference_answer
 
 if TYPE_CHECKING:
     from gtpo_megatron.data.synthetic import SyntheticLevel
 
+logger = logging.getLogger(__name__)
 _BOXED_SUFFIX = "Please reason step by step, and put your final answer within \\boxed{}."
 
 
-@dataclass(frozen=True)
-class Benchmark:
-    """A local benchmark: its folder under the data directory and its Hugging Face source.
-
-    ``splits`` maps each local split (the first is the default) to the hub's split name; ``hub_config`` is the
-    dataset's config name (None: the default one).
-    """
-
-    folder: str
-    hub_name: str
-    hub_config: str | None
-    splits: dict[str, str]
-
-
-BENCHMARKS = {
-    "gsm8k": Benchmark("gsm8k", "openai/gsm8k", "main", {"train": "train", "test": "test"}),
-    "math500": Benchmark("math500", "HuggingFaceH4/MATH-500", None, {"test": "test"}),
-    "aime24": Benchmark("aime24", "HuggingFaceH4/aime_2024", None, {"test": "train"}),
-    "aime25": Benchmark("aime25", "math-ai/aime25", None, {"test": "test"}),
-    "amc23": Benchmark("amc2023", "math-ai/amc23", None, {"test": "test"}),
-}
-_HF_ALIASES = {"math": "DigitalLearningGmbH/MATH-lighteval"}
-QUESTION_KEYS = ("question", "problem", "prompt")
-ANSWER_KEYS = ("answer", "solution", "final_answer")
 SYNTHETIC_DEFAULT_SIZE = 2000
 
 
@@ -87,20 +68,8 @@ def default_download_dir() -> Path:
     return Path(env) if env else cache_dir() / "data"
 
 
-def hub_dataset(name: str, split: str) -> tuple[str, str | None, str]:
-    """``(hub name, config, hub split)`` to load for the source ``name`` and the local ``split``.
-
-    A local benchmark name or its hub name (``gsm8k``, ``openai/gsm8k``) gets the config and split naming of
-    :data:`BENCHMARKS`; ``math`` is MATH-lighteval; any other name is loaded as it is.
-    """
-    for benchmark_name, benchmark in BENCHMARKS.items():
-        if name in (benchmark_name, benchmark.hub_name):
-            return benchmark.hub_name, benchmark.hub_config, benchmark.splits.get(split, split)
-    return _HF_ALIASES.get(name, name), None, split
-
-
-def _record_to_problem(record: Any, *, source: str, default_id: str, where: str) -> Problem:
-    """Validates one record and builds its :class:`Problem`; ``where`` names the file and line for errors."""
+def record_to_problem(record: Any, *, source: str, default_id: str, where: str) -> Problem:
+    """The generic rule: validates one record and builds its :class:`Problem`; ``where`` names it in errors."""
     if not isinstance(record, dict):
         raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
     question_key = next((k for k in QUESTION_KEYS if k in record), None)
@@ -116,8 +85,63 @@ def _record_to_problem(record: Any, *, source: str, default_id: str, where: str)
     return Problem(id=problem_id, question=question, answer=answer, source=source)
 
 
+def _reader(source: str) -> RecordReader:
+    """The row rule of ``source``: its benchmark's ``reader``, else :func:`record_to_problem`."""
+    benchmark = BENCHMARKS.get(local_key(source))
+    if benchmark is not None and benchmark.reader is not None:
+        return benchmark.reader
+    return functools.partial(record_to_problem, source=source)
+
+
+def _to_problems(rows: Iterable[tuple[str, str, Any]], *, source: str, limit: int | None, origin: str) -> list[Problem]:
+    """``(where, default_id, record)`` rows as problems through ``source``'s reader, up to ``limit`` problems.
+
+    Rows the reader drops are counted by reason and logged once (``origin`` names the file or dataset); an
+    ``mmlu/<subject>`` source keeps that subject's rows only.
+
+    Raises:
+        ValueError: a repeated ``id``, the reader's errors, or a subject with no rows in ``origin``.
+    """
+    reader, subject = _reader(source), subject_of(source) if is_mmlu(source) else None
+    problems: list[Problem] = []
+    seen_ids: set[str] = set()
+    drops: Counter[str] = Counter()
+    for where, default_id, record in rows:
+        if limit is not None and len(problems) >= limit:
+            break
+        problem = reader(record, default_id=default_id, where=where)
+        if isinstance(problem, str):
+            drops[problem] += 1
+            continue
+        if subject is not None and problem.source != source:
+            continue
+        if problem.id in seen_ids:
+            raise ValueError(f"{where}: duplicate id {problem.id!r}; ids must be unique within a file")
+        seen_ids.add(problem.id)
+        problems.append(problem)
+    if drops:
+        counts = ", ".join(f"{reason} {n}" for reason, n in sorted(drops.items()))
+        logger.warning("%s: dropped %d rows (%s); kept %d problems", origin, drops.total(), counts, len(problems))
+    if subject is not None and not problems:
+        raise ValueError(f"{origin} holds no question of the MMLU subject {subject!r}; run `gtpo-data mmlu` for all")
+    return problems
+
+
+def _jsonl_rows(path: Path, id_prefix: str) -> Iterable[tuple[str, str, Any]]:
+    with path.open(encoding="utf-8") as handle:
+        for line_no, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{line_no}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{where}: malformed JSON ({exc.msg} at column {exc.colno})") from exc
+            yield where, f"{id_prefix}-{path.stem}-{line_no - 1}", record
+
+
 def read_jsonl(path: str | Path, *, source: str, limit: int | None = None) -> list[Problem]:
-    """Reads a jsonl file of problems (fields as in the module docstring), stopping after ``limit`` problems.
+    """Reads a jsonl file of problems with ``source``'s row rule (module docstring), stopping after ``limit``.
 
     Raises:
         FileNotFoundError: if ``path`` does not exist (the message says how to point at the data).
@@ -130,64 +154,15 @@ def read_jsonl(path: str | Path, *, source: str, limit: int | None = None) -> li
             f"{path}: no such data file; pass path=... (data.path in configs) or set GTPO_DATA_DIR to the folder "
             "that holds gsm8k/, math500/, aime24/, aime25/, amc2023/ (`gtpo-data --out DIR` downloads them)"
         )
-    problems: list[Problem] = []
-    seen_ids: set[str] = set()
-    with path.open(encoding="utf-8") as handle:
-        for line_no, line in enumerate(handle, start=1):
-            if limit is not None and len(problems) >= limit:
-                break
-            if not line.strip():
-                continue
-            where = f"{path}:{line_no}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{where}: malformed JSON ({exc.msg} at column {exc.colno})") from exc
-            problem = _record_to_problem(
-                record, source=source, default_id=f"{source}-{path.stem}-{line_no - 1}", where=where
-            )
-            if problem.id in seen_ids:
-                raise ValueError(f"{where}: duplicate id {problem.id!r}; ids must be unique within a file")
-            seen_ids.add(problem.id)
-            problems.append(problem)
-    return problems
-
-
-def load_hub_rows(name: str, *, split: str) -> Any:
-    """The rows of a Hugging Face dataset split (``hub_dataset`` naming), through ``datasets`` (imported lazily).
-
-    Raises:
-        RuntimeError: ``datasets`` is not installed, or the download failed (offline, unknown name): the message
-            names the dataset, the error and the offline alternatives.
-    """
-    try:
-        import datasets
-    except ImportError as exc:
-        raise RuntimeError(
-            f"data source {name!r} is a Hugging Face dataset and needs the `datasets` package "
-            "(pip install datasets) plus network access or a warm HF cache; offline, use a local jsonl via "
-            "path=... or the built-in 'synthetic' source"
-        ) from exc
-    hub_name, config, hub_split = hub_dataset(name, split)
-    try:
-        return datasets.load_dataset(hub_name, config, split=hub_split)
-    except Exception as exc:  # noqa: BLE001 - datasets raises many kinds (connection, offline mode, missing split)
-        raise RuntimeError(
-            f"could not load the Hugging Face dataset {hub_name!r} (config {config}, split {hub_split!r}): "
-            f"{type(exc).__name__}: {exc}. It needs network access or a warm HF cache; offline, run `gtpo-data` "
-            "on a machine that is online and copy its folder here (GTPO_DATA_DIR), or pass a local jsonl"
-        ) from exc
+    return _to_problems(_jsonl_rows(path, local_key(source)), source=source, limit=limit, origin=str(path))
 
 
 def _load_hf(name: str, *, split: str, limit: int | None) -> list[Problem]:
     """A Hugging Face dataset split as problems (:func:`load_hub_rows`, then the jsonl rules per row)."""
     rows = load_hub_rows(name, split=split)
-    count = len(rows) if limit is None else min(limit, len(rows))
-    source = name.split("/")[-1]
-    return [
-        _record_to_problem(rows[i], source=source, default_id=f"{source}-{i}", where=f"{name}[{split}][{i}]")
-        for i in range(count)
-    ]
+    source = next((key for key, b in BENCHMARKS.items() if name == b.hub_name), name.split("/")[-1])
+    indexed = ((f"{name}[{split}][{i}]", f"{source}-{i}", row) for i, row in enumerate(rows))
+    return _to_problems(indexed, source=source, limit=limit, origin=f"{name}[{split}]")
 
 
 def check_source(
@@ -202,6 +177,7 @@ def check_source(
     Raises:
         ValueError: naming the field, its value and a fix.
     """
+    key = local_key(source, field=f"{prefix}source")
     if path is not None:
         if not Path(path).is_file():
             raise ValueError(
@@ -211,26 +187,26 @@ def check_source(
         return
     if source == "synthetic":
         return
-    if source in BENCHMARKS:
-        splits = list(BENCHMARKS[source].splits)
+    if key in BENCHMARKS:
+        splits = list(BENCHMARKS[key].splits)
         split = split or splits[0]
         if split not in splits:
             raise ValueError(
                 f"{prefix}split={split!r}: {source!r} has only the split(s) {splits}; use {prefix}split={splits[0]}"
             )
-        file = (Path(data_dir) if data_dir else default_data_dir()) / BENCHMARKS[source].folder / f"{split}.jsonl"
+        file = (Path(data_dir) if data_dir else default_data_dir()) / BENCHMARKS[key].folder / f"{split}.jsonl"
         if not file.is_file():
             raise ValueError(
                 f"{prefix}source={source!r}: {file} does not exist; download the benchmarks once with "
-                f"`gtpo-data --out DIR {source}` (needs `pip install datasets` and network) and set GTPO_DATA_DIR=DIR "
+                f"`gtpo-data --out DIR {key}` (needs `pip install datasets` and network) and set GTPO_DATA_DIR=DIR "
                 f"(gtpo-eval: --data-dir DIR), or give {prefix}path=FILE.jsonl"
             )
         return
     if importlib.util.find_spec("datasets") is None:
         known = ["synthetic", *BENCHMARKS]
-        near = difflib.get_close_matches(source, known, n=1) if source not in _HF_ALIASES else []
+        near = difflib.get_close_matches(source, known, n=1) if source not in HF_ALIASES else []
         fix = f"did you mean {near[0]!r}? Otherwise" if near else f"use one of {known} or"
-        what = f"the Hugging Face dataset {_HF_ALIASES[source]!r}" if source in _HF_ALIASES else "not a local source"
+        what = f"the Hugging Face dataset {HF_ALIASES[source]!r}" if source in HF_ALIASES else "not a local source"
         raise ValueError(
             f"{prefix}source={source!r}: {what}, and loading it from Hugging Face needs the `datasets` "
             f"package, which is not installed (pip install datasets); {fix} give a local jsonl with "
@@ -251,7 +227,7 @@ def load_problems(
     """Loads a problem set as a list of :class:`Problem` in file order.
 
     Args:
-        source: gsm8k, math500, aime24, aime25, amc23, synthetic, math (HF) or a Hugging Face dataset name.
+        source: a key of :data:`BENCHMARKS`, ``mmlu/<subject>``, synthetic, math (HF) or a Hugging Face name.
         path: explicit jsonl file (overrides ``data_dir``/``split`` lookup); read with ``source``'s rules.
         split: ``train`` or ``test``; ``None`` means ``train`` where the source has one, else ``test``.
         limit: keep at most this many problems (the first ones).
@@ -276,11 +252,12 @@ def load_problems(
 
         num = SYNTHETIC_DEFAULT_SIZE if limit is None else limit
         return generate_problems(num, seed=seed, split=split or "train", difficulty=difficulty)
-    if source in BENCHMARKS:
-        splits = list(BENCHMARKS[source].splits)
+    key = local_key(source)
+    if key in BENCHMARKS:
+        splits = list(BENCHMARKS[key].splits)
         split = split or splits[0]
         if split not in splits:
             raise ValueError(f"split={split!r} does not exist for {source!r}; available splits: {splits}")
         base = Path(data_dir) if data_dir else default_data_dir()
-        return read_jsonl(base / BENCHMARKS[source].folder / f"{split}.jsonl", source=source, limit=limit)
+        return read_jsonl(base / BENCHMARKS[key].folder / f"{split}.jsonl", source=source, limit=limit)
     return _load_hf(source, split=split or "train", limit=limit)

@@ -1,11 +1,13 @@
 """``gtpo-data``: download the benchmarks once and write the jsonl layout that ``load_problems`` reads.
 
-    gtpo-data --out DIR gsm8k math500 aime24 aime25 amc23      # then: export GTPO_DATA_DIR=DIR
+    gtpo-data --out DIR gsm8k math500 aime24 aime25 amc23 mmlu    # then: export GTPO_DATA_DIR=DIR
+    gtpo-data --out DIR openr1-math                                # the R1-style training set (not by default)
 
-Each source of :data:`~gtpo_megatron.data.datasets.BENCHMARKS` is loaded split by split from its Hugging Face
+Each source of :data:`~gtpo_megatron.data.benchmarks.BENCHMARKS` is loaded split by split from its Hugging Face
 dataset with ``datasets`` (``pip install datasets``; needs network access) and written to
 ``DIR/<folder>/<split>.jsonl`` (``gsm8k/train.jsonl``, ``amc2023/test.jsonl``, ...), one JSON object per line with
-the question field, the answer field and the id of the source row; the written file is read back with
+the id of the source row and its question and answer fields (a benchmark's ``fields`` where it names them: MMLU's
+choices and subject, OpenR1-Math's verification fields); the written file is read back with
 ``read_jsonl`` so that a file that would not load is never left behind. Existing files are kept unless ``--force``.
 Without ``datasets`` or offline it exits with status 2 and a message saying what to do instead.
 """
@@ -18,15 +20,10 @@ import os
 import sys
 from pathlib import Path
 
-from gtpo_megatron.data.datasets import (
-    ANSWER_KEYS,
-    BENCHMARKS,
-    QUESTION_KEYS,
-    default_data_dir,
-    default_download_dir,
-    load_hub_rows,
-    read_jsonl,
-)
+from gtpo_megatron.data.benchmarks import ANSWER_KEYS, BENCHMARKS, OPENR1_MATH, QUESTION_KEYS, load_hub_rows
+from gtpo_megatron.data.datasets import default_data_dir, default_download_dir, read_jsonl
+
+DEFAULT_SOURCES = [name for name in BENCHMARKS if name != OPENR1_MATH]
 
 
 def download_benchmark(source: str, out_dir: str | Path, *, force: bool = False) -> list[tuple[Path, int]]:
@@ -34,7 +31,7 @@ def download_benchmark(source: str, out_dir: str | Path, *, force: bool = False)
 
     Raises:
         ValueError: ``source`` is not a key of ``BENCHMARKS``.
-        RuntimeError: ``datasets`` is missing or the download failed (see ``datasets.load_hub_rows``).
+        RuntimeError: ``datasets`` is missing or the download failed (see ``benchmarks.load_hub_rows``).
     """
     if source not in BENCHMARKS:
         raise ValueError(f"unknown benchmark {source!r}; choose from {sorted(BENCHMARKS)}")
@@ -45,13 +42,17 @@ def download_benchmark(source: str, out_dir: str | Path, *, force: bool = False)
             written.append((path, len(read_jsonl(path, source=source))))
             continue
         rows = load_hub_rows(source, split=split)
-        written.append((path, _write_jsonl(path, [_record(row, source, split, i) for i, row in enumerate(rows)])))
+        records = [_record(row, source, split, i) for i, row in enumerate(rows)]
+        written.append((path, _write_jsonl(path, records, source)))
     return written
 
 
 def _record(row: dict, source: str, split: str, index: int) -> dict:
-    """The jsonl object of one hub row: the question and answer fields ``read_jsonl`` picks (names kept) and an id."""
+    """The jsonl object of one hub row: an id, then its benchmark's ``fields`` or the question/answer fields."""
     record = {"id": str(row.get("id", row.get("unique_id", f"{source}-{split}-{index}")))}
+    fields = BENCHMARKS[source].fields
+    if fields is not None:
+        return record | {key: row[key] for key in fields if key in row}
     for keys in (QUESTION_KEYS, ANSWER_KEYS):
         key = next((k for k in keys if row.get(k) is not None), None)
         if key is not None:
@@ -60,13 +61,13 @@ def _record(row: dict, source: str, split: str, index: int) -> dict:
     return record
 
 
-def _write_jsonl(path: Path, records: list[dict]) -> int:
+def _write_jsonl(path: Path, records: list[dict], source: str) -> int:
     """Write ``records`` to ``path`` through a temporary file, check it loads, then rename it into place."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
     try:
-        count = len(read_jsonl(tmp, source=path.parent.name))
+        count = len(read_jsonl(tmp, source=source))
     except ValueError:
         tmp.unlink()
         raise
@@ -77,7 +78,9 @@ def _write_jsonl(path: Path, records: list[dict]) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Command line (module docstring); returns 0, or 2 with a message on stderr."""
     parser = argparse.ArgumentParser(prog="gtpo-data", description=__doc__.split("\n\n")[0])
-    parser.add_argument("sources", nargs="*", default=list(BENCHMARKS), help=f"any of {list(BENCHMARKS)} [all]")
+    parser.add_argument(
+        "sources", nargs="*", default=DEFAULT_SOURCES, help=f"any of {list(BENCHMARKS)} [{' '.join(DEFAULT_SOURCES)}]"
+    )
     parser.add_argument("--out", default=None, help=f"data folder [{default_download_dir()}]")
     parser.add_argument("--force", action="store_true", help="download again over existing files")
     args = parser.parse_args(argv)

@@ -7,6 +7,7 @@ default, the CPU demo).
 
 - :func:`build_prompt_text` renders ``[system, user]`` with the tokenizer's chat template and the generation
   prompt (the assistant turn opener). A tokenizer without a chat template gets :data:`PLAIN_TEMPLATE`.
+- :func:`choice_question`: a multiple-choice (MMLU) user message; the system prompt still asks for ``<answer>``.
 - :func:`build_prompt_ids` tokenises that text. A chat template already writes any BOS it wants, so the text is
   encoded with ``add_special_tokens=False``; the plain template is encoded with the tokenizer's defaults (BOS
   added when the tokenizer adds one).
@@ -37,6 +38,18 @@ the paper's comparison depend on it)."""
 SYSTEM_PROMPTS = {"authors": AUTHORS_SYSTEM_PROMPT, "concise": SYSTEM_PROMPT}
 """``data.system_prompt`` choice -> system message."""
 PLAIN_TEMPLATE = "{system}\n\nQuestion: {question}\n\nAnswer:\n"
+CHOICE_LETTERS = "ABCDEFGHIJ"
+CHOICE_INSTRUCTION = "Answer with the letter of the correct choice ({letters})."
+
+
+def choice_question(question: str, choices: list[str]) -> str:
+    """A multiple-choice user message: question, one ``X. text`` line per choice, the ask; ValueError if not 2..10."""
+    if not 2 <= len(choices) <= len(CHOICE_LETTERS):
+        raise ValueError(f"{len(choices)} choices: a multiple-choice question needs 2..{len(CHOICE_LETTERS)}")
+    letters = CHOICE_LETTERS[: len(choices)]
+    lines = [f"{letter}. {text}" for letter, text in zip(letters, choices, strict=True)]
+    ask = CHOICE_INSTRUCTION.format(letters=", ".join(letters[:-1]) + f" or {letters[-1]}")
+    return question.strip() + "\n\n" + "\n".join(lines) + "\n\n" + ask
 
 
 def build_messages(question: str, *, system_prompt: str = SYSTEM_PROMPT) -> list[dict[str, str]]:

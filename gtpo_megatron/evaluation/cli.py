@@ -1,4 +1,4 @@
-r"""``gtpo-eval``: pass@k / maj@k of a model on math benchmarks with vLLM.
+r"""``gtpo-eval``: pass@k / maj@k of a model on math benchmarks and MMLU with vLLM.
 
 Example (the acceptance contract)::
 
@@ -46,12 +46,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--benchmarks",
         type=_name_list,
         default=BENCHMARKS,
-        help=f"comma-separated: {','.join(BENCHMARKS)} (or Hugging Face dataset names)",
+        help=f"comma-separated: {','.join(BENCHMARKS)}, mmlu (every subject) or mmlu/SUBJECT (one), or Hugging "
+        "Face dataset names",
     )
     p.add_argument(
         "--data-dir",
         default=None,
-        help="folder holding gsm8k/, math500/, aime24/, aime25/, amc2023/ (`gtpo-data --out DIR` writes it; "
+        help="folder holding gsm8k/, math500/, aime24/, aime25/, amc2023/, mmlu/ (`gtpo-data --out DIR` writes it; "
         "default: $GTPO_DATA_DIR, else ~/.cache/gtpo_megatron/data)",
     )
     p.add_argument("--limit", type=int, default=None, help="first N problems of each benchmark")

@@ -1,11 +1,14 @@
-"""``gtpo-compare RUN_DIR...``: training curves of several runs side by side (GTPO vs GRPO vs DAPO).
+"""``gtpo-compare RUN...``: training curves of several methods side by side, mean and spread over seeds.
 
-Reads ``RUN_DIR/metrics.jsonl`` (one JSON object per step, written by the trainer; ``step`` plus metric names such
-as ``reward/mean``) and writes, into ``--output`` (default ``.``):
-- ``compare.png``: one subplot per metric in ``METRICS`` (x = step), one line per run (the entropy panel marks
-  ln 2, the paper filter's threshold);
-- ``compare.md``: a Markdown table with, per run, the number of steps and the final and mean value of each metric
-  ("-" where a run never logged it). The table is also printed.
+Each RUN is a run directory (``RUN/metrics.jsonl``, written by the trainer: one JSON object per step, ``step`` plus
+metric names such as ``reward/mean``) or a metrics jsonl file. Runs are grouped into methods by name
+(:func:`method_of`): ``.../gtpo/seed1`` and ``.../gtpo_seed1`` are seed 1 of ``gtpo``; any other name is a method
+of its own. Writes into ``--output`` (default ``.``):
+- ``compare.png``: one panel per metric of ``METRICS`` (x = step): per method, the mean over its seeds at each step
+  and a band from the lowest to the highest seed (the entropy panel marks ln 2, the paper filter's tau);
+- ``compare.md``: per method, its seeds and steps, then per metric the final value (mean over seeds; with several
+  seeds, the lowest and highest in brackets) and the mean over steps and seeds ("-" where no seed logged it). The
+  table is also printed.
 """
 
 from __future__ import annotations
@@ -13,11 +16,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from gtpo_megatron.run_dir import metrics_path
+from gtpo_megatron.run_dir import METRICS_FILE, metrics_path
 
 METRICS = (
     ("accuracy", "accuracy"),
@@ -65,21 +69,67 @@ def series(rows: Sequence[dict[str, float]], key: str) -> tuple[list[float], lis
     return [p[0] for p in points], [p[1] for p in points]
 
 
-def markdown_table(runs: dict[str, list[dict[str, float]]]) -> str:
-    """Per run: steps, then final and mean of each metric (4 significant digits)."""
-    head = "| run | steps | " + " | ".join(f"{label} final | {label} mean" for _, label in METRICS) + " |"
-    lines = [head, "|" + "---|" * (2 + 2 * len(METRICS))]
-    for name, rows in runs.items():
-        cells = [name, str(len(rows))]
+_SEED_NAME = re.compile(r"seed[_-]?\d+")
+_SEED_SUFFIX = re.compile(r"(.+?)[_-]seed[_-]?\d+")
+Runs = list[list[dict[str, float]]]
+"""The step records of each seed of one method."""
+
+
+def method_of(run: str | Path) -> str:
+    """The method a run belongs to: its name (folder, or jsonl file stem) without a ``seed<N>`` part.
+
+    ``a/gtpo/seed0`` and ``a/gtpo/seed0/metrics.jsonl`` -> ``gtpo``; ``gtpo_seed1`` or ``gtpo-seed1.jsonl`` ->
+    ``gtpo``; ``dapo`` -> ``dapo``.
+    """
+    path = Path(run).resolve()
+    path = path.parent if path.name == METRICS_FILE else path
+    name = path.stem if path.suffix == ".jsonl" else path.name
+    if _SEED_NAME.fullmatch(name):
+        return path.parent.name
+    match = _SEED_SUFFIX.fullmatch(name)
+    return match.group(1) if match else name
+
+
+def seed_band(runs: Runs, key: str) -> tuple[list[float], list[float], list[float], list[float]]:
+    """``(steps, mean, lowest, highest)`` of ``key`` over the seeds that logged it at each step."""
+    by_step: dict[float, list[float]] = {}
+    for rows in runs:
+        for step, value in zip(*series(rows, key), strict=True):
+            by_step.setdefault(step, []).append(value)
+    steps = sorted(by_step)
+    return (
+        steps,
+        [sum(by_step[s]) / len(by_step[s]) for s in steps],
+        [min(by_step[s]) for s in steps],
+        [max(by_step[s]) for s in steps],
+    )
+
+
+def _cells(runs: Runs, key: str) -> list[str]:
+    finals = [values[-1] for _, values in (series(rows, key) for rows in runs) if values]
+    means = [sum(values) / len(values) for _, values in (series(rows, key) for rows in runs) if values]
+    if not finals:
+        return ["-", "-"]
+    final = f"{sum(finals) / len(finals):.4g}"
+    if len(finals) > 1:
+        final += f" [{min(finals):.4g}, {max(finals):.4g}]"
+    return [final, f"{sum(means) / len(means):.4g}"]
+
+
+def markdown_table(methods: dict[str, Runs]) -> str:
+    """Per method: seeds, steps (the longest seed), then final and mean of each metric (4 significant digits)."""
+    head = "| method | seeds | steps | " + " | ".join(f"{label} final | {label} mean" for _, label in METRICS) + " |"
+    lines = [head, "|" + "---|" * (3 + 2 * len(METRICS))]
+    for name, runs in methods.items():
+        cells = [name, str(len(runs)), str(max(len(rows) for rows in runs))]
         for key, _ in METRICS:
-            _, values = series(rows, key)
-            cells += [f"{values[-1]:.4g}", f"{sum(values) / len(values):.4g}"] if values else ["-", "-"]
+            cells += _cells(runs, key)
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
-def plot_runs(runs: dict[str, list[dict[str, float]]], path: Path) -> None:
-    """Write the PNG (matplotlib, Agg backend): one subplot per metric, one line per run."""
+def plot_methods(methods: dict[str, Runs], path: Path) -> None:
+    """Write the PNG (matplotlib, Agg backend): one panel per metric, per method its seed mean and min-max band."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -88,10 +138,15 @@ def plot_runs(runs: dict[str, list[dict[str, float]]], path: Path) -> None:
     columns = math.ceil((len(METRICS) + 1) / 2)  # one more panel for the legend
     fig, axes = plt.subplots(2, columns, figsize=(5 * columns, 8))
     for ax, (key, label) in zip(axes.flat, METRICS):
-        for name, rows in runs.items():
-            steps, values = series(rows, key)
-            if values:
-                ax.plot(steps, values, label=name)
+        for color, (name, runs) in enumerate(methods.items()):
+            steps, mean, low, high = seed_band(runs, key)
+            if steps:
+                seeds = f"{len(runs)} seed" + ("s" if len(runs) > 1 else "")
+                ax.plot(
+                    steps, mean, color=f"C{color}", marker="o" if len(steps) == 1 else None, label=f"{name} ({seeds})"
+                )
+                if len(runs) > 1:
+                    ax.fill_between(steps, low, high, color=f"C{color}", alpha=0.2, linewidth=0)
         if key == "entropy/completion_mean":
             ax.axhline(math.log(2), color="gray", linestyle="--", linewidth=1)  # the paper filter's tau
         ax.set_title(label)
@@ -107,33 +162,30 @@ def plot_runs(runs: dict[str, list[dict[str, float]]], path: Path) -> None:
     plt.close(fig)
 
 
-def _labels(run_dirs: Sequence[str]) -> list[str]:
-    names = [Path(d).resolve().name for d in run_dirs]
-    return names if len(set(names)) == len(names) else [str(d) for d in run_dirs]
-
-
-def compare_runs(run_dirs: Sequence[str], output_dir: str | Path = ".") -> tuple[Path, Path]:
-    """Load every run, write ``compare.png`` and ``compare.md`` into ``output_dir``; returns both paths.
+def compare_runs(runs: Sequence[str], output_dir: str | Path = ".") -> tuple[Path, Path]:
+    """Load every run, group them by :func:`method_of`, write ``compare.png`` and ``compare.md``; returns both.
 
     Raises:
         ValueError: no run given, or a malformed metrics file.
         FileNotFoundError: a run without ``metrics.jsonl``.
     """
-    if not run_dirs:
-        raise ValueError("no run directories given; pass one or more folders that contain metrics.jsonl")
-    runs = {label: load_metrics(d) for label, d in zip(_labels(run_dirs), run_dirs)}
+    if not runs:
+        raise ValueError("no runs given; pass run folders that contain metrics.jsonl, or metrics jsonl files")
+    methods: dict[str, Runs] = {}
+    for run in runs:
+        methods.setdefault(method_of(run), []).append(load_metrics(run))
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     png, md = out / "compare.png", out / "compare.md"
-    plot_runs(runs, png)
-    md.write_text(markdown_table(runs))
+    plot_methods(methods, png)
+    md.write_text(markdown_table(methods))
     return png, md
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``gtpo-compare``; prints the table. Returns the exit status."""
     parser = argparse.ArgumentParser(prog="gtpo-compare", description=__doc__.split("\n\n")[0])
-    parser.add_argument("runs", nargs="+", help="run directories (each with metrics.jsonl)")
+    parser.add_argument("runs", nargs="+", help="run directories (each with metrics.jsonl) or metrics jsonl files")
     parser.add_argument("--output", default=".", help="folder for compare.png and compare.md")
     args = parser.parse_args(argv)
     try:

@@ -4,19 +4,21 @@ For each benchmark: load the problems (``data.datasets.load_problems``, test spl
 as training (``data.prompts.build_prompt_ids``), sample n completions per problem with ``VLLMEngine`` (per-request
 seeds derived from ``--seed``, so the same seed, model and flags give the same numbers), score every completion
 with the registered reward in a ``RewardPool`` in the benchmark's extraction mode (``--extraction``, default
-``rewards.default_extraction``: ``lenient`` for GSM8K, ``strict`` for MATH-500/AIME/AMC), and aggregate with
+``rewards.default_extraction``: ``lenient`` for GSM8K, ``strict`` for MATH-500/AIME/AMC/MMLU), and aggregate with
 ``evaluation.metrics``: the reward's ``correct`` verdict drives pass@k and maj@k; its ``extracted`` answers vote
 for maj@k in equivalence classes decided by the same pool (``RewardPool.same_answers``, the reward's own
-equivalence).
+equivalence). MMLU (``mmlu`` or ``mmlu/<subject>``, ``data.mmlu``) is evaluated subject by subject
+(``mmlu/<subject>`` entries, ``--limit`` questions each) and pooled into an ``mmlu`` entry over all its questions.
 
 Outputs in ``output_dir``:
 - ``results.json``: ``{"model", "config", "extraction": {benchmark: mode}, "results": {benchmark: {"pass@k",
   "maj@k", "accuracy", "format_rate", "truncation_rate", "mean_length", "num_problems", "num_samples",
-  "reward/num_timeouts", "reward/num_errors"}}, "seconds"}``; rates are fractions in [0, 1]; the last two count
-  the grader's timeouts and errors (scoring and maj@k classes; a failed answer scores 0 and does not vote). When
-  they exceed ``--max-error-frac`` of a benchmark's answers the evaluation stops (``check_grader_failures``).
+  "num_no_answer", "reward/num_timeouts", "reward/num_errors"}}, "seconds"}``; rates are fractions in [0, 1];
+  ``num_no_answer`` counts completions without an extracted answer, the last two the grader's timeouts and errors
+  (scoring and maj@k classes; a failed answer scores 0 and does not vote). When these exceed ``--max-error-frac``
+  of a benchmark's answers the evaluation stops (``check_grader_failures``).
 - ``results.md``: a table laid out like the paper's Table 1 (one row per model, p@k and maj@k columns per
-  benchmark, in percent) and a table of sample-level rates and grader failures.
+  benchmark, in percent), a table of sample-level rates and grader failures, and one of MMLU's subjects.
 - ``records/<benchmark>.jsonl``: one line per problem (id, reference, per-sample text, extracted answer,
   correctness, format, length, finish reason, and the problem's pass@k/maj@k) for auditing.
 """
@@ -33,8 +35,9 @@ from typing import TYPE_CHECKING, Any
 
 from gtpo_megatron.builtin_models import resolve_model_path
 from gtpo_megatron.data.datasets import load_problems
+from gtpo_megatron.data.mmlu import MMLU, is_mmlu
 from gtpo_megatron.data.prompts import SYSTEM_PROMPTS, build_prompt_ids
-from gtpo_megatron.evaluation.metrics import SameAnswer, SampleRecord, aggregate, problem_metrics
+from gtpo_megatron.evaluation.metrics import SameAnswer, SampleRecord, aggregate, pool_summaries, problem_metrics
 from gtpo_megatron.rewards.answer_text import check_extraction, default_extraction
 from gtpo_megatron.rewards.pool import RewardPool, check_error_frac, check_grader_failures
 from gtpo_megatron.rollout.engine import RolloutEngine, SamplingConfig
@@ -43,7 +46,14 @@ if TYPE_CHECKING:
     from gtpo_megatron.data.datasets import Problem
 
 BENCHMARKS = ("gsm8k", "math500", "aime24", "aime25", "amc23")
-DISPLAY_NAMES = {"gsm8k": "GSM8K", "math500": "MATH-500", "aime24": "AIME24", "aime25": "AIME25", "amc23": "AMC23"}
+DISPLAY_NAMES = {
+    "gsm8k": "GSM8K",
+    "math500": "MATH-500",
+    "aime24": "AIME24",
+    "aime25": "AIME25",
+    "amc23": "AMC23",
+    MMLU: "MMLU",
+}
 _MEGATRON_MARKERS = ("latest_checkpointed_iteration.txt", ".metadata")  # Megatron-LM layouts we do not convert
 logger = logging.getLogger(__name__)
 
@@ -251,12 +261,14 @@ def evaluate_benchmark(
 
 
 def markdown_report(label: str, results: dict[str, dict[str, float]], ks: tuple[int, ...]) -> str:
-    """Table 1 layout (percent): one row per model, p@k columns per benchmark and maj@max(k); then sample rates."""
+    """Table 1 layout (percent): one row per model, p@k columns per benchmark and maj@max(k); then sample rates.
+
+    Per-subject results (``mmlu/<subject>``) get rows in the rates table and a table of their own.
+    """
     k_max = max(ks)
-    cols = [(b, f"pass@{k}", f"p@{k}") for b in results for k in ks] + [
-        (b, f"maj@{k_max}", f"maj@{k_max}") for b in results
-    ]
-    cols.sort(key=lambda c: list(results).index(c[0]))
+    main = [b for b in results if "/" not in b]
+    cols = [(b, f"pass@{k}", f"p@{k}") for b in main for k in ks] + [(b, f"maj@{k_max}", f"maj@{k_max}") for b in main]
+    cols.sort(key=lambda c: main.index(c[0]))
     head = "| model | " + " | ".join(f"{DISPLAY_NAMES.get(b, b)} {name}" for b, _, name in cols) + " |"
     row = f"| {label} | " + " | ".join(f"{100 * results[b][key]:.1f}" for b, key, _ in cols) + " |"
     lines = [
@@ -264,27 +276,57 @@ def markdown_report(label: str, results: dict[str, dict[str, float]], ks: tuple[
         "|" + "---|" * (len(cols) + 1),
         row,
         "",
-        "| benchmark | problems | n | accuracy | format rate | truncated | mean length | grader timeouts/errors |",
-        "|---|---|---|---|---|---|---|---|",
+        "| benchmark | problems | n | accuracy | format rate | truncated | mean length | grader timeouts/errors "
+        "| no answer |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for b, r in results.items():
         lines.append(
             f"| {DISPLAY_NAMES.get(b, b)} | {r['num_problems']:.0f} | {r['num_samples']:.0f} | "
             f"{100 * r['accuracy']:.1f} | {100 * r['format_rate']:.1f} | {100 * r['truncation_rate']:.1f} "
-            f"| {r['mean_length']:.1f} | {r['reward/num_timeouts']:.0f}/{r['reward/num_errors']:.0f} |"
+            f"| {r['mean_length']:.1f} | {r['reward/num_timeouts']:.0f}/{r['reward/num_errors']:.0f} "
+            f"| {r.get('num_no_answer', 0):.0f} |"
         )
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + _subject_table(results, ks)) + "\n"
+
+
+def _subject_table(results: dict[str, dict[str, float]], ks: tuple[int, ...]) -> list[str]:
+    """Lines of the per-subject table (percent): accuracy, p@k and maj@max(k); none without subjects."""
+    subjects = [b for b in results if "/" in b]
+    if not subjects:
+        return []
+    keys = [f"pass@{k}" for k in ks] + [f"maj@{max(ks)}"]
+    lines = ["", "| subject | problems | accuracy | " + " | ".join(keys) + " |", "|---|---|---|" + "---|" * len(keys)]
+    for b in subjects:
+        r = results[b]
+        values = " | ".join(f"{100 * r[key]:.1f}" for key in keys)
+        lines.append(f"| {b} | {r['num_problems']:.0f} | {100 * r['accuracy']:.1f} | {values} |")
+    return lines
+
+
+def _problem_sets(name: str, config: EvalConfig) -> dict[str, list[Problem]]:
+    """``{benchmark: problems}`` of one ``--benchmarks`` name; MMLU becomes one set per subject (``--limit`` each)."""
+    if not is_mmlu(name):
+        return {name: load_problems(name, split="test", limit=config.limit, data_dir=config.data_dir)}
+    by_subject: dict[str, list[Problem]] = {}
+    for problem in load_problems(name, split="test", data_dir=config.data_dir):
+        by_subject.setdefault(problem.source, []).append(problem)
+    return {subject: problems[: config.limit] for subject, problems in by_subject.items()}
+
+
+def pool_subjects(results: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+    """``{"mmlu": pooled}`` over the ``mmlu/<subject>`` entries of ``results`` (none: empty)."""
+    subjects = [r for b, r in results.items() if b.startswith(MMLU + "/")]
+    return {MMLU: pool_summaries(subjects)} if subjects else {}
 
 
 def _load_benchmarks(config: EvalConfig, tokenizer) -> dict[str, tuple[list[Problem], list[list[int]]]]:
     loaded = {}
+    system_prompt = SYSTEM_PROMPTS[config.system_prompt]
     for name in config.benchmarks:
-        problems = load_problems(name, split="test", limit=config.limit, data_dir=config.data_dir)
-        system_prompt = SYSTEM_PROMPTS[config.system_prompt]
-        loaded[name] = (
-            problems,
-            [build_prompt_ids(tokenizer, p.question, system_prompt=system_prompt) for p in problems],
-        )
+        for benchmark, problems in _problem_sets(name, config).items():
+            prompts = [build_prompt_ids(tokenizer, p.question, system_prompt=system_prompt) for p in problems]
+            loaded[benchmark] = (problems, prompts)
     return loaded
 
 
@@ -327,11 +369,13 @@ def run_evaluation(config: EvalConfig, *, engine: RolloutEngine | None = None) -
         with RewardPool(config.reward, num_workers=config.reward_workers, timeout_s=config.reward_timeout_s) as pool:
             for name, (problems, prompts) in benchmarks.items():
                 results[name], records = evaluate_benchmark(engine, pool, name, problems, prompts, config)
+                (out_dir / "records" / name).parent.mkdir(parents=True, exist_ok=True)  # mmlu/<subject>
                 with open(out_dir / "records" / f"{name}.jsonl", "w") as f:
                     f.writelines(json.dumps(r) + "\n" for r in records)
     finally:
         if own_engine:
             engine.close()
+    results |= pool_subjects(results)
     settings = {k: v for k, v in asdict(config).items() if k != "sampling"}
     payload = {
         "model": config.model,

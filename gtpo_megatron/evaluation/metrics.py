@@ -130,8 +130,9 @@ def aggregate(
     ``same[i]`` is problem ``i``'s answer equivalence (see :func:`maj_at_k`).
 
     Returns:
-        ``pass@k``/``maj@k`` per k, ``accuracy`` (fraction of correct samples), ``format_rate``,
-        ``truncation_rate``, ``mean_length`` (tokens), ``num_problems``, ``num_samples``.
+        ``pass@k``/``maj@k`` per k, ``num_no_answer`` (samples without an extracted answer: none stated, or the
+        grader failed; they score 0), ``accuracy`` (fraction of correct samples), ``format_rate``,
+        ``truncation_rate``, ``mean_length`` (tokens), ``num_problems``, ``num_samples`` (per problem).
 
     Raises:
         ValueError: no problems, or problems with different sample counts.
@@ -145,6 +146,7 @@ def aggregate(
     summary = {key: sum(m[key] for m in per_problem) / len(per_problem) for key in per_problem[0]}
     samples = [s for p in problems for s in p]
     summary.update(
+        num_no_answer=float(sum(not s.answer for s in samples)),
         accuracy=sum(s.correct for s in samples) / len(samples),
         format_rate=sum(s.format_ok for s in samples) / len(samples),
         truncation_rate=sum(s.truncated for s in samples) / len(samples),
@@ -153,3 +155,28 @@ def aggregate(
         num_samples=float(sizes.pop()),
     )
     return summary
+
+
+def _is_count(key: str) -> bool:
+    return key != "num_samples" and key.rsplit("/", 1)[-1].startswith("num_")
+
+
+def pool_summaries(summaries: Sequence[dict[str, float]]) -> dict[str, float]:
+    """:func:`aggregate` of the union of several benchmarks (MMLU's subjects) from their summaries.
+
+    Counts (``num_*``) add up; every other value is a mean over problems (or samples), weighted by ``num_problems``.
+
+    Raises:
+        ValueError: no summary, or different samples per problem.
+    """
+    sizes = {s["num_samples"] for s in summaries}
+    if len(sizes) != 1:
+        raise ValueError(f"pooling needs summaries with one num_samples per problem; got {sorted(sizes)}")
+    total = sum(s["num_problems"] for s in summaries)
+    pooled = {}
+    for key in summaries[0]:
+        if _is_count(key):
+            pooled[key] = sum(s[key] for s in summaries)
+        else:
+            pooled[key] = sum(s[key] * s["num_problems"] for s in summaries) / total
+    return pooled

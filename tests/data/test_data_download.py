@@ -3,14 +3,18 @@ right answers; offline or without ``datasets`` it exits 2 with a clear message; 
 
 from __future__ import annotations
 
+import json
 import sys
 import types
+from pathlib import Path
 
 import pytest
 
 from gtpo_megatron.data import datasets as data_sets
 from gtpo_megatron.data import load_problems
-from gtpo_megatron.data.download import main
+from gtpo_megatron.data.download import DEFAULT_SOURCES, main
+
+FIXTURES = Path(__file__).parent / "fixtures"
 
 HUB_ROWS = {  # (name, config, split) -> rows, shaped like the real datasets' columns
     ("openai/gsm8k", "main", "train"): [{"question": "2+3?", "answer": "2+3=5\n#### 5"}],
@@ -92,3 +96,23 @@ def test_data_folder_defaults(monkeypatch, tmp_path):
     with pytest.raises(ValueError, match=r"gsm8k/train.jsonl does not exist; download the benchmarks once with "
                        r"`gtpo-data --out DIR gsm8k`"):  # fmt: skip
         data_sets.check_source("gsm8k", data_dir=str(tmp_path / "empty"))
+
+
+def test_gtpo_data_writes_mmlu_and_openr1_math_with_their_fields(hub, tmp_path, capsys, caplog, monkeypatch):
+    """MMLU keeps choices and subject (answers are the hub's class indices), OpenR1-Math its verification fields;
+    both load back through their row rules, and the unverified R1 row is dropped and counted."""
+    mmlu_row = {"question": "2+2?", "subject": "elementary_mathematics", "choices": ["3", "4", "5", "6"], "answer": 1}
+    r1_rows = [json.loads(x) for x in (FIXTURES / "openr1-math" / "train.jsonl").read_text().splitlines()[:4]]
+    for split in ("test", "validation", "dev"):
+        monkeypatch.setitem(HUB_ROWS, ("cais/mmlu", "all", split), [mmlu_row])
+    monkeypatch.setitem(HUB_ROWS, ("open-r1/OpenR1-Math-220k", "default", "train"), r1_rows)
+    assert main(["--out", str(tmp_path), "mmlu", "openr1-math"]) == 0
+    assert json.loads((tmp_path / "mmlu" / "dev.jsonl").read_text()) == {"id": "mmlu-dev-0", **mmlu_row}
+    written = json.loads((tmp_path / "openr1-math" / "train.jsonl").read_text().splitlines()[1])
+    assert sorted(written) == sorted(["id", "uuid", "problem", "answer", "question_type", "correctness_math_verify",
+                                      "correctness_llama"])  # fmt: skip
+    assert [p.answer for p in load_problems("mmlu/elementary_mathematics", data_dir=str(tmp_path))] == ["B"]
+    assert [p.id for p in load_problems("openr1-math", data_dir=str(tmp_path))] == ["r1-a", "r1-b"]
+    assert f"{tmp_path}/openr1-math/train.jsonl: 2 problems" in capsys.readouterr().out
+    assert "dropped 2 rows (no_final_answer 1, unverified 1); kept 2 problems" in caplog.text
+    assert "openr1-math" not in DEFAULT_SOURCES and "mmlu" in DEFAULT_SOURCES  # the 220k-row set only on request

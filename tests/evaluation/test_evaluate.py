@@ -174,7 +174,7 @@ def test_run_evaluation_scores_and_writes(tmp_path, data_dir):
     assert r["pass@1"] == pytest.approx((1 / 4 + 2 / 4) / 2)
     assert r["pass@4"] == 1.0
     assert r["maj@1"] == 0.5 and r["maj@4"] == 0.25
-    assert r["format_rate"] == 1 / 8 and r["num_problems"] == 2
+    assert r["format_rate"] == 1 / 8 and r["num_problems"] == 2 and r["num_no_answer"] == 1  # "no idea"
     assert r["reward/num_timeouts"] == r["reward/num_errors"] == 0
     saved = json.loads((tmp_path / "out" / "results.json").read_text())
     assert saved["results"] == payload["results"] and saved["extraction"] == {"gsm8k": "lenient"}
@@ -186,7 +186,7 @@ def test_run_evaluation_scores_and_writes(tmp_path, data_dir):
     report = (tmp_path / "out" / "results.md").read_text()
     assert report.splitlines()[0] == "| model | GSM8K p@1 | GSM8K p@4 | GSM8K maj@4 |"
     assert report.splitlines()[2] == "| tiny | 37.5 | 100.0 | 25.0 |"
-    assert report.splitlines()[6].endswith("| 0/0 |")
+    assert report.splitlines()[6].endswith("| 0/0 | 1 |")
 
 
 def test_extraction_flag_and_grader_failures_reach_the_results(tmp_path, data_dir):
@@ -235,13 +235,14 @@ def test_markdown_report_matches_table1_layout():
             "num_samples": 64.0,
             "reward/num_timeouts": 2.0,
             "reward/num_errors": 0.0,
+            "num_no_answer": 7.0,
         }
         for b in ("aime24", "amc23")
     }
     lines = markdown_report("Qwen GTPO", res, (64,)).splitlines()
     assert lines[0] == "| model | AIME24 p@64 | AIME24 maj@64 | AMC23 p@64 | AMC23 maj@64 |"
     assert lines[2] == "| Qwen GTPO | 30.0 | 42.5 | 30.0 | 42.5 |"
-    assert lines[6] == "| AIME24 | 30 | 64 | 10.0 | 100.0 | 0.0 | 100.0 | 2/0 |"
+    assert lines[6] == "| AIME24 | 30 | 64 | 10.0 | 100.0 | 0.0 | 100.0 | 2/0 | 7 |"
 
 
 def _write_run(folder, rows):
@@ -280,9 +281,11 @@ def test_compare_runs(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     lines = md.read_text().splitlines()
     # accuracy, entropy/completion_mean, format_rate, filtered fraction, reward, conflicts, length: final | mean
-    assert lines[0].startswith("| run | steps | accuracy final | accuracy mean | mean entropy (nats) final |")
-    assert lines[2] == "| gtpo | 2 | 0.3 | 0.2 | 0.5 | 0.75 | 0.75 | 0.5 | 0 | 0.25 | 1 | 0.5 | 0.4 | 0.3 | 20 | 25 |"
-    assert lines[3] == "| grpo | 1 | 0.2 | 0.2 | 2 | 2 | - | - | - | - | 2 | 2 | - | - | - | - |"
+    assert lines[0].startswith("| method | seeds | steps | accuracy final | accuracy mean | mean entropy (nats) final")
+    assert (
+        lines[2] == "| gtpo | 1 | 2 | 0.3 | 0.2 | 0.5 | 0.75 | 0.75 | 0.5 | 0 | 0.25 | 1 | 0.5 | 0.4 | 0.3 | 20 | 25 |"
+    )
+    assert lines[3] == "| grpo | 1 | 1 | 0.2 | 0.2 | 2 | 2 | - | - | - | - | 2 | 2 | - | - | - | - |"
 
 
 def test_compare_errors_name_the_file_and_line(tmp_path):

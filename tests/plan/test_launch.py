@@ -166,17 +166,21 @@ def test_dry_run_runs_the_planner() -> None:
     assert bad.returncode == 2 and "use rollout.num_prompts=4" in bad.stderr  # 4 * 6 = 24 splits over dp 8
 
 
-def test_compare_cpu_runs_three_algorithms_then_the_comparison(tmp_path: Path) -> None:
+def test_compare_cpu_runs_every_method_and_seed_then_the_comparison(tmp_path: Path) -> None:
     env = _fake_bin(tmp_path)
     (tmp_path / "bin" / "python").write_text(RECORDER)
     (tmp_path / "bin" / "python").chmod(0o755)
     subprocess.run(["bash", "launch/compare_cpu.sh", "trainer.max_steps=2"], cwd=REPO,
                    env={**env, "OUT": "runs/cmp"}, check=True, capture_output=True)  # fmt: skip
     calls = _calls(tmp_path)
-    assert [c[0] for c in calls] == ["torchrun"] * 3 + ["python"]
-    for call, algorithm in zip(calls, ("grpo", "dapo", "gtpo")):
+    assert [c[0] for c in calls] == ["torchrun"] * 7 + ["python"]
+    runs = [f"runs/cmp/{m}/seed{s}" for s in (0, 1) for m in ("grpo", "dapo", "gtpo")] + ["runs/cmp/gtpo-filter/seed0"]
+    for call, run in zip(calls, runs):
+        method, seed = run.split("/")[2], run[-1]
+        algorithm = ["algorithm=gtpo", "algorithm.entropy_filter=fixed"] if method == "gtpo-filter" else [
+            f"algorithm={method}"]  # fmt: skip
         assert "--nproc-per-node=2" in call
-        assert call[-6:] == ["gtpo_megatron.train", "--config", "configs/compare_cpu.yaml", f"algorithm={algorithm}",
-                             f"output_dir=runs/cmp/{algorithm}", "trainer.max_steps=2"]  # fmt: skip
-    assert calls[-1][1:] == ["-m", "gtpo_megatron.evaluation.compare", "runs/cmp/grpo", "runs/cmp/dapo",
-                             "runs/cmp/gtpo", "--output", "runs/cmp"]  # fmt: skip
+        seeds = [f"trainer.seed={seed}", f"rollout.seed={seed}", f"data.shuffle_seed={seed}"]
+        tail = ["configs/compare_cpu.yaml", *algorithm, *seeds, f"output_dir={run}", "trainer.max_steps=2"]
+        assert call[call.index("--config") + 1 :] == tail
+    assert calls[-1][1:] == ["-m", "gtpo_megatron.evaluation.compare", *runs, "--output", "runs/cmp"]
