@@ -51,6 +51,7 @@ def test_the_r1_recipe_is_its_generator_output_and_validates():
     import importlib.util
 
     from gtpo_megatron.config import load_config
+    from gtpo_megatron.megatron_adapter.settings import validate_config
 
     repo = Path(__file__).resolve().parents[2]
     spec = importlib.util.spec_from_file_location("write_paper_recipes", repo / "scripts/write_paper_recipes.py")
@@ -59,6 +60,6 @@ def test_the_r1_recipe_is_its_generator_output_and_validates():
     ((name, text),) = generator.render_extra_recipes().items()
     assert name == "qwen2.5-3b-instruct_openr1-math_gtpo.yaml" and (repo / "configs" / name).read_text() == text
     cfg = load_config(repo / "configs" / name)
-    cfg.validate(8, check_registries=False)
+    validate_config(cfg, 8, check_registries=False)
     assert (cfg.data.source, cfg.data.split, cfg.algorithm.name, cfg.reward.name) == ("openr1-math", "train", "gtpo",
                                                                                       "paper")  # fmt: skip
