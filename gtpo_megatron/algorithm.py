@@ -1,15 +1,9 @@
 """One step's GTPO weights (advantages, conflict weights), the step objective's spec and the step's pass structure.
 
-docs/algorithm.md sections 2-4 composed from ``ops`` (the math) on the whole step batch: advantages and lambda are
-computed on complete groups before the batch is split over data-parallel ranks (section 8). The per-completion
-entropy terms (delta_i and ``A_i - gamma <H>_i``) are decided inside the training forward by
-``ops.policy_objective`` from each completion's own tokens; only when lambda itself depends on them (or more than
-one update per batch, or while ``<H>_ini`` is measured) does the trainer run a no-grad pass first
-(:func:`needs_old_logprob_pass`). Pure functions of tensors and config sections (no collectives, no I/O), called by
-``trainer.py``.
-
-Dimension legend: P prompts, G group size, B = P*G rows laid out group by group, S padded prompt+response length.
-Per-token tensors use the ``TrainBatch`` layout: column ``s`` describes the prediction of ``input_ids[:, s]``.
+docs/algorithm.md sections 2-4 composed from ``ops`` on complete groups, before the batch is split over DP ranks
+(section 8); the entropy terms are left to ``ops.policy_objective`` in the training forward unless
+:func:`needs_old_logprob_pass`. Pure functions (no collectives, no I/O). B = P*G rows group by group, S padded
+length, per-token tensors in ``TrainBatch`` columns.
 """
 
 from __future__ import annotations
@@ -37,14 +31,11 @@ class StepWeights:
     """Per-sequence and per-token quantities of one step's full batch, decided before the training forward.
 
     Attributes:
-        raw_advantages: ``[B]`` fp32 group-relative A_i (section 2), before the entropy penalty.
-        conflict_weights: ``[B, S]`` fp32 lambda of section 3 before normalisation, 0 off the response.
-        token_weights: ``[B, S]`` fp32 the loss's multiplier: lambda (over ``max(1, n_i)`` with
-            ``normalize_by_conflicts``), 0 off the response and on rows ``loss_row_mask`` removes.
-        loss_row_mask: ``[B]`` bool, the rows in the objective (``docs/architecture.md``, "Mask vocabulary").
-        advantages, keep_mask: None (the loss decides the entropy terms), or after :func:`with_entropy_terms`
-            ``[B]`` ``A_i - gamma <H>_i`` and ``[B]`` bool delta_i AND ``loss_row_mask`` (``token_weights`` then
-            lambda * delta_i).
+        raw_advantages: ``[B]`` fp32 A_i (section 2), before the entropy penalty.
+        conflict_weights: ``[B, S]`` fp32 lambda (section 3) before normalisation, 0 off the response.
+        token_weights: ``[B, S]`` fp32 the loss's multiplier (lambda, normalised if configured, 0 on removed rows).
+        loss_row_mask: ``[B]`` bool, the rows in the objective.
+        advantages, keep_mask: None, or after :func:`with_entropy_terms` ``[B]`` ``A_i - gamma <H>_i`` and delta_i.
     """
 
     raw_advantages: torch.Tensor
@@ -56,11 +47,7 @@ class StepWeights:
 
 
 def conflicts_need_entropy(cfg: AlgorithmConfig) -> bool:
-    """Whether lambda depends on the completions' entropies (then they must be known before the forward).
-
-    True with conflicts on and either ``conflict_sign: penalized`` with gamma > 0 (the sign of ``A_i - gamma
-    <H>_i``) or ``exclude_filtered_from_conflicts`` with an entropy filter (delta_i of the other completions).
-    """
+    """Whether lambda depends on the entropies (``penalized`` sign with gamma > 0, or excluding filtered rows)."""
     if cfg.conflict_mode == "off":
         return False
     penalized = cfg.conflict_sign == "penalized" and cfg.entropy_penalty > 0
@@ -68,12 +55,10 @@ def conflicts_need_entropy(cfg: AlgorithmConfig) -> bool:
 
 
 def needs_old_logprob_pass(cfg: AlgorithmConfig, *, initial_entropy_known: bool) -> bool:
-    """Whether a step needs a no-grad forward pass before its update (docs/algorithm.md sections 1 and 4).
+    """Whether a step needs a no-grad pass before its update (docs/algorithm.md sections 1 and 4).
 
-    With one update per batch nothing does: <H>_i, delta_i and the penalised advantage are computed in the
-    training forward. A pass is unavoidable when (a) ``num_updates_per_batch > 1`` (the ratio needs pi_old), (b)
-    the ``paper`` filter still measures <H>_ini (``initial_entropy_known`` False: the first
-    ``initial_entropy_steps`` steps), or (c) lambda needs the entropies (:func:`conflicts_need_entropy`).
+    Only for ``num_updates_per_batch > 1``, while the ``paper`` filter measures <H>_ini, or when
+    :func:`conflicts_need_entropy`.
     """
     measuring = cfg.entropy_filter == "paper" and not initial_entropy_known
     return cfg.num_updates_per_batch > 1 or measuring or conflicts_need_entropy(cfg)
@@ -88,11 +73,7 @@ def compute_step_weights(
     seq_entropy: torch.Tensor | None = None,
     scores: torch.Tensor | None = None,
 ) -> StepWeights:
-    """:func:`compute_weights` of the full step ``TrainBatch`` (``input_ids``, ``response_mask``, ``truncated``).
-
-    ``rewards``: ``[B]`` shaped rewards (the advantages use them); ``scores``: the task scores
-    ``skip_uniform_groups`` decides on; the rest as :func:`compute_weights`.
-    """
+    """:func:`compute_weights` of the full step ``TrainBatch`` (``[B]`` shaped ``rewards``, task ``scores``)."""
     return compute_weights(
         batch.input_ids,
         batch.response_mask,
@@ -118,11 +99,8 @@ def compute_weights(
 ) -> StepWeights:
     """Advantages, ``loss_row_mask`` and conflict weights of a whole step (docs/algorithm.md sections 2-4).
 
-    ``input_ids`` / ``response_mask`` ``[B, S]`` (rows group by group, only response columns read), ``rewards``
-    ``[B]``; ``loss_spec`` (with ``initial_entropy``) and ``seq_entropy`` (``[B]`` <H>_i of a pass before the
-    update, gathered over dp) are read only when lambda needs the entropies; ``truncated`` ``[B]`` bool
-    (``overlong_filter`` needs it); ``scores`` ``[B]`` task scores ``skip_uniform_groups`` decides on (None: the
-    rewards). The entropy terms are left to the loss (``ops.policy_objective``) or :func:`with_entropy_terms`.
+    ``input_ids`` / ``response_mask`` ``[B, S]``, ``rewards`` / ``truncated`` / ``scores`` (None: rewards) ``[B]``;
+    ``loss_spec`` and ``seq_entropy`` (``[B]`` <H>_i) are read only when lambda needs the entropies.
 
     Raises:
         ValueError: ``cfg.overlong_filter`` without ``truncated``; lambda needs the entropies
@@ -166,11 +144,8 @@ def build_loss_row_mask(
 ) -> torch.Tensor:
     """``[B]`` bool, False on rows the switches remove from the objective (loss and normaliser), True elsewhere.
 
-    ``skip_uniform_groups`` removes every row of a group whose task ``scores`` are all equal (docs/algorithm.md
-    section 4; the one rule of ``data.dynamic_sampling.filter_uniform_groups``; scores, not rewards shaped by an
-    overlong penalty);
-    ``overlong_filter`` removes the rows where ``truncated`` (``[B]`` bool) is True (DAPO, section 5);
-    :func:`compute_weights` checks that it is given.
+    ``skip_uniform_groups``: groups whose task ``scores`` are all equal (section 4); ``overlong_filter``: rows
+    where ``truncated`` ``[B]`` is True (section 5).
     """
     keep_B = torch.ones(scores.shape[0], dtype=torch.bool, device=scores.device)
     if cfg.skip_uniform_groups:
@@ -183,9 +158,7 @@ def build_loss_row_mask(
 def with_entropy_terms(weights: StepWeights, seq_entropy: torch.Tensor, loss_spec: LossSpec) -> StepWeights:
     """``weights`` with the entropy terms of known ``seq_entropy`` (``[B]`` nats), for a loss without them.
 
-    ``advantages`` becomes ``A_i - gamma <H>_i``, ``keep_mask`` delta_i (AND ``loss_row_mask``), ``token_weights``
-    ``lambda * delta_i`` (``ops.sequence_terms``). Pair it with a spec whose filter is off and penalty 0 (as
-    ``loss_forms.forward_settings`` makes it), or the terms apply twice.
+    Pair it with a spec whose filter is off and penalty 0 (``loss_forms.forward_settings``), or they apply twice.
     """
     terms = sequence_terms(seq_entropy, weights.raw_advantages, loss_spec, keep_mask=weights.loss_row_mask)
     return dataclasses.replace(
@@ -222,10 +195,8 @@ def _conflict_sign_advantages(
 def conflict_metrics(weights: StepWeights, response_mask: torch.Tensor) -> dict[str, float]:
     """Conflict fractions of the full batch, from the un-normalised lambda (section 3).
 
-    ``gtpo/conflict_frac_pos``: response tokens of A > 0 completions with lambda > 1 (amplified);
-    ``gtpo/conflict_frac_neg``: response tokens of A < 0 completions with lambda = 0; both over all response
-    tokens, and ``gtpo/conflict_frac`` is their sum (``normalize_by_conflicts`` changes none of them);
-    ``gtpo/removed_frac``: completions removed by ``skip_uniform_groups`` / ``overlong_filter`` (``loss_row_mask``).
+    ``_pos``: tokens of A > 0 rows with lambda > 1, ``_neg``: of A < 0 rows with lambda = 0, over all response
+    tokens; ``gtpo/removed_frac``: rows with ``loss_row_mask`` False (docs/metrics.md).
     """
     num_tokens = response_mask.sum().clamp(min=1).float()
     lam = weights.conflict_weights
@@ -264,9 +235,7 @@ def loss_temperature(algorithm: AlgorithmConfig, rollout: RolloutConfig) -> floa
 def build_loss_spec(algorithm: AlgorithmConfig, rollout: RolloutConfig) -> LossSpec:
     """The step objective of ``algorithm`` (docs/algorithm.md sections 1, 4 and 5) as the policy receives it.
 
-    Log-probs at :func:`loss_temperature`, entropy at ``algorithm.entropy_temperature``; the entropy filter and
-    penalty as configured (``initial_entropy`` stays None until the trainer has measured <H>_ini); Dr. GRPO's
-    constant normaliser uses L = ``rollout.max_tokens``.
+    ``initial_entropy`` stays None until measured; Dr. GRPO's L is ``rollout.max_tokens``.
     """
     return LossSpec(
         loss_name=algorithm.name,

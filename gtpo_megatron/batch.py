@@ -1,12 +1,8 @@
 """``TrainBatch``: the step's per-row record, from collation (``rollout.batch``) to the loss (``ops.policy_objective``).
 
-Its field list is the one list of per-row tensors: selecting rows, padding, moving to a device and unpacking a
-packed row all go through :meth:`TrainBatch.apply`, and ``megatron_adapter.forward_step.MicroBatch`` is this record
-plus the model's inputs. Masks: ``docs/architecture.md`` ("Mask vocabulary").
-
-Dimension legend: B rows (sequences, group by group), S padded prompt+response length. Column ``s`` of a per-token
-tensor describes the prediction of ``input_ids[:, s]`` from ``input_ids[:, :s]``, so column 0 is never a response
-token. Importing this module imports torch only.
+The one list of per-row tensors: row selection, padding, devices and unpacking go through
+:meth:`TrainBatch.apply`. Masks: docs/architecture.md ("Mask vocabulary"). B rows group by group, S padded length;
+column ``s`` describes the prediction of ``input_ids[:, s]`` (column 0 is never a response token). Torch only.
 """
 
 from __future__ import annotations

@@ -1,25 +1,10 @@
 """GTPO for an existing Megatron pipeline: step weights, the loss in Megatron's conventions, a forward step, sync.
 
-The same code the trainer runs, behind a small public surface (re-exported from the package root). Importing this
-module imports neither megatron nor vllm: they load inside the functions that need them.
-
-1. **Step weights** (:func:`compute_gtpo_weights`): advantages ``[B]`` and per-token weights ``[B, T]`` (conflict
-   lambda times the entropy filter's delta, docs/algorithm.md sections 2-4) from plain tensors and an
-   ``AlgorithmConfig``. Compute them on whole groups, before splitting the batch over data-parallel ranks
-   (section 8). Rows that ``skip_uniform_groups`` / ``overlong_filter`` remove (``loss_row_mask`` False) leave
-   the loss and its normaliser: give the micro-batch that ``loss_row_mask`` and :func:`loss_normalizer`
-   response masks False on them.
-2. **The loss** in both of Megatron's ``loss_func`` conventions (``megatron_adapter/loss_forms.py`` derives them):
-   :func:`per_token_loss` (``calculate_per_token_loss=True``) and :func:`legacy_loss` (the step's normaliser
-   :func:`loss_normalizer` folded in), from vocab-parallel logits on an explicit ``tp_group`` or, ``*_from_logprobs``,
-   from the caller's log-probs; a packed row with ``packed=PackedLayout.of(seq_starts, seq_lengths)``.
-3. **A forward step** (:func:`make_forward_step`) for a caller's own ``GPTModel`` (any layer spec, built with
-   ``parallel_output=True``), to pass to ``megatron.core.pipeline_parallel.get_forward_backward_func()``.
-4. **Weight sync** (:func:`sync_weights`) from the caller's ``GPTModel`` into a ``RolloutEngine``.
-
-Conventions: B rows group by group (P prompts x G), S padded length, b rows of a micro-batch; per-token tensors in
-the ``TrainBatch`` columns (column ``s`` describes token ``s``; Megatron-LM's ``[B, S-1]`` becomes this with
-``F.pad(x, (1, 0))``); masks bool (``docs/architecture.md``, "Mask vocabulary"); log-probs and entropies in nats.
+The trainer's own code behind a small public surface (re-exported from the package root; docs/plugin.md is the
+guide). Importing it imports neither megatron nor vllm. Compute the weights on whole groups, before splitting the
+batch over DP ranks (docs/algorithm.md section 8); rows with ``loss_row_mask`` False leave the loss and its
+normaliser. Conventions: B rows group by group, per-token tensors in ``TrainBatch`` columns (Megatron-LM's
+``[B, S-1]``: ``F.pad(x, (1, 0))``), bool masks (docs/architecture.md, "Mask vocabulary"), nats.
 """
 
 from __future__ import annotations
@@ -95,22 +80,20 @@ def compute_gtpo_weights(
     """GTPO's advantages and per-token weights of one step (docs/algorithm.md sections 2-4), the trainer's own code.
 
     Args:
-        response_ids: ``[B, T]`` int token ids, rows group by group (``algorithm.group_size`` per prompt); only the
-            ``response_mask`` columns are read (any padding side, any pad id). With ``packed``: ``[1, N]``.
+        response_ids: ``[B, T]`` int ids, ``group_size`` rows per prompt; only ``response_mask`` columns are read.
+            With ``packed``: ``[1, N]``.
         response_mask: same shape, bool, True on response tokens (EOS included).
         rewards: ``[B]`` rewards (any real dtype).
-        seq_entropy: ``[B]`` <H>_i in nats (``sequence_mean_entropy``), e.g. from the old-log-prob pass.
-        algorithm: the algorithm section; other algorithms' values are ``config.PRESETS[name]``.
-        initial_entropy: <H>_ini of the ``paper`` filter (the first step's mean ``seq_entropy``, over all ranks).
-        truncated: ``[B]`` bool, completions cut at the token limit (``overlong_filter`` needs it).
-        packed: where the B sequences sit in a packed row; weights are computed unpacked and written back.
-        scores: ``[B]`` task scores when ``rewards`` are shaped (``skip_uniform_groups`` decides on them).
+        seq_entropy: ``[B]`` <H>_i in nats (``sequence_mean_entropy``).
+        algorithm: the algorithm section (other algorithms: ``config.PRESETS[name]``).
+        initial_entropy: <H>_ini of the ``paper`` filter.
+        truncated: ``[B]`` bool, completions cut at the token limit (``overlong_filter``).
+        packed: where the B sequences sit in a packed row.
+        scores: ``[B]`` task scores when ``rewards`` are shaped.
 
     Returns:
-        ``StepWeights`` after ``algorithm.with_entropy_terms``: feed ``advantages`` (``A_i - gamma <H>_i``) and
-        ``token_weights`` (lambda * delta_i, shape of ``response_mask``) to the loss (:func:`forward_settings`
-        keeps it from applying the entropy terms again); ``keep_mask`` is delta_i and ``loss_row_mask`` the
-        rows in the objective (``docs/architecture.md``, "Mask vocabulary").
+        ``StepWeights``: ``advantages`` (``A_i - gamma <H>_i``) and ``token_weights`` (lambda * delta_i) for the
+        loss; ``keep_mask`` is delta_i, ``loss_row_mask`` the rows in the objective.
 
     Raises:
         ValueError: shapes, a bool mask, ``group_size`` not dividing B, the ``paper`` filter without
@@ -143,11 +126,8 @@ def loss_normalizer(
 ) -> torch.Tensor:
     """The step's global normaliser ``N`` that :func:`legacy_loss` needs (``forward_settings(normalizer=...)``).
 
-    ``response_masks``: this rank's ``[b, S]`` bool masks of every micro-batch (packed rows unpacked), False on
-    rows ``loss_row_mask`` removes; ``group``: the data-parallel group (None: one replica). Returns an fp32 scalar,
-    the same on every rank; 0 when no rank has a response token (skip the step).
-
-    Collectives: one SUM all-reduce on ``group``.
+    ``response_masks``: this rank's ``[b, S]`` bool masks (unpacked, False on removed rows) of every micro-batch.
+    Returns an fp32 scalar, 0 when no rank has a response token. Collectives: one SUM all-reduce on DP ``group``.
     """
     local = sum(
         compute_normalizer(mask, spec.aggregation, max_response_length=spec.max_response_length)
@@ -166,12 +146,9 @@ def sync_weights(
 ) -> PushStats | None:
     """Push a caller's ``GPTModel`` weights into a rollout engine as Hugging Face tensors in bounded buckets.
 
-    Every rank of data-parallel replica 0's model-parallel group calls (other replicas return at once); the rank
-    owning ``engine`` passes it, the others None. ``model`` is this rank's stage (wrapped or not), ``hf_config``
-    the config the engine serves, ``bucket_bytes`` one bucket's budget. Supported: the dense decoders the
-    converter maps (Llama, Mistral, Qwen2, Qwen3). Returns the owner's ``PushStats``, None elsewhere.
-
-    Collectives: those of ``megatron_adapter.hf_stream.iter_hf_weights`` (TP all-gathers, PP broadcasts).
+    Every rank of DP replica 0's model-parallel group calls (others return at once); the engine's owner passes it,
+    the others None. Dense Llama, Mistral, Qwen2, Qwen3. Returns the owner's ``PushStats``, None elsewhere.
+    Collectives: those of ``hf_stream.iter_hf_weights`` (TP all-gathers, PP broadcasts).
 
     Raises:
         ValueError: a model or HF config the converter cannot map, or sizes that differ from ``hf_config``.

@@ -1,19 +1,13 @@
 """Stop requests from signals: save what the run has before the job is killed (stdlib only).
 
-- ``SIGUSR1``: an early warning (``launch/submit.sbatch``: Slurm's ``--signal=B:USR1@<seconds>``, forwarded by
-  ``srun`` and ``torchrun``): the trainer saves at the next step boundary and stops.
-- ``SIGTERM``: preemption, the time limit, ``scancel``; SIGKILL follows about 30 s later. The trainer aborts the
-  step in flight at its next safe point and saves the last completed step (a step whose update is done counts as
-  completed: only its weight sync is skipped).
+- ``SIGUSR1`` (Slurm's ``--signal=B:USR1@<seconds>``): save at the next step boundary and stop.
+- ``SIGTERM`` (preemption, time limit; SIGKILL ~30 s later): abort the step in flight at the next safe point and
+  save the last completed step (one whose update is done counts; only its weight sync is skipped).
 
-From the start of the run (:func:`hold_stop_signals`) SIGUSR1 is held: blocked in the main thread, so that a request
-during start-up or the checkpoint load waits and :meth:`StopRequests.installed` honours it at the first step
-boundary (saying so in the log). Helper processes started meanwhile (engine, reward pool, wandb) inherit it blocked,
-so the signal torchrun and Slurm send to every process of the job does not kill them.
-
-The handlers only set flags, except inside :meth:`StopRequests.interruptible` (an engine leader's sampling and
-scoring of a round, which holds no collective), where SIGTERM raises :class:`StepInterrupted`. Every other decision
-is the trainer's, at its safe points, with one collective over all ranks (``parallel.collectives.any_rank``).
+SIGUSR1 is held from start-up (:func:`hold_stop_signals`): a request during start-up waits for the first step
+boundary, and helper processes inherit it blocked. Handlers only set flags, except inside
+:meth:`StopRequests.interruptible`, where SIGTERM raises :class:`StepInterrupted`; the trainer decides at its safe
+points with one ``parallel.collectives.any_rank``.
 """
 
 from __future__ import annotations
@@ -33,11 +27,7 @@ def _on_held_sigusr1(signum, frame) -> None:
 
 
 def hold_stop_signals() -> None:
-    """Hold SIGUSR1 from here on (module docstring); call first thing, before any thread or helper process starts.
-
-    The signal is blocked in the calling (main) thread and in every thread and process started from it; a handler
-    records it should another thread take it. (SIGTERM keeps its default: during start-up there is nothing to save.)
-    """
+    """Block SIGUSR1 in this thread and all it starts; call first, before any thread or helper process starts."""
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGUSR1, _on_held_sigusr1)
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
@@ -57,10 +47,7 @@ def ignore_stop_signals() -> None:
 
 
 class StepInterrupted(BaseException):  # noqa: N818 - like KeyboardInterrupt: library code must not swallow it
-    """Raised by the SIGTERM handler inside :meth:`StopRequests.interruptible`.
-
-    A ``BaseException``, so that a library's ``except Exception`` in the interrupted code does not swallow it.
-    """
+    """Raised by SIGTERM inside :meth:`StopRequests.interruptible` (a ``BaseException``: not swallowed)."""
 
 
 class StopRequests:
@@ -95,9 +82,7 @@ class StopRequests:
     def installed(self) -> Iterator[StopRequests]:
         """Install the enabled handlers for the ``with`` block, then restore the previous ones (and the held mask).
 
-        A SIGUSR1 held since :func:`hold_stop_signals` is delivered here: the run saves at the first step boundary.
-        Signal handlers can only be set from the main thread; elsewhere (a test runner's thread) nothing is
-        installed and the flags stay False.
+        A held SIGUSR1 is delivered here. Off the main thread nothing is installed and the flags stay False.
         """
         wanted = [sig for sig, enabled in self._signals.items() if enabled]
         if threading.current_thread() is not threading.main_thread():
@@ -120,10 +105,7 @@ class StopRequests:
 
     @contextlib.contextmanager
     def interruptible(self) -> Iterator[None]:
-        """A block that SIGTERM leaves at once with :class:`StepInterrupted` (also when it arrived just before).
-
-        Use only around code that issues no collective (an engine leader's sampling and scoring of a round).
-        """
+        """A block (issuing no collective) that SIGTERM leaves at once with :class:`StepInterrupted`."""
         if self.abort_requested:
             raise StepInterrupted
         self._interruptible = True

@@ -1,10 +1,8 @@
 """Saving and resuming across ranks, beside ``run_dir`` (which names the folders and decides completeness).
 
-Resume: global rank 0 chooses the newest complete checkpoint it sees and every rank follows it, after checking that
-it sees the same folder complete; a rank that cannot (a node-local output folder, a network filesystem with stale
-attributes) stops every rank with a message naming rank 0's choice and its own view, instead of loading another
-step or hanging in the load. Save (:class:`RunCheckpoints`): the policy writes (every rank; rank 0 marks the folder
-complete and renames it), then rank 0 prunes all but the newest ``checkpoint.keep_last`` complete checkpoints.
+Resume: every rank follows rank 0's newest complete checkpoint after checking it sees it complete too (else every
+rank stops with both views). Save: the policy writes on every rank, rank 0 completes and prunes to
+``checkpoint.keep_last``.
 """
 
 from __future__ import annotations
@@ -29,14 +27,8 @@ logger = logging.getLogger(__name__)
 def agreed_checkpoint(root: str | Path, *, rank: int, group: dist.ProcessGroup | None) -> Path | None:
     """The checkpoint every rank resumes from: rank 0's newest complete one under ``root`` (None: start fresh).
 
-    Args:
-        root: the checkpoint root (``run_dir.checkpoints_dir``) as this rank sees it.
-        rank: this process's global rank.
-        group: the world (None: a single process).
-
     Raises:
-        RuntimeError: on every rank, when some rank does not see rank 0's choice as a complete checkpoint (names
-            the choice, each such rank, what it sees wrong and its own newest complete checkpoint).
+        RuntimeError: on every rank, when some rank does not see rank 0's choice as complete (naming both views).
 
     Collectives: one ``broadcast_object`` and one ``all_gather_object`` on ``group``.
     """
@@ -62,16 +54,7 @@ def agreed_checkpoint(root: str | Path, *, rank: int, group: dist.ProcessGroup |
 class RunCheckpoints:
     """The run's checkpoints as the trainer drives them: the trainer state, saves (pruned) and the resume.
 
-    The trainer state of a checkpoint: ``step`` (completed steps), <H>_ini (``InitialEntropy.state_dict``) and the
-    prompt loader's position.
-
-    Args:
-        cfg: the run config (``output_dir``, ``resume``, ``checkpoint.keep_last``).
-        policy: the trained policy (``save_checkpoint``/``load_checkpoint``).
-        loader: the prompt loader.
-        initial_entropy: the run's <H>_ini.
-        rank: this process's global rank.
-        group: the world.
+    The trainer state: ``step`` (completed steps), <H>_ini and the prompt loader's position.
     """
 
     def __init__(self, cfg: GTPOConfig, policy: Policy, loader, initial_entropy: InitialEntropy, *, rank: int, group):

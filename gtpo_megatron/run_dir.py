@@ -11,23 +11,13 @@ A run folder (``output_dir``) holds::
     checkpoints/latest               text file: the name of the last checkpoint saved (informational)
     checkpoints/step_000010/hf/      its Hugging Face export, made on demand (``evaluation.checkpoint_export``)
 
-Checkpoint folders are named ``step_`` plus the 1-based step number on six digits or more; only folders named that
-way count as checkpoints (temporary folders never do), and they are ordered by that number (``step_999999`` before
-``step_1000000``).
-
-Completeness, defined once here: a checkpoint folder is complete when its ``complete.json`` marker exists and every
-file the marker lists is there with the listed size (:func:`checkpoint_problem`). The writer adds the marker after
-every other file (:func:`mark_complete`), and :func:`remove_checkpoint` deletes it first, so an interrupted save, a
-half-deleted folder, a partial copy or a truncated file is never taken for a checkpoint: resume picks the newest
-complete one and warns about the others (:func:`newest_checkpoint`). The marker, the folder's rename and ``latest``
-are each made durable (``fsync`` of the file and of its folder) before the next one is written.
-
-The newest complete checkpoint (:func:`newest_checkpoint`) is the one every reader takes: resume, ``gtpo-eval`` and
-the export of a checkpoint root. ``latest`` can lag it (a save killed between the rename and the ``latest`` write);
-:func:`resolve_checkpoint_dir` then warns and takes the newest complete one.
-
-A Megatron-LM / Megatron-Bridge checkpoint (``model.megatron_checkpoint``, a starting policy written by another
-trainer) is laid out the way those trainers write it::
+Checkpoint folders are ``step_`` plus the 1-based step on six digits or more, ordered by that number
+(``step_999999`` before ``step_1000000``). A folder is complete when its ``complete.json`` exists and lists every
+file with its size (:func:`checkpoint_problem`); the marker is written last and deleted first, and the marker, the
+rename and ``latest`` are each fsync'd before the next, so no interrupted save, delete or copy is taken for a
+checkpoint. Every reader (resume, ``gtpo-eval``, the export) takes the newest complete one
+(:func:`newest_checkpoint`), even when ``latest`` lags it. A Megatron-LM / Megatron-Bridge checkpoint
+(``model.megatron_checkpoint``) is laid out as those trainers write it::
 
     latest_checkpointed_iteration.txt   the newest iteration number, or "release"
     iter_0000100/                       one dist checkpoint (torch_dist) per saved iteration (``release/``)
@@ -127,10 +117,7 @@ def _write_durably(path: Path, text: str) -> None:
 
 
 def mark_complete(folder: str | Path) -> None:
-    """Write ``folder/complete.json`` listing every file under ``folder`` and its size; call after the last write.
-
-    The marker goes to a temporary name first and is renamed into place, so it is either absent or whole.
-    """
+    """Write ``folder/complete.json`` (every file and its size, renamed into place) after the last write."""
     folder = Path(folder)
     files = {
         str(p.relative_to(folder)): p.stat().st_size
@@ -172,10 +159,7 @@ def list_checkpoints(folder: str | Path) -> list[Path]:
 
 
 def newest_checkpoint(folder: str | Path) -> Path | None:
-    """The newest complete checkpoint in the checkpoint root ``folder`` (None: there is none).
-
-    Logs one warning per step folder that is not complete, naming what is wrong and whether it was skipped.
-    """
+    """The newest complete checkpoint in the root ``folder``, or None; warns once per incomplete step folder."""
     complete = list_checkpoints(folder)
     for step_folder in _step_folders(folder):
         problem = checkpoint_problem(step_folder)
@@ -214,8 +198,7 @@ def write_latest(final: str | Path) -> None:
 def resolve_checkpoint_dir(path: str | Path) -> Path:
     """The complete checkpoint that ``path`` (a step folder or a checkpoint root) designates.
 
-    A step folder is returned as it is; for a root, the newest complete one (:func:`newest_checkpoint`, which warns
-    about the others), with a warning when ``latest`` names another.
+    For a root, the newest complete one, with a warning when ``latest`` names another.
 
     Raises:
         ValueError: ``path`` is an incomplete step folder (names what is wrong), or a root without a complete
@@ -294,13 +277,10 @@ def hf_export_dir(step_dir: str | Path) -> Path:
 def resolve_megatron_lm_checkpoint(path: str | Path) -> Path:
     """The dist-checkpoint folder of a Megatron-LM / Megatron-Bridge checkpoint (module docstring).
 
-    Args:
-        path: an iteration folder itself (it holds ``metadata.json``), or the checkpoint root whose
-            ``latest_checkpointed_iteration.txt`` names the iteration (``iter_NNNNNNN``) or ``release``.
+    ``path``: an iteration folder (with ``metadata.json``) or the root whose tracker names one.
 
     Raises:
-        ValueError: ``path`` is neither, or the folder the tracker names does not exist (names ``path``, what was
-            looked for and the fix).
+        ValueError: ``path`` is neither, or the folder the tracker names is not a dist checkpoint.
     """
     path = Path(path)
     if (path / "metadata.json").is_file():

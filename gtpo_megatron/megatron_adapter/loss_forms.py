@@ -1,36 +1,13 @@
 """The policy loss in Megatron's two ``loss_func`` conventions, for a caller's own forward step (``plugin``'s loss).
 
-Megatron's schedule (``forward_step_calc_loss``) calls ``loss_func(output_tensor)`` on the last pipeline stage of
-each of the ``M`` micro-batches and accepts two return forms. Let ``S_dm`` be the un-normalised loss sum of
-micro-batch ``m`` on data-parallel rank ``d`` (``ops`` loss with normaliser 1) and ``c_dm`` its local count
-(``ops.compute_normalizer`` of its rows for ``spec.aggregation``: response tokens for ``token-mean``, sequences
-with a response token for the ``seq-mean`` modes, times L for Dr. GRPO), so the step objective is
-``J = sum S_dm / N`` with ``N = sum c_dm`` (``ops/losses.py``).
+* per-token form ``(S_dm, c_dm, metrics)`` (:func:`per_token_loss`), for ``calculate_per_token_loss=True``;
+* legacy form ``(S_dm / N * M * D, metrics)`` (:func:`legacy_loss`), with the step's global ``N``.
 
-* **Per-token form** ``(S_dm, c_dm, metrics)`` (:func:`per_token_loss`). With ``calculate_per_token_loss=True``
-  the schedule sums the returned counts, DDP sums the gradients over the ``D`` ranks (scaling factor 1) and
-  ``finalize_model_grads`` divides every gradient by the all-reduced total ``sum c_dm = N``: the optimizer sees
-  ``grad J`` exactly, with no normaliser computed beforehand. With ``calculate_per_token_loss=False`` Megatron
-  divides by ``c_dm`` and by ``M`` and DDP averages over ``D``: a per-micro-batch mean, averaged (Megatron-LM's own
-  GRPO under that setting).
-* **Legacy form** ``(S_dm / N * M * D, metrics)`` (:func:`legacy_loss`), ``calculate_per_token_loss=False``: the
-  schedule divides by ``M`` and DDP averages over ``D`` (``forward_step``'s module docstring derives it), so the
-  gradient is again ``grad J``; ``N`` (``settings.normalizer``) must be the step's global normaliser, computed
-  before the schedule runs (``parallel.global_normalizer``), and ``settings.loss_scale = M * D``
-  (:func:`forward_settings`).
-
-Inputs: the log-probs come either from vocab-parallel logits ``[b, S, V/tp]`` (``parallel_output=True``) through
-``forward_step.token_logprobs_entropy`` (the fused op on ``settings.tp_group``, vocabulary never gathered), or
-from the caller (``*_from_logprobs``). Per-token tensors use the ``TrainBatch`` column convention (column ``s``
-describes token ``s``; column 0 is never a response token). A packed row (``[1, N]`` holding several sequences,
-``ops.PackedLayout``) is unpacked to one sequence per row before the loss, so it gives the padded result exactly.
-
-Metrics: ``{"gtpo/<name>": fp32 tensor([numerator, denominator])}``, detached, Megatron-LM's reporting convention
-(its ``train_step`` sums every 2-element value over micro-batches and data-parallel ranks, then divides), in both
-forms: ``gtpo/loss`` (``S / c``: the objective ``J``), ``gtpo/clip_frac``, ``gtpo/ratio_mean``,
-``gtpo/entropy_mean`` (with entropy), ``gtpo/kl_mean``, ``gtpo/amplified_frac`` (weight > 1) and
-``gtpo/zero_weight_frac`` (weight 0), the last five over response tokens. :func:`reduce_loss_metrics` does the
-same reduction for custom loops.
+docs/architecture.md ("Loss scaling in Megatron's schedule") derives both and the metrics' ``[numerator,
+denominator]`` convention. Log-probs come from ``[b, S, V/tp]`` logits (``forward_step.token_logprobs_entropy``)
+or from the caller (``*_from_logprobs``), in ``TrainBatch`` columns. A packed row (``ops.PackedLayout``) is
+unpacked to one sequence per row first. Reported metrics: ``gtpo/loss`` (``J``) and ``gtpo/`` ``clip_frac``,
+``ratio_mean``, ``entropy_mean``, ``kl_mean``, ``amplified_frac`` (weight > 1), ``zero_weight_frac`` (weight 0).
 """
 
 from __future__ import annotations
@@ -63,13 +40,10 @@ def forward_settings(
     num_microbatches: int = 1,
     dp_size: int = 1,
 ) -> ForwardSettings:
-    """The forward step's settings for one optimizer step of ``spec`` (``spec``'s temperatures, its loss).
+    """The forward step's settings for one optimizer step of ``spec``, with its entropy filter and penalty off.
 
-    The spec's entropy filter and penalty are switched off: ``plugin.compute_gtpo_weights`` already put them in
-    ``advantages`` and ``token_weights`` (the trainer instead leaves them to ``ops.policy_objective``). Columns
-    ``>= vocab_size`` are padding; ``tp_group`` shards the vocabulary (None: unsharded); ``chunk_size`` tokens per
-    chunk of the log-prob op. Legacy form only: ``normalizer`` the step's ``N``, ``num_microbatches`` ``M`` and
-    ``dp_size`` ``D`` (``loss_scale = M * D``).
+    ``plugin.compute_gtpo_weights`` already put those in ``advantages`` and ``token_weights``. Legacy form only:
+    ``normalizer`` ``N``, ``num_microbatches`` ``M``, ``dp_size`` ``D``.
 
     Raises:
         ValueError: ``num_microbatches`` or ``dp_size`` < 1.
@@ -91,10 +65,9 @@ def forward_settings(
 def per_token_loss(
     logits: torch.Tensor, batch: MicroBatch, settings: ForwardSettings, packed: PackedLayout | None = None
 ):
-    """Per-token form ``(S, c, metrics)`` of one micro-batch from its ``[b, S, V/tp]`` logits (module docstring).
+    """Per-token form ``(S, c, metrics)`` from ``[b, S, V/tp]`` logits (``[1, N, V/tp]`` with ``packed``).
 
-    ``batch``: a ``MicroBatch`` (``[1, N]`` and ``[1, N, V/tp]`` logits with ``packed``); ``c`` is the int32 count
-    of ``batch.loss_mask``. Collectives: two all-reduces on ``settings.tp_group``.
+    ``c`` is the int32 count of ``batch.loss_mask``. Collectives: two all-reduces on ``settings.tp_group``.
 
     Raises:
         ValueError: ``settings.loss`` is None, shape/dtype mismatches, ids outside the vocabulary, a logits width
@@ -105,9 +78,7 @@ def per_token_loss(
 
 
 def legacy_loss(logits: torch.Tensor, batch: MicroBatch, settings: ForwardSettings, packed: PackedLayout | None = None):
-    """Legacy form ``(S / N * M * D, metrics)`` of one micro-batch (arguments as :func:`per_token_loss`).
-
-    Collectives: two all-reduces on ``settings.tp_group``.
+    """Legacy form ``(S / N * M * D, metrics)`` (as :func:`per_token_loss`; two all-reduces on the TP group).
 
     Raises:
         ValueError: ``settings.normalizer`` is None, and the errors of :func:`per_token_loss`.
@@ -124,11 +95,7 @@ def per_token_loss_from_logprobs(
     entropy: torch.Tensor | None = None,
     packed: PackedLayout | None = None,
 ):
-    """:func:`per_token_loss` from ``[b, S]`` fp32 log-probs the caller has (no collectives).
-
-    ``TrainBatch`` columns (Megatron-LM's ``[b, S-1]`` becomes this with ``F.pad(x, (1, 0))``); ``entropy``
-    (detached, nats) feeds ``gtpo/entropy_mean``.
-    """
+    """:func:`per_token_loss` from ``[b, S]`` fp32 log-probs (Megatron-LM's ``[b, S-1]``: ``F.pad(x, (1, 0))``)."""
     loss_sum, count, metrics = _summed(logprobs, entropy, batch, settings, packed)
     return loss_sum, count.to(torch.int), metrics
 
@@ -183,16 +150,9 @@ def _report(loss_sum: torch.Tensor, count: torch.Tensor, sums: dict[str, torch.T
 
 
 def reduce_loss_metrics(store: list[dict[str, torch.Tensor]], *, group) -> dict[str, float]:
-    """``{name: numerator / denominator}`` of the reported pairs, summed over micro-batches and ``group``.
+    """``{name: numerator / denominator}`` floats (0 for a 0 denominator) of the schedule's per-micro-batch dicts.
 
-    Args:
-        store: the schedule's return value on the last pipeline stage (one dict per micro-batch).
-        group: the data-parallel group (None: this process is the only replica).
-
-    Returns:
-        Plain floats (0 where a denominator is 0), identical on every rank of ``group``.
-
-    Collectives: one SUM all-reduce of a ``[K, 2]`` tensor on ``group`` (``parallel.all_reduce_sum``).
+    Summed over micro-batches and the DP ``group``. Collectives: one SUM all-reduce of a ``[K, 2]`` tensor.
     """
     if not store:
         return {}
@@ -204,11 +164,9 @@ def reduce_loss_metrics(store: list[dict[str, torch.Tensor]], *, group) -> dict[
 
 
 def make_forward_step(settings: ForwardSettings, *, per_token: bool = True):
-    """Megatron's ``forward_step_func(data_iterator, model)`` for a caller's ``GPTModel`` (any layer spec).
+    """Megatron's ``forward_step_func`` for a caller's ``GPTModel``, binding :func:`per_token_loss` or the legacy form.
 
-    Each call runs ``model(input_ids, position_ids, attention_mask)`` on the next ``MicroBatch`` and binds
-    :func:`per_token_loss` (``per_token=True``, for ``calculate_per_token_loss=True``) or :func:`legacy_loss`. The
-    returned function raises ValueError for a model built with ``parallel_output=False`` under tensor parallelism.
+    The returned function raises ValueError for a model built with ``parallel_output=False`` under TP.
     """
     loss_fn = per_token_loss if per_token else legacy_loss
     return partial(_checked_forward_step, settings=settings, loss_fn=loss_fn)

@@ -141,13 +141,9 @@ class MegatronPolicy:
     ) -> MegatronPolicy:
         """Build this rank's stage and load its shard of the starting weights.
 
-        Weights from ``model.megatron_checkpoint`` when set (a Megatron-LM / Megatron-Bridge dist checkpoint at any
-        layout, ``external_checkpoint``), else from the HF folder ``model.name_or_path`` (a local folder or a
-        ``builtin:`` name), which always supplies the HF config. ``settings`` (``settings.policy_settings``) holds
-        everything else: dtype, vocabulary and head padding (``head_padding``), recompute, sequence parallelism,
-        ``megatron_overrides``, ``fp32_output_layer``, Adam and the LR schedule, batch and chunk sizes, the seed.
-        ``padding_tp_size`` pads as a run at that TP size did, so its checkpoint loads here (default
-        ``groups.tp_size``); ``trainable=False`` builds a frozen forward-only copy (the KL reference).
+        Weights from ``model.megatron_checkpoint`` (any layout) when set, else the HF folder, which always supplies
+        the HF config; ``settings``: ``settings.policy_settings``. ``padding_tp_size`` pads as a run at that TP size
+        did (default ``groups.tp_size``); ``trainable=False`` builds a frozen forward-only copy (the KL reference).
 
         Raises:
             ValueError: groups of another layout than the settings', heads or KV groups not divisible by
@@ -207,8 +203,7 @@ class MegatronPolicy:
     def _micro_batches(self, batch: TrainBatch) -> list[MicroBatch]:
         """``batch`` padded (rows: all masks False, advantages 0), on the device, cut into equal micro-batches.
 
-        With sequence parallelism Megatron splits the sequence over the TP ranks, so the columns are right-padded
-        to a multiple of ``tp_size`` too (masked out and causally invisible, like the batch's own padding).
+        With sequence parallelism the columns are right-padded to a multiple of ``tp_size`` too.
         """
         rows, seq_len = batch.input_ids.shape
         pad = (-rows) % self.micro_batch_size
@@ -263,9 +258,7 @@ class MegatronPolicy:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """No-grad pass: ``(logprobs, entropy)`` of ``batch``, ``[B, S]`` fp32 nats on CPU, 0 off ``response_mask``.
 
-        Log-probs at ``temperature``, entropy at ``entropy_temperature`` (None: the same), from one read of the
-        logits; identical on every rank of the TP x PP group.
-
+        ``entropy_temperature`` None: ``temperature``. Identical on every rank of the TP x PP group.
         Collectives: the schedule's TP/PP traffic, then one ``[2, B, S]`` broadcast on the PP group.
         """
         self.ddp_model.eval()
@@ -286,8 +279,7 @@ class MegatronPolicy:
     def train_step(self, batch: TrainBatch, loss: LossSpec) -> dict[str, float]:
         """One optimizer step over all micro-batches of ``batch`` (this DP rank's rows).
 
-        ``forward_backward`` (arguments and batch fields documented there) followed by ``optimizer_step``; the
-        RNG states at its end are what ``save_checkpoint`` stores.
+        ``forward_backward`` then ``optimizer_step``; ``save_checkpoint`` stores the RNG states at its end.
 
         Returns:
             Metrics identical on every rank: those of ``forward_backward`` plus ``grad_norm``, ``lr``, ``skipped``.
@@ -306,9 +298,8 @@ class MegatronPolicy:
     def forward_backward(self, batch: TrainBatch, loss: LossSpec) -> dict[str, float]:
         """Accumulate the step's gradient into the DDP buffers (``param.main_grad``) without updating weights.
 
-        ``N`` (``compute_normalizer`` of ``batch.loss_mask``, all-reduced over DP) is fixed before the schedule
-        (``forward_step``'s docstring); each micro-batch's loss is ``ops.policy_objective`` of its rows. Afterwards
-        every ``main_grad`` holds the step objective's gradient, reduced over DP and the tied embedding copies.
+        ``N`` is all-reduced over DP before the schedule (docs/architecture.md, "Loss scaling in Megatron's
+        schedule"); every ``main_grad`` then holds the step objective's gradient, reduced over DP and tied copies.
 
         Returns:
             Metrics identical on every rank: ``loss``, ``normalizer``, the objective's sums, ``clip_frac``,
@@ -350,12 +341,9 @@ class MegatronPolicy:
     def offload_train_state(self) -> None:
         """Free the DDP gradient buffers and move the optimizer's tensors to host memory (CUDA only).
 
-        Megatron-Core's RL hooks: ``DistributedDataParallel.offload_grad_buffers`` shrinks every grad buffer's
-        storage to 0 (``param.main_grad`` views stay valid objects; their values are lost), and
-        ``MegatronOptimizer.offload_to_cpu`` moves the tensors of ``optimizer.param_groups`` (fp32 main params;
-        with the plain fp32 optimizer these are the model parameters themselves) and the Adam states to CPU.
-        Call only when the gradients are consumed: after ``train_step`` (``optimizer_step`` zeroes them) and
-        before the next ``forward_backward``. No-op when the model is not on CUDA. Issues no collectives.
+        Megatron-Core's ``offload_grad_buffers`` (``main_grad`` values are lost) and ``offload_to_cpu`` (main params
+        and Adam states). Call only after ``train_step``, before the next ``forward_backward``. No-op off CUDA; no
+        collectives.
         """
         if self.device.type != "cuda":
             return
@@ -365,8 +353,7 @@ class MegatronPolicy:
     def restore_train_state(self) -> None:
         """Undo ``offload_train_state``: grad buffers are reallocated *zeroed*, optimizer tensors move back.
 
-        Call before any pass that touches the model (``compute_logprobs``, ``train_step``). No-op when the model
-        is not on CUDA. Issues no collectives.
+        Call before any pass that touches the model. No-op off CUDA; no collectives.
         """
         if self.device.type != "cuda":
             return
@@ -399,8 +386,7 @@ class MegatronPolicy:
     def save_checkpoint(self, path: str, trainer_state: dict) -> None:
         """``checkpoint.save_checkpoint`` of the state at the end of the last ``train_step``.
 
-        Model, optimizer, LR schedule, ``trainer_state`` and the RNG states taken at the end of that ``train_step``
-        (or by the last ``load_checkpoint``), so that a save after an aborted step stores the step boundary's state.
+        Model, optimizer, LR schedule, ``trainer_state`` and the RNG states of the last step boundary.
         """
         from gtpo_megatron.megatron_adapter.checkpoint import save_checkpoint
 

@@ -1,17 +1,10 @@
 """What a run hands Megatron, resolved once from the config sections: ``PolicySettings`` (torch-free).
 
-``policy_settings(cfg)`` is the one place that reads the ``model``, ``parallel`` and ``optim`` sections (and the
-trainer/algorithm fields the LR schedule and the log-prob op need) for the policy. ``MegatronPolicy`` builds the
-Megatron ``TransformerConfig`` (``model.transformer_config_from_hf``), the DDP config and the optimizer config
-(``optimizer.ddp_config``, ``optimizer.optimizer_config``, ``optimizer.scheduler_kwargs``) from these settings and
-nothing else, and ``gtpo-plan`` reports on the same object, so the plan and the run cannot disagree.
-
-``validate_config(cfg, world_size)`` is ``GTPOConfig.validate`` with what the config package may not read: the
-model's ``config.json`` on disk, Megatron's ``TransformerConfig`` fields and the registered estimators and rewards.
-
-``model.megatron_overrides`` may set any other ``TransformerConfig`` field (``validate_config`` checks the names
-against Megatron's dataclass); the fields listed in :data:`OWNED_FIELDS` are refused, each with the config field (or
-HF ``config.json`` entry) that sets it, so that an override can neither contradict a section nor the checkpoint.
+``policy_settings(cfg)`` is the one reader of the ``model``, ``parallel`` and ``optim`` sections for the policy:
+``MegatronPolicy`` builds its ``TransformerConfig``, DDP and optimizer configs from them only, and ``gtpo-plan``
+reports on the same object. ``validate_config`` adds what the config package may not read (``config.json``,
+Megatron's field names, the registries). ``model.megatron_overrides`` may set any ``TransformerConfig`` field but
+those of :data:`OWNED_FIELDS`.
 """
 
 from __future__ import annotations
@@ -75,9 +68,7 @@ OWNED_FIELDS: dict[str, str] = {
 class OptimSettings:
     """Adam and LR-schedule settings (plain values; ``policy_settings`` maps the ``optim`` section onto them).
 
-    Linear warm-up over ``warmup_steps`` to ``lr``, then ``decay_style`` (``"constant"``, ``"linear"`` or
-    ``"cosine"``) down to ``min_lr`` at ``total_steps`` (update k trains at lr(k-1): ``optimizer.py``).
-    ``clip_grad`` is the global L2 gradient-norm clip (0 disables clipping; the norm is still reported).
+    Linear warm-up to ``lr``, then ``decay_style`` to ``min_lr`` at ``total_steps``; ``clip_grad`` 0: no clipping.
 
     Raises:
         ValueError: ``lr <= 0``, ``min_lr`` outside ``[0, lr]``, ``warmup_steps`` outside ``[0, total_steps)`` or an
@@ -110,16 +101,7 @@ class OptimSettings:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PolicySettings:
-    """Everything ``MegatronPolicy.from_pretrained`` builds from (see the module docstring).
-
-    Attributes:
-        model: the ``model`` section (weights, parameter dtype, vocabulary and head padding, recompute, overrides).
-        tp_size, pp_size: the layout the policy is built for (``parallel.*``; the process groups must match).
-        sequence_parallel: Megatron sequence parallelism (``parallel.sequence_parallel``; needs ``tp_size > 1``).
-        optim: Adam, clipping, the LR schedule and the distributed optimizer.
-        micro_batch_size: rows per micro-batch of Megatron's schedule (``optim.micro_batch_size``).
-        logprob_chunk_size: tokens per chunk of the log-prob op (``algorithm.logprob_chunk_size``; None: one chunk).
-        seed: seeds torch and Megatron's model-parallel RNG (``trainer.seed``).
+    """Everything ``MegatronPolicy.from_pretrained`` builds from; each field is the config field of its name.
 
     Raises:
         ValueError: ``model.params_dtype`` not in :data:`PARAMS_DTYPES`, ``micro_batch_size < 1``, sequence
@@ -151,10 +133,7 @@ class PolicySettings:
         check_overrides(self.model.megatron_overrides)
 
     def padded_vocab_size(self, vocab_size: int, *, padding_tp_size: int | None = None) -> int:
-        """``V`` of the embedding and output layer (``plan.layout.padded_vocab_size``).
-
-        Padded at ``tp_size``, or at ``lcm(tp_size, padding_tp_size)`` to load a checkpoint of another layout.
-        """
+        """``V`` of the embedding and output layer, padded at ``lcm(tp_size, padding_tp_size)``."""
         tp = math.lcm(self.tp_size, padding_tp_size or self.tp_size)
         return padded_vocab_size(vocab_size, make_vocab_size_divisible_by=self.model.make_vocab_size_divisible_by,
                                  tp_size=tp)  # fmt: skip
@@ -178,8 +157,7 @@ def check_overrides(overrides: dict[str, object]) -> None:
 def policy_settings(cfg: GTPOConfig) -> PolicySettings:
     """The run's ``PolicySettings``: the model, parallel and optim sections, ``trainer.seed``, the chunk size.
 
-    The learning rate decays (cosine to ``min_lr``, or constant when ``min_lr == lr``) over every optimizer step of
-    the run (``trainer.max_steps * algorithm.num_updates_per_batch``).
+    The LR decays over ``trainer.max_steps * algorithm.num_updates_per_batch`` optimizer steps.
 
     Raises:
         ValueError: see :class:`PolicySettings`.
@@ -217,8 +195,7 @@ def read_hf_config(name_or_path: str) -> dict | None:
 def validate_config(cfg: GTPOConfig, world_size: int, *, check_registries: bool = True) -> None:
     """``cfg.validate(world_size)`` with the local model's ``config.json``, then Megatron's and the registries' names.
 
-    With ``check_registries`` (imports torch, megatron and the rewards): the ``model.megatron_overrides`` keys are
-    ``TransformerConfig`` fields, the advantage estimator and the reward are registered.
+    ``check_registries`` imports torch, megatron and the rewards.
 
     Raises:
         ValueError: naming the fields, the values, the rule and a fix.

@@ -1,9 +1,8 @@
 """Reduce the per-micro-batch metric dicts of one optimizer step to plain floats, identical on every rank.
 
-Input: Megatron's ``forward_data_store`` (one dict of detached fp32 scalars per micro-batch, only on the last
-pipeline stage; see ``forward_step.policy_loss_closure``). Keys ending in ``_max`` are reduced with MAX, all other
-keys are sums or counts and are reduced with SUM: first over micro-batches, then over the DP group, then broadcast
-from the last pipeline stage to the other stages. Means are derived afterwards from the global sums.
+Input: Megatron's ``forward_data_store`` (one dict of detached fp32 scalars per micro-batch, last PP stage only).
+Keys ending in ``_max`` are reduced with MAX, the other (sums, counts) with SUM, over micro-batches then DP, then
+broadcast from the last PP stage. Means are derived from the global sums.
 
 Collectives (all through ``parallel.collectives``): one object broadcast on the PP group (key names), up to two
 all-reduces on the DP group (SUM and MAX), one broadcast on the PP group; the PP ones only when ``pp_size > 1``.
@@ -37,14 +36,8 @@ def reduce_step_metrics(
 ) -> dict[str, float]:
     """Global step metrics (see module docstring); every rank returns the same dict.
 
-    Args:
-        store: the schedule's return value on this rank (empty on non-last pipeline stages).
-        groups: ``ParallelGroups`` (uses ``dp``, ``pp``, ``pp_last_global_rank``, ``is_last_pp_stage``).
-        device: device for the collective buffers.
-
-    Returns:
-        ``{key: float}`` for every metric key, plus the means ``clip_frac``, ``ratio_mean``, ``kl_mean``
-        (``ops.MEANS``) when their sums are present.
+    ``store``: the schedule's return value (empty off the last PP stage); ``device``: of the collective buffers.
+    Returns ``{key: float}`` plus the ``ops.MEANS`` (``clip_frac``, ``ratio_mean``, ``kl_mean``) whose sums exist.
     """
     keys = sorted(store[0]) if groups.is_last_pp_stage else None
     if groups.pp_size > 1:

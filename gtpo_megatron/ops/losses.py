@@ -1,33 +1,13 @@
 """The policy-gradient loss of GTPO, GRPO, DAPO and Dr. GRPO, with an externally supplied global normaliser.
 
-docs/algorithm.md sections 1 and 5. One function, :func:`policy_loss`, configured by a :class:`LossSpec`, returns
-``(loss, metrics)`` where ``loss`` is this micro-batch's *contribution* to the step objective: summing ``loss``
-over every micro-batch and data-parallel rank of one optimizer step gives the step's loss. The caller therefore
-computes ``normalizer`` once per step (``compute_normalizer`` on the step's rows, summed, then all-reduced over the
-data-parallel group: ``parallel.global_normalizer``, which ``MegatronPolicy.forward_backward`` calls) and never
-divides again. The four losses differ only in what their :class:`LossSpec` allows (checked when it is built).
-
-Aggregations (the per-token term is ``l_{i,t} = -min(r A, clip(r) A) * w_{i,t}``, plus the optional KL term):
-- ``seq-mean-token-mean``: ``sum_i (sum_t l_{i,t} / |o_i|) / normalizer``; normaliser = number of sequences
-  (rows with at least one response token) in the step. GTPO default (docs/algorithm.md section 1).
-- ``token-mean``: ``sum_{i,t} l_{i,t} / normalizer``; normaliser = number of response tokens in the step (DAPO).
-- ``seq-mean-token-sum``: ``sum_{i,t} l_{i,t} / normalizer``; normaliser = number of sequences, or for Dr. GRPO
-  the constant ``num_sequences * max_response_length`` (``compute_normalizer(..., max_response_length=L)``).
-
-Which rows count (every aggregation): the loss and its normaliser see the rows of ``response_mask``. A row that a
-switch removes from the objective (``skip_uniform_groups``, ``overlong_filter``) arrives with an all-False
-``response_mask`` row (``TrainBatch.loss_mask``): it counts in no normaliser and no term of the loss, KL included,
-acts on it. A completion dropped by the entropy filter is NOT removed: docs/algorithm.md section 1 writes the
-objective as ``(1/G) sum_i delta_i (...)`` over all G completions, so it keeps its ``response_mask`` and counts in
-the normaliser; only its ``token_weights`` are 0.
-
-Ratio: with ``old_logprobs=None`` (one update per batch, the paper's setting) ``r = exp(logp - stopgrad(logp))``,
-which is exactly 1 with the policy gradient attached; otherwise ``r = exp(policy_logprobs - old_logprobs)`` clipped
-PPO-style to ``[1 - clip_eps_low, 1 + clip_eps_high]``.
-
-Metrics: detached fp32 sums and counts (``loss_metrics.policy_loss_metrics``), which the caller all-reduces with
-SUM and divides afterwards. Dimension legend: B sequences, T token columns (response or full ``[B, S]`` layout,
-everything masked by ``response_mask``). Pure torch: no collectives, no ``.item()``, inputs never modified.
+docs/algorithm.md sections 1 (objective, ratio, one normaliser per step, filtered completions still count) and 5
+(what each loss allows, checked when its :class:`LossSpec` is built). :func:`policy_loss` returns this
+micro-batch's *contribution* to the step loss: the caller computes ``normalizer`` once per step
+(:func:`compute_normalizer` summed, then ``parallel.global_normalizer``) and never divides again. Per token
+``l = -min(r A, clip(r) A) * w`` (+ ``kl_coef * KL``); ``seq-mean-token-mean`` sums each row's token mean,
+the other aggregations the tokens. Rows removed from the objective arrive with an all-False ``response_mask``
+(``TrainBatch.loss_mask``). B sequences, T token columns. Pure torch: no collectives, no ``.item()``, inputs
+never modified; metrics are detached fp32 sums and counts (``loss_metrics.policy_loss_metrics``).
 """
 
 from __future__ import annotations
@@ -49,8 +29,7 @@ _REQUIRED_AGGREGATION = {"dapo": "token-mean", "dr_grpo": "seq-mean-token-sum"}
 class LossSpec:
     """The step objective: which loss, its aggregation and clip range, temperatures and the entropy terms.
 
-    Plain values shared by every micro-batch of a step; ``algorithm.build_loss_spec`` builds it from the config
-    (the trainer fills ``initial_entropy`` once measured). The entropy defaults switch the filter and penalty off.
+    Built by ``algorithm.build_loss_spec``; the entropy defaults switch the filter and penalty off.
 
     Attributes:
         loss_name: one of :data:`LOSS_NAMES` (docs/algorithm.md section 5 defines what each allows).
@@ -182,13 +161,9 @@ def policy_loss(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """This micro-batch's contribution to the step loss, and its metric sums; fp32.
 
-    Per token ``l = -min(r A, clip(r) A) * w + kl_coef * KL`` on response tokens (KL not weighted by ``w``),
-    aggregated as the module docstring says. ``policy_logprobs`` (differentiable), ``old_logprobs`` (None: ratio 1
-    with gradient), ``ref_logprobs``, ``token_weights``, ``entropy`` (metrics only) and ``response_mask`` (bool)
-    are ``[B, T]``; ``advantages`` and ``keep_mask`` (delta_i, metrics only) ``[B]``; ``normalizer`` a scalar > 0.
-
-    Returns:
-        ``(loss, metrics)``: the scalar loss (gradient w.r.t. ``policy_logprobs``) and ``policy_loss_metrics``.
+    ``policy_logprobs`` (differentiable), ``old_logprobs`` (None: ratio 1 with gradient), ``ref_logprobs``,
+    ``token_weights``, ``entropy`` (metrics only), ``response_mask`` (bool): ``[B, T]``; ``advantages`` and
+    ``keep_mask`` (metrics only): ``[B]``; ``normalizer`` a scalar > 0. KL is not weighted by ``w``.
 
     Raises:
         ValueError: shape mismatches, a non-bool mask, ``spec.kl_coef > 0`` without ``ref_logprobs``.

@@ -1,13 +1,10 @@
 """The step objective of one micro-batch from its own tokens: delta_i, ``A_i - gamma <H>_i`` and the loss.
 
-docs/algorithm.md sections 1 and 4. A completion's mean entropy ``<H>_i``, its filter decision ``delta_i`` and its
-penalised advantage ``A_i - gamma <H>_i`` depend only on that completion's own tokens (given ``<H>_ini``, a scalar
-known before the step), so with one update per batch they are computed here, in the training forward, from the
-entropy the vocab-parallel log-prob op returns together with the log-probs (one read of the logits; entropy
-detached): no forward pass before the update is needed. :func:`policy_objective` is the whole per-micro-batch
-objective; :func:`sequence_terms` is its per-completion part, also used on the whole batch when a caller measured
-the entropies in a separate pass. The normaliser counts filtered completions too (``ops/losses.py``: which rows
-count). B rows, T token columns. Pure torch: no collectives, no ``.item()``, inputs never modified.
+docs/algorithm.md sections 1 and 4: ``<H>_i``, delta_i and ``A_i - gamma <H>_i`` depend only on the completion's
+own tokens (given ``<H>_ini``), so they are computed in the training forward from the entropy the log-prob op
+returns with the log-probs. :func:`sequence_terms` is the per-completion part, also used on a whole batch whose
+entropies a separate pass measured. B rows, T columns. Pure torch: no collectives, no ``.item()``, inputs never
+modified.
 """
 
 from __future__ import annotations
@@ -49,8 +46,7 @@ def sequence_terms(
 ) -> SequenceTerms:
     """delta_i and the penalised advantage of each completion (docs/algorithm.md section 4).
 
-    ``seq_entropy`` ``[B]`` <H>_i in nats, ``raw_advantages`` ``[B]`` A_i; ``keep_mask`` an optional ``[B]`` bool
-    row decision ANDed into delta_i.
+    ``seq_entropy`` ``[B]`` nats, ``raw_advantages`` ``[B]``; ``keep_mask`` ``[B]`` bool is ANDed into delta_i.
 
     Raises:
         ValueError: from ``entropy_keep_mask`` / ``apply_entropy_penalty`` (e.g. the ``paper`` filter without
@@ -80,10 +76,8 @@ def policy_objective(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor], SequenceTerms]:
     """This micro-batch's contribution to the step objective, with delta_i and ``A_i - gamma <H>_i`` decided here.
 
-    ``policy_logprobs``: ``[B, T]`` fp32 log pi_theta at ``spec.temperature`` (differentiable); ``entropy``:
-    ``[B, T]`` detached token entropy at ``spec.entropy_temperature``, None only with ``batch.seq_entropy`` or
-    without filter and penalty; ``batch``: the rows' record (its ``loss_mask`` and raw ``advantages``, see
-    ``gtpo_megatron.batch``); ``normalizer``: the step's global count (1 gives the plain sum).
+    ``policy_logprobs`` ``[B, T]`` fp32 (differentiable); ``entropy`` ``[B, T]`` detached (None only with
+    ``batch.seq_entropy`` or without filter and penalty); ``normalizer`` the step's global count (1: plain sum).
 
     Returns:
         ``(loss, metrics, terms)``: the fp32 scalar loss; detached sums (``policy_loss_metrics``'s, ``loss``,

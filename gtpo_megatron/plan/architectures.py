@@ -1,10 +1,7 @@
 """Model dimensions the planner needs, read from a local HF ``config.json`` or a table of public models.
 
-The table holds the values of each model's published Hugging Face ``config.json`` (``num_hidden_layers``,
-``hidden_size``, ``intermediate_size``, ``num_attention_heads``, ``num_key_value_heads``, ``head_dim`` (or
-``hidden_size / num_attention_heads`` where the file has none), ``vocab_size``, ``tie_word_embeddings``), as
-published on the Hugging Face hub under ``Qwen/<name>`` and ``meta-llama/<name>``. Qwen2 models carry a bias on
-the q/k/v projections; Qwen3 models carry none but normalise q and k per head (two ``head_dim`` vectors a layer).
+The table copies the published ``config.json`` of ``Qwen/<name>`` and ``meta-llama/<name>``. Qwen2 has a q/k/v
+bias; Qwen3 has none but a per-head q/k RMSNorm (two ``head_dim`` vectors a layer).
 """
 
 from __future__ import annotations
@@ -18,18 +15,8 @@ from pathlib import Path
 class Architecture:
     """Dimensions of a dense decoder-only transformer (RMSNorm, SwiGLU, GQA, RoPE).
 
-    Attributes:
-        name: display name (the HF repository name for table entries, the folder for local configs).
-        num_layers: transformer layers ``L``.
-        hidden_size: model width ``h``.
-        ffn_hidden_size: SwiGLU inner width ``f`` (gate and up projections are each ``h x f``).
-        num_attention_heads: query heads ``a``.
-        num_query_groups: key/value heads ``g`` (GQA groups; Megatron's ``num_query_groups``).
-        head_dim: ``d`` per head (Megatron's ``kv_channels``); ``a * d`` need not equal ``h`` (Qwen3-32B).
-        vocab_size: tokenizer/embedding rows in the HF checkpoint (before Megatron's padding).
-        tied_embeddings: input embedding and output layer share one matrix.
-        qkv_bias: q, k and v projections carry a bias (Qwen2).
-        qk_norm: per-head RMSNorm on q and k (Qwen3).
+    ``L`` layers, width ``h``, SwiGLU width ``f``, ``a`` query heads, ``g`` KV heads, ``d`` = ``head_dim``
+    (``a * d`` need not equal ``h``), ``vocab_size`` before Megatron's padding.
     """
 
     name: str
@@ -127,9 +114,7 @@ def architecture_from_hf_config(config: dict, name: str) -> Architecture:
 def resolve_architecture(name_or_path: str) -> Architecture:
     """Dimensions of ``name_or_path``: a local HF folder, a ``builtin:`` model, or a known hub name.
 
-    A local folder (or a ``builtin:`` name, materialised through :mod:`gtpo_megatron.builtin_models`) is read from its
-    ``config.json``; otherwise the last path component (``Qwen/Qwen3-32B`` -> ``Qwen3-32B``) is looked up in
-    :data:`KNOWN_ARCHITECTURES`, so planning a 70B run needs neither the weights nor a network.
+    Else the last path component (``Qwen/Qwen3-32B`` -> ``Qwen3-32B``) is looked up in :data:`KNOWN_ARCHITECTURES`.
 
     Raises:
         ValueError: neither a folder with ``config.json`` nor a known name (the message lists the known names).

@@ -28,15 +28,9 @@ Placement = Literal["colocated", "separate"]
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class EnginePlacement:
-    """One engine's place in the job.
+    """One engine's place: ``ranks`` whose GPUs it shares (``(leader_rank,)`` if separate), node-local ``devices``.
 
-    Attributes:
-        index: engine index ``i`` in ``[0, num_engines)``.
-        num_engines: engines of the run.
-        leader_rank: global rank of the training process that starts and drives the engine.
-        ranks: global training ranks whose GPUs the engine shares (colocated); ``(leader_rank,)`` otherwise.
-        devices: node-local device indices of the engine's workers (``CUDA_VISIBLE_DEVICES`` of its processes);
-            empty on CPU.
+    ``devices`` is its workers' ``CUDA_VISIBLE_DEVICES``, empty on CPU.
     """
 
     index: int
@@ -55,10 +49,7 @@ class EnginePlacement:
 
 
 def engine_pool_gpus(*, placement: Placement, engine_tp_size: int, num_engine_gpus: int | None) -> int:
-    """GPUs the engines take outside the training world.
-
-    ``num_engine_gpus`` (null: ``engine_tp_size``) when ``separate``, 0 when ``colocated``.
-    """
+    """GPUs the engines take outside the training world: ``num_engine_gpus`` (null: engine TP) if separate, else 0."""
     if placement == "colocated":
         return 0
     return engine_tp_size if num_engine_gpus is None else num_engine_gpus
@@ -91,11 +82,7 @@ def _divisors(n: int) -> list[int]:
 def engine_count_problems(
     num_engines: int, *, placement: Placement, train_world_size: int, engine_tp_size: int, pool_gpus: int
 ) -> list[str]:
-    """Reasons ``num_engines`` engines of ``engine_tp_size`` do not tile the world or the engine pool (empty: ok).
-
-    The rule: ``num_engines * engine_tp_size`` divides the training world (colocated) or equals a divisor of the
-    ``pool_gpus`` engine GPUs (separate).
-    """
+    """Reasons ``num_engines * engine_tp_size`` does not divide the training world (colocated) or ``pool_gpus``."""
     if num_engines < 1:
         return [f"rollout.num_engines={num_engines} must be >= 1 or auto"]
     span, where = (train_world_size, "the world size") if placement == "colocated" else (pool_gpus, "the engine pool")
@@ -110,11 +97,7 @@ def engine_count_problems(
 
 
 def engine_prompt_range(num_prompts: int, *, num_engines: int, index: int) -> range:
-    """Global indices of the prompts (whole groups) that engine ``index`` samples.
-
-    Contiguous blocks whose sizes differ by at most one (the first ``num_prompts % num_engines`` engines take one
-    more); an engine may get none.
-    """
+    """Global prompt indices of engine ``index``: contiguous blocks differing by at most one (the first take more)."""
     base, extra = divmod(num_prompts, num_engines)
     start = index * base + min(index, extra)
     return range(start, start + base + (index < extra))
@@ -132,14 +115,7 @@ def engine_placements(
 ) -> list[EnginePlacement]:
     """Leader, ranks and devices of every engine (module docstring), the same list on every rank.
 
-    Args:
-        placement: ``rollout.placement``.
-        num_engines: resolved engine count (:func:`resolve_num_engines`).
-        engine_tp_size: workers per engine.
-        train_world_size: training ranks (the torchrun world).
-        ranks_per_node: training ranks per node (torchrun's ``LOCAL_WORLD_SIZE``).
-        pool_gpus: engine GPUs outside the training world (:func:`engine_pool_gpus`).
-        accelerator: GPUs present (False: CPU leaders, no devices).
+    ``ranks_per_node`` is torchrun's ``LOCAL_WORLD_SIZE``; ``pool_gpus`` :func:`engine_pool_gpus`.
 
     Raises:
         ValueError: the counts do not tile (:func:`engine_count_problems`), an engine would span two nodes, or a
@@ -202,9 +178,7 @@ def relay_workers(
 ) -> tuple[int, int] | None:
     """``(relay, target)`` engine-worker indices for the collective weight sync, or None when none is needed.
 
-    Colocated on GPUs, engine 0's worker 0 shares global rank 0's GPU, and NCCL refuses two members of one
-    communicator on one GPU: worker 0 is then fed by worker 1 (engine 0's second worker, or engine 1's first),
-    which is on another GPU (``parallel/weight_group.py``).
+    Colocated, worker 0 shares rank 0's GPU (NCCL refuses that), so worker 1 feeds it (``parallel/weight_group.py``).
 
     Raises:
         ValueError: colocated on a single GPU (no other worker to relay).
@@ -222,8 +196,7 @@ def relay_workers(
 def cpu_thread_binding(cores: list[int], *, slot: int, engines_on_node: int, engine_tp_size: int) -> str:
     """``VLLM_CPU_OMP_THREADS_BIND`` for the ``slot``-th of ``engines_on_node`` CPU engines sharing ``cores``.
 
-    Each engine gets a contiguous share of the cores (at least one; with more engines than cores they share
-    round-robin), split again over its ``engine_tp_size`` workers (``"|"`` between workers, vLLM's format).
+    A contiguous share per engine (round-robin when cores run out), split over its workers (``"|"``-separated).
     """
     share = max(len(cores) // engines_on_node, 1)
     mine = cores[(slot * share) % len(cores) :][:share] or cores[:share]

@@ -1,15 +1,10 @@
 """World-size and divisibility arithmetic of a GTPO run, checked before any process group exists.
 
-The rules are Megatron-Core's and vLLM's: TP must divide the attention heads and the query groups (Megatron
-``TransformerConfig``), PP must divide the layers, the vocabulary is padded to a multiple of
-``make_vocab_size_divisible_by * tp_size`` (Megatron's ``_vocab_size_with_padding``), vLLM's engine TP must divide
-the attention heads and either divide the KV heads or be a multiple of them, and the rollout batch
-``num_prompts * group_size`` must split evenly over data-parallel ranks and then into micro-batches. Each rule is a
-function returning its problems (empty when it holds); ``check_layout`` (``gtpo-plan``) and
-``GTPOConfig.validate`` (``gtpo-train``, once the world size is known) both call them. The vLLM engines
-(``plan/engines.py``): ``colocated`` engines share the training GPUs, ``separate`` engines take
-``rollout.num_engine_gpus`` GPUs of their own outside the torchrun world, so that ``--gpus`` counts the training
-GPUs plus the engines'.
+Megatron-Core's and vLLM's rules: TP divides the attention heads and query groups, PP the layers, the vocabulary
+is padded to a multiple of ``make_vocab_size_divisible_by * tp_size``, engine TP divides the heads and divides or is
+a multiple of the KV heads, and ``num_prompts * group_size`` splits over DP ranks and then micro-batches. Each rule
+returns its problems (empty when it holds); ``check_layout`` (``gtpo-plan``) and ``GTPOConfig.validate`` call them.
+``separate`` engines (``plan/engines.py``) take GPUs outside the torchrun world, counted in ``--gpus``.
 """
 
 from __future__ import annotations
@@ -31,18 +26,8 @@ from gtpo_megatron.plan.engines import (
 class Layout:
     """A layout that divides: sizes derived from the world size and the config.
 
-    Attributes:
-        world_size: all GPUs of the job.
-        train_world_size: GPUs that train, the torchrun world (all of them when colocated, all but the engine's
-            when separate).
-        tp_size, pp_size, dp_size: training parallel sizes, ``tp * pp * dp == train_world_size``.
-        engine_tp_size: vLLM tensor-parallel size.
-        num_engines: vLLM engines sharing the rollout batch.
-        padded_vocab_size: Megatron's padded vocabulary ``V``.
-        sequences_per_step: ``num_prompts * group_size``.
-        sequences_per_dp_rank: sequences one data-parallel rank trains on per step.
-        num_microbatches: micro-batches per data-parallel rank per optimizer step.
-        sequences_per_engine: rollout sequences the busiest engine decodes (whole groups).
+    ``train_world_size`` is the torchrun world (``tp * pp * dp``; without the separate engines' GPUs);
+    ``num_microbatches`` per DP rank per optimizer step; ``sequences_per_engine`` of the busiest engine.
     """
 
     world_size: int
@@ -70,11 +55,7 @@ def _divisors(n: int) -> list[int]:
 
 
 def model_problems(arch: Architecture, *, tp_size: int, pp_size: int, pad_attention_heads: bool) -> list[str]:
-    """Reasons Megatron cannot shard the model over ``tp_size`` x ``pp_size`` (empty when it can).
-
-    With ``pad_attention_heads`` (``model.pad_attention_heads``) Megatron pads the KV groups to a multiple of
-    ``tp_size`` with zero heads, so only the pipeline rule applies.
-    """
+    """Reasons Megatron cannot shard the model over ``tp_size`` x ``pp_size`` (padded heads: PP rule only)."""
     problems = []
     heads, groups = arch.num_attention_heads, arch.num_query_groups
     tp_ok = [d for d in _divisors(heads) if groups % d == 0]
@@ -104,11 +85,7 @@ def engine_problems(arch: Architecture, *, engine_tp_size: int) -> list[str]:
 
 
 def world_problems(train_world_size: int, *, tp_size: int, pp_size: int, described: str, launch: str) -> list[str]:
-    """Reasons ``train_world_size`` training ranks do not split into ``tp_size * pp_size`` model replicas.
-
-    ``described`` says where the ranks come from (``--gpus=40 leaves 32 training ranks``, ``the world size 6``)
-    and ``launch`` what to launch instead (``32*k + 8 GPUs``, ``a multiple of 4 ranks``).
-    """
+    """Reasons ``train_world_size`` ranks do not split into ``tp * pp`` replicas (``described``/``launch``: message)."""
     if train_world_size >= 1 and train_world_size % (tp_size * pp_size) == 0:
         return []
     return [
@@ -118,11 +95,7 @@ def world_problems(train_world_size: int, *, tp_size: int, pp_size: int, describ
 
 
 def batch_problems(*, num_prompts: int, group_size: int, dp_size: int, micro_batch_size: int) -> list[str]:
-    """Reasons the step's sequences do not split over the data-parallel ranks and micro-batches (empty: they do).
-
-    The step has ``num_prompts * group_size`` sequences; each of the ``dp_size`` ranks cuts its share into
-    micro-batches of ``micro_batch_size``.
-    """
+    """Reasons ``num_prompts * group_size`` sequences do not split over ``dp_size`` ranks and micro-batches."""
     batch = num_prompts * group_size
     if batch % dp_size:
         return [
@@ -138,11 +111,7 @@ def batch_problems(*, num_prompts: int, group_size: int, dp_size: int, micro_bat
 
 
 def raise_problems(problems: list[str]) -> None:
-    """Raise one ``ValueError`` listing every problem (one line each), if there is any.
-
-    Raises:
-        ValueError: ``problems`` is not empty.
-    """
+    """Raise one ``ValueError`` listing every problem (one line each), if there is any."""
     if problems:
         raise ValueError("layout does not divide:\n  - " + "\n  - ".join(problems))
 
@@ -166,21 +135,8 @@ def check_layout(
 ) -> Layout:
     """Check every divisibility rule (module docstring) and return the derived :class:`Layout`.
 
-    Args:
-        arch: model dimensions.
-        world_size: GPUs of the whole job (``--gpus``), the engine's included when ``placement="separate"``.
-        tp_size: ``parallel.tp_size``.
-        pp_size: ``parallel.pp_size``.
-        engine_tp_size: ``rollout.engine_tp_size``.
-        placement: ``rollout.placement``.
-        num_prompts: ``rollout.num_prompts``.
-        group_size: ``algorithm.group_size``.
-        micro_batch_size: ``optim.micro_batch_size``.
-        make_vocab_size_divisible_by: ``model.make_vocab_size_divisible_by``.
-        gpus_per_node: GPUs of one node (the engine stays within one node).
-        pad_attention_heads: ``model.pad_attention_heads`` (zero KV groups pad the heads to a multiple of tp).
-        num_engines: ``rollout.num_engines`` (``auto`` fills the GPUs, ``plan.engines.resolve_num_engines``).
-        num_engine_gpus: ``rollout.num_engine_gpus`` (separate engines' GPUs; null: ``engine_tp_size``).
+    Every keyword is the config field of the same name; ``world_size`` is ``--gpus`` (separate engines' GPUs
+    included) and ``gpus_per_node`` bounds an engine (one node).
 
     Raises:
         ValueError: one line per broken rule, each naming the fields, their values and a fix.
@@ -259,8 +215,7 @@ def _next_prompts(num_prompts: int, group_size: int, dp_size: int) -> int:
 def row_shard(num_rows: int, *, rank: int, size: int) -> slice:
     """Rows ``[rank * B/size, (rank + 1) * B/size)`` of a ``B``-row step batch: one data-parallel rank's share.
 
-    Every rank builds the same full batch and trains on its slice; ``parallel.all_gather_rows`` puts the shares
-    back together in rank order.
+    ``parallel.all_gather_rows`` puts the shares back together in rank order.
 
     Raises:
         ValueError: ``size`` does not divide ``num_rows``.

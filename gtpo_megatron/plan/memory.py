@@ -18,12 +18,9 @@ Model (the numbers the tests check by hand):
   Recomputation in Large Transformer Models", section 4) redone for RMSNorm + GQA + SwiGLU:
   attention block ``2sb(h + h + q + 2k + q)`` (norm input, qkv-linear input, q/k/v for the attention kernel,
   projection input); MLP block ``2sb(h + h + 2f + f)`` (norm input, fc1 input, gate and up outputs, fc2 input).
-  Sequence parallel divides everything by ``t``; without it the four ``h`` terms are replicated and only the rest
-  is divided. ``recompute="full"`` keeps only each layer's input (``2sbh``, ``/t`` with sequence parallel) plus one
-  layer's full set while that layer is recomputed; ``"selective"`` recomputes only the core attention, whose
-  score matrix flash attention never stores, so it keeps the same bytes as ``"none"`` here. (Megatron's local layer
-  specs, used without Transformer Engine, do store ``[b, a/t, s, s]`` scores; selective recompute drops them. The
-  planner assumes Transformer Engine, as on GPU clusters.) With the 1F1B schedule stage ``i`` holds
+  Sequence parallel divides everything by ``t``; without it the four ``h`` terms are replicated. ``recompute=
+  "full"`` keeps each layer's input (``2sbh``) plus one layer's full set; ``"selective"`` keeps the same bytes as
+  ``"none"`` (flash attention stores no scores; Transformer Engine assumed). With 1F1B stage ``i`` holds
   ``min(p - i, M)`` micro-batches in flight.
 - Log-prob/entropy working set (last stage only): the logits ``[b, s, V/t]`` and their gradient (parameter dtype),
   plus the two fp32 ``[n, V/t]`` buffers ``ops.vocab_parallel_logprobs_entropy`` holds at a time (the shifted fp32
@@ -56,18 +53,8 @@ FP32_OP_BUFFERS = 2
 class TrainingShape:
     """Layout and batch shape of the training side, as plain numbers.
 
-    Attributes:
-        tp_size, pp_size, dp_size: parallel sizes of the training ranks.
-        micro_batch_size: sequences ``b`` per micro-batch.
-        seq_length: tokens ``s`` per sequence (prompt + completion, padded).
-        num_microbatches: micro-batches ``M`` per optimizer step on one data-parallel rank.
-        param_bytes: bytes per parameter (2 for bf16/fp16, 4 for fp32).
-        sequence_parallel: Megatron sequence parallelism.
-        distributed_optimizer: optimizer states sharded over data-parallel ranks.
-        recompute: activation recompute granularity.
-        logprob_chunk_size: tokens per chunk of the log-prob/entropy op, None for unchunked.
-        fp32_output_layer: ``model.fp32_output_layer`` (fp32 logits from 16-bit parameters).
-        reference_weights: a KL reference policy's weights stay on the GPU (``kl_coef > 0`` without offload).
+    ``micro_batch_size`` ``b``, ``seq_length`` ``s``, ``num_microbatches`` ``M`` (module notation);
+    ``reference_weights``: a KL reference policy's weights stay on the GPU (``kl_coef > 0`` without offload).
     """
 
     tp_size: int
@@ -153,11 +140,7 @@ def activation_bytes(arch: Architecture, shape: TrainingShape, *, stage: int) ->
 def logits_bytes(vocab_per_rank: int, *, tokens: int, param_bytes: int, chunk_size: int | None) -> int:
     """Working set of the log-prob/entropy op on the last stage for ``tokens = b*s`` tokens.
 
-    Args:
-        vocab_per_rank: ``V/t`` columns of the local logits shard.
-        tokens: tokens in one micro-batch.
-        param_bytes: bytes of the model's logits dtype.
-        chunk_size: ``algorithm.logprob_chunk_size`` (None = the whole micro-batch at once).
+    ``vocab_per_rank`` ``V/t``; ``param_bytes`` of the logits dtype; ``chunk_size`` None: the whole micro-batch.
     """
     fp32_rows = tokens if chunk_size is None else min(chunk_size, tokens)
     return 2 * param_bytes * tokens * vocab_per_rank + FP32_OP_BUFFERS * 4 * fp32_rows * vocab_per_rank

@@ -1,24 +1,12 @@
 """The rollout and reward phases of a step: every engine leader samples and scores its share, every rank gets all.
 
-A round draws the step's ``num_prompts`` problems from the resumable loader; every rank holds a loader built the
-same way (same problems, same seed), so all ranks draw the same prompts in the same order (and hold the same loader
-position for checkpoints), and each engine leader keeps its block of whole groups
-(``plan.engines.engine_prompt_range``). The leader's ``RolloutCollector`` samples G
-completions per prompt with its engine, seeding each request by the round's seed and the prompt's GLOBAL index
-(``rollout.engine.request_seed``), so the completions do not depend on how many engines share the step, and
-scores them in its own reward pool.
-
-``collect_step`` runs on every rank. With DAPO dynamic sampling (docs/algorithm.md section 5) it repeats rounds with
-fresh prompts until ``num_prompts`` groups vary in their task score, counting varied groups over all engines with
-one all-reduce per round, or until ``dynamic_sampling_max_rounds`` (then uniform groups fill the batch,
-``data.dynamic_sampling.choose_groups``). Every decision about a group's variance (dynamic sampling,
-``rollout/varied_group_frac`` and ``algorithm.skip_uniform_groups``) uses the task scores, never the shaped
-rewards: the overlong penalty can make a group whose answers are all equally wrong look varied. The chosen groups
-then cross ranks once, as one packed tensor (``rollout/exchange.py``), and every rank rebuilds the same
+Every rank draws the same prompts from an identically built loader; each engine leader samples G completions for
+its block of whole groups (``plan.engines.engine_prompt_range``), seeded by ``rollout.seed + 1000 * step + round``
+and the prompt's global index (``rollout.engine.request_seed``): independent of the engine count, and a resumed run
+samples as the original. With DAPO dynamic sampling (docs/algorithm.md section 5) rounds repeat until
+``num_prompts`` groups vary in their task score (never the shaped rewards) or ``dynamic_sampling_max_rounds``. The
+chosen groups cross ranks once as one packed tensor (``rollout/exchange.py``) and every rank rebuilds the same
 ``StepRollout``.
-
-Sampling seeds are ``rollout.seed + 1000 * step + round``, so a resumed run samples exactly like the original one
-given the same weights.
 """
 
 from __future__ import annotations
@@ -51,11 +39,7 @@ _SEEDS_PER_STEP = 1000
 
 @dataclass
 class StepRollout:
-    """One step's chosen groups and their reward results, B = P*G completions group by group (every rank).
-
-    ``scores`` are the reward function's values, ``rewards`` the shaped ones (overlong penalty) the advantages
-    use; completions carry no text.
-    """
+    """One step's B = P*G completions group by group (no text): task ``scores`` and shaped ``rewards``."""
 
     groups: list
     scores: list[float]
@@ -68,16 +52,8 @@ class StepRollout:
 class RolloutCollector:
     """An engine leader's engine, reward pool and tokenizer, and its share of every round.
 
-    Args:
-        engine: the rollout engine (``RolloutEngine`` protocol).
-        reward_pool: object with ``score(completions, references, extraction=...) -> (results, stats)``
-            (``rewards.RewardPool``).
-        tokenizer: HF tokenizer used for the chat-templated prompts.
-        rollout_cfg, algorithm_cfg, reward_cfg: their config sections.
-        extraction: the answer-extraction mode (``reward.extraction`` resolved for ``data.source``).
-        system_prompt: the system message of every prompt (``data.prompts.SYSTEM_PROMPTS[data.system_prompt]``).
-        engine_index: this leader's engine (``plan.engines.EnginePlacement.index``).
-        num_engines: engines sharing each round.
+    ``reward_pool``: a ``rewards.RewardPool``; ``extraction``: ``reward.extraction`` resolved for ``data.source``;
+    ``engine_index``: ``plan.engines.EnginePlacement.index``; ``num_engines``: engines sharing each round.
     """
 
     def __init__(
@@ -124,9 +100,7 @@ class RolloutCollector:
     def sample_round(
         self, step: int, round_index: int, problems: list[Problem], tally: EngineTally
     ) -> dict[int, ScoredGroup]:
-        """Sample and score this leader's share of one round's ``problems``.
-
-        Returns ``{global prompt index: ScoredGroup}``; adds this round's counters to ``tally``.
+        """``{global prompt index: ScoredGroup}`` of this leader's share of a round; adds its counters to ``tally``.
 
         Raises:
             RuntimeError: the graders failed on more than ``reward.max_error_frac`` of the answers.
@@ -170,28 +144,15 @@ def collect_step(
 ) -> StepRollout | None:
     """Sample, score, select and share this step's ``num_prompts`` groups (module docstring); every rank calls.
 
-    Args:
-        collector: this rank's collector when it leads an engine, else None.
-        loader: this rank's prompt loader (built identically on every rank; advanced here on every rank).
-        step: the 1-based step (seeds).
-        rollout_cfg: the rollout section.
-        algorithm_cfg: the algorithm section.
-        reward_cfg: the reward section (its reward's range scales the overlong penalty).
-        num_engines: engines sharing the step (each leader writes its counters in its own row).
-        group: the world group (None: a one-process run).
-        stop: the run's stop requests: a SIGTERM interrupts this leader's sampling (``StopRequests.interruptible``)
-            and the step is abandoned on every rank; None: nothing interrupts it.
-
-    Returns:
-        The same ``StepRollout`` on every rank, or None on every rank when a SIGTERM made any leader leave its
-        rollout (the exchange still runs, so no rank waits in a collective the others skip).
+    ``collector``: this rank's when it leads an engine, else None; ``loader`` is advanced on every rank; ``group``:
+    the world group; ``stop``: a SIGTERM interrupts a leader's sampling. Returns the same ``StepRollout`` on every
+    rank, or None on every rank when a SIGTERM made any leader leave its rollout.
 
     Collectives: with dynamic sampling one SUM all-reduce of ``[P]`` varied flags per round; then one SUM
-    all-reduce of the packed rows and counters (``rollout/exchange.py``), all on ``group``.
+    all-reduce of the packed rows and counters, on ``group``.
 
     Raises:
-        RuntimeError: whatever the engine or the reward pool raise on a leader (the other ranks then fail in the
-            next collective or are stopped by torchrun).
+        RuntimeError: whatever the engine or the reward pool raise on a leader.
     """
     num_prompts, group_size = rollout_cfg.num_prompts, algorithm_cfg.group_size
     sampled, varied, tally = _sample_rounds(collector, loader, step, algorithm_cfg, num_prompts, group, stop)
@@ -231,12 +192,7 @@ def _sample_rounds(
     group: dist.ProcessGroup | None,
     stop: StopRequests | None,
 ) -> tuple[list[dict[int, ScoredGroup]], list[bool], EngineTally]:
-    """Run the step's rounds on this rank.
-
-    Returns this rank's scored groups per round, the global varied flags (dynamic sampling only: one all-reduce per
-    round, decided on task scores) and this leader's counters (``aborted`` set when a SIGTERM interrupted it; its
-    later rounds then only take part in the all-reduces).
-    """
+    """This rank's scored groups per round, the global varied flags and this leader's counters (``aborted``)."""
     rounds = algorithm_cfg.dynamic_sampling_max_rounds if algorithm_cfg.dynamic_sampling else 1
     tally, sampled, varied = EngineTally(), [], []
     for round_index in range(rounds):
@@ -264,11 +220,7 @@ def _sample_interruptibly(
     tally: EngineTally,
     stop: StopRequests | None,
 ) -> dict[int, ScoredGroup]:
-    """``collector.sample_round``, left at once on SIGTERM (then ``tally.aborted = 1`` and nothing is returned).
-
-    Under Slurm the SIGTERM also reaches the engine's and the reward pool's processes, so any failure of the round
-    after a SIGTERM counts as the interruption; without one, errors propagate.
-    """
+    """``collector.sample_round``, left on SIGTERM (``tally.aborted = 1``; any failure after one counts as it)."""
     if stop is None:
         return collector.sample_round(step, round_index, problems, tally)
     try:

