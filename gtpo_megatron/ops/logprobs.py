@@ -200,7 +200,11 @@ def _softmax_grad_chunk(logits, out, scratch, share_N, g_lp, temperature) -> Non
     the forward's up to fp32 rounding.
     """
     source = logits
-    if temperature != 1.0 or logits.dtype != torch.float32 or not logits.is_contiguous():
+    if logits.dtype != torch.float32 or not logits.is_contiguous():
+        source = scratch.copy_(logits)  # fp32 first: a 16-bit tensor divided by a number stays 16-bit
+        if temperature != 1.0:
+            source.div_(temperature)
+    elif temperature != 1.0:
         source = torch.div(logits, temperature, out=scratch)
     torch.softmax(source, dim=-1, out=out)
     out.mul_((-g_lp / temperature * share_N).unsqueeze(-1))
