@@ -233,16 +233,19 @@ def _run_variant(variant: str, tokens: int, args) -> dict:
 
 
 def _elementwise_rate(fn_name: str, threads: int) -> float:
-    """fp32 elements/s of ``torch.exp`` or ``torch.log`` on ``threads`` threads, in cache (2 x 1 MiB buffers, best
-    of 20 runs of 20 calls): the compute, not the memory, of one transcendental per element."""
+    """fp32 elements/s of ``torch.exp`` or ``torch.log`` on ``threads`` threads, in cache (2 x 1 MiB buffers).
+
+    The best of 40 runs of 10 calls (on a shared machine the best run is the nearest to an idle one): the compute,
+    not the memory, of one transcendental per element.
+    """
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     x = -20 * torch.rand(2**18) if fn_name == "exp" else torch.rand(2**18) + 1e-3
     out, fn = torch.empty_like(x), getattr(torch, fn_name)
     fn(x, out=out)
-    best = min(_timed(lambda: [fn(x, out=out) for _ in range(20)]) for _ in range(20))
+    best = min(_timed(lambda: [fn(x, out=out) for _ in range(10)]) for _ in range(40))
     torch.set_num_threads(previous)
-    return 20 * x.numel() / best
+    return 10 * x.numel() / best
 
 
 EXPS_PER_ELEMENT = 2
