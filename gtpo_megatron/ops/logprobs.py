@@ -352,12 +352,10 @@ def vocab_parallel_logprobs_entropy(
             no entropy contribution and zero gradient. Default: all ``V`` columns.
         temperature: the log-probs are those of ``softmax(logits / temperature)`` (> 0).
         entropy_temperature: the entropy is that of ``softmax(logits / entropy_temperature)`` (> 0); ``None``: the
-            same as ``temperature``. A different value costs two more element-wise passes over each chunk (one
-            ``exp``) in forward, and one ``[N]`` row more in the SUM all-reduce; the logits are still read once.
-        chunk_size: tokens per chunk; the fp32 working set is two ``[chunk_size, V/tp]`` buffers (reused by
-            every chunk), and backward recomputes the softmax chunk by chunk from the saved logits (nothing of
-            size ``V`` is saved). ``None``: one chunk (per leading index for a non-contiguous view), i.e. two fp32
-            copies of the whole shard.
+            same as ``temperature``. A different value costs three more element-wise passes per chunk in forward.
+        chunk_size: tokens per chunk; the fp32 working set is at most two ``[chunk_size, V/tp]`` buffers, and
+            backward recomputes the softmax chunk by chunk from the saved logits. ``None``: one chunk (per leading
+            index for a non-contiguous view).
         with_entropy: also return the entropy (its statistics cost one multiply-add per element either way).
         entropy_requires_grad: make the entropy differentiable (exact gradient at ``entropy_temperature``);
             otherwise it is detached.
@@ -374,8 +372,7 @@ def vocab_parallel_logprobs_entropy(
     Collectives:
         Two all-reduces on ``tp_group`` in forward (MAX of ``[N]`` row maxima; SUM of a ``[3, N]`` stack of
         sum-exp, target logit and sum exp*logit, ``[4, N]`` with a separate ``entropy_temperature``), none in
-        backward. Not differentiable themselves; the gradient of each shard is local because the forward saved
-        the global statistics.
+        backward (the forward saved the global statistics).
 
     Raises:
         ValueError: shard width inconsistent with ``padded_vocab_size``, ``vocab_size`` out of range, shape/dtype

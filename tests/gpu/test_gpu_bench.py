@@ -9,7 +9,8 @@
   ``gtpo-plan``'s estimate (``plan.memory.estimate_stage``, which assumes flash attention; Megatron's local layer
   specs, used without Transformer Engine, also keep each layer's ``s x s`` attention probabilities).
 * The GTPO step's own overhead: ``algorithm.compute_weights`` (advantages, conflicts; CPU, as the trainer runs it)
-  and ``ops.policy_objective`` forward + backward (GPU), as fractions of the training step on the same batch.
+  and ``ops.policy_objective`` forward + backward (GPU), as fractions of the training step on the same batch (run
+  before the sequence sweep, whose last step may run out of memory).
 
 Model FLOPs per token: ``6 * P_matmul + 12 * L * s * q_width`` (the attention score and value products counted in
 full: the local specs compute the whole square). A dry run uses tiny sizes on the CPU (no CUDA memory numbers).
@@ -192,41 +193,6 @@ def _plan_bytes(seq_len: int, rows: int, padded_vocab: int) -> int:
 LOSS_KW = dict(loss_name="gtpo", aggregation="seq-mean-token-mean", clip_eps_low=0.2, clip_eps_high=0.2)
 
 
-def test_bench_train_step(policy) -> None:
-    from gtpo_megatron.ops import LossSpec
-
-    loss, padded_vocab = LossSpec(**LOSS_KW), policy.geometry.padded_vocab_size
-    table = f"training step, random {ARCH.name}, bf16, {policy.model.layer_spec_backend} specs, micro-batch 1"
-    fitted = 0
-    for seq_len in SEQ_LENGTHS:
-        rows = max(1, TOKENS_PER_STEP // seq_len)
-        batch = _batch(rows, seq_len)
-        try:
-            metrics = policy.train_step(batch, loss)  # warm-up (Megatron builds its optimizer state here)
-            peak = float("nan")
-            if DEVICE.type == "cuda":
-                torch.cuda.reset_peak_memory_stats()
-            seconds = _median_seconds(lambda batch=batch: policy.train_step(batch, loss), repeats=min(3, REPEATS))
-            if DEVICE.type == "cuda":
-                peak = torch.cuda.max_memory_allocated()
-        except torch.OutOfMemoryError:
-            policy.zero_grad()
-            gc.collect()
-            torch.cuda.empty_cache()
-            bench_row(table, s=seq_len, **{"tokens/step": rows * seq_len, "step s": "out of memory"})
-            break
-        assert torch.isfinite(torch.tensor(metrics["loss"]))
-        fitted, tokens_per_s = seq_len, rows * seq_len / seconds
-        plan = _plan_bytes(seq_len, rows, padded_vocab)
-        bench_row(table, s=seq_len, **{
-            "tokens/step": rows * seq_len, "step s": seconds, "tokens/s": tokens_per_s,
-            "MFU (989 TFLOP/s)": tokens_per_s * _flops_per_token(seq_len, padded_vocab) / PEAK_FLOPS,
-            "peak GiB": peak / GIB, "plan GiB": plan / GIB, "peak/plan": peak / plan,
-        })  # fmt: skip
-    record("test_bench_train_step", "longest sequence that fits (micro-batch 1)", fitted)
-    assert fitted >= SEQ_LENGTHS[0]
-
-
 def test_bench_gtpo_overhead(policy) -> None:
     from gtpo_megatron.algorithm import build_loss_spec, compute_weights
     from gtpo_megatron.config import AlgorithmConfig, RolloutConfig
@@ -265,3 +231,38 @@ def test_bench_gtpo_overhead(policy) -> None:
     bench_row(table, part="compute_weights (CPU)", ms=weights_s * 1e3, **{"/ step": weights_s / train_s})
     bench_row(table, part="policy_objective fwd+bwd", ms=objective_s * 1e3, **{"/ step": objective_s / train_s})
     record("test_bench_gtpo_overhead", "GTPO overhead / training step", (weights_s + objective_s) / train_s)
+
+
+def test_bench_train_step(policy) -> None:
+    from gtpo_megatron.ops import LossSpec
+
+    loss, padded_vocab = LossSpec(**LOSS_KW), policy.geometry.padded_vocab_size
+    table = f"training step, random {ARCH.name}, bf16, {policy.model.layer_spec_backend} specs, micro-batch 1"
+    fitted = 0
+    for seq_len in SEQ_LENGTHS:
+        rows = max(1, TOKENS_PER_STEP // seq_len)
+        batch = _batch(rows, seq_len)
+        try:
+            metrics = policy.train_step(batch, loss)  # warm-up (Megatron builds its optimizer state here)
+            peak = float("nan")
+            if DEVICE.type == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            seconds = _median_seconds(lambda batch=batch: policy.train_step(batch, loss), repeats=min(3, REPEATS))
+            if DEVICE.type == "cuda":
+                peak = torch.cuda.max_memory_allocated()
+        except torch.OutOfMemoryError:
+            policy.zero_grad()
+            gc.collect()
+            torch.cuda.empty_cache()
+            bench_row(table, s=seq_len, **{"tokens/step": rows * seq_len, "step s": "out of memory"})
+            break
+        assert torch.isfinite(torch.tensor(metrics["loss"]))
+        fitted, tokens_per_s = seq_len, rows * seq_len / seconds
+        plan = _plan_bytes(seq_len, rows, padded_vocab)
+        bench_row(table, s=seq_len, **{
+            "tokens/step": rows * seq_len, "step s": seconds, "tokens/s": tokens_per_s,
+            "MFU (989 TFLOP/s)": tokens_per_s * _flops_per_token(seq_len, padded_vocab) / PEAK_FLOPS,
+            "peak GiB": peak / GIB, "plan GiB": plan / GIB, "peak/plan": peak / plan,
+        })  # fmt: skip
+    record("test_bench_train_step", "longest sequence that fits (micro-batch 1)", fitted)
+    assert fitted >= SEQ_LENGTHS[0]
