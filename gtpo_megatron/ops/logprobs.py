@@ -226,7 +226,7 @@ def _full_grad_chunk(logits, out, logp, max_N, log_z, entropy, g_lp, g_h, temper
 def _grad_chunk(rows, out, scratch, saved, g_lp, g_h, settings: _OpSettings) -> None:
     """Gradient of one chunk except the target column's ``+g_lp / T`` (see the module docstring)."""
     max_N, log_z, log_z_h, entropy, share_N = saved
-    if g_h is None and share_N is not None and out.is_contiguous():
+    if g_h is None and share_N is not None:  # the softmax path (contiguous ``out``: see the backward)
         _softmax_grad_chunk(rows, out, scratch, share_N, g_lp, settings.temperature)
     elif g_h is None:
         _logprob_grad_chunk(rows, out, max_N, log_z, g_lp, settings.temperature)
@@ -277,8 +277,10 @@ class _LogprobsEntropy(torch.autograd.Function):
         target_cols = local_ids.clamp(0, width - 1).unsqueeze(-1)
         target_grad = torch.where(in_shard, g_lp / temperature, 0.0).unsqueeze(-1)
         in_place = logits.dtype == torch.float32  # fp32: build the gradient directly in the output rows
+        softmax_path = g_h is None and saved[-1] is not None and (not in_place or grad_logits.stride(-2) == width)
         rows_ready = in_place and temperature == 1.0 and logits.stride(-1) == 1 and logits.stride(-2) == width
-        needs_scratch = g_h is not None or (saved[-1] is not None and not rows_ready)  # _softmax_grad_chunk's z/T
+        needs_scratch = g_h is not None or (softmax_path and not rows_ready)  # _softmax_grad_chunk's z/T
+        saved[-1] = saved[-1] if softmax_path else None
         num_buffers = (0 if in_place else 1) + int(needs_scratch)
         buffers = _work_buffers(inner, settings.chunk_size, width, logits.device, num_buffers)
         for o, a, b, f in _chunks(outer, inner, settings.chunk_size):
