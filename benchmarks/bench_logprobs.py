@@ -29,6 +29,10 @@ Roofline: three passes over the logits (forward max, forward softmax statistics,
 this machine's measured read bandwidth (best of 3 ``sum()`` reductions over a 1 GiB fp32 buffer). The fraction is
 ``roofline time / measured time`` and "achieved" is ``3 * logits bytes / measured time``.
 
+Compute floor: ``exp`` and ``log`` throughput of this CPU (fp32, in cache, ``--threads`` threads and 1) and the op's
+count of them, :data:`EXPS_PER_ELEMENT` ``exp`` per logit and three ``log`` per token: the time below which no
+implementation that evaluates them with torch's vectorised kernels can go ("exp floor" = floor / measured time).
+
 The naive path needs about 3-5x the logits in extra memory; when that does not fit in half of ``MemAvailable`` it
 runs at the largest ``tokens / 2^k`` that fits, the fused op is ALSO measured at that size for like-for-like
 ratios, and the naive numbers at ``--tokens`` are extrapolated linearly (both time and memory are linear in N);
@@ -39,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -227,6 +232,29 @@ def _run_variant(variant: str, tokens: int, args) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def _elementwise_rate(fn_name: str, threads: int) -> float:
+    """fp32 elements/s of ``torch.exp`` or ``torch.log`` on ``threads`` threads, in cache (2 x 1 MiB buffers).
+
+    The best of 40 runs of 10 calls (on a shared machine the best run is the nearest to an idle one): the compute,
+    not the memory, of one transcendental per element.
+    """
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    x = -20 * torch.rand(2**18) if fn_name == "exp" else torch.rand(2**18) + 1e-3
+    out, fn = torch.empty_like(x), getattr(torch, fn_name)
+    fn(x, out=out)
+    best = min(_timed(lambda: [fn(x, out=out) for _ in range(10)]) for _ in range(40))
+    torch.set_num_threads(previous)
+    return 10 * x.numel() / best
+
+
+EXPS_PER_ELEMENT = 2
+"""``exp`` calls per logit in one forward + backward of the fused op (one in the forward statistics, one in the
+backward softmax; a separate entropy temperature adds one per pass that uses it). ``log``: per token only."""
+NAIVE_EXPS_PER_ELEMENT = 3
+"""The naive path's: inside ``log_softmax``, ``logp.exp()`` for the entropy, and ``log_softmax``'s backward."""
+
+
 def _read_bandwidth() -> float:
     buf = torch.ones(2**28)  # 1 GiB fp32, touched
     best = min(_timed(buf.sum) for _ in range(3))
@@ -247,22 +275,26 @@ def _naive_tokens(args) -> int:
     return tokens
 
 
-def _report(rows: list[tuple[str, int, dict]], naive: dict, bandwidth: float) -> None:
+def _report(rows: list[tuple[str, int, dict]], naive: dict, bandwidth: float, exp_rates: dict[int, float],
+            itemsize: int) -> None:  # fmt: skip
+    """One line per variant; ``roofline`` and ``exp floor`` are fractions (limit time / measured time)."""
     gib = 2**30
     naive_work = naive["peak_extra_bytes"] - naive["logits_bytes"]
     print(
         f"{'variant':<32}{'N':>6}{'time s':>8}{'extra GiB':>10}{'x logits':>9}{'time/naive':>11}"
-        f"{'mem/naive':>10}{'work/naive':>11}{'roofline':>9}{'GB/s':>6}"
+        f"{'mem/naive':>10}{'work/naive':>11}{'roofline':>9}{'GB/s':>6}{'exp floor':>10}"
     )
     for name, tokens, r in rows:
         scale = tokens / naive["tokens"]
         work = r["peak_extra_bytes"] - r["logits_bytes"]
+        exps = NAIVE_EXPS_PER_ELEMENT if name.startswith("naive") else EXPS_PER_ELEMENT
+        floor_s = exps * r["logits_bytes"] / itemsize / exp_rates[1 if "tp2" in name else 0]
         print(
             f"{name:<32}{tokens:>6}{r['time_s']:>8.3f}{r['peak_extra_bytes'] / gib:>10.2f}"
             f"{r['peak_extra_bytes'] / r['logits_bytes']:>9.2f}{r['time_s'] / (naive['time_s'] * scale):>11.3f}"
             f"{r['peak_extra_bytes'] / (naive['peak_extra_bytes'] * scale):>10.3f}"
             f"{work / (naive_work * scale):>11.3f}{3 * r['logits_bytes'] / bandwidth / r['time_s']:>9.2f}"
-            f"{3 * r['logits_bytes'] / r['time_s'] / 1e9:>6.1f}"
+            f"{3 * r['logits_bytes'] / r['time_s'] / 1e9:>6.1f}{floor_s / r['time_s']:>10.2f}"
         )
 
 
@@ -302,6 +334,8 @@ def main() -> None:
         print(json.dumps(_worker(args)))
         return
     bandwidth = _read_bandwidth()
+    rates = {name: (_elementwise_rate(name, args.threads), _elementwise_rate(name, 1)) for name in ("exp", "log")}
+    load = os.getloadavg()
     small, large = _naive_tokens(args), _fused_tokens(args)
     if large != args.tokens:
         print(f"note: N={args.tokens} does not fit in 80% of MemAvailable for the fused op; using N={large}")
@@ -320,7 +354,20 @@ def main() -> None:
             f"naive measured at N={small} (N={large} needs more than half of MemAvailable); ratios at N={large} "
             f"use the naive numbers scaled linearly by {large / small:g}"
         )
-    _report(rows, naive, bandwidth)
+    elements = args.tokens * args.vocab
+    print(
+        f"load average (1, 5, 15 min) at the start: {load[0]:.1f}, {load[1]:.1f}, {load[2]:.1f}; after: "
+        + ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    )
+    print(
+        f"compute (fp32, in cache): exp {rates['exp'][0] / 1e9:.2f} G elements/s on {args.threads} threads "
+        f"({rates['exp'][1] / 1e9:.2f} on 1), log {rates['log'][0] / 1e9:.2f} ({rates['log'][1] / 1e9:.2f} on 1); "
+        f"the op needs {EXPS_PER_ELEMENT} exp per logit and 3 log per token: at N={args.tokens}, V={args.vocab} "
+        f"the exp floor is {EXPS_PER_ELEMENT * elements / rates['exp'][0]:.3f} s (+ "
+        f"{3 * args.tokens / rates['log'][0] * 1e3:.3f} ms of log), the bandwidth roofline (3 passes) "
+        f"{3 * elements * DTYPES[args.dtype].itemsize / bandwidth:.3f} s; 'exp floor' below = floor / time"
+    )
+    _report(rows, naive, bandwidth, {0: rates["exp"][0], 1: rates["exp"][1]}, DTYPES[args.dtype].itemsize)
 
 
 if __name__ == "__main__":

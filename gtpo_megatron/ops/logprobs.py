@@ -112,11 +112,15 @@ def _local_statistics(local: torch.Tensor, settings: _OpSettings) -> tuple[torch
     return torch.where(max_N.isnan(), float("inf"), max_N), sums_kN
 
 
-def _refuse_bad_rows(max_N: torch.Tensor, target_ids: torch.Tensor, settings: _OpSettings) -> None:
-    """The op's single host sync: target ids in range and a finite global max for every row, else ValueError."""
+def _refuse_bad_rows(max_N, local_max_N, target_ids, settings: _OpSettings) -> bool:
+    """The op's single host sync: target ids in range and a finite global max for every row, else ValueError.
+
+    Returns whether some row of this shard is all ``-inf`` (its local softmax is undefined, see ``_grad_chunk``).
+    """
     bad_rows_N = ~torch.isfinite(max_N)
     bad_ids_N = (target_ids < 0) | (target_ids >= settings.vocab_size)
-    any_bad_row, any_bad_id = torch.stack([bad_rows_N.any(), bad_ids_N.any()]).tolist()
+    flags = torch.stack([bad_rows_N.any(), bad_ids_N.any(), (local_max_N == float("-inf")).any()])
+    any_bad_row, any_bad_id, any_empty_shard_row = flags.tolist()
     if any_bad_id:
         raise ValueError(
             f"target_ids contain ids outside [0, vocab_size={settings.vocab_size}) e.g. "
@@ -124,7 +128,7 @@ def _refuse_bad_rows(max_N: torch.Tensor, target_ids: torch.Tensor, settings: _O
             "padding to a real id and mask it out"
         )
     if not any_bad_row:
-        return
+        return any_empty_shard_row
     flat = int(bad_rows_N.nonzero()[0])
     row = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), settings.batch_shape))
     where = f"logits row {row} (of target_ids shape {settings.batch_shape})"
@@ -142,10 +146,11 @@ def _refuse_bad_rows(max_N: torch.Tensor, target_ids: torch.Tensor, settings: _O
 
 
 def _global_statistics(local, target_ids, local_ids, in_shard, tp_group, settings: _OpSettings):
-    """Global max ``M`` ``[N]`` and the all-reduced fp32 ``[k, N]`` statistics.
+    """Global max ``M`` ``[N]``, the all-reduced fp32 ``[k, N]`` statistics and the shard's share of ``Z_T``.
 
     Rows: ``Z_T``, the target's ``(z_target - M) / T``, ``sum exp(s_H) s_H``, and ``Z_H`` (only with a separate
-    entropy temperature).
+    entropy temperature). The share ``[N]`` (this shard's part of ``Z_T``; 1 at TP=1) is None when a shard row may
+    be all ``-inf`` (only known through ``check_inputs``' sync at TP > 1): its local softmax is undefined.
     """
     num_tokens, device = target_ids.numel(), local.device
     num_sums = 3 if settings.separate_entropy else 2
@@ -156,8 +161,9 @@ def _global_statistics(local, target_ids, local_ids, in_shard, tp_group, setting
         sums_kN = torch.zeros((num_sums, num_tokens), dtype=torch.float32, device=device)
     max_N = local_max_N.clone()
     all_reduce_(max_N, op="max", group=tp_group)
+    empty_shard_rows = tp_group is not None
     if settings.check_inputs:
-        _refuse_bad_rows(max_N, target_ids, settings)
+        empty_shard_rows &= _refuse_bad_rows(max_N, local_max_N, target_ids, settings)
     # Re-base from the local max m to the global max M; a shard row with no mass (m = -inf, sums 0) is based at
     # M so that delta = 0 instead of -inf (whose products with the zero sums would be NaN).
     base_N = torch.where(local_max_N > float("-inf"), local_max_N, max_N)
@@ -172,8 +178,9 @@ def _global_statistics(local, target_ids, local_ids, in_shard, tp_group, setting
         target_cols = local_ids.clamp(0, settings.valid_width - 1).view(local.shape[:2] + (1,))
         picked = local.gather(2, target_cols).view(-1).float()
         stats_kN[1] = torch.where(in_shard, (picked - max_N) / settings.temperature, 0.0)
+    local_z_N = stats_kN[0].clone()
     all_reduce_(stats_kN, op="sum", group=tp_group)
-    return max_N, stats_kN
+    return max_N, stats_kN, (None if empty_shard_rows else local_z_N / stats_kN[0])
 
 
 def _logprob_grad_chunk(logits, out, max_N, log_z, g_lp, temperature) -> None:
@@ -183,6 +190,24 @@ def _logprob_grad_chunk(logits, out, max_N, log_z, g_lp, temperature) -> None:
         out.div_(temperature)
     out.exp_()
     out.mul_((-g_lp / temperature * torch.exp(-log_z)).unsqueeze(-1))
+
+
+def _softmax_grad_chunk(logits, out, scratch, share_N, g_lp, temperature) -> None:
+    """``out = -p * g_lp / T`` as :func:`_logprob_grad_chunk`, with ``p = share * softmax(z / T)`` over the shard.
+
+    One fused row-wise kernel instead of three element-wise passes; ``scratch`` holds ``z / T`` unless the logits
+    are contiguous fp32 at ``T = 1`` (``out`` must be contiguous). The softmax re-sums ``Z`` of the shard, equal to
+    the forward's up to fp32 rounding.
+    """
+    source = logits
+    if logits.dtype != torch.float32 or not logits.is_contiguous():
+        source = scratch.copy_(logits)  # fp32 first: a 16-bit tensor divided by a number stays 16-bit
+        if temperature != 1.0:
+            source.div_(temperature)
+    elif temperature != 1.0:
+        source = torch.div(logits, temperature, out=scratch)
+    torch.softmax(source, dim=-1, out=out)
+    out.mul_((-g_lp / temperature * share_N).unsqueeze(-1))
 
 
 def _full_grad_chunk(logits, out, logp, max_N, log_z, entropy, g_lp, g_h, temperature) -> None:
@@ -200,8 +225,10 @@ def _full_grad_chunk(logits, out, logp, max_N, log_z, entropy, g_lp, g_h, temper
 
 def _grad_chunk(rows, out, scratch, saved, g_lp, g_h, settings: _OpSettings) -> None:
     """Gradient of one chunk except the target column's ``+g_lp / T`` (see the module docstring)."""
-    max_N, log_z, log_z_h, entropy = saved
-    if g_h is None:
+    max_N, log_z, log_z_h, entropy, share_N = saved
+    if g_h is None and share_N is not None:  # the softmax path (contiguous ``out``: see the backward)
+        _softmax_grad_chunk(rows, out, scratch, share_N, g_lp, settings.temperature)
+    elif g_h is None:
         _logprob_grad_chunk(rows, out, max_N, log_z, g_lp, settings.temperature)
     elif not settings.separate_entropy:
         _full_grad_chunk(rows, out, scratch, max_N, log_z, entropy, g_lp, g_h, settings.temperature)
@@ -222,12 +249,12 @@ class _LogprobsEntropy(torch.autograd.Function):
         local = logits[..., : settings.valid_width]
         local_ids = target_ids - settings.vocab_start
         in_shard = (local_ids >= 0) & (local_ids < settings.valid_width)
-        max_N, stats_kN = _global_statistics(local, target_ids, local_ids, in_shard, tp_group, settings)
+        max_N, stats_kN, share_N = _global_statistics(local, target_ids, local_ids, in_shard, tp_group, settings)
         z_h = stats_kN[3] if settings.separate_entropy else stats_kN[0]
         log_z, log_z_h = torch.log(stats_kN[0]), torch.log(z_h)
         logprobs = stats_kN[1] - log_z
         entropy = log_z_h - stats_kN[2] / z_h
-        ctx.save_for_backward(logits, local_ids, in_shard, max_N, log_z, log_z_h, entropy)
+        ctx.save_for_backward(logits, local_ids, in_shard, max_N, log_z, log_z_h, entropy, share_N)
         ctx.settings = settings
         ctx.set_materialize_grads(False)
         if not entropy_requires_grad:
@@ -250,17 +277,21 @@ class _LogprobsEntropy(torch.autograd.Function):
         target_cols = local_ids.clamp(0, width - 1).unsqueeze(-1)
         target_grad = torch.where(in_shard, g_lp / temperature, 0.0).unsqueeze(-1)
         in_place = logits.dtype == torch.float32  # fp32: build the gradient directly in the output rows
-        num_buffers = (0 if in_place else 1) + (0 if g_h is None else 1)
+        softmax_path = g_h is None and saved[-1] is not None and (not in_place or grad_logits.stride(-2) == width)
+        rows_ready = in_place and temperature == 1.0 and logits.stride(-1) == 1 and logits.stride(-2) == width
+        needs_scratch = g_h is not None or (softmax_path and not rows_ready)  # _softmax_grad_chunk's z/T
+        saved[-1] = saved[-1] if softmax_path else None
+        num_buffers = (0 if in_place else 1) + int(needs_scratch)
         buffers = _work_buffers(inner, settings.chunk_size, width, logits.device, num_buffers)
         for o, a, b, f in _chunks(outer, inner, settings.chunk_size):
             flat = slice(f, f + b - a)
             out = grad_logits[o, a:b, :width] if in_place else buffers[-1][: b - a]
-            scratch = buffers[0][: b - a] if g_h is not None else None
+            scratch = buffers[0][: b - a] if needs_scratch else None
             _grad_chunk(
                 logits[o, a:b, :width],
                 out,
                 scratch,
-                [t[flat] for t in saved],
+                [None if t is None else t[flat] for t in saved],
                 g_lp[flat],
                 None if g_h is None else g_h[flat],
                 settings,
@@ -323,12 +354,10 @@ def vocab_parallel_logprobs_entropy(
             no entropy contribution and zero gradient. Default: all ``V`` columns.
         temperature: the log-probs are those of ``softmax(logits / temperature)`` (> 0).
         entropy_temperature: the entropy is that of ``softmax(logits / entropy_temperature)`` (> 0); ``None``: the
-            same as ``temperature``. A different value costs two more element-wise passes over each chunk (one
-            ``exp``) in forward, and one ``[N]`` row more in the SUM all-reduce; the logits are still read once.
-        chunk_size: tokens per chunk; the fp32 working set is two ``[chunk_size, V/tp]`` buffers (reused by
-            every chunk), and backward recomputes the softmax chunk by chunk from the saved logits (nothing of
-            size ``V`` is saved). ``None``: one chunk (per leading index for a non-contiguous view), i.e. two fp32
-            copies of the whole shard.
+            same as ``temperature``. A different value costs three more element-wise passes per chunk in forward.
+        chunk_size: tokens per chunk; the fp32 working set is at most two ``[chunk_size, V/tp]`` buffers, and
+            backward recomputes the softmax chunk by chunk from the saved logits. ``None``: one chunk (per leading
+            index for a non-contiguous view).
         with_entropy: also return the entropy (its statistics cost one multiply-add per element either way).
         entropy_requires_grad: make the entropy differentiable (exact gradient at ``entropy_temperature``);
             otherwise it is detached.
@@ -345,8 +374,7 @@ def vocab_parallel_logprobs_entropy(
     Collectives:
         Two all-reduces on ``tp_group`` in forward (MAX of ``[N]`` row maxima; SUM of a ``[3, N]`` stack of
         sum-exp, target logit and sum exp*logit, ``[4, N]`` with a separate ``entropy_temperature``), none in
-        backward. Not differentiable themselves; the gradient of each shard is local because the forward saved
-        the global statistics.
+        backward (the forward saved the global statistics).
 
     Raises:
         ValueError: shard width inconsistent with ``padded_vocab_size``, ``vocab_size`` out of range, shape/dtype

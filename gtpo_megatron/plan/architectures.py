@@ -71,6 +71,7 @@ def _entry(name, layers, hidden, ffn, heads, groups, vocab, tied, *, head_dim=No
 KNOWN_ARCHITECTURES: dict[str, Architecture] = {
     a.name: a
     for a in (
+        _entry("Qwen2.5-1.5B-Instruct", 28, 1536, 8960, 12, 2, 151936, True, bias=True),
         _entry("Qwen2.5-3B-Instruct", 36, 2048, 11008, 16, 2, 151936, True, bias=True),
         _entry("Qwen2.5-7B-Instruct", 28, 3584, 18944, 28, 4, 152064, False, bias=True),
         _entry("Qwen2.5-32B-Instruct", 64, 5120, 27648, 40, 8, 152064, False, bias=True),

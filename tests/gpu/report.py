@@ -4,7 +4,8 @@ Two JSON-lines files per run, both appended while the checks run (so a check tha
 cannot take the earlier results with it):
 
 * ``$GTPO_GPU_RESULTS``: one line per test phase, written by ``tests/gpu/results_plugin.py`` (:func:`write_result`);
-* ``$GTPO_GPU_REPORT``: the numbers a check asserts on (:func:`record`: a max difference, a memory ratio, a time).
+* ``$GTPO_GPU_REPORT``: the numbers a check asserts on (:func:`record`: a max difference, a memory ratio, a time)
+  and the rows of the benchmark tables (:func:`bench_row`).
 
 ``tests/gpu/run_checks.py`` runs each group of checks in its own process and joins both files and the groups'
 exit states (:class:`GroupStatus`) into one table (:func:`build_table`).
@@ -39,6 +40,12 @@ def record(check: str, quantity: str, value: float, *, limit: float | None = Non
         unit: unit shown after the value (``"s"``, ``"GiB"``, ``"nats"``).
     """
     _append(REPORT_ENV, {"check": check, "quantity": quantity, "value": float(value), "limit": limit, "unit": unit})
+
+
+def bench_row(table: str, **columns: float | str) -> None:
+    """Append one row of benchmark table ``table`` (``columns`` in order, e.g. ``variant="naive", ms=3.1``) to
+    ``$GTPO_GPU_REPORT`` when it is set; the summary prints every table's rows under the checks."""
+    _append(REPORT_ENV, {"table": table, "columns": columns})
 
 
 def write_result(report) -> None:
@@ -115,18 +122,40 @@ def attach_records(rows: list[CheckRow], records: list[dict]) -> None:
     of a parametrised test carry the parameters in their ``quantity``)."""
     by_name = {row.name: row for row in rows}
     last_of_function = {row.name.split("[", 1)[0]: row for row in rows}
-    for item in records:
+    for item in (r for r in records if "check" in r):
         row = by_name.get(item["check"]) or last_of_function.get(item["check"])
         if row is not None:
             row.measurements.append(_format_measurement(item))
 
 
+def _cell(value) -> str:
+    if isinstance(value, float):
+        return "n/a" if value != value else f"{value:.4g}"  # NaN: not measured (a dry run has no CUDA memory)
+    return str(value)
+
+
+def bench_lines(records: list[dict]) -> list[str]:
+    """The rows of :func:`bench_row` as aligned tables, one per table name, in the order they were written."""
+    tables: dict[str, list[dict]] = {}
+    for item in (r for r in records if "table" in r):
+        tables.setdefault(item["table"], []).append(item["columns"])
+    lines = []
+    for name, rows in tables.items():
+        keys = list(dict.fromkeys(k for row in rows for k in row))
+        cells = [keys] + [[_cell(row.get(k, "")) for k in keys] for row in rows]
+        widths = [max(len(line[i]) for line in cells) for i in range(len(keys))]
+        lines.append(f"bench: {name}")
+        lines.extend("  " + "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(line, widths)))
+                     for line in cells)  # fmt: skip
+    return lines
+
+
 OUTCOMES = ("passed", "failed", "error", "crashed", "skipped")
 
 
-def build_table(groups: list[tuple[GroupStatus, list[CheckRow]]]) -> str:
+def build_table(groups: list[tuple[GroupStatus, list[CheckRow]]], bench: list[str] = ()) -> str:
     """The summary table: per group a header line, then one line per check (status, seconds, reason) with its
-    measurements indented under it; the totals at the end."""
+    measurements indented under it; then the ``bench`` lines (:func:`bench_lines`); the totals at the end."""
     rows = [row for _, group_rows in groups for row in group_rows]
     width = max([len(r.name) + 2 for r in rows] + [30])
     lines = [f"{'check':<{width}}  {'status':<8} {'seconds':>8}  key numbers / reason", "-" * (width + 60)]
@@ -136,6 +165,8 @@ def build_table(groups: list[tuple[GroupStatus, list[CheckRow]]]) -> str:
         for row in group_rows:
             lines.append(f"  {row.name:<{width - 2}}  {row.outcome:<8} {row.seconds:8.1f}  {row.reason}".rstrip())
             lines.extend(f"{'':<{width}}    {m}" for m in row.measurements)
+    if bench:
+        lines.extend(["-" * (width + 60), *bench])
     counts = {o: sum(r.outcome == o for r in rows) for o in OUTCOMES}
     bad_groups = [s.name for s, _ in groups if s.status not in ("ok", "failed")]
     lines.append("-" * (width + 60))

@@ -26,13 +26,16 @@ REPO = Path(__file__).resolve().parents[2]
 
 @dataclass(frozen=True)
 class Group:
-    """One process: a pytest file and its time limit in seconds."""
+    """One process: a pytest file and its time limit in seconds; ``bench`` groups run only with ``--bench``."""
 
     name: str
     path: str
     limit_s: float
+    bench: bool = False
 
 
+BENCH_BUDGET_S = 210
+"""The bench group's time limit, which ``run_gpu_checks.sh --bench`` adds to the default budget."""
 DRY_RUN_SLOWDOWN = 4
 """A dry run computes on the CPU: each group's time limit is this many times its GPU limit (the budget is the
 caller's)."""
@@ -41,6 +44,7 @@ GROUPS = (
     Group("megatron", "tests/gpu/test_gpu_megatron.py", 100),
     Group("trainer", "tests/gpu/test_gpu_trainer.py", 100),
     Group("vllm", "tests/gpu/test_gpu_policy_rollout.py", 150),
+    Group("bench", "tests/gpu/test_gpu_bench.py", BENCH_BUDGET_S, bench=True),
 )
 
 
@@ -88,6 +92,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, type=Path, help="folder for logs, results and summary.txt")
     parser.add_argument("--dry-run", action="store_true", help="run on the CPU: CUDA-only checks skip")
     parser.add_argument("--budget", type=float, default=270.0, help="seconds for all groups together (270)")
+    parser.add_argument(
+        "--bench", action="store_true", help="also run the benchmark group (tests/gpu/test_gpu_bench.py)"
+    )
+    parser.add_argument("--only", nargs="+", metavar="GROUP", help="run only these groups (e.g. --only bench)")
     args, pytest_args = parser.parse_known_args(argv)
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
@@ -99,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
            "GTPO_GPU_DRY_RUN": "1" if args.dry_run else "0"}  # fmt: skip
     deadline = time.monotonic() + args.budget
     statuses = []
-    for group in GROUPS:
+    for group in selected_groups(bench=args.bench, only=args.only):
         left = deadline - time.monotonic()
         if left < 15:
             statuses.append(report.GroupStatus(group.name, "not run", 0.0, "the time budget is spent"))
@@ -110,13 +118,25 @@ def main(argv: list[str] | None = None) -> int:
         statuses.append(status)
         done = sum(1 for _ in open(results)) - first if results.exists() else 0
         print(f"[{group.name}] {status.status} in {status.seconds:.1f} s ({done} test phases reported)", flush=True)
-    rows = report.read_results(results)
-    report.attach_records(rows, report.read_records(records))
-    table = report.build_table(by_group(statuses, rows))
+    rows, recorded = report.read_results(results), report.read_records(records)
+    report.attach_records(rows, recorded)
+    table = report.build_table(by_group(statuses, rows), report.bench_lines(recorded))
     (out / "summary.txt").write_text(table + "\n")
     print("\n" + table, flush=True)
     unfinished = any(s.status not in ("ok", "failed") for s in statuses)
     return 1 if unfinished or any(r.outcome in ("failed", "error", "crashed") for r in rows) else 0
+
+
+def selected_groups(*, bench: bool, only: list[str] | None) -> list[Group]:
+    """The groups to run: the correctness groups, the bench groups with ``bench``; ``only`` keeps those named.
+
+    Raises:
+        SystemExit: a name in ``only`` that is no group.
+    """
+    unknown = sorted(set(only or ()) - {g.name for g in GROUPS})
+    if unknown:
+        raise SystemExit(f"run_checks: --only {unknown}: no such group; the groups are {[g.name for g in GROUPS]}")
+    return [g for g in GROUPS if (g.name in only if only else bench or not g.bench)]
 
 
 def by_group(

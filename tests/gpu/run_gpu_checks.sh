@@ -21,12 +21,19 @@
 #                   trainer   a 2-step Trainer.run on NCCL (pure and cpu:gloo,cuda:nccl) with the real policy and a
 #                             stand-in rollout engine (real vLLM when installed), every collective recorded
 #                   vllm      generation, train/rollout mismatch, weight sync, sleep/wake (only with vLLM)
+#                 and, with --bench, the benchmarks of docs/performance.md (tests/gpu/test_gpu_bench.py):
+#                   bench     the fused log-prob op vs Megatron's vocab_parallel_cross_entropy and log_softmax
+#                             (N=8192, V=151936, bf16, fwd+bwd: time, memory, roofline fraction); the bf16
+#                             training step of a random Qwen2.5-1.5B at s=2048 and longer until one does not fit
+#                             (tokens/s, MFU, peak memory vs gtpo-plan); the GTPO step's own overhead
 #                 and prints one summary table, also written to $OUT/summary.txt [OUT: /tmp/gtpo_gpu_checks].
 #                 Without --wheels the checks use whatever the interpreter has installed.
 # --dry-run       the same pipeline on the CPU (gloo, fp32, smaller sizes); the CUDA-only checks skip with a reason.
+# --bench         also run the bench group (its 210 s are added to the default budget); --only GROUP... runs only
+#                 the groups named (e.g. --only bench).
 # Other arguments go to pytest (e.g. -k trainer). Knobs: PYTHON, OUT, GTPO_GPU_SITE, GPU_CHECK_BUDGET [seconds for
-# the groups: 270 on a GPU, 900 in a dry run; the whole script is killed 30 s later]. Exit status 0 when every group
-# finished and no check failed.
+# the groups: 270 on a GPU (480 with --bench), 900 in a dry run; the whole script is killed 30 s later]. Exit status
+# 0 when every group finished and no check failed.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 if [ -z "${PYTHON:-}" ]; then
@@ -49,12 +56,15 @@ while [ $# -gt 0 ]; do
     *) args+=("$1"); shift ;;
   esac
 done
-dry_run=0
-for arg in ${args[@]+"${args[@]}"}; do [ "$arg" = "--dry-run" ] && dry_run=1; done
+dry_run=0 bench_s=0
+for arg in ${args[@]+"${args[@]}"}; do
+  [ "$arg" = "--dry-run" ] && dry_run=1
+  [ "$arg" = "--bench" ] && bench_s="$("$PYTHON" -c 'from tests.gpu.run_checks import BENCH_BUDGET_S as s; print(s)')"
+done
 if [ "$dry_run" = 0 ] && ! "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
   echo "run_gpu_checks.sh: torch sees no CUDA device; run on a GPU machine, or pass --dry-run" >&2
   exit 2
 fi
-budget="${GPU_CHECK_BUDGET:-$([ "$dry_run" = 1 ] && echo 900 || echo 270)}"
+budget="${GPU_CHECK_BUDGET:-$(( $([ "$dry_run" = 1 ] && echo 900 || echo 270) + bench_s ))}"
 timeout --kill-after=10 "$((budget + 30))" \
   "$PYTHON" -m tests.gpu.run_checks --out "${OUT:-/tmp/gtpo_gpu_checks}" --budget "$budget" ${args[@]+"${args[@]}"}

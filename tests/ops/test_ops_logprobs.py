@@ -203,3 +203,26 @@ def test_non_contiguous_views(chunk_size, view):
     torch.testing.assert_close(lp.double(), ref_lp.detach(), atol=1e-5, rtol=1e-6)
     torch.testing.assert_close(h.double(), ref_h.detach(), atol=1e-5, rtol=1e-6)
     torch.testing.assert_close(full.grad.double(), ref_full.grad, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("entropy_requires_grad", [False, True])
+def test_working_set_is_at_most_the_planned_fp32_buffers(monkeypatch, dtype, temperature, entropy_requires_grad):
+    # gtpo-plan counts FP32_OP_BUFFERS chunk buffers for the op (plan.memory); forward and backward stay within it
+    from gtpo_megatron.ops import logprobs as op_module
+    from gtpo_megatron.plan.memory import FP32_OP_BUFFERS
+
+    counts, original = [], op_module._work_buffers
+    monkeypatch.setattr(op_module, "_work_buffers", lambda *a: counts.append(a[-1]) or original(*a))
+    logits = (3 * torch.randn(2, 5, 40)).to(dtype).requires_grad_()
+    targets = torch.randint(0, 40, (2, 5))
+    ref_logits = logits.detach().double().requires_grad_()
+    logprobs, entropy = vocab_parallel_logprobs_entropy(
+        logits, targets, temperature=temperature, chunk_size=3, entropy_requires_grad=entropy_requires_grad
+    )
+    (logprobs.sum() + (entropy.sum() if entropy_requires_grad else 0)).backward()
+    assert counts and max(counts) <= FP32_OP_BUFFERS
+    ref_lp, ref_h = ref_logprobs_entropy(ref_logits, targets, temperature=temperature)
+    (ref_lp.sum() + (ref_h.sum() if entropy_requires_grad else 0)).backward()
+    torch.testing.assert_close(logits.grad.double(), ref_logits.grad.to(dtype).double(), rtol=2e-2, atol=1e-5)

@@ -52,6 +52,15 @@ def test_qwen3_32b_head_dim_and_qk_norm() -> None:
     assert round(arch.total_params() / 1e9, 1) == 32.8
 
 
+def test_qwen25_1p5b_param_count_by_hand() -> None:
+    arch = KNOWN_ARCHITECTURES["Qwen2.5-1.5B-Instruct"]
+    # q 1536x1536 and o 1536x1536, k/v 1536x256 each (2 KV heads x 128): 5,505,024; qkv bias 1536 + 2*256 = 2,048
+    # SwiGLU 3 * 1536 * 8960 = 41,287,680; two RMSNorms 3,072 -> 46,797,824 per layer
+    assert arch.layer_params() == 5_505_024 + 2_048 + 41_287_680 + 3_072 == 46_797_824
+    # 28 layers + final norm 1536 + one tied embedding 151936 * 1536 = 233,373,696: the published 1.54B
+    assert arch.total_params() == 28 * 46_797_824 + 1_536 + 233_373_696 == 1_543_714_304
+
+
 @pytest.mark.parametrize("name", ["tiny-qwen2", "tiny-llama", "smollm2-135m-instruct"])
 def test_local_config_matches_checkpoint(name: str) -> None:
     folder = cache_dir() / name

@@ -134,3 +134,46 @@ def test_run_gpu_checks_dry_run_runs_every_group(tmp_path: Path) -> None:
         assert line in summary, summary
     assert "skipped: no TE" in summary and "dry run: peak CUDA memory needs CUDA" in summary
     assert summary.splitlines()[-1].split(";")[0].endswith("0 crashed, 7 skipped")
+
+
+def test_bench_rows_print_as_one_aligned_table_per_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(report.REPORT_ENV, str(tmp_path / "records.jsonl"))
+    report.bench_row("op", variant="fused", ms=1.23456, roofline=float("nan"))
+    report.record("test_a", "x", 1.0)  # a check's number: not a bench row
+    report.bench_row("op", variant="megatron", ms=12.0, roofline=0.5)
+    report.bench_row("step", s=2048, note="out of memory")
+    lines = report.bench_lines(report.read_records(tmp_path / "records.jsonl"))
+    assert lines == [
+        "bench: op",
+        "  variant      ms  roofline",
+        "  fused     1.235       n/a",
+        "  megatron     12       0.5",
+        "bench: step",
+        "  s" + " " * 14 + "note",
+        "  2048  out of memory",
+    ]
+    table = report.build_table([(report.GroupStatus("bench", "ok", 1.0), [])], lines)
+    assert "\n".join(lines) in table and table.splitlines()[-1].startswith("0 passed")
+
+
+def test_bench_group_runs_only_when_asked() -> None:
+    names = lambda groups: [g.name for g in groups]  # noqa: E731
+    assert names(run_checks.selected_groups(bench=False, only=None)) == ["ops", "megatron", "trainer", "vllm"]
+    assert names(run_checks.selected_groups(bench=True, only=None))[-1] == "bench"
+    assert names(run_checks.selected_groups(bench=False, only=["bench", "ops"])) == ["ops", "bench"]
+    with pytest.raises(SystemExit, match=r"--only \['nope'\]: no such group"):
+        run_checks.selected_groups(bench=False, only=["nope"])
+
+
+def test_run_gpu_checks_bench_dry_run(tmp_path: Path) -> None:
+    """``--dry-run --only bench``: the benchmark group on the CPU at tiny sizes, its three tables in the summary
+    (about 20 s on the idle 2-core machine: Megatron's import, a 2-layer model, three checks)."""
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable}
+    result = subprocess.run(["bash", "tests/gpu/run_gpu_checks.sh", "--dry-run", "--only", "bench"], cwd=REPO,
+                            env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    summary = (tmp_path / "summary.txt").read_text()
+    assert "bench [ok" in summary and summary.splitlines()[-1].startswith("3 passed, 0 failed"), summary
+    for line in ("bench: log-prob op, N=64", "bench: training step, random Qwen2.5-1.5B-Instruct", "bench: GTPO step"):
+        assert line in summary, summary
+    assert "longest sequence that fits (micro-batch 1) = 64" in summary
