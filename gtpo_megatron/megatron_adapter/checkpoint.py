@@ -163,6 +163,30 @@ def save_checkpoint(path: str | Path, policy, trainer_state: dict, *, rng: dict 
     return final
 
 
+def _use_config_lr(optimizer_state: dict, param_groups: list[dict]) -> None:
+    """Give the loaded param groups the config's ``max_lr``/``min_lr``, matched by position (in place).
+
+    megatron-core 0.17+ pairs loaded and current param groups by a key that includes ``max_lr``/``min_lr``, so a
+    resume with a changed ``optim.lr`` would not load; the schedule is the config's anyway (``restore_schedule``).
+    """
+    current = iter(param_groups)
+
+    def walk(node) -> None:
+        if isinstance(node, list):
+            for item in node:
+                walk(item)
+        elif isinstance(node, dict):
+            for group in node.get("param_groups") or ():
+                config_group = next(current, None)
+                if config_group is not None and "max_lr" in group:
+                    group.update(max_lr=config_group["max_lr"], min_lr=config_group["min_lr"])
+            for key, value in node.items():
+                if key not in ("param_groups", "state"):
+                    walk(value)
+
+    walk(optimizer_state)
+
+
 def load_checkpoint(path: str | Path, policy) -> dict:
     """Load a checkpoint (folder or root) into ``policy`` in any layout; returns the saved trainer state. All ranks.
 
@@ -188,6 +212,7 @@ def load_checkpoint(path: str | Path, policy) -> dict:
         template = _sharded_state_dict(policy, is_loading=True, rng=rng_state() if same_layout else None)
         loaded = dist_checkpointing.load(template, str(folder))
         policy.model.load_state_dict(loaded["model"])
+        _use_config_lr(loaded["optimizer"], policy.optimizer.param_groups)
         policy.optimizer.load_state_dict(loaded["optimizer"])
     restore_schedule(policy.scheduler, common["scheduler"])
     if same_layout:

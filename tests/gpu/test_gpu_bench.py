@@ -163,14 +163,14 @@ def policy(groups, tmp_path_factory):
 
 def _batch(rows: int, seq_len: int, *, group_size: int = 1, seed: int = 0):
     """Random prompt + response rows (prompt 1/8 of the sequence); groups share the first half of the response."""
-    from gtpo_megatron.rollout.types import TrainBatch
+    from gtpo_megatron.batch import TrainBatch
 
     gen = torch.Generator().manual_seed(seed)
     input_ids = torch.randint(0, ARCH.vocab_size, (rows, seq_len), generator=gen)
     prompt, half = seq_len // 8, seq_len // 8 + (seq_len - seq_len // 8) // 2
     input_ids[:, :half] = input_ids[::group_size].repeat_interleave(group_size, 0)[:, :half]
     response = torch.arange(seq_len)[None, :].expand(rows, -1) >= prompt
-    return TrainBatch(input_ids=input_ids, attention_mask=torch.ones(rows, seq_len, dtype=torch.bool),
+    return TrainBatch(input_ids=input_ids, token_mask=torch.ones(rows, seq_len, dtype=torch.bool),
                       response_mask=response.clone(), advantages=torch.randn(rows, generator=gen),
                       token_weights=response.float())  # fmt: skip
 
@@ -208,19 +208,15 @@ def test_bench_gtpo_overhead(policy) -> None:
         return compute_weights(batch.input_ids, batch.response_mask, rewards, algorithm, loss_spec=spec)
 
     step = weights()
-    on_device = {k: getattr(step, k).to(DEVICE) for k in ("raw_advantages", "token_weights", "keep_mask")}
-    mask = batch.response_mask.to(DEVICE)
+    rows = dataclasses.replace(batch, advantages=step.raw_advantages, token_weights=step.token_weights)
+    rows = rows.apply(lambda t: t.to(DEVICE))
     logprobs = (-torch.rand(OVERHEAD_ROWS, seq_len, generator=torch.Generator().manual_seed(3))).to(DEVICE)
     entropy = torch.rand(OVERHEAD_ROWS, seq_len).to(DEVICE)
     normalizer = torch.tensor(float(OVERHEAD_ROWS), device=DEVICE)
 
     def objective():
         leaf = logprobs.detach().requires_grad_()
-        loss, _, _ = policy_objective(
-            policy_logprobs=leaf, entropy=entropy, raw_advantages=on_device["raw_advantages"],
-            token_weights=on_device["token_weights"], response_mask=mask, normalizer=normalizer, spec=spec,
-            keep_mask=on_device["keep_mask"],
-        )  # fmt: skip
+        loss, _, _ = policy_objective(leaf, entropy, rows, spec, normalizer)
         loss.backward()
 
     batch.advantages, batch.token_weights = step.raw_advantages, step.token_weights

@@ -102,7 +102,8 @@ def _write_checkpoint(rank: int, world_size: int, root: str) -> None:
 
 
 class _ReplayEngine:
-    """Returns the recorded group (rollout log-probs = the saved weights' log-probs); records pushes and calls."""
+    """Returns the recorded group (rollout log-probs = the saved weights' log-probs); records calls and the tensors
+    of the first push (the weights the engine starts from; the step's update changes later pushes)."""
 
     def __init__(self, expected_logprobs: torch.Tensor, response_mask: torch.Tensor):
         self.group = _group()
@@ -120,7 +121,8 @@ class _ReplayEngine:
         self.events.append("push")
 
     def load_weight_bucket(self, bucket):
-        self.tensors.update({name: t.clone() for name, t in bucket})
+        if self.events.count("push") == 1:
+            self.tensors.update({name: t.clone() for name, t in bucket})
 
     def finish_weight_update(self):
         pass
