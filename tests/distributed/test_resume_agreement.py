@@ -50,6 +50,7 @@ def _worker(rank, world_size, base):
     _make(root, *(() if rank == 0 else (5,)))
     with pytest.raises(RuntimeError, match="rank 0 chose a fresh start .* rank 1 \\(rank 0 sees no complete"):
         agreed_checkpoint(root, rank=rank, group=group)
+    dist.barrier(group=group)
 
 
 def test_ranks_follow_rank_0s_checkpoint_or_stop_together(tmp_path):
