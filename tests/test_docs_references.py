@@ -61,7 +61,8 @@ def test_citation_parser_on_hand_written_text():
     )
     assert sorted(cited_sections(text)) == [1, 2, 3, 4, 5, 8, 9]
     assert section_numbers("# t\n## 1. Objective\n### 1.1 no\n## 12. Later\n") == {1, 12}
-    assert ISSUE.search("fixed in Issue 12 item 3") and ISSUE.search("the issue-13 example")
+    word = "issue"  # spelled apart so that this file passes its own check
+    assert ISSUE.search(f"fixed in {word.title()} 12 item 3") and ISSUE.search(f"the {word}-13 example")
     assert not ISSUE.search("a known issue of vLLM (vllm-project/vllm#42821)")
 
 
@@ -93,7 +94,6 @@ def test_no_tracked_file_cites_an_issue_number(texts):
     found = [
         f"{name}:{text.count(chr(10), 0, match.start()) + 1}: {match.group(0)!r}"
         for name, text in texts.items()
-        if name != "tests/test_docs_references.py"
         for match in ISSUE.finditer(text)
     ]
     assert not found, f"say what the change means instead of citing an issue number: {found}"
