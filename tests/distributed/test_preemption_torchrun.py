@@ -30,7 +30,7 @@ import pytest
 from gtpo_megatron import run_dir
 from tests.helpers.dist_harness import free_port
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # three torchrun jobs, one with a 120 s stalled call
 
 REPO = Path(__file__).resolve().parents[2]
 GRACE_S = 30  # torchrun's default --shutdown-timeout

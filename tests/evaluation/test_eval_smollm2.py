@@ -18,7 +18,7 @@ from gtpo_megatron.rollout.vllm_engine import VLLMEngine
 from tests.helpers.data import needs_benchmark_data
 from tests.integration.test_vllm_engine import check_structure, max_abs_diff
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]  # builds SmolLM2 (~85 s) and starts its engine
 MODEL = "builtin:smollm2-135m-instruct"
 SMOL_ATOL = 2e-3  # fp32 both sides; 30 layers of differently ordered CPU reductions (measured max ~1e-4)
 

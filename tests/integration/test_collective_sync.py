@@ -24,7 +24,7 @@ from gtpo_megatron.rollout.push import CollectiveWeightSync
 from gtpo_megatron.rollout.vllm_engine import VLLMEngine
 from tests.integration.test_vllm_engine import TINY_ATOL, hf_logprobs, perturb
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]  # two multiprocess engine starts
 
 PROMPTS, COMPLETIONS = [[1, 2, 3, 4], [500, 600, 700]], [[5, 6, 7, 8, 9], [11, 12, 13]]
 
