@@ -2,7 +2,8 @@
 # The seeded small-scale comparison (configs/compare_cpu.yaml; docs/results.md): GRPO (beta = 0), DAPO and GTPO with
 # SEEDS seeds each, plus GTPO with its entropy filter acting (gtpo-filter: algorithm.entropy_filter=fixed drops the
 # completions with <H>_i > tau = ln 2; the `paper` rule keeps them all here, as <H>_ini ~0.74 > ln 2), one run after
-# the other on 2 CPU ranks, seed by seed; then gtpo-compare (per step: the seed mean and a min-max band).
+# the other on 2 CPU ranks through launch/run_local.sh (its torchrun line and Intel OpenMP preload), seed by seed;
+# then gtpo-compare (per step: the seed mean and a min-max band).
 # Usage:  bash launch/compare_cpu.sh [key=value overrides for every run, e.g. trainer.max_steps=1]
 # Smoke test (one step of the filtering run, then the figure):
 #   METHODS= SEEDS=0 OUT=runs/compare_smoke bash launch/compare_cpu.sh trainer.max_steps=1
@@ -25,9 +26,8 @@ train() {  # METHOD SEED OVERRIDE...: one run into OUT/METHOD/seedSEED
   local dir="$OUT/$1/seed$2" seed="$2"
   shift 2
   echo "compare_cpu.sh: $dir" >&2
-  torchrun --nnodes=1 --nproc-per-node=2 --master-addr=127.0.0.1 --master-port="$MASTER_PORT" \
-    -m gtpo_megatron.train --config configs/compare_cpu.yaml "$@" "trainer.seed=$seed" "rollout.seed=$seed" \
-    "data.shuffle_seed=$seed" "output_dir=$dir" "${overrides[@]}"
+  NGPU=2 CONFIG=configs/compare_cpu.yaml MASTER_PORT="$MASTER_PORT" LOG_DIR="$dir/logs" bash launch/run_local.sh \
+    "$@" "trainer.seed=$seed" "rollout.seed=$seed" "data.shuffle_seed=$seed" "output_dir=$dir" "${overrides[@]}"
   runs+=("$dir")
 }
 for seed in $SEEDS; do
