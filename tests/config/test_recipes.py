@@ -81,6 +81,6 @@ def test_compare_recipe_differs_only_by_the_algorithm(algorithm):
         cfg = load_config(CONFIGS / "compare_cpu.yaml", [f"algorithm={algorithm}"])
     validate_config(cfg, 2, check_registries=False)
     assert cfg.algorithm.name == algorithm and cfg.algorithm.kl_coef == 0.0  # GRPO with beta = 0
-    assert (cfg.data.source, cfg.data.synthetic_difficulty, cfg.trainer.max_steps) == ("synthetic", "medium", 30)
+    assert (cfg.data.source, cfg.data.synthetic_difficulty, cfg.trainer.max_steps) == ("synthetic", "easy", 10)
     assert (cfg.trainer.seed, cfg.rollout.seed, cfg.data.shuffle_seed) == (0, 0, 0)
     assert cfg.model.name_or_path == "builtin:smollm2-135m-instruct"
