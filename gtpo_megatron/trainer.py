@@ -255,11 +255,10 @@ class Trainer:
         return local
 
     def _train(self, batch: TrainBatch, spec: LossSpec) -> dict[str, float]:
-        """``num_updates_per_batch`` optimizer steps; the mismatch is measured by the first (before any update)."""
+        """``num_updates_per_batch`` optimizer steps, each with the behaviour log-probs (the mismatch is pi_old's)."""
         metrics: dict[str, float] = {}
         for _ in range(self.cfg.algorithm.num_updates_per_batch):
             metrics.update(self.policy.train_step(batch, spec))
-            batch.rollout_logprobs = None
         return metrics
 
     def _sync_weights(self) -> dict[str, float]:
