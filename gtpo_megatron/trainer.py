@@ -271,10 +271,16 @@ class Trainer:
         return metrics
 
     def _after_update(self, step: int) -> dict[str, float]:
-        """The weight sync after ``step``'s update; async: between the engines' batches (``AsyncRollouts``)."""
+        """The weight sync after ``step``'s update; async: between the engines' batches (``AsyncRollouts``).
+
+        Async: a SIGTERM during the drain skips the push (safe point: one MAX all-reduce on the world).
+        """
         if self.rollouts is None:
             return self._sync_weights()
-        return self.rollouts.after_update(step, self._sync_weights, self.stop_requests)
+        waited = self.rollouts.drain(self.stop_requests)
+        if self._agree(self.stop_requests.abort_requested):
+            return waited
+        return {**waited, **self.rollouts.push(step, self._sync_weights)}
 
     def _sync_weights(self) -> dict[str, float]:
         """Stream the new weights into every engine (``rollout.push``); replica 0's ranks drive the gather."""

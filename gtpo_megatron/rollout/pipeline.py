@@ -3,7 +3,7 @@
 With k = ``rollout.max_staleness`` and s steps completed at the start, every rank follows one schedule:
 
     start     submit batches s+1 .. s+1+k                  (the engines hold the weights after step s)
-    step t    take(t) -> train -> drain -> push the weights after step t -> submit batch t+1+k
+    step t    take(t) -> train -> drain -> push the weights after step t, submit batch t+1+k
 
 so batch j is sampled with the weights after step v_j = max(s, j-1-k) and trains the policy after step j-1: its
 staleness (j-1) - v_j is k from step s+k+1 on (k = 1: 0 at the first step, then 1). The schedule decides every
@@ -14,8 +14,8 @@ leader checks), so a checkpoint holds the position of the last trained step and 
 (:attr:`AsyncRollouts.in_flight`), which a resumed run samples again: no prompt is lost or used twice. Request seeds
 depend on the step only (``RolloutCollector._sampling``). An engine leader's worker thread samples and scores
 (no collective); at take every rank shares the batch (``collector.share_step``: the world's one all-reduce). A wait
-is bounded by ``rollout.timeout_s`` per batch waited for, and SIGTERM leaves it: at take the step aborts, at the
-drain only the push is skipped (as in sync mode).
+is bounded by ``rollout.timeout_s`` per batch waited for, and SIGTERM leaves it: at take the step aborts, after
+the drain the trainer agrees to skip only the push (the safe points of sync mode).
 """
 
 from __future__ import annotations
@@ -170,31 +170,34 @@ class AsyncRollouts:
             rollout.stats.update({"async/staleness_mean": staleness, "async/staleness_max": staleness})
         return rollout
 
-    def after_update(
-        self, step: int, push: Callable[[], dict[str, float]], stop: StopRequests | None
-    ) -> dict[str, float]:
-        """Drain, ``push`` the weights after ``step``, submit batch step+1+k; returns the push's metrics and waits.
+    def drain(self, stop: StopRequests | None) -> dict[str, float]:
+        """Wait until every submitted batch is sampled (SIGTERM leaves the wait); ``async/rollout_wait_s``.
 
-        ``async/rollout_wait_s``: the trainer's wait for batches this step (take and drain); ``async/weight_wait_s``:
-        the engines' idle time between their last batch and the next one (which follows the push). A SIGTERM
-        during the drain skips the push and the submission (the update is done: the step counts, as in sync mode).
+        ``async/rollout_wait_s`` is the trainer's wait for batches in this step (at take and here). Only engine
+        leaders wait; the caller then agrees on a SIGTERM before :meth:`push`.
 
         Raises:
             RuntimeError: as :meth:`take`, for a batch sampled meanwhile.
         """
         start = time.perf_counter()
-        pending = [self._batches[s] for s in sorted(self._batches)]
         try:
-            for batch in pending:
-                self._wait(batch, stop)
+            for step in sorted(self._batches):
+                self._wait(self._batches[step], stop)
         except StepInterrupted:
-            return {"async/rollout_wait_s": self._take_wait_s + time.perf_counter() - start}
-        drained_s = time.perf_counter() - start
+            pass
+        return {"async/rollout_wait_s": self._take_wait_s + time.perf_counter() - start}
+
+    def push(self, step: int, push: Callable[[], dict[str, float]]) -> dict[str, float]:
+        """After :meth:`drain`: ``push`` the weights after ``step`` and submit batch step+1+k; ``push``'s metrics.
+
+        ``async/weight_wait_s``: the engines' idle time from their last batch to the next one (after this push).
+        """
+        finished_s = [b.finished_at_s for b in self._batches.values()]
         metrics = push()
         self._version = step
         self._submit(step + 1 + self.max_staleness)
-        idle_s = time.perf_counter() - max(b.finished_at_s for b in pending) if pending else 0.0
-        return {**metrics, "async/rollout_wait_s": self._take_wait_s + drained_s, "async/weight_wait_s": idle_s}
+        idle_s = time.perf_counter() - max(finished_s) if finished_s else 0.0
+        return {**metrics, "async/weight_wait_s": idle_s}
 
     def _wait(self, batch: _Batch, stop: StopRequests | None) -> None:
         """Wait for ``batch`` (``rollout.timeout_s``; interruptible by SIGTERM with ``stop``) and raise its error."""
