@@ -218,6 +218,8 @@ OBJECTIVE_METRICS = {  # step metric: its ops.MEANS row, over the training forwa
     "advantage/abs_mean": "advantage_abs_mean",
     "mismatch/abs_logprob_diff": "mismatch_abs_logprob_diff",
     "mismatch/prob_ratio_err": "mismatch_prob_ratio_err",
+    "offpolicy/is_weight_mean": "is_weight_mean",
+    "offpolicy/is_capped_frac": "is_capped_frac",
 }
 
 
@@ -233,7 +235,7 @@ def loss_temperature(algorithm: AlgorithmConfig, rollout: RolloutConfig) -> floa
 
 
 def build_loss_spec(algorithm: AlgorithmConfig, rollout: RolloutConfig) -> LossSpec:
-    """The step objective of ``algorithm`` (docs/algorithm.md sections 1, 4 and 5) as the policy receives it.
+    """The step objective of ``algorithm`` (docs/algorithm.md sections 1, 4, 5 and 11) as the policy receives it.
 
     ``initial_entropy`` stays None until measured; Dr. GRPO's L is ``rollout.max_tokens``.
     """
@@ -251,4 +253,6 @@ def build_loss_spec(algorithm: AlgorithmConfig, rollout: RolloutConfig) -> LossS
         entropy_threshold=algorithm.entropy_threshold,
         entropy_only_negative=algorithm.entropy_only_negative,
         entropy_penalty=algorithm.entropy_penalty,
+        off_policy_correction=algorithm.off_policy_correction,
+        off_policy_cap=algorithm.off_policy_cap,
     )

@@ -14,6 +14,9 @@ Phases. Colocated runs alternate: while vLLM generates, the trainer's weights, g
 resident next to the engine's ``rollout.gpu_memory_utilization`` share of the GPU; while the policy trains, the
 engine sleeps (weights offloaded, KV cache freed) and activations plus the log-prob working set take its place.
 Separate runs put the engine on its own GPUs.
+
+Step time. ``plan.overlap``'s first-order model compares the colocated sync step on every GPU with the best split
+between training and engine GPUs for ``rollout.mode: async`` (``--gpu-tflops``, ``--gpu-hbm-tbps``, ``--mfu``).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from gtpo_megatron.plan.memory import (
     logprob_working_set_bytes,
     weight_sync_seconds,
 )
+from gtpo_megatron.plan.overlap import Hardware, StepWork, best_split, sync_step
 
 GIB = 2**30
 FILES_GBPS = 16.0
@@ -72,6 +76,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=400.0,
         help="link bandwidth of one weight sync in gigabit/s (default 400: one NDR InfiniBand port)",
     )
+    parser.add_argument("--gpu-tflops", type=float, default=989.0, help="dense bf16 TFLOP/s of one GPU (H100/H200)")
+    parser.add_argument("--gpu-hbm-tbps", type=float, default=3.35, help="HBM TB/s of one GPU (H100; H200: 4.8)")
+    parser.add_argument("--mfu", type=float, default=0.4, help="fraction of --gpu-tflops reached (step time model)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. parallel.tp_size=8")
     return parser.parse_intermixed_args(argv)
 
@@ -89,6 +96,9 @@ def _check_args(args: argparse.Namespace) -> None:
             f"must be in [0, --gpu-mem={args.gpu_mem:g})",
             "keep the default 4",
         ),
+        (args.gpu_tflops > 0, "--gpu-tflops", args.gpu_tflops, "must be > 0", "e.g. 989 (H100/H200 bf16)"),
+        (args.gpu_hbm_tbps > 0, "--gpu-hbm-tbps", args.gpu_hbm_tbps, "must be > 0", "e.g. 3.35 (H100) or 4.8 (H200)"),
+        (0 < args.mfu <= 1, "--mfu", args.mfu, "must be in (0, 1]", "keep the default 0.4"),
         (
             args.sync_bandwidth_gbps > 0,
             "--sync-bandwidth-gbps",
@@ -292,7 +302,7 @@ def run(argv: list[str] | None = None) -> tuple[int, str]:
     problems = fit_problems(cfg, shape, stages, engine, gpu_mem=gpu_mem, usable=usable)
     text = "\n".join([_summary(cfg, arch, layout, shape, args), format_table(cfg, stages, engine, unchunked=unchunked),
                       _rollout_summary(engine, layout, shape, arch, args),
-                      _sync_summary(cfg, arch, layout, args)])  # fmt: skip
+                      _sync_summary(cfg, arch, layout, args), _overlap_summary(cfg, arch, layout, args)])  # fmt: skip
     if problems:
         return 2, text + "\n\ngtpo-plan: does not fit:\n  - " + "\n  - ".join(problems)
     return 0, text + f"\n\nfits: every phase is within {usable / GIB:.1f} GiB usable of {args.gpu_mem:g} GiB per GPU"
@@ -327,18 +337,55 @@ def _rollout_summary(
     )
 
 
+def _sync_seconds(cfg: GTPOConfig, arch: Architecture, args: argparse.Namespace) -> float:
+    """Seconds of one weight sync of ``rollout.weight_sync`` (the ``files`` path: write, then re-read)."""
+    nbytes = DTYPE_BYTES[cfg.model.params_dtype if cfg.rollout.dtype == "auto" else cfg.rollout.dtype]
+    if cfg.rollout.weight_sync == "files":
+        return 2 * weight_sync_seconds(arch, param_bytes=nbytes, bandwidth_gbps=FILES_GBPS)
+    return weight_sync_seconds(arch, param_bytes=nbytes, bandwidth_gbps=args.sync_bandwidth_gbps)
+
+
+def _overlap_summary(cfg: GTPOConfig, arch: Architecture, layout: Layout, args: argparse.Namespace) -> str:
+    """Sync (colocated) against async (the best separate split) steps of the whole job (``plan.overlap``)."""
+    dtype = cfg.model.params_dtype if cfg.rollout.dtype == "auto" else cfg.rollout.dtype
+    hw = Hardware(peak_tflops=args.gpu_tflops, hbm_tbps=args.gpu_hbm_tbps, mfu=args.mfu)
+    work = StepWork(
+        sequences=layout.sequences_per_step, seq_length=cfg.rollout.max_prompt_len + cfg.rollout.max_tokens,
+        completion_tokens=cfg.rollout.max_tokens, weight_bytes=arch.total_params() * DTYPE_BYTES[dtype],
+        kv_bytes_per_token=kv_cache_bytes_per_token(arch, engine_tp_size=1, kv_bytes=DTYPE_BYTES[dtype]),
+        engine_tp_size=layout.engine_tp_size,
+    )  # fmt: skip
+    sync_s = _sync_seconds(cfg, arch, args)
+    sync = sync_step(arch, work, hw, gpus=args.gpus, sync_s=sync_s)
+    best = best_split(arch, work, hw, gpus=args.gpus, train_multiple=layout.tp_size * layout.pp_size, sync_s=sync_s)
+    text = (
+        f"step time model ({args.mfu:g} of {args.gpu_tflops:g} TFLOP/s, {args.gpu_hbm_tbps:g} TB/s; "
+        f"gtpo_megatron/plan/overlap.py): sync colocated on {args.gpus} GPUs: generate {sync.generate_s:.0f} s + "
+        f"train {sync.train_s:.0f} s + sync {sync_s:.1f} s = {sync.step_s:.0f} s"
+    )
+    if best is None:
+        return text + "; async: no split of the GPUs between training and engines"
+    return text + (
+        f"; async (rollout.placement=separate, rollout.mode=async) with {best.train_gpus} training + "
+        f"{best.engine_gpus} engine GPUs (rollout.num_engine_gpus={best.engine_gpus}): max(generate "
+        f"{best.generate_s:.0f} s, train + sync {best.train_s + best.sync_s:.0f} s) = {best.step_s:.0f} s, "
+        f"{sync.step_s / best.step_s:.2f}x"
+        + ("" if best.step_s < sync.step_s else ": keep rollout.mode=sync, generation is too short to hide training")
+    )
+
+
 def _sync_summary(cfg: GTPOConfig, arch: Architecture, layout: Layout, args: argparse.Namespace) -> str:
     """The weight sync of ``rollout.weight_sync``: bytes in the engine dtype, time and the bandwidth assumed."""
     dtype = cfg.model.params_dtype if cfg.rollout.dtype == "auto" else cfg.rollout.dtype
     nbytes = DTYPE_BYTES[dtype]
     volume = f"{arch.total_params() * nbytes / 1e9:.1f} GB ({dtype}) per sync"
     if cfg.rollout.weight_sync == "files":
-        seconds = 2 * weight_sync_seconds(arch, param_bytes=nbytes, bandwidth_gbps=FILES_GBPS)
+        seconds = _sync_seconds(cfg, arch, args)
         return (
             f"weight sync (files: safetensors written to /dev/shm, then re-read by the engine): {volume}, "
             f"{seconds:.2f} s assuming {FILES_GBPS:g} Gbit/s for each pass"
         )
-    seconds = weight_sync_seconds(arch, param_bytes=nbytes, bandwidth_gbps=args.sync_bandwidth_gbps)
+    seconds = _sync_seconds(cfg, arch, args)
     workers = layout.num_engines * layout.engine_tp_size
     relay = ", the one on rank 0's GPU through a relay" if cfg.rollout.placement == "colocated" else ""
     return (

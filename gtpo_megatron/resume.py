@@ -15,6 +15,8 @@ from gtpo_megatron import run_dir
 from gtpo_megatron.parallel.collectives import all_gather_object, barrier, broadcast_object
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     import torch.distributed as dist
 
     from gtpo_megatron.config import GTPOConfig
@@ -54,18 +56,26 @@ def agreed_checkpoint(root: str | Path, *, rank: int, group: dist.ProcessGroup |
 class RunCheckpoints:
     """The run's checkpoints as the trainer drives them: the trainer state, saves (pruned) and the resume.
 
-    The trainer state: ``step`` (completed steps), <H>_ini and the prompt loader's position.
+    The trainer state: ``step`` (completed steps), <H>_ini, the prompt loader's position and, given ``in_flight``
+    (async rollouts), ``rollout_in_flight``: the steps whose batches were sampled ahead, which a resumed run samples
+    again from the saved position.
     """
 
-    def __init__(self, cfg: GTPOConfig, policy: Policy, loader, initial_entropy: InitialEntropy, *, rank: int, group):
+    def __init__(
+        self, cfg: GTPOConfig, policy: Policy, loader, initial_entropy: InitialEntropy, *, rank: int, group,
+        in_flight: Callable[[], list[int]] | None = None,
+    ):  # fmt: skip
         self.cfg, self.policy, self.loader, self.initial_entropy = cfg, policy, loader, initial_entropy
-        self.rank, self.group = rank, group
+        self.rank, self.group, self.in_flight = rank, group, in_flight
         self.root = run_dir.checkpoints_dir(cfg.output_dir)
         self.last_saved_step = 0
 
     def state(self, step: int) -> dict:
         """The trainer state after ``step`` completed steps."""
-        return {"step": step, **self.initial_entropy.state_dict(), "loader": self.loader.state_dict()}
+        state = {"step": step, **self.initial_entropy.state_dict(), "loader": self.loader.state_dict()}
+        if self.in_flight is not None:
+            state["rollout_in_flight"] = self.in_flight()
+        return state
 
     def save(self, step: int, state: dict | None = None) -> None:
         """Checkpoint the policy and ``state`` (default: the current one) as ``step``; rank 0 then prunes.
@@ -97,5 +107,7 @@ class RunCheckpoints:
         if state.get("loader") is not None:
             self.loader.load_state_dict(state["loader"])
         logger.info("resumed from %s (step %d)", chosen, state["step"])
+        if state.get("rollout_in_flight"):
+            logger.info("sampling the in-flight batches of steps %s again", state["rollout_in_flight"])
         self.last_saved_step = int(state["step"])
         return self.last_saved_step

@@ -38,6 +38,7 @@ from gtpo_megatron.resume import RunCheckpoints
 from gtpo_megatron.rollout.batch import collate_completions, rollout_metrics
 from gtpo_megatron.rollout.collector import RolloutCollector, StepRollout, collect_step
 from gtpo_megatron.rollout.engine_guard import close_all
+from gtpo_megatron.rollout.pipeline import AsyncRollouts
 from gtpo_megatron.rollout.push import CollectiveWeightSync, FilesWeightSync
 
 if TYPE_CHECKING:
@@ -103,9 +104,17 @@ class Trainer:
             )
         self.loss_spec = build_loss_spec(cfg.algorithm, cfg.rollout)
         self.initial_entropy = InitialEntropy(cfg.algorithm)
+        self._world = dist.group.WORLD
+        self.num_engines = num_engines
+        self.rollouts = None  # rollout.mode=async: the engines sample ahead (rollout/pipeline.py)
+        if cfg.rollout.mode == "async":
+            self.rollouts = AsyncRollouts(
+                cfg, collector=collector, loader=loader, num_engines=num_engines, group=self._world
+            )
         self.checkpoints = RunCheckpoints(
-            cfg, policy, loader, self.initial_entropy, rank=groups.rank, group=dist.group.WORLD
-        )
+            cfg, policy, loader, self.initial_entropy, rank=groups.rank, group=dist.group.WORLD,
+            in_flight=None if self.rollouts is None else (lambda: self.rollouts.in_flight),
+        )  # fmt: skip
         self._measure_mismatch = self.loss_spec.temperature == cfg.rollout.temperature
         if not self._measure_mismatch:
             logger.warning(
@@ -116,8 +125,6 @@ class Trainer:
                 cfg.rollout.temperature,
             )
         self._dp_group = groups.dp if groups.dp_size > 1 else None
-        self._world = dist.group.WORLD
-        self.num_engines = num_engines
         self.weight_sync = weight_sync or FilesWeightSync(
             engine=collector.engine if collector is not None else None,
             exporting=groups.dp_rank == 0,
@@ -167,7 +174,7 @@ class Trainer:
                 train_metrics = self._train(train_batch, spec)
             aborting = self._agree(self.stop_requests.abort_requested)  # the update is done: skip only the sync
             with timer.phase("sync"):
-                sync_metrics = {} if aborting else self._sync_weights()
+                sync_metrics = {} if aborting else self._after_update(step)
         return self._step_metrics(rollout, batch, weights, train_metrics, {**sync_metrics, **timer.seconds})
 
     def _step_metrics(
@@ -199,6 +206,8 @@ class Trainer:
         With ``rollout.offload_train_state`` (CUDA) the gradient buffers and optimizer states leave the GPU meanwhile.
         Collectives: the rollout exchange (``collect_step``, world).
         """
+        if self.rollouts is not None:
+            return self.rollouts.take(step, self.stop_requests)
         if self._offload_enabled:
             self.policy.offload_train_state()
         rollout = collect_step(
@@ -255,12 +264,23 @@ class Trainer:
         return local
 
     def _train(self, batch: TrainBatch, spec: LossSpec) -> dict[str, float]:
-        """``num_updates_per_batch`` optimizer steps; the mismatch is measured by the first (before any update)."""
+        """``num_updates_per_batch`` optimizer steps, each with the behaviour log-probs (the mismatch is pi_old's)."""
         metrics: dict[str, float] = {}
         for _ in range(self.cfg.algorithm.num_updates_per_batch):
             metrics.update(self.policy.train_step(batch, spec))
-            batch.rollout_logprobs = None
         return metrics
+
+    def _after_update(self, step: int) -> dict[str, float]:
+        """The weight sync after ``step``'s update; async: between the engines' batches (``AsyncRollouts``).
+
+        Async: a SIGTERM during the drain skips the push (safe point: one MAX all-reduce on the world).
+        """
+        if self.rollouts is None:
+            return self._sync_weights()
+        waited = self.rollouts.drain(self.stop_requests)
+        if self._agree(self.stop_requests.abort_requested):
+            return waited
+        return {**waited, **self.rollouts.push(step, self._sync_weights)}
 
     def _sync_weights(self) -> dict[str, float]:
         """Stream the new weights into every engine (``rollout.push``); replica 0's ranks drive the gather."""
@@ -274,6 +294,8 @@ class Trainer:
         start = self.checkpoints.resume()
         if start or self.cfg.model.megatron_checkpoint is not None:
             self._sync_weights()  # the engine holds the HF folder's (or, for a Megatron checkpoint, dummy) weights
+        if self.rollouts is not None:
+            self.rollouts.start(start)
         with self.stop_requests.installed():
             for step in range(start + 1, self.cfg.trainer.max_steps + 1):
                 try:
@@ -315,6 +337,8 @@ class Trainer:
     def close(self) -> None:
         """Close the engine, the reward pool and the sink (rank 0), each whatever the others do; idempotent."""
         steps = [("the metric sink", self.sink.close)]
+        if self.rollouts is not None:
+            steps[:0] = [("the async rollouts", self.rollouts.close)]
         if self.collector is not None:
             steps[:0] = [
                 ("the rollout engine", self.collector.engine.close),

@@ -94,6 +94,14 @@ class AlgorithmConfig:
     first step). With 1 prompt per step (the paper recipes) one step is one question's G samples; more steps pool more
     questions, each measured under the policy of its step (before its update), and the filter uses the running
     mean meanwhile. Each of these steps runs one no-grad forward pass before its update."""
+    off_policy_correction: Literal["none", "tis", "mis"] = "none"
+    """Importance weight of each token's surrogate for completions sampled by an older policy or a mismatched engine
+    (docs/algorithm.md section 11, decoupled PPO): ``none``; ``tis``, truncated IS, w = min(pi_prox / mu, C);
+    ``mis``, masked IS, w = pi_prox / mu on tokens with pi_prox / mu <= C and 0 above. mu is the engine's log-prob of
+    the sampled token, so it needs ``loss_temperature: sampling``. Logged as ``offpolicy/is_weight_mean`` and
+    ``offpolicy/is_capped_frac``."""
+    off_policy_cap: float = 2.0
+    """The cap C of ``off_policy_correction`` (>= 1; 2 is the value verl and slime default to)."""
     kl_reference_offload: bool = False
     """With kl_coef > 0 on CUDA: keep the reference policy's weights in host memory between its forward passes
     (one host-to-device copy per step; ``gtpo-plan`` then counts no reference weights on the GPU). No effect on
@@ -181,6 +189,20 @@ class AlgorithmConfig:
             self.initial_entropy_steps,
             "must be >= 1",
             "use 1 (docs/algorithm.md section 4: the first step)",
+        )
+        _require(
+            self.off_policy_cap >= 1,
+            "algorithm.off_policy_cap",
+            self.off_policy_cap,
+            "must be >= 1 (a cap below 1 truncates tokens the engine and the trainer agree on)",
+            "use 2.0",
+        )
+        _require(
+            self.off_policy_correction == "none" or self.loss_temperature == "sampling",
+            "algorithm.off_policy_correction/loss_temperature",
+            (self.off_policy_correction, self.loss_temperature),
+            "the behaviour log-probs are the engine's at the sampling temperature; the ratio needs the loss's there",
+            "set algorithm.loss_temperature=sampling or algorithm.off_policy_correction=none",
         )
         _require(
             self.logprob_chunk_size is None or self.logprob_chunk_size >= 1,

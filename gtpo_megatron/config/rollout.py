@@ -15,6 +15,13 @@ class RolloutConfig:
     placement: Literal["colocated", "separate"] = "colocated"
     """``colocated``: the engine shares the training devices and sleeps while the policy trains; ``separate``: the
     engine runs on devices of its own (outside the torchrun world) and never sleeps."""
+    mode: Literal["sync", "async"] = "sync"
+    """``sync``: each step samples with the newest weights, then trains, then syncs; ``async`` (``placement:
+    separate``): the engines sample the batches of the next steps while the policy trains, each batch with the
+    weights of ``max_staleness`` steps before the step that trains on it (docs/training.md, "Asynchronous
+    rollouts"; pair it with ``algorithm.off_policy_correction``)."""
+    max_staleness: int = 1
+    """``async`` only: policy versions between a batch's weights and the policy it trains (1: one-step-off)."""
     num_prompts: int = 1
     """Prompts P per step (the paper uses 1); B = P * group_size sequences."""
     temperature: float = 0.9
@@ -96,6 +103,20 @@ class RolloutConfig:
             (self.offload_train_state, self.placement),
             "offloading the training state only frees memory for an engine on the same devices (colocated)",
             "set rollout.offload_train_state=false, or rollout.placement=colocated",
+        )
+        _require(
+            self.mode == "sync" or self.placement == "separate",
+            "rollout.mode/rollout.placement",
+            (self.mode, self.placement),
+            "async rollouts generate while the policy trains, so the engines need devices of their own",
+            "set rollout.placement=separate (with rollout.num_engine_gpus on GPU), or rollout.mode=sync",
+        )
+        _require(
+            self.max_staleness >= 1,
+            "rollout.max_staleness",
+            self.max_staleness,
+            "must be >= 1 (the policy versions a batch's weights lag behind; rollout.mode=sync is staleness 0)",
+            "use 1 (one-step-off), or rollout.mode=sync",
         )
         self._check_engines()
 

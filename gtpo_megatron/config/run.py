@@ -95,6 +95,13 @@ class GTPOConfig:
         Raises:
             ValueError: naming the fields, the values, the rule and a fix (every layout problem at once).
         """
+        _require(
+            self.rollout.mode == "sync" or not self.algorithm.dynamic_sampling,
+            "rollout.mode/algorithm.dynamic_sampling",
+            (self.rollout.mode, self.algorithm.dynamic_sampling),
+            "dynamic sampling decides its rounds with every engine's scores, which async rollouts do not wait for",
+            "set algorithm.dynamic_sampling=false, or rollout.mode=sync",
+        )
         tp, pp = self.parallel.tp_size, self.parallel.pp_size
         dp = max(world_size // (tp * pp), 1)
         problems = layout.world_problems(

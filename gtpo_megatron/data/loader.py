@@ -82,6 +82,12 @@ class PromptLoader:
                 self._order = self._epoch_order(self._epoch)
         return batch
 
+    def fork(self) -> PromptLoader:
+        """A loader over the same problems at this one's position, advancing on its own (a look-ahead)."""
+        ahead = PromptLoader(self._problems, batch_size=self.batch_size, seed=self._seed, shuffle=self._shuffle)
+        ahead.load_state_dict(self.state_dict())
+        return ahead
+
     def __iter__(self) -> Iterator[list[Problem]]:
         while True:
             yield self.next_batch()

@@ -7,7 +7,9 @@ docs/architecture.md ("Loss scaling in Megatron's schedule") derives both and th
 denominator]`` convention. Log-probs come from ``[b, S, V/tp]`` logits (``forward_step.token_logprobs_entropy``)
 or from the caller (``*_from_logprobs``), in ``TrainBatch`` columns. A packed row (``ops.PackedLayout``) is
 unpacked to one sequence per row first. Reported metrics: ``gtpo/loss`` (``J``) and ``gtpo/`` ``clip_frac``,
-``ratio_mean``, ``entropy_mean``, ``kl_mean``, ``amplified_frac`` (weight > 1), ``zero_weight_frac`` (weight 0).
+``ratio_mean``, ``entropy_mean``, ``kl_mean``, ``amplified_frac`` (weight > 1), ``zero_weight_frac`` (weight 0);
+with ``spec.off_policy_correction`` (the behaviour log-probs in ``batch.rollout_logprobs``, docs/algorithm.md
+section 11) ``is_weight_mean`` and ``is_capped_frac``.
 """
 
 from __future__ import annotations
@@ -27,7 +29,10 @@ from gtpo_megatron.megatron_adapter.forward_step import (
 from gtpo_megatron.ops import MEANS, LossSpec, PackedLayout, compute_normalizer, policy_objective
 from gtpo_megatron.parallel.collectives import all_reduce_sum
 
-_REPORTED = ("clip_frac", "ratio_mean", "entropy_mean", "kl_mean", "amplified_frac", "zero_weight_frac")  # of MEANS
+_REPORTED = (  # of MEANS; the off-policy weights only with a correction
+    "clip_frac", "ratio_mean", "entropy_mean", "kl_mean", "amplified_frac", "zero_weight_frac", "is_weight_mean",
+    "is_capped_frac",
+)  # fmt: skip
 
 
 def forward_settings(

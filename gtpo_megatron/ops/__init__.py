@@ -20,6 +20,7 @@ from gtpo_megatron.ops.logprobs import vocab_parallel_logprobs_entropy
 from gtpo_megatron.ops.loss_metrics import MEANS, means, mismatch_sums, policy_loss_metrics
 from gtpo_megatron.ops.losses import AGGREGATIONS, KL_ESTIMATORS, LOSS_NAMES, LossSpec, compute_normalizer, policy_loss
 from gtpo_megatron.ops.objective import SequenceTerms, policy_objective, sequence_terms
+from gtpo_megatron.ops.off_policy import OFF_POLICY_CORRECTIONS, ImportanceWeights, importance_weights
 from gtpo_megatron.ops.packing import PackedLayout
 
 __all__ = [
@@ -31,6 +32,8 @@ __all__ = [
     "LN2",
     "LOSS_NAMES",
     "MEANS",
+    "OFF_POLICY_CORRECTIONS",
+    "ImportanceWeights",
     "LossSpec",
     "OVERLAP_MODES",
     "PackedLayout",
@@ -42,6 +45,7 @@ __all__ = [
     "conflict_normalizers",
     "entropy_keep_mask",
     "get_advantage_estimator",
+    "importance_weights",
     "means",
     "mismatch_sums",
     "policy_loss",

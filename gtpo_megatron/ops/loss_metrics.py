@@ -22,9 +22,12 @@ MEANS: dict[str, tuple[str, str]] = {  # mean: (sum, count) among the metric sum
     "advantage_abs_mean": ("advantage_abs_sum", "num_sequences"),
     "mismatch_abs_logprob_diff": ("mismatch_abs_logprob_diff", "num_tokens"),
     "mismatch_prob_ratio_err": ("mismatch_prob_ratio_err", "num_tokens"),
+    "is_weight_mean": ("is_weight_sum", "num_tokens"),
+    "is_capped_frac": ("is_capped_tokens", "num_tokens"),
 }
 """Entropies in nats (token entropy at the entropy temperature); the mismatch is |log pi_train - log pi_rollout| and
-|pi_train / pi_rollout - 1| per response token, before the update."""
+|pi_train / pi_rollout - 1| per response token, before the update; the off-policy weight w and the fraction of
+tokens whose pi_prox / mu exceeds the cap (docs/algorithm.md section 11)."""
 
 
 def means(sums: dict[str, float], names) -> dict[str, float]:

@@ -18,6 +18,7 @@ import torch
 
 from gtpo_megatron.ops.entropy_filter import LN2
 from gtpo_megatron.ops.loss_metrics import policy_loss_metrics
+from gtpo_megatron.ops.off_policy import OFF_POLICY_CORRECTIONS
 
 LOSS_NAMES = ("gtpo", "grpo", "dapo", "dr_grpo")
 AGGREGATIONS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum")
@@ -43,10 +44,13 @@ class LossSpec:
         entropy_filter, entropy_threshold, initial_entropy, entropy_only_negative: the filter delta_i
             (``entropy_filter.entropy_keep_mask``'s ``mode``, ``threshold``, <H>_ini, ``only_negative``).
         entropy_penalty: gamma of ``A_i - gamma * <H>_i`` (0: none).
+        off_policy_correction: one of :data:`OFF_POLICY_CORRECTIONS` (docs/algorithm.md section 11; ``none``: no
+            importance weight); ``off_policy_cap``: its cap C (> 0).
 
     Raises:
-        ValueError: an unknown name, aggregation or estimator, a negative clip range, a KL term for ``gtpo`` /
-            ``dapo``, ``dapo`` without ``token-mean`` or ``dr_grpo`` without ``seq-mean-token-sum``.
+        ValueError: an unknown name, aggregation, estimator or correction, a negative clip range, a cap <= 0, a KL
+            term for ``gtpo`` / ``dapo``, ``dapo`` without ``token-mean`` or ``dr_grpo`` without
+            ``seq-mean-token-sum``.
     """
 
     loss_name: str
@@ -63,6 +67,8 @@ class LossSpec:
     initial_entropy: float | None = None
     entropy_only_negative: bool = False
     entropy_penalty: float = 0.0
+    off_policy_correction: str = "none"
+    off_policy_cap: float = 2.0
 
     def __post_init__(self) -> None:
         if self.loss_name not in LOSS_NAMES:
@@ -70,6 +76,13 @@ class LossSpec:
         _check_aggregation(self.aggregation)
         if self.kl_estimator not in KL_ESTIMATORS:
             raise ValueError(f"unknown kl_estimator {self.kl_estimator!r}; choose one of {list(KL_ESTIMATORS)}")
+        if self.off_policy_correction not in OFF_POLICY_CORRECTIONS:
+            raise ValueError(
+                f"unknown off_policy_correction {self.off_policy_correction!r}; choose one of "
+                f"{list(OFF_POLICY_CORRECTIONS)}"
+            )
+        if not self.off_policy_cap > 0:
+            raise ValueError(f"off_policy_cap={self.off_policy_cap} must be > 0; use 2.0")
         if self.clip_eps_low < 0 or self.clip_eps_high < 0:
             raise ValueError(f"clip_eps_low={self.clip_eps_low}, clip_eps_high={self.clip_eps_high} must both be >= 0")
         if self.kl_coef != 0.0 and self.loss_name in ("gtpo", "dapo"):
@@ -111,12 +124,15 @@ def _check_aggregation(aggregation: str) -> None:
         raise ValueError(f"unknown aggregation {aggregation!r}; choose one of {list(AGGREGATIONS)}")
 
 
-def _check_shapes(policy_logprobs, advantages, token_weights, response_mask, old_logprobs, ref_logprobs) -> None:
+def _check_shapes(
+    policy_logprobs, advantages, token_weights, response_mask, old_logprobs, ref_logprobs, is_weights
+) -> None:
     shape = tuple(policy_logprobs.shape)
     if policy_logprobs.dim() != 2:
         raise ValueError(f"policy_logprobs must be [B, T]; got shape {shape}")
     named = {"token_weights": token_weights, "response_mask": response_mask}
-    named.update({k: v for k, v in (("old_logprobs", old_logprobs), ("ref_logprobs", ref_logprobs)) if v is not None})
+    optional = (("old_logprobs", old_logprobs), ("ref_logprobs", ref_logprobs), ("is_weights", is_weights))
+    named.update({k: v for k, v in optional if v is not None})
     for name, tensor in named.items():
         if tuple(tensor.shape) != shape:
             raise ValueError(f"{name} has shape {tuple(tensor.shape)}; it must match policy_logprobs {shape}")
@@ -158,17 +174,20 @@ def policy_loss(
     ref_logprobs: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
     keep_mask: torch.Tensor | None = None,
+    is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """This micro-batch's contribution to the step loss, and its metric sums; fp32.
 
     ``policy_logprobs`` (differentiable), ``old_logprobs`` (None: ratio 1 with gradient), ``ref_logprobs``,
-    ``token_weights``, ``entropy`` (metrics only), ``response_mask`` (bool): ``[B, T]``; ``advantages`` and
-    ``keep_mask`` (metrics only): ``[B]``; ``normalizer`` a scalar > 0. KL is not weighted by ``w``.
+    ``token_weights``, ``entropy`` (metrics only), ``response_mask`` (bool), ``is_weights`` (the detached
+    off-policy weights of ``off_policy.importance_weights``; None: none): ``[B, T]``; ``advantages`` and
+    ``keep_mask`` (metrics only): ``[B]``; ``normalizer`` a scalar > 0. KL is weighted by neither ``w`` nor
+    ``is_weights``.
 
     Raises:
         ValueError: shape mismatches, a non-bool mask, ``spec.kl_coef > 0`` without ``ref_logprobs``.
     """
-    _check_shapes(policy_logprobs, advantages, token_weights, response_mask, old_logprobs, ref_logprobs)
+    _check_shapes(policy_logprobs, advantages, token_weights, response_mask, old_logprobs, ref_logprobs, is_weights)
     if spec.kl_coef > 0 and ref_logprobs is None:
         raise ValueError(f"kl_coef={spec.kl_coef} > 0 needs ref_logprobs; pass them or set kl_coef=0")
     mask_BT = response_mask
@@ -179,6 +198,8 @@ def policy_loss(
     unclipped_BT = ratio_BT * adv_B1
     clipped_BT = torch.clamp(ratio_BT, 1.0 - spec.clip_eps_low, 1.0 + spec.clip_eps_high) * adv_B1
     token_loss_BT = -torch.minimum(unclipped_BT, clipped_BT) * _masked(token_weights, mask_BT)
+    if is_weights is not None:
+        token_loss_BT = token_loss_BT * _masked(is_weights, mask_BT)
     kl_BT = None
     if spec.kl_coef > 0:
         kl_BT = _kl_per_token(logprobs_BT, _masked(ref_logprobs, mask_BT), spec.kl_estimator)

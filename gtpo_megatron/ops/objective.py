@@ -17,6 +17,7 @@ import torch
 from gtpo_megatron.ops.entropy_filter import apply_entropy_penalty, entropy_keep_mask, sequence_mean_entropy
 from gtpo_megatron.ops.loss_metrics import mismatch_sums
 from gtpo_megatron.ops.losses import LossSpec, policy_loss
+from gtpo_megatron.ops.off_policy import ImportanceWeights, importance_weights
 
 if TYPE_CHECKING:
     from gtpo_megatron.batch import TrainBatch
@@ -81,12 +82,15 @@ def policy_objective(
 
     Returns:
         ``(loss, metrics, terms)``: the fp32 scalar loss; detached sums (``policy_loss_metrics``'s, ``loss``,
-        ``advantage_abs_sum``, ``seq_entropy_sum`` given an entropy, ``mismatch_sums`` given
-        ``rollout_logprobs``, ``logprob_diff_max`` given ``old_logprobs``: reduce it with MAX); the terms.
+        ``advantage_abs_sum``, ``seq_entropy_sum`` given an entropy, ``mismatch_sums`` of the proximal policy
+        (``old_logprobs``, else the detached ``policy_logprobs``) given ``rollout_logprobs``, ``is_weight_sum`` and
+        ``is_capped_tokens`` with an off-policy correction, ``logprob_diff_max`` given ``old_logprobs``: reduce it
+        with MAX); the terms.
 
     Raises:
-        ValueError: ``batch.advantages`` is None; no entropy while ``spec`` filters or penalises; the checks of
-            :func:`sequence_terms` and ``losses.policy_loss``.
+        ValueError: ``batch.advantages`` is None; no entropy while ``spec`` filters or penalises; an off-policy
+            correction without ``batch.rollout_logprobs``; the checks of :func:`sequence_terms`,
+            ``off_policy.importance_weights`` and ``losses.policy_loss``.
     """
     if batch.advantages is None:
         raise ValueError("batch.advantages is None; fill TrainBatch.advantages (the raw A_i) before the loss")
@@ -95,6 +99,8 @@ def policy_objective(
     measured = batch.seq_entropy is not None or entropy is not None
     seq_entropy = batch.seq_entropy if batch.seq_entropy is not None else _seq_entropy(entropy, mask, spec)
     terms = sequence_terms(seq_entropy, batch.advantages, spec)
+    proximal = policy_logprobs.detach() if batch.old_logprobs is None else batch.old_logprobs
+    correction = _correction(proximal, batch, spec)
     loss, metrics = policy_loss(
         policy_logprobs=policy_logprobs,
         old_logprobs=batch.old_logprobs,
@@ -106,19 +112,41 @@ def policy_objective(
         ref_logprobs=batch.ref_logprobs,
         entropy=entropy,
         keep_mask=terms.keep_mask,
+        is_weights=None if correction is None else correction.weights_BT,
     )
+    if correction is not None:
+        metrics["is_weight_sum"] = correction.weights_BT.sum()
+        metrics["is_capped_tokens"] = correction.capped_BT.sum(dtype=torch.float32)
     has_tokens_B = mask.any(dim=-1)
     if measured:
         metrics["seq_entropy_sum"] = torch.where(has_tokens_B, terms.seq_entropy, 0.0).sum()
     metrics["advantage_abs_sum"] = torch.where(has_tokens_B, terms.advantages.abs(), 0.0).sum()
     metrics["loss"] = loss.detach().float()
-    logprobs = policy_logprobs.detach()
     if batch.rollout_logprobs is not None:
-        metrics.update(mismatch_sums(logprobs, batch.rollout_logprobs, mask))
+        metrics.update(mismatch_sums(proximal, batch.rollout_logprobs, mask))
     if batch.old_logprobs is not None:
-        diff = torch.where(mask, (logprobs - batch.old_logprobs).abs(), 0.0)
+        diff = torch.where(mask, (policy_logprobs.detach() - batch.old_logprobs).abs(), 0.0)
         metrics["logprob_diff_max"] = diff.max() if diff.numel() else diff.new_zeros(())
     return loss, metrics, terms
+
+
+def _correction(proximal_BT: torch.Tensor, batch: TrainBatch, spec: LossSpec) -> ImportanceWeights | None:
+    """The off-policy weights of ``spec`` (docs/algorithm.md section 11), None without a correction."""
+    if spec.off_policy_correction == "none":
+        return None
+    if batch.rollout_logprobs is None:
+        raise ValueError(
+            f"algorithm.off_policy_correction={spec.off_policy_correction!r} needs the behaviour log-probs: set "
+            "batch.rollout_logprobs [B, T] to the engine's sampled-token log-probs (vLLM logprobs=0, "
+            "processed_logprobs) or set algorithm.off_policy_correction=none"
+        )
+    return importance_weights(
+        proximal_BT,
+        batch.rollout_logprobs,
+        batch.loss_mask,
+        mode=spec.off_policy_correction,
+        cap=spec.off_policy_cap,
+    )
 
 
 def _seq_entropy(entropy: torch.Tensor | None, response_mask: torch.Tensor, spec: LossSpec) -> torch.Tensor:

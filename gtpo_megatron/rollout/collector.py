@@ -154,8 +154,42 @@ def collect_step(
     Raises:
         RuntimeError: whatever the engine or the reward pool raise on a leader.
     """
+    sampled, varied, tally = _sample_rounds(
+        collector, loader, step, algorithm_cfg, rollout_cfg.num_prompts, group, stop
+    )
+    return share_step(
+        sampled,
+        varied,
+        tally,
+        engine_index=None if collector is None else collector.engine_index,
+        rollout_cfg=rollout_cfg,
+        algorithm_cfg=algorithm_cfg,
+        reward_cfg=reward_cfg,
+        num_engines=num_engines,
+        group=group,
+    )
+
+
+def share_step(
+    sampled: list[dict[int, ScoredGroup]],
+    varied: list[bool],
+    tally: EngineTally,
+    *,
+    engine_index: int | None,
+    rollout_cfg: RolloutConfig,
+    algorithm_cfg: AlgorithmConfig,
+    reward_cfg: RewardConfig,
+    num_engines: int,
+    group: dist.ProcessGroup | None,
+) -> StepRollout | None:
+    """Select and share a step's groups; the same ``StepRollout`` on every rank (None on all when a leader aborted).
+
+    ``sampled``: this rank's scored groups per round; ``varied``: the rounds' global varied flags (dynamic sampling,
+    else empty); ``tally``: this leader's counters (``engine_index`` None off the leaders).
+
+    Collectives: one SUM all-reduce of the packed rows and counters on ``group``.
+    """
     num_prompts, group_size = rollout_cfg.num_prompts, algorithm_cfg.group_size
-    sampled, varied, tally = _sample_rounds(collector, loader, step, algorithm_cfg, num_prompts, group, stop)
     chosen = choose_groups(varied, num_prompts) if algorithm_cfg.dynamic_sampling else list(range(num_prompts))
     slots = {}
     for slot, flat in enumerate(chosen):
@@ -165,8 +199,8 @@ def collect_step(
     layout = RowLayout(rollout_cfg.max_prompt_len, rollout_cfg.max_tokens)
     rows = pack_rows(slots, num_groups=num_prompts, group_size=group_size, layout=layout)
     counters = torch.zeros(num_engines, len(ENGINE_COUNTERS), dtype=torch.float64)
-    if collector is not None:
-        counters[collector.engine_index] = tally.as_tensor()
+    if engine_index is not None:
+        counters[engine_index] = tally.as_tensor()
     summed = all_reduce_sum(torch.cat([rows.reshape(-1), counters.reshape(-1)]), group=group)
     counters = summed[rows.numel() :].reshape(counters.shape)
     if counters[:, ENGINE_COUNTERS.index("aborted")].sum() > 0:

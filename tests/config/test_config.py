@@ -360,3 +360,12 @@ def test_num_engines_must_tile_the_world():
     separate = load_config(None, [*BASE, "rollout.placement=separate", "rollout.num_engines=2"])
     with pytest.raises(ValueError, match=r"must divide the engine pool \(1,"):
         validate_config(separate, 2, check_registries=False)
+
+
+def test_off_policy_correction_rules():
+    cfg = load_config(DEMO, ["algorithm.off_policy_correction=mis", "algorithm.off_policy_cap=3"])
+    assert (cfg.algorithm.off_policy_correction, cfg.algorithm.off_policy_cap) == ("mis", 3.0)
+    with pytest.raises(ValueError, match=r"algorithm.off_policy_cap=0.5: must be >= 1"):
+        load_config(DEMO, ["algorithm.off_policy_correction=tis", "algorithm.off_policy_cap=0.5"])
+    with pytest.raises(ValueError, match=r"algorithm.off_policy_correction/loss_temperature=\('tis', 1.0\)"):
+        load_config(DEMO, ["algorithm.off_policy_correction=tis", "algorithm.loss_temperature=1.0"])

@@ -63,3 +63,13 @@ def test_state_mismatch_and_bad_arguments_raise() -> None:
         PromptLoader(PROBLEMS, batch_size=0)
     with pytest.raises(ValueError, match="size=0"):
         PromptLoader(PROBLEMS, batch_size=1).next_batch(0)
+
+
+def test_a_fork_draws_the_same_batches_on_its_own() -> None:
+    loader = PromptLoader(PROBLEMS, batch_size=3, seed=7)
+    loader.next_batch()
+    ahead = loader.fork()
+    drawn_ahead = ids([ahead.next_batch() for _ in range(4)])  # across the epoch boundary
+    assert loader.state_dict()["position"] == 3  # the original did not move
+    assert ids([loader.next_batch() for _ in range(4)]) == drawn_ahead
+    assert ahead.state_dict() == loader.state_dict()

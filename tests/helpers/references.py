@@ -125,10 +125,12 @@ def ref_policy_loss(
     ref_logprobs=None,
     kl_coef=0.0,
     kl_estimator="k3",
+    is_weights=None,
 ):
     """float64 loss as a token loop over unpadded rows (``lengths[i]`` leading tokens of row i are the response).
 
-    ``policy_logprobs`` may require grad (float64 tensor ``[B, T]``); returns a float64 scalar tensor.
+    ``policy_logprobs`` may require grad (float64 tensor ``[B, T]``); ``is_weights`` ``[B, T]`` multiplies each
+    token's surrogate (not its KL term); returns a float64 scalar tensor.
     """
     total = torch.zeros((), dtype=torch.float64)
     for i, n in enumerate(lengths):
@@ -140,6 +142,8 @@ def ref_policy_loss(
             adv = float(advantages[i])
             surrogate = torch.minimum(ratio * adv, torch.clamp(ratio, 1 - clip_low, 1 + clip_high) * adv)
             term = -surrogate * float(token_weights[i, t])
+            if is_weights is not None:
+                term = term * float(is_weights[i, t])
             if kl_coef:
                 d = float(ref_logprobs[i, t]) - lp
                 if kl_estimator == "k1":

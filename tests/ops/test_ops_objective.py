@@ -100,8 +100,9 @@ def test_mismatch_and_logprob_diff_sums_literal():
         logprobs, torch.zeros(1, 4), mask.float(), torch.tensor([1.0]), mask, spec, rollout_logprobs=rollout,
         old_logprobs=torch.tensor([[0.0, -1.25, -2.0, 0.0]]),
     )  # fmt: skip
-    assert metrics["mismatch_abs_logprob_diff"].item() == pytest.approx(0.5)  # |-1 + 1.5| on the response only
-    assert metrics["mismatch_prob_ratio_err"].item() == pytest.approx(math.exp(0.5) - 1)
+    # The mismatch is pi_old's (the proximal policy, docs/algorithm.md section 11): |-1.25 + 1.5| on the response only
+    assert metrics["mismatch_abs_logprob_diff"].item() == pytest.approx(0.25)
+    assert metrics["mismatch_prob_ratio_err"].item() == pytest.approx(math.exp(0.25) - 1)
     assert metrics["logprob_diff_max"].item() == pytest.approx(0.25)
 
 

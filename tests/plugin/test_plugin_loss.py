@@ -63,7 +63,7 @@ def _rows(batch: plugin.MicroBatch, rows: slice) -> plugin.MicroBatch:
     return plugin.MicroBatch(**{k: (v[rows] if isinstance(v, torch.Tensor) else v) for k, v in vars(batch).items()})
 
 
-def _reference(logits: torch.Tensor, batch: plugin.MicroBatch, spec) -> tuple[float, torch.Tensor]:
+def _reference(logits: torch.Tensor, batch: plugin.MicroBatch, spec, is_weights=None) -> tuple[float, torch.Tensor]:
     """float64 loss and gradient w.r.t. the logits of the whole step (response columns PROMPT.. of each row)."""
     leaf = logits.double().clone().requires_grad_(True)
     logprobs, _ = ref_logprobs_entropy(leaf[:, :-1], batch.input_ids[:, 1:], vocab_size=VOCAB)
@@ -75,6 +75,7 @@ def _reference(logits: torch.Tensor, batch: plugin.MicroBatch, spec) -> tuple[fl
         batch.token_weights[:, PROMPT:].double(), lengths, aggregation=spec.aggregation,
         normalizer=float(normalizer), clip_low=spec.clip_eps_low, clip_high=spec.clip_eps_high,
         ref_logprobs=batch.ref_logprobs[:, PROMPT:].double(), kl_coef=spec.kl_coef, kl_estimator=spec.kl_estimator,
+        is_weights=None if is_weights is None else is_weights[:, PROMPT:],
     )  # fmt: skip
     loss.backward()
     return loss.item(), leaf.grad.float()
@@ -120,6 +121,30 @@ def test_both_forms_give_the_step_gradient_for_any_split(aggregation, dp, micro,
     assert torch.allclose(grad, ref_grad, atol=1e-7, rtol=0), (grad - ref_grad).abs().max()  # fp32 vs float64
     metrics = plugin.reduce_loss_metrics(store, group=None)
     assert metrics["gtpo/loss"] == pytest.approx(ref_loss, abs=1e-6)
+
+
+@pytest.mark.parametrize("correction", ["tis", "mis"])
+@pytest.mark.parametrize("form", ["per_token", "legacy"])
+def test_off_policy_correction_from_behaviour_logprobs(correction, form):
+    """The spec's correction and the micro-batch's ``rollout_logprobs`` (mu): w of pi_old / mu (decoupled PPO)."""
+    logits, batch = _inputs()
+    gen = torch.Generator().manual_seed(1)
+    behaviour = (batch.old_logprobs + 0.6 * torch.randn(ROWS, SEQ, generator=gen)) * batch.response_mask
+    batch = dataclasses.replace(batch, rollout_logprobs=behaviour)
+    spec = dataclasses.replace(SPECS["seq-mean-token-mean"], off_policy_correction=correction, off_policy_cap=1.5)
+    rho = torch.exp(batch.old_logprobs.double() - behaviour.double())
+    weights = torch.where(rho > 1.5, 1.5 if correction == "tis" else 0.0, rho) * batch.response_mask
+    assert 0 < int(((rho > 1.5) & batch.response_mask).sum()) < int(batch.response_mask.sum())  # the cap bites
+    ref_loss, ref_grad = _reference(logits, batch, spec, is_weights=weights)
+    grad, store = _replay(logits, batch, spec, dp=2, micro=2, form=form)
+    assert torch.allclose(grad, ref_grad, atol=1e-7, rtol=0), (grad - ref_grad).abs().max()
+    metrics = plugin.reduce_loss_metrics(store, group=None)
+    assert metrics["gtpo/loss"] == pytest.approx(ref_loss, abs=1e-6)
+    num_tokens = float(batch.response_mask.sum())
+    assert metrics["gtpo/is_weight_mean"] == pytest.approx(float(weights.sum()) / num_tokens, rel=1e-5)
+    assert metrics["gtpo/is_capped_frac"] == pytest.approx(
+        float(((rho > 1.5) & batch.response_mask).sum()) / num_tokens
+    )
 
 
 def test_per_token_form_without_per_token_normalisation_is_a_micro_batch_mean():

@@ -315,3 +315,14 @@ def test_every_metric_consumer_reads_names_the_step_writes(tmp_path):
     assert "entropy/mean" not in metrics and "train/entropy_mean" not in metrics  # the old, ambiguous names
     line = format_step_line(1, metrics)
     assert "entropy/completion_mean=0.375" in line and "gtpo/filtered_frac=0.25" in line
+
+
+def test_off_policy_correction_reaches_the_loss_and_metrics(tmp_path):
+    # The fake policy's log-probs are -1, the engine's -1 and -0.5 (half the tokens each): rho = 1 and exp(-0.5).
+    trainer = make_trainer(tmp_path, "algorithm.off_policy_correction=tis", "algorithm.off_policy_cap=1.5")
+    metrics = trainer.step(1)
+    _, loss, _ = trainer.policy.train_batches[0]
+    assert (loss.off_policy_correction, loss.off_policy_cap) == ("tis", 1.5)
+    assert metrics["offpolicy/is_weight_mean"] == pytest.approx((1 + math.exp(-0.5)) / 2)
+    assert metrics["offpolicy/is_capped_frac"] == 0.0
+    assert "offpolicy/is_weight_mean" not in make_trainer(tmp_path / "none").step(1)

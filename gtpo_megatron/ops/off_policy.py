@@ -1,0 +1,79 @@
+"""Off-policy correction: token-level importance weights of the proximal policy over the behaviour policy.
+
+docs/algorithm.md section 11. The completions were sampled by the behaviour policy mu (the engine's weights, its
+log-probs ``rollout_logprobs``); the loss's ratio is taken against the proximal policy pi_prox (``old_logprobs``,
+or ``stopgrad(log pi_theta)`` with one update per batch). The decoupled-PPO correction multiplies each token's
+surrogate by the detached weight ``rho = pi_prox / mu``, bounded by the cap C:
+
+    tis: w = min(rho, C)          (truncated IS)
+    mis: w = rho * [rho <= C]     (masked IS: a token whose rho exceeds C leaves the objective)
+
+Dimension legend: B sequences, T token columns (response tokens under ``response_mask``). Pure torch: no
+collectives, no ``.item()``, inputs never modified, no gradient through the weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+OFF_POLICY_CORRECTIONS = ("none", "tis", "mis")
+
+
+@dataclass(frozen=True)
+class ImportanceWeights:
+    """The correction of one micro-batch.
+
+    Attributes:
+        weights_BT: ``[B, T]`` fp32 detached multiplier w of each token's surrogate, 0 off the response.
+        ratio_BT: ``[B, T]`` fp32 detached rho = pi_prox / mu before the cap, 0 off the response.
+        capped_BT: ``[B, T]`` bool, response tokens with rho > C (truncated by ``tis``, dropped by ``mis``).
+    """
+
+    weights_BT: torch.Tensor
+    ratio_BT: torch.Tensor
+    capped_BT: torch.Tensor
+
+
+@torch.no_grad()
+def importance_weights(
+    proximal_logprobs_BT: torch.Tensor,
+    behaviour_logprobs_BT: torch.Tensor,
+    response_mask_BT: torch.Tensor,
+    *,
+    mode: str,
+    cap: float,
+) -> ImportanceWeights:
+    """Token weights of ``mode`` (``tis`` or ``mis``) with cap ``cap`` (docs/algorithm.md section 11).
+
+    ``proximal_logprobs_BT`` (log pi_prox) and ``behaviour_logprobs_BT`` (log mu, the engine's) are ``[B, T]`` in
+    nats; ``response_mask_BT`` ``[B, T]`` bool. An overflowing rho (inf) is capped to C by ``tis`` and dropped
+    by ``mis``; padding may hold anything, even NaN.
+
+    Raises:
+        ValueError: ``mode`` not ``tis`` / ``mis``, ``cap`` <= 0 (wrong-sized caps below 1 are the caller's
+            choice), shapes that differ, a non-bool mask.
+    """
+    if mode not in OFF_POLICY_CORRECTIONS[1:]:
+        raise ValueError(f"importance_weights: mode={mode!r}; choose 'tis' or 'mis' ('none' needs no weights)")
+    if not cap > 0:
+        raise ValueError(f"importance_weights: cap={cap} must be > 0 (truncated/masked IS use C = 2 by default)")
+    shape = tuple(response_mask_BT.shape)
+    for name, tensor in (
+        ("proximal_logprobs_BT", proximal_logprobs_BT),
+        ("behaviour_logprobs_BT", behaviour_logprobs_BT),
+    ):
+        if tuple(tensor.shape) != shape:
+            raise ValueError(f"{name} has shape {tuple(tensor.shape)}; it must match response_mask_BT {shape}")
+    if response_mask_BT.dtype != torch.bool:
+        raise ValueError(f"response_mask_BT must be bool (True = response token); got {response_mask_BT.dtype}")
+    zero = torch.zeros((), dtype=torch.float32, device=response_mask_BT.device)
+    log_ratio_BT = proximal_logprobs_BT.detach().float() - behaviour_logprobs_BT.float()
+    ratio_BT = torch.where(response_mask_BT, torch.exp(torch.where(response_mask_BT, log_ratio_BT, zero)), zero)
+    capped_BT = response_mask_BT & (ratio_BT > cap)
+    if mode == "tis":
+        weights_BT = torch.clamp(ratio_BT, max=cap)
+    else:
+        weights_BT = torch.where(capped_BT, zero, ratio_BT)
+    return ImportanceWeights(weights_BT=weights_BT, ratio_BT=ratio_BT, capped_BT=capped_BT)

@@ -1,0 +1,225 @@
+"""Asynchronous rollouts (``rollout.mode: async``): the engines sample the next steps' batches while the policy trains.
+
+With k = ``rollout.max_staleness`` and s steps completed at the start, every rank follows one schedule:
+
+    start     submit batches s+1 .. s+1+k                  (the engines hold the weights after step s)
+    step t    take(t) -> train -> drain -> push the weights after step t, submit batch t+1+k
+
+so batch j is sampled with the weights after step v_j = max(s, j-1-k) and trains the policy after step j-1: its
+staleness (j-1) - v_j is k from step s+k+1 on (k = 1: 0 at the first step, then 1). The schedule decides every
+batch's weights, never the timing. Weights reach the engines between their batches: the drain waits until every
+submitted batch is sampled, so no generation runs during a push. Prompts are drawn in the main thread, at
+submission, from a fork of the loader that runs ahead; the trainer's own loader draws the same batch at take (the
+leader checks), so a checkpoint holds the position of the last trained step and lists the batches in flight
+(:attr:`AsyncRollouts.in_flight`), which a resumed run samples again: no prompt is lost or used twice. Request seeds
+depend on the step only (``RolloutCollector._sampling``). An engine leader's worker thread samples and scores
+(no collective); at take every rank shares the batch (``collector.share_step``: the world's one all-reduce). A wait
+is bounded by ``rollout.timeout_s`` per batch waited for, and SIGTERM leaves it: at take the step aborts, after
+the drain the trainer agrees to skip only the push (the safe points of sync mode).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from gtpo_megatron.preemption import StepInterrupted
+from gtpo_megatron.rollout.collector import StepRollout, share_step
+from gtpo_megatron.rollout.exchange import EngineTally
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    import torch.distributed as dist
+
+    from gtpo_megatron.config import GTPOConfig
+    from gtpo_megatron.data.loader import PromptLoader
+    from gtpo_megatron.data.types import Problem
+    from gtpo_megatron.preemption import StopRequests
+    from gtpo_megatron.rollout.collector import RolloutCollector
+    from gtpo_megatron.rollout.exchange import ScoredGroup
+
+
+@dataclass
+class _Batch:
+    """One step's batch on an engine leader: its prompts, and what the worker made of them."""
+
+    step: int
+    problems: list[Problem]
+    done: threading.Event = field(default_factory=threading.Event)
+    scored: dict[int, ScoredGroup] = field(default_factory=dict)
+    tally: EngineTally = field(default_factory=EngineTally)
+    error: BaseException | None = None
+    finished_at_s: float = 0.0
+
+
+class _Worker:
+    """A daemon thread that samples and scores the submitted batches in order on a leader's collector."""
+
+    def __init__(self, collector: RolloutCollector) -> None:
+        self._queue: queue.Queue[_Batch | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, args=(collector,), name="gtpo-async-rollout", daemon=True)
+        self._thread.start()
+
+    def submit(self, batch: _Batch) -> None:
+        self._queue.put(batch)
+
+    def close(self) -> None:
+        """Stop after the batch in progress (the engine's close ends a hung one)."""
+        self._queue.put(None)
+
+    def _run(self, collector: RolloutCollector) -> None:
+        while (batch := self._queue.get()) is not None:
+            try:
+                batch.scored = collector.sample_round(batch.step, 0, batch.problems, batch.tally)
+            except BaseException as err:  # handed to the main thread at take or drain
+                batch.error = err
+            finally:
+                batch.finished_at_s = time.perf_counter()
+                batch.done.set()
+
+
+class AsyncRollouts:
+    """The schedule of the module docstring on one rank; ``collector`` is this rank's when it leads an engine.
+
+    Args:
+        cfg: the run config (``rollout``, ``algorithm``, ``reward`` sections; ``trainer.max_steps``).
+        collector: this rank's engine leader's collector, else None.
+        loader: the trainer's prompt loader (advanced at take, so checkpoints hold the trained position).
+        num_engines: engines sharing each step.
+        group: the world group of the exchange.
+    """
+
+    def __init__(
+        self,
+        cfg: GTPOConfig,
+        *,
+        collector: RolloutCollector | None,
+        loader: PromptLoader,
+        num_engines: int,
+        group: dist.ProcessGroup | None,
+    ) -> None:
+        self.cfg, self.collector, self.loader = cfg, collector, loader
+        self.num_engines, self.group = num_engines, group
+        self.max_staleness = cfg.rollout.max_staleness
+        self._versions: dict[int, int] = {}  # submitted, not yet taken: step -> the weights' completed steps
+        self._batches: dict[int, _Batch] = {}  # the leader's batches of those steps
+        self._ahead: PromptLoader | None = None
+        self._version = 0
+        self._take_wait_s = 0.0
+        self._worker = _Worker(collector) if collector is not None else None
+
+    @property
+    def in_flight(self) -> list[int]:
+        """Steps whose batches are submitted and not trained yet (a resumed run samples them again)."""
+        return sorted(self._versions)
+
+    def start(self, completed_steps: int) -> None:
+        """Submit the first k+1 batches after ``completed_steps`` (the engines must hold that step's weights)."""
+        self._version = completed_steps
+        self._ahead = self.loader.fork()
+        for step in range(completed_steps + 1, completed_steps + 2 + self.max_staleness):
+            self._submit(step)
+
+    def _submit(self, step: int) -> None:
+        if step > self.cfg.trainer.max_steps:
+            return
+        problems = self._ahead.next_batch()
+        self._versions[step] = self._version
+        if self._worker is not None:
+            self._batches[step] = batch = _Batch(step=step, problems=problems)
+            self._worker.submit(batch)
+
+    def take(self, step: int, stop: StopRequests | None) -> StepRollout | None:
+        """Step ``step``'s rollout on every rank (None on every rank after a SIGTERM during the wait).
+
+        Adds ``async/staleness_mean`` and ``_max`` to its stats. Collectives: ``share_step``'s all-reduce (world).
+
+        Raises:
+            RuntimeError: the engine or the graders failed on this batch, or it took over ``rollout.timeout_s``.
+        """
+        problems = self.loader.next_batch()
+        version = self._versions.pop(step)
+        tally, scored, start = EngineTally(), {}, time.perf_counter()
+        if self._worker is not None:
+            batch = self._batches.pop(step)
+            if batch.problems != problems:  # the look-ahead and the trainer's loader drew different prompts
+                raise RuntimeError(f"async rollouts: step {step}'s batch holds other prompts than the loader's")
+            try:
+                self._wait(batch, stop)
+                scored, tally = batch.scored, batch.tally
+            except StepInterrupted:
+                tally.aborted = 1.0
+        self._take_wait_s = time.perf_counter() - start
+        rollout = share_step(
+            [scored],
+            [],
+            tally,
+            engine_index=None if self.collector is None else self.collector.engine_index,
+            rollout_cfg=self.cfg.rollout,
+            algorithm_cfg=self.cfg.algorithm,
+            reward_cfg=self.cfg.reward,
+            num_engines=self.num_engines,
+            group=self.group,
+        )
+        if rollout is not None:
+            staleness = float(step - 1 - version)
+            rollout.stats.update({"async/staleness_mean": staleness, "async/staleness_max": staleness})
+        return rollout
+
+    def drain(self, stop: StopRequests | None) -> dict[str, float]:
+        """Wait until every submitted batch is sampled (SIGTERM leaves the wait); ``async/rollout_wait_s``.
+
+        ``async/rollout_wait_s`` is the trainer's wait for batches in this step (at take and here). Only engine
+        leaders wait; the caller then agrees on a SIGTERM before :meth:`push`.
+
+        Raises:
+            RuntimeError: as :meth:`take`, for a batch sampled meanwhile.
+        """
+        start = time.perf_counter()
+        try:
+            for step in sorted(self._batches):
+                self._wait(self._batches[step], stop)
+        except StepInterrupted:
+            pass
+        return {"async/rollout_wait_s": self._take_wait_s + time.perf_counter() - start}
+
+    def push(self, step: int, push: Callable[[], dict[str, float]]) -> dict[str, float]:
+        """After :meth:`drain`: ``push`` the weights after ``step`` and submit batch step+1+k; ``push``'s metrics.
+
+        ``async/weight_wait_s``: the engines' idle time from their last batch to the next one (after this push).
+        """
+        finished_s = [b.finished_at_s for b in self._batches.values()]
+        metrics = push()
+        self._version = step
+        self._submit(step + 1 + self.max_staleness)
+        idle_s = time.perf_counter() - max(finished_s) if finished_s else 0.0
+        return {**metrics, "async/weight_wait_s": idle_s}
+
+    def _wait(self, batch: _Batch, stop: StopRequests | None) -> None:
+        """Wait for ``batch`` (``rollout.timeout_s``; interruptible by SIGTERM with ``stop``) and raise its error."""
+        timeout_s = self.cfg.rollout.timeout_s
+        if stop is None:
+            finished = batch.done.wait(timeout_s)
+        else:
+            with stop.interruptible():
+                finished = batch.done.wait(timeout_s)
+        name = getattr(self.collector.engine, "name", "the rollout engine")
+        if not finished:
+            raise RuntimeError(
+                f"{name}: the async rollout of step {batch.step} did not finish within rollout.timeout_s="
+                f"{timeout_s:g} s; stopping the job"
+            )
+        if batch.error is not None:
+            raise RuntimeError(
+                f"{name}: the async rollout of step {batch.step} failed ({type(batch.error).__name__}: {batch.error})"
+            ) from batch.error
+
+    def close(self) -> None:
+        """Stop the worker thread (idempotent)."""
+        if self._worker is not None:
+            self._worker.close()
+            self._worker = None

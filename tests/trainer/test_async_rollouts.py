@@ -1,0 +1,172 @@
+"""Async rollouts (``rollout/pipeline.py``) in the loop over the fakes: the schedule, staleness, the prompt stream,
+faults and the checkpointed in-flight batches.
+
+The async schedule (k = 1): batches 1 and 2 with the start weights, then one push and one batch per step, each push
+between two generations; batch j trains with staleness min(k, j - 1). The prompts and request seeds of every step
+are those of a sync run, so with the fake engine (completions depend on the seeds only) every trained batch is too.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+from gtpo_megatron.config import load_config
+from gtpo_megatron.run_dir import list_checkpoints
+from tests.trainer.fakes import FakePolicy, SeededFakeEngine, make_trainer, one_rank_process_group
+
+one_rank_world = pytest.fixture(scope="module", autouse=True)(one_rank_process_group)
+ASYNC = ("rollout.placement=separate", "rollout.mode=async", "checkpoint.every_n_steps=0")
+
+
+class _LoggingEngine(SeededFakeEngine):
+    """Logs ``gen<step>`` after each generation and ``push`` after each weight update; fails or hangs at a step."""
+
+    def __init__(self, *, fail_at=None, hang_at=None):
+        super().__init__()
+        self.log, self.fail_at, self.hang_at = [], fail_at, hang_at
+        self.threads = set()
+
+    def generate(self, prompt_ids, n, sampling, prompt_indices=None):
+        step = sampling.seed // 1000
+        self.threads.add(threading.current_thread().name)
+        if step == self.fail_at:
+            raise RuntimeError("engine core died")
+        if step == self.hang_at:
+            time.sleep(5)
+        out = super().generate(prompt_ids, n, sampling, prompt_indices)
+        self.log.append(f"gen{step}")
+        return out
+
+    def finish_weight_update(self):
+        super().finish_weight_update()
+        self.log.append("push")
+
+
+def _run(tmp_path, *overrides, engine=None):
+    trainer = make_trainer(tmp_path, *overrides, engine=engine or _LoggingEngine(), policy=FakePolicy())
+    trainer.run()
+    path = tmp_path / "metrics.jsonl"
+    return trainer, [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _trained(trainer):
+    return [(b.input_ids, b.advantages, b.token_weights) for b, _, _ in trainer.policy.train_batches]
+
+
+@pytest.mark.parametrize(("k", "staleness"), [(1, [0, 1, 1, 1]), (2, [0, 1, 2, 2])])
+def test_schedule_staleness_and_the_prompt_stream_of_a_sync_run(tmp_path, k, staleness):
+    sync, sync_records = _run(tmp_path / "sync", "rollout.placement=separate")
+    run, records = _run(tmp_path / "async", *ASYNC, f"rollout.max_staleness={k}")
+    assert [r["async/staleness_mean"] for r in records] == staleness
+    assert [r["async/staleness_max"] for r in records] == staleness
+    assert "async/staleness_mean" not in sync_records[0]
+    if k == 1:  # every push lands between two generations; the next batch follows it
+        assert run.collector.engine.log == ["gen1", "gen2", "push", "gen3", "push", "gen4", "push", "push"]
+    assert run.collector.engine.threads == {"gtpo-async-rollout"}
+    calls = lambda t: [(c[0], c[2]) for c in t.collector.engine.calls]  # noqa: E731 - prompts and sampling
+    assert calls(run) == calls(sync)  # the same prompts and request seeds, step by step
+    for mine, theirs in zip(_trained(run), _trained(sync), strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(mine, theirs))
+    assert [r["reward/mean"] for r in records] == [r["reward/mean"] for r in sync_records]
+    assert all(r["async/rollout_wait_s"] >= 0 and r["async/weight_wait_s"] >= 0 for r in records)
+
+
+class _SignalAfterUpdate(FakePolicy):
+    """Sets ``trained`` when update ``at`` is done (the engine then sends SIGTERM: after the update, at the drain)."""
+
+    def __init__(self, at: int):
+        super().__init__()
+        self.at, self.trained = at, threading.Event()
+
+    def train_step(self, batch, loss):
+        metrics = super().train_step(batch, loss)
+        if len(self.train_batches) == self.at:
+            self.trained.set()
+        return metrics
+
+
+class _SignalEngine(_LoggingEngine):
+    """SIGTERM at the start of generation ``step`` (after ``after.wait()``), then 30 s more of generation."""
+
+    def __init__(self, step: int, after: threading.Event | None = None):
+        super().__init__()
+        self.signal_step, self.after = step, after
+
+    def generate(self, prompt_ids, n, sampling, prompt_indices=None):
+        if sampling.seed // 1000 == self.signal_step:
+            if self.after is not None:
+                self.after.wait(10)
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(30)  # a long generation: the trainer must not wait for it
+        return super().generate(prompt_ids, n, sampling, prompt_indices)
+
+
+def test_sigterm_while_waiting_for_the_first_batch_aborts_step_1(tmp_path, caplog):
+    start = time.perf_counter()
+    with caplog.at_level(logging.INFO, logger="gtpo_megatron"):
+        _, records = _run(tmp_path, *ASYNC, engine=_SignalEngine(1))
+    assert time.perf_counter() - start < 20, "SIGTERM did not leave the wait for the batch"
+    assert records == [] and list_checkpoints(tmp_path / "checkpoints") == []
+    assert "SIGTERM: step 1 aborted; no step completed, nothing saved" in caplog.text
+
+
+def test_sigterm_after_an_update_saves_the_step_with_its_batches_in_flight_and_a_resume_samples_them(tmp_path):
+    full, _ = _run(tmp_path / "full", *ASYNC)
+    policy = _SignalAfterUpdate(at=2)
+    trainer = make_trainer(tmp_path / "cut", *ASYNC, engine=_SignalEngine(3, after=policy.trained), policy=policy)
+    start = time.perf_counter()
+    trainer.run()
+    trainer.close()
+    assert time.perf_counter() - start < 20, "SIGTERM did not leave the drain"
+    assert [p.name for p in list_checkpoints(tmp_path / "cut" / "checkpoints")] == ["step_000002"]
+    state = json.loads((tmp_path / "cut" / "checkpoints" / "step_000002" / "state.json").read_text())
+    assert state["rollout_in_flight"] == [3]  # sampled with step 1's weights, never trained
+    assert state["loader"] == full.loader.fork().state_dict() | {"position": 2 * 2}  # 2 prompts a step, 2 steps
+    resumed, records = _run(tmp_path / "cut", *ASYNC, "resume=true")
+    prompts = lambda t: [c[0] for c in t.collector.engine.calls]  # noqa: E731
+    assert prompts(resumed) == prompts(full)[2:]  # steps 3 and 4 sampled again: no prompt lost or repeated
+    assert resumed.collector.engine.log[:3] == ["push", "gen3", "gen4"]  # the resumed weights first
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize(
+    ("engine", "match"),
+    [
+        (_LoggingEngine(fail_at=2), r"the async rollout of step 2 failed \(RuntimeError: engine core died\)"),
+        (_LoggingEngine(hang_at=2), r"the async rollout of step 2 did not finish within rollout.timeout_s=0.5 s"),
+    ],
+)
+def test_an_engine_that_dies_or_hangs_stops_the_job_with_a_clear_error(tmp_path, engine, match):
+    trainer = make_trainer(tmp_path, *ASYNC, "rollout.timeout_s=0.5", engine=engine, policy=FakePolicy())
+    with pytest.raises(RuntimeError, match=match):
+        trainer.run()
+    trainer.close()
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        (["rollout.mode=async"], r"rollout.mode/rollout.placement=\('async', 'colocated'\): async rollouts"),
+        (["rollout.placement=separate", "rollout.mode=async", "rollout.max_staleness=0"],
+         r"rollout.max_staleness=0: must be >= 1"),
+    ],
+)  # fmt: skip
+def test_bad_async_settings_are_refused(overrides, match):
+    with pytest.raises(ValueError, match=match):
+        load_config(None, ["model=builtin:tiny-qwen2", "output_dir=/tmp/x", *overrides])
+
+
+def test_async_with_dynamic_sampling_is_refused():
+    cfg = load_config(
+        None, ["model=builtin:tiny-qwen2", "output_dir=/tmp/x", *ASYNC, "algorithm.dynamic_sampling=true"]
+    )
+    with pytest.raises(ValueError, match=r"rollout.mode/algorithm.dynamic_sampling=\('async', True\)"):
+        cfg.validate(1)
