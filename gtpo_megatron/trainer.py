@@ -2,9 +2,11 @@
 
 ``Trainer.step`` reads as the algorithm: rollout -> a no-grad pass before the update only where needed -> the
 reference's pass (KL term) -> advantages and conflict weights on the full batch -> train -> weight sync -> metrics.
-``run`` adds resume, logging and checkpoints (``resume.RunCheckpoints``). Stop signals (``preemption``): SIGUSR1
-saves at the next step boundary; SIGTERM aborts the step in flight at its next safe point (the rollout, before the
-update, before the sync, the step's end: one MAX all-reduce on the world each) and saves the last completed step.
+``rollout.mode: async`` takes the rollout sampled ahead and syncs between the engines' batches
+(``rollout.pipeline.AsyncRollouts``). ``run`` adds resume, logging and checkpoints (``resume.RunCheckpoints``).
+Stop signals (``preemption``): SIGUSR1 saves at the next step boundary; SIGTERM aborts the step in flight at its
+next safe point (the rollout, before the update, before the sync, async also after the drain, the step's end: one
+MAX all-reduce on the world each) and saves the last completed step.
 Every collective goes through ``parallel.collectives`` (listed per method).
 """
 
