@@ -84,13 +84,21 @@ def generate_seconds(arch: Architecture, work: StepWork, hw: Hardware, *, gpus: 
 
 def sync_step(arch: Architecture, work: StepWork, hw: Hardware, *, gpus: int, sync_s: float) -> StepTime:
     """The colocated sync step on ``gpus`` GPUs (generation, then training, then the weight sync)."""
+    return _step_time(arch, work, hw, train_gpus=gpus, engine_gpus=gpus, sync_s=sync_s, overlapped=False)
+
+
+def _step_time(
+    arch: Architecture, work: StepWork, hw: Hardware, *, train_gpus: int, engine_gpus: int, sync_s: float,
+    overlapped: bool,
+) -> StepTime:  # fmt: skip
+    """The modelled phases of a step with ``train_gpus`` training and ``engine_gpus`` generating GPUs."""
     return StepTime(
-        train_gpus=gpus,
-        engine_gpus=gpus,
-        generate_s=generate_seconds(arch, work, hw, gpus=gpus),
-        train_s=train_seconds(arch, work, hw, gpus=gpus),
+        train_gpus=train_gpus,
+        engine_gpus=engine_gpus,
+        generate_s=generate_seconds(arch, work, hw, gpus=engine_gpus),
+        train_s=train_seconds(arch, work, hw, gpus=train_gpus),
         sync_s=sync_s,
-        overlapped=False,
+        overlapped=overlapped,
     )
 
 
@@ -107,13 +115,8 @@ def best_split(
         engine_gpus = gpus - train_gpus
         if engine_gpus % work.engine_tp_size or work.sequences % (train_gpus // train_multiple):
             continue
-        candidate = StepTime(
-            train_gpus=train_gpus,
-            engine_gpus=engine_gpus,
-            generate_s=generate_seconds(arch, work, hw, gpus=engine_gpus),
-            train_s=train_seconds(arch, work, hw, gpus=train_gpus),
-            sync_s=sync_s,
-            overlapped=True,
+        candidate = _step_time(
+            arch, work, hw, train_gpus=train_gpus, engine_gpus=engine_gpus, sync_s=sync_s, overlapped=True
         )
         if best is None or candidate.step_s < best.step_s:
             best = candidate
