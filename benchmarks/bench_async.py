@@ -22,15 +22,17 @@ The machine should be otherwise idle: other jobs on either core inflate one phas
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
 import sys
 from pathlib import Path
 
+from gtpo_megatron.evaluation.compare import load_metrics
+
 ROOT = Path(__file__).resolve().parents[1]
 PHASES = ("rollout", "old_logprob", "train", "sync", "step")
+WAITS = ("async/rollout_wait_s", "async/weight_wait_s")
 MODES = {"sync": ["rollout.mode=sync"], "async": ["rollout.mode=async", "rollout.max_staleness=1"]}
 
 
@@ -48,7 +50,7 @@ def run_mode(mode: str, args: argparse.Namespace, extra: list[str]) -> list[dict
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}  # fmt: skip
     command = ["taskset", "-c", str(args.train_core), "bash", "launch/run_local.sh", *overrides]
     subprocess.run(command, cwd=ROOT, env=env, check=True)
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return load_metrics(out)
 
 
 def mean_after_first(rows: list[dict], key: str) -> float:
@@ -59,17 +61,14 @@ def mean_after_first(rows: list[dict], key: str) -> float:
 def summary(rows: list[dict]) -> dict[str, float]:
     """Mean phase seconds after the first step, plus the async waits."""
     means = {phase: mean_after_first(rows, f"time/{phase}_s") for phase in PHASES}
-    for key in ("async/rollout_wait_s", "async/weight_wait_s"):
-        means[key] = mean_after_first(rows, key)
-    return means
+    return means | {key: mean_after_first(rows, key) for key in WAITS}
 
 
 def report(results: dict[str, list[dict]]) -> None:
     """Print the table, the ideal overlapped step, the win ratio and the staleness per step."""
     means = {mode: summary(rows) for mode, rows in results.items()}
-    keys = [*PHASES, "async/rollout_wait_s", "async/weight_wait_s"]
     print(f"{'seconds per step (after step 1)':<34}" + "".join(f"{mode:>10}" for mode in means))
-    for key in keys:
+    for key in means["sync"]:
         print(f"{key:<34}" + "".join(f"{means[mode][key]:>10.2f}" for mode in means))
     sync = means["sync"]
     ideal = max(sync["rollout"], sync["old_logprob"] + sync["train"] + sync["sync"])
