@@ -5,12 +5,17 @@ initialises ``torch.distributed`` with the gloo backend on a free localhost port
 ``fn(rank, world_size, *args)`` in each. ``fn`` must be a module-level (picklable) function. Any exception in a
 worker is re-raised in the caller as ``RuntimeError`` carrying the worker's rank and full traceback.
 Each spawn costs a few seconds (imports): run several checks inside one ``fn``.
+
+A worker whose ``fn`` returned leaves with ``os._exit(0)`` once its group is destroyed: the interpreter's own
+finalisation can abort in gloo's teardown (``terminate called without an active exception``, SIGABRT; the class of
+fault pytorch/pytorch#179291 describes) after every check has passed, which read as a failed test.
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import sys
 import traceback
 from datetime import timedelta
 
@@ -43,9 +48,12 @@ def _entry(rank: int, fn, world_size: int, port: int, threads: int, args: tuple)
     try:
         fn(rank, world_size, *args)
     except BaseException as exc:  # re-raised with the traceback text, which pickling would otherwise drop
-        raise _WorkerError(f"rank {rank} failed:\n{traceback.format_exc()}") from exc
-    finally:
         dist.destroy_process_group()
+        raise _WorkerError(f"rank {rank} failed:\n{traceback.format_exc()}") from exc
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_distributed(fn, world_size: int, *args, threads_per_rank: int = 1) -> None:
