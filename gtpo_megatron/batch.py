@@ -72,3 +72,16 @@ class TrainBatch:
     def num_sequences(self) -> int:
         """B, the number of rows."""
         return int(self.input_ids.shape[0])
+
+    def sequence_lengths(self) -> list[int]:
+        """Prompt + response tokens of each row (``token_mask`` counts; a row's sequence is its prefix).
+
+        Raises:
+            ValueError: ``token_mask`` is None.
+        """
+        if self.token_mask is None:
+            raise ValueError(
+                "token-budget micro-batches need batch.token_mask (True on each row's prompt and response tokens) "
+                "to know the sequence lengths; set it, or unset optim.max_tokens_per_micro_batch"
+            )
+        return [int(n) for n in self.token_mask.sum(dim=-1)]

@@ -220,7 +220,7 @@ def build_weight_sync(
     from gtpo_megatron.rollout.push import CollectiveWeightSync, FilesWeightSync, connect_weight_group
 
     rollout = cfg.rollout
-    bucket_bytes, exporting = rollout.weight_sync_bucket_mb * 2**20, groups.dp_rank == 0
+    bucket_bytes, exporting = rollout.weight_sync_bucket_mb * 2**20, groups.in_weight_gather
     if rollout.weight_sync == "files":
         return FilesWeightSync(engine=engine, exporting=exporting, bucket_bytes=bucket_bytes)
     mine = next((p for p in placements if p.leader_rank == groups.rank), None)

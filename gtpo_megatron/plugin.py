@@ -146,16 +146,16 @@ def sync_weights(
 ) -> PushStats | None:
     """Push a caller's ``GPTModel`` weights into a rollout engine as Hugging Face tensors in bounded buckets.
 
-    Every rank of DP replica 0's model-parallel group calls (others return at once); the engine's owner passes it,
-    the others None. Dense Llama, Mistral, Qwen2, Qwen3. Returns the owner's ``PushStats``, None elsewhere.
-    Collectives: those of ``hf_stream.iter_hf_weights`` (TP all-gathers, PP broadcasts).
+    Every rank calls (those outside ``groups.in_weight_gather`` return at once); the engine's owner passes it, the
+    others None. Llama, Mistral, Qwen2, Qwen3 and their MoE variants. Returns the owner's ``PushStats``, None
+    elsewhere. Collectives: those of ``hf_stream.iter_hf_weights`` (TP / EP all-gathers, PP broadcasts).
 
     Raises:
         ValueError: a model or HF config the converter cannot map, or sizes that differ from ``hf_config``.
     """
     inner = unwrap_model(model)
     geometry = model_geometry(inner, hf_config, tp_size=groups.tp_size)
-    if groups.dp_rank != 0:
+    if not groups.in_weight_gather:
         return None
     stream = iter_hf_weights(inner, geometry, groups)
     if engine is None:

@@ -109,7 +109,9 @@ def _train(cfg, timer, *, started: float) -> int:
 
     with timer.phase("startup/distributed_init"):
         backend = None if cfg.parallel.backend == "auto" else cfg.parallel.backend
-        groups = init_distributed(tp_size=cfg.parallel.tp_size, pp_size=cfg.parallel.pp_size, backend=backend)
+        groups = init_distributed(
+            tp_size=cfg.parallel.tp_size, pp_size=cfg.parallel.pp_size, ep_size=cfg.parallel.ep_size, backend=backend
+        )
     logger = setup_logging(groups.rank)
     if groups.rank == 0:
         report_optional_accelerators(logger)

@@ -35,6 +35,7 @@ from gtpo_megatron.logging import MetricSink, PhaseTimer, format_step_line, plot
 from gtpo_megatron.ops import sequence_mean_entropy
 from gtpo_megatron.parallel import all_gather_rows, any_rank
 from gtpo_megatron.plan.layout import row_shard
+from gtpo_megatron.plan.micro_batches import balanced_row_shards
 from gtpo_megatron.preemption import StopRequests
 from gtpo_megatron.resume import RunCheckpoints
 from gtpo_megatron.rollout.batch import collate_completions, rollout_metrics
@@ -129,7 +130,7 @@ class Trainer:
         self._dp_group = groups.dp if groups.dp_size > 1 else None
         self.weight_sync = weight_sync or FilesWeightSync(
             engine=collector.engine if collector is not None else None,
-            exporting=groups.dp_rank == 0,
+            exporting=groups.in_weight_gather,
             bucket_bytes=cfg.rollout.weight_sync_bucket_mb * 2**20,
         )
         self.stop_requests = StopRequests(
@@ -154,12 +155,12 @@ class Trainer:
             if rollout is None:  # a SIGTERM made an engine leader leave the rollout; every rank received None
                 raise StepAborted(step - 1)
             batch = collate_completions(rollout.groups, pad_token_id=self.pad_token_id)
-            rows = row_shard(batch.num_sequences, rank=self.groups.dp_rank, size=self.groups.dp_size)
+            rows = self._dp_rows(batch)
             local = batch.select(rows)
             old_logprobs, seq_entropy = None, None
             if needs_old_logprob_pass(self.cfg.algorithm, initial_entropy_known=self.initial_entropy.known):
                 with timer.phase("old_logprob"):
-                    old_logprobs, seq_entropy = self._old_logprob_pass(local)
+                    old_logprobs, seq_entropy = self._old_logprob_pass(local, rows)
             if self.reference is not None:
                 with timer.phase("ref_logprob"):
                     local.ref_logprobs = self._ref_logprob_pass(local)
@@ -187,7 +188,7 @@ class Trainer:
         train_metrics: dict[str, float],
         measured: dict[str, float],
     ) -> dict[str, float]:
-        """Rollout, conflict and objective metrics, the policy's as ``train/*``, ``measured`` and throughput."""
+        """Rollout, conflict and objective metrics, the policy's (``train/*``, ``perf/*`` kept), timings, throughput."""
         metrics = rollout_metrics(
             batch, torch.tensor(rollout.scores), torch.tensor(rollout.correct), torch.tensor(rollout.format_ok)
         )
@@ -195,7 +196,7 @@ class Trainer:
         metrics.update(objective_metrics(train_metrics))
         if self.initial_entropy.value is not None:
             metrics["entropy/initial"] = self.initial_entropy.value
-        metrics.update({f"train/{k}": v for k, v in train_metrics.items()})
+        metrics.update({k if k.startswith("perf/") else f"train/{k}": v for k, v in train_metrics.items()})
         metrics.update({"time/old_logprob_s": 0.0, **({"time/ref_logprob_s": 0.0} if self.reference else {})})
         metrics.update({**rollout.stats, **measured})
         metrics["perf/tokens_per_s"] = float(batch.token_mask.sum()) / metrics["time/step_s"]
@@ -229,19 +230,27 @@ class Trainer:
             self.policy.restore_train_state()
         return rollout
 
-    def _old_logprob_pass(self, local: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    def _dp_rows(self, batch: TrainBatch) -> torch.Tensor:
+        """This DP rank's rows (``[B/D]`` int64): a contiguous share, or, under a token budget, balanced by tokens."""
+        dp, rank = self.groups.dp_size, self.groups.dp_rank
+        if self.cfg.optim.max_tokens_per_micro_batch is None:
+            return torch.arange(batch.num_sequences)[row_shard(batch.num_sequences, rank=rank, size=dp)]
+        return torch.tensor(balanced_row_shards(batch.sequence_lengths(), dp)[rank])
+
+    def _old_logprob_pass(self, local: TrainBatch, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The no-grad pass before the update (one forward; docs/algorithm.md section 4).
 
-        Returns log pi_old ``[b, S]`` at the loss temperature and the gathered ``[B]`` <H>_i at
-        ``entropy_temperature``; adds this step to <H>_ini while the ``paper`` filter measures it. Collectives: one
-        all-gather of the sequence entropies and, while <H>_ini is measured, one global mean (dp).
+        Returns log pi_old ``[b, S]`` at the loss temperature and the gathered ``[B]`` <H>_i (batch order; ``rows``
+        are this rank's) at ``entropy_temperature``; adds this step to <H>_ini while the ``paper`` filter
+        measures it. Collectives: one all-gather of the sequence entropies and, while <H>_ini is measured, one
+        global mean (dp).
         """
         old_logprobs, entropy = self.policy.compute_logprobs(
             local, temperature=self.loss_spec.temperature, entropy_temperature=self.loss_spec.entropy_temperature
         )
         local_seq_entropy = sequence_mean_entropy(entropy, local.response_mask)
         self.initial_entropy.add_step(local_seq_entropy, local.response_mask.any(dim=-1), group=self._dp_group)
-        return old_logprobs, all_gather_rows(local_seq_entropy, group=self._dp_group)
+        return old_logprobs, all_gather_rows(local_seq_entropy, group=self._dp_group, rows=rows)
 
     def _ref_logprob_pass(self, local: TrainBatch) -> torch.Tensor:
         """Log-probs ``[b, S]`` of the frozen reference at the loss temperature (docs/algorithm.md section 9)."""
@@ -252,7 +261,7 @@ class Trainer:
         self,
         local: TrainBatch,
         weights: StepWeights,
-        rows: slice,
+        rows: torch.Tensor,
         old_logprobs: torch.Tensor | None,
         seq_entropy: torch.Tensor | None,
     ) -> TrainBatch:

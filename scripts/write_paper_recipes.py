@@ -107,6 +107,8 @@ def recipe_overrides(model: str, data: str, algorithm: str, group_size: int) -> 
         "optim.weight_decay=0.1",
         "optim.adam_beta1=0.999999",
         "optim.adam_beta2=0.999999",
+        "optim.max_tokens_per_micro_batch=5500",  # one full-length sequence; shorter ones share a micro-batch
+        "optim.packing=true",
         f"data.source={data}",
         "data.shuffle_seed=3407",
         "data.system_prompt=authors",

@@ -34,7 +34,7 @@ def test_select_cuts_every_field_and_keeps_unset_ones_unset():
 
 def test_micro_batch_is_the_record_plus_the_model_inputs():
     extra = {f.name for f in dataclasses.fields(MicroBatch)} - {f.name for f in dataclasses.fields(TrainBatch)}
-    assert extra == {"position_ids", "attention_mask"}
+    assert extra == {"position_ids", "attention_mask", "source_rows", "layout", "packed_seq_params"}
     record = _full_record()
     positions = torch.arange(S).expand(B, -1)
     micro = MicroBatch.of(record, position_ids=positions, attention_mask=None)

@@ -13,7 +13,8 @@ class ModelConfig:
     """The model to train and how Megatron holds it (``model.*``)."""
 
     name_or_path: str
-    """Local HF folder, hub name (online users) or ``builtin:smollm2-135m-instruct|tiny-llama|tiny-qwen2``."""
+    """Local HF folder, hub name (online users) or a built-in:
+    ``builtin:smollm2-135m-instruct|tiny-llama|tiny-qwen2|tiny-qwen3-moe``."""
     params_dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
     """Dtype of the Megatron parameters (the optimizer keeps fp32 master weights for 16-bit types)."""
     make_vocab_size_divisible_by: int = 128
@@ -34,6 +35,11 @@ class ModelConfig:
     then supplies the HF config and tokenizer only (its folder needs no weights); the vLLM engine starts with
     dummy weights and receives these by a weight push before the first rollout. null: start from
     ``name_or_path``'s weights."""
+    moe_aux_loss_coeff: float = 0.0
+    """Mixture-of-experts models: weight of Megatron's load-balancing loss of the router (0, as RL recipes use:
+    none is computed). It is added to the GTPO loss per token like the loss itself (docs/moe.md)."""
+    moe_z_loss_coeff: float = 0.0
+    """Mixture-of-experts models: weight of the router's z-loss (0: none)."""
     fp32_output_layer: bool = True
     """Compute the logits in fp32 when the parameters are bf16/fp16: the output layer multiplies fp32 casts of its
     16-bit input and weight (``megatron_adapter/output_layer.py``), so the log-probs and entropies the loss, the
@@ -56,6 +62,8 @@ class ModelConfig:
             "must be >= 1",
             "use 128 (Megatron's default)",
         )
+        for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
+            _require(getattr(self, name) >= 0, f"model.{name}", getattr(self, name), "must be >= 0", "use 0")
         _require(
             self.megatron_checkpoint is None or (bool(self.megatron_checkpoint) and not self.pad_attention_heads),
             "model.megatron_checkpoint/model.pad_attention_heads",
@@ -73,19 +81,35 @@ class ParallelConfig:
     """Tensor-parallel size (shards heads, MLP and vocabulary)."""
     pp_size: int = 1
     """Pipeline-parallel size (shards layers)."""
+    ep_size: int = 1
+    """Expert-parallel size of a mixture-of-experts model: each rank holds ``num_experts / ep_size`` whole experts
+    (expert tensor parallelism is 1). Megatron forms the EP groups inside each pipeline stage, so ``ep_size`` must
+    divide ``world_size / pp_size`` and the model's experts (docs/moe.md). 1 for dense models."""
     sequence_parallel: bool = False
     """Megatron sequence parallelism (needs tp_size > 1): activations outside the tensor-parallel regions are split
     over the TP ranks along the sequence; with Megatron's local layer specs the norms are
     ``megatron_adapter.model.SequenceParallelRMSNorm``."""
     use_distributed_optimizer: bool = False
     """Shard optimizer states over data-parallel ranks (Megatron distributed optimizer)."""
+    cp_size: int = 1
+    """Context-parallel size. Megatron's context parallelism runs inside Transformer Engine's attention; only 1 is
+    supported (docs/packing.md, "Context parallelism")."""
     backend: Literal["auto", "nccl", "gloo"] = "auto"
     """torch.distributed backend; ``auto`` is ``cpu:gloo,cuda:nccl`` with CUDA (NCCL for CUDA tensors, gloo for CPU
     tensors and objects; ``parallel.groups.CUDA_BACKEND``) and gloo otherwise; ``nccl`` is NCCL alone."""
 
     def __post_init__(self) -> None:
-        for name in ("tp_size", "pp_size"):
+        for name in ("tp_size", "pp_size", "ep_size"):
             _require(getattr(self, name) >= 1, f"parallel.{name}", getattr(self, name), "must be >= 1", "use 1")
+        _require(
+            self.cp_size == 1,
+            "parallel.cp_size",
+            self.cp_size,
+            "context parallelism needs Transformer Engine's attention, which this package does not drive (only 1 is "
+            "supported)",
+            "set parallel.cp_size=1 and fit long sequences with optim.max_tokens_per_micro_batch, model.recompute "
+            "and more pipeline stages (docs/packing.md)",
+        )
         _require(
             not self.sequence_parallel or self.tp_size > 1,
             "parallel.sequence_parallel",
@@ -112,7 +136,16 @@ class OptimConfig:
     clip_grad: float = 0.1
     """Global gradient-norm clip (section 6: 0.1); 0 disables."""
     micro_batch_size: int = 1
-    """Sequences per micro-batch on each data-parallel rank."""
+    """Sequences per micro-batch on each data-parallel rank, each padded to the step's longest (unused with
+    ``max_tokens_per_micro_batch``)."""
+    max_tokens_per_micro_batch: int | None = None
+    """Form micro-batches by tokens (docs/packing.md): sequences (prompt + response) are binned, longest first,
+    into micro-batches of at most this many forward tokens, padding included, and dealt to the data-parallel ranks
+    balanced by tokens; the number of micro-batches then varies from step to step. Must be at least
+    ``rollout.max_prompt_len + rollout.max_tokens``. null: ``micro_batch_size`` rows per micro-batch."""
+    packing: bool = False
+    """With ``max_tokens_per_micro_batch``: pack a micro-batch's sequences into one row (per-sequence position ids,
+    attention that cannot cross sequences) instead of right-padding each to the micro-batch's longest."""
 
     def __post_init__(self) -> None:
         _require(self.lr > 0, "optim.lr", self.lr, "must be > 0", "use 1e-6 (paper)")
@@ -130,3 +163,17 @@ class OptimConfig:
             )
         _require(self.clip_grad >= 0, "optim.clip_grad", self.clip_grad, "must be >= 0", "use 0.1 (paper)")
         _require(self.micro_batch_size >= 1, "optim.micro_batch_size", self.micro_batch_size, "must be >= 1", "use 1")
+        _require(
+            self.max_tokens_per_micro_batch is None or self.max_tokens_per_micro_batch >= 1,
+            "optim.max_tokens_per_micro_batch",
+            self.max_tokens_per_micro_batch,
+            "must be >= 1 or null",
+            "use at least rollout.max_prompt_len + rollout.max_tokens, or null for micro_batch_size rows",
+        )
+        _require(
+            not self.packing or self.max_tokens_per_micro_batch is not None,
+            "optim.packing",
+            self.packing,
+            "packs sequences up to optim.max_tokens_per_micro_batch, which is null",
+            "set optim.max_tokens_per_micro_batch (e.g. 4 * (rollout.max_prompt_len + rollout.max_tokens))",
+        )

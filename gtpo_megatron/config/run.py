@@ -108,6 +108,7 @@ class GTPOConfig:
             world_size,
             tp_size=tp,
             pp_size=pp,
+            ep_size=self.parallel.ep_size,
             described=f"the world size {world_size}",
             launch=f"a multiple of {tp * pp} ranks",
         )
@@ -115,7 +116,8 @@ class GTPOConfig:
             num_prompts=self.rollout.num_prompts,
             group_size=self.algorithm.group_size,
             dp_size=dp,
-            micro_batch_size=self.optim.micro_batch_size,
+            # a token budget forms its own micro-batches: any number of rows per rank
+            micro_batch_size=self.optim.micro_batch_size if self.optim.max_tokens_per_micro_batch is None else 1,
         )
         if self.rollout.num_engines != "auto":
             problems += engines.engine_count_problems(
@@ -135,9 +137,32 @@ class GTPOConfig:
             problems += layout.model_problems(
                 arch, tp_size=tp, pp_size=pp, pad_attention_heads=self.model.pad_attention_heads
             )
+            problems += layout.expert_problems(
+                arch, ep_size=self.parallel.ep_size, tp_size=tp, sequence_parallel=self.parallel.sequence_parallel
+            )
         layout.raise_problems(problems)
+        self._validate_token_budget()
         if hf is not None:
             self._validate_sequence_length(hf.get("max_position_embeddings"))
+
+    def _validate_token_budget(self) -> None:
+        budget = self.optim.max_tokens_per_micro_batch
+        prompt, total = self.rollout.max_prompt_len, self.rollout.max_prompt_len + self.rollout.max_tokens
+        _require(
+            budget is None or budget >= prompt,
+            "optim.max_tokens_per_micro_batch",
+            budget,
+            f"is smaller than the longest prompt (rollout.max_prompt_len={prompt}), so no sequence fits",
+            f"raise it to at least rollout.max_prompt_len + rollout.max_tokens = {total}",
+        )
+        _require(
+            budget is None or budget >= total,
+            "optim.max_tokens_per_micro_batch",
+            budget,
+            f"is smaller than the longest sequence (rollout.max_prompt_len + rollout.max_tokens = {total}); a "
+            "sequence is never split over micro-batches",
+            f"raise it to at least {total}, or lower rollout.max_tokens",
+        )
 
     def _validate_sequence_length(self, max_pos: int | None) -> None:
         total = self.rollout.max_prompt_len + self.rollout.max_tokens

@@ -41,7 +41,23 @@ _OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
 def _layout(groups: ParallelGroups) -> dict[str, int]:
-    return {"tp_size": groups.tp_size, "pp_size": groups.pp_size, "dp_size": groups.dp_size}
+    return {"tp_size": groups.tp_size, "pp_size": groups.pp_size, "dp_size": groups.dp_size, "ep_size": groups.ep_size}
+
+
+def _num_experts(policy) -> int:
+    """Experts of each MoE layer of ``policy`` (0: dense); saved with the checkpoint and checked on load."""
+    moe = policy.geometry.moe
+    return moe.num_experts if moe is not None else 0
+
+
+def _check_experts(common: dict, policy, folder: Path) -> None:
+    """Refuse a checkpoint of another expert count before any tensor is read (it would load half the experts)."""
+    saved = common.get("num_experts", 0)  # checkpoints of dense-only versions lack the key
+    if saved != _num_experts(policy):
+        raise ValueError(
+            f"checkpoint {str(folder)!r} holds a model with {saved} experts a layer (0: dense), the policy has "
+            f"{_num_experts(policy)}; resume with the model (model.name_or_path) the checkpoint was written with"
+        )
 
 
 def rng_state() -> dict:
@@ -149,7 +165,10 @@ def save_checkpoint(path: str | Path, policy, trainer_state: dict, *, rng: dict 
     with cuda_to_cpu_mode():
         state = _sharded_state_dict(policy, is_loading=False, rng=rng or rng_state())
         state.update(
-            scheduler=policy.scheduler.state_dict(), trainer_state=trainer_state, layout=_layout(policy.groups)
+            scheduler=policy.scheduler.state_dict(),
+            trainer_state=trainer_state,
+            layout=_layout(policy.groups),
+            num_experts=_num_experts(policy),
         )
         dist_checkpointing.save(state, str(tmp))
     barrier(group=world)
@@ -191,7 +210,7 @@ def load_checkpoint(path: str | Path, policy) -> dict:
     """Load a checkpoint (folder or root) into ``policy`` in any layout; returns the saved trainer state. All ranks.
 
     Raises:
-        ValueError: see ``run_dir.resolve_checkpoint_dir``.
+        ValueError: see ``run_dir.resolve_checkpoint_dir``; a checkpoint of another expert count.
         RuntimeError: distributed optimizer without Apex/TE (``_check_loadable``).
     """
     from megatron.core import dist_checkpointing
@@ -200,7 +219,8 @@ def load_checkpoint(path: str | Path, policy) -> dict:
 
     folder = resolve_checkpoint_dir(path)
     common = dist_checkpointing.load_common_state_dict(str(folder))
-    same_layout = common["layout"] == _layout(policy.groups)
+    _check_experts(common, policy, folder)
+    same_layout = {"ep_size": 1, **common["layout"]} == _layout(policy.groups)
     if not same_layout:
         logger.warning(
             "checkpoint layout %s differs from %s: RNG states are not restored",

@@ -28,22 +28,24 @@ def cpu_compat_needed() -> bool:
     return not torch.cuda.is_available()
 
 
-class _NullStream:
+class NullStream:
     """Stand-in for a CUDA stream: every synchronisation is immediate on the CPU."""
 
     def wait_event(self, *args: Any, **kwargs: Any) -> None:
-        return None
+        """Nothing to wait for."""
 
     def wait_stream(self, *args: Any, **kwargs: Any) -> None:
-        return None
+        """Nothing to wait for."""
 
     def synchronize(self) -> None:
-        return None
+        """Nothing to wait for."""
 
-    def record_event(self, *args: Any, **kwargs: Any) -> None:
-        return None
+    def record_event(self, *args: Any, **kwargs: Any) -> NullStream:
+        """The event: itself (its ``synchronize`` is immediate too)."""
+        return self
 
     def query(self) -> bool:
+        """Always done."""
         return True
 
 
@@ -56,8 +58,8 @@ def install_cpu_compat() -> bool:
         return True
     from megatron.core.tensor_parallel import random as megatron_random
 
-    torch.cuda.current_stream = lambda *a, **k: _NullStream()
-    torch.cuda.default_stream = lambda *a, **k: _NullStream()
+    torch.cuda.current_stream = lambda *a, **k: NullStream()
+    torch.cuda.default_stream = lambda *a, **k: NullStream()
     torch.cuda.current_device = lambda: _CPU
     torch.cuda.synchronize = lambda *a, **k: None
     torch.cuda.empty_cache = lambda *a, **k: None

@@ -1,18 +1,13 @@
 """A caller's own ``GPTModel`` seen by the HF converter: its ``ModelGeometry``, or a refusal that names what fails.
 
-Dense decoders of ``hf_features.SUPPORTED_MODEL_TYPES`` built as Megatron's GPT block (local or TE spec) are
-accepted; anything else (MoE, MLA, extra modules, sizes that disagree with the HF config) is refused before any
-weight moves.
+Decoders of ``hf_features.SUPPORTED_MODEL_TYPES`` built as Megatron's GPT block (local or TE spec; MoE layers for
+the MoE types) are accepted; anything else (MLA, extra modules, sizes or expert counts that disagree with the HF
+config) is refused before any weight moves.
 """
 
 from __future__ import annotations
 
-from gtpo_megatron.megatron_adapter.hf_conversion import (
-    ModelGeometry,
-    global_param_name,
-    param_mapping,
-    stage_layer_offset,
-)
+from gtpo_megatron.megatron_adapter.hf_conversion import ModelGeometry, global_named_parameters, param_mapping
 from gtpo_megatron.megatron_adapter.hf_features import SUPPORTED_MODEL_TYPES, check_hf_config
 
 _CONVERTER = "gtpo_megatron/megatron_adapter/hf_conversion.py"
@@ -45,10 +40,8 @@ def model_geometry(model, hf_config, *, tp_size: int) -> ModelGeometry:
 
 
 def _check_mapped(model, geometry: ModelGeometry) -> None:
-    offset = stage_layer_offset(model)
     unmapped = []
-    for local_name, _ in model.named_parameters():
-        name = global_param_name(local_name, offset)
+    for name, _ in global_named_parameters(model):
         try:
             param_mapping(name, geometry)
         except ValueError:
@@ -56,8 +49,8 @@ def _check_mapped(model, geometry: ModelGeometry) -> None:
     if unmapped:
         raise ValueError(
             f"weight sync cannot convert {unmapped[:6]}{' ...' if len(unmapped) > 6 else ''}: the Hugging Face "
-            f"converter ({_CONVERTER}) maps the dense GPT block of {list(SUPPORTED_MODEL_TYPES)} models only; "
-            "build the model as one of those (MoE, MLA and extra modules are not supported)"
+            f"converter ({_CONVERTER}) maps the GPT block of {list(SUPPORTED_MODEL_TYPES)} models only; "
+            "build the model as one of those (MLA and extra modules are not supported)"
         )
 
 
@@ -78,6 +71,13 @@ def _check_sizes(model, hf_config, geometry: ModelGeometry) -> None:
             geometry.tie_word_embeddings,
         ),
     }
+    moe = geometry.moe
+    pairs["num_moe_experts / num_experts"] = (config.num_moe_experts, moe.num_experts if moe else None)
+    if moe is not None:
+        pairs["moe_ffn_hidden_size / moe_intermediate_size"] = (config.moe_ffn_hidden_size, moe.expert_ffn_size)
+        pairs["moe_router_topk / num_experts_per_tok"] = (config.moe_router_topk, moe.top_k)
+        # the renormalised HF top-k is Megatron's top-k then softmax (moe_features)
+        pairs["moe_router_pre_softmax / not renormalised top-k"] = (config.moe_router_pre_softmax, not moe.renormalize)
     wrong = [f"{name}: model {ours} vs HF {theirs}" for name, (ours, theirs) in pairs.items() if ours != theirs]
     if model.vocab_size < hf_config.vocab_size:
         wrong.append(f"vocab_size: model {model.vocab_size} rows < HF {hf_config.vocab_size}")

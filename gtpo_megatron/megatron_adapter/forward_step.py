@@ -17,21 +17,40 @@ from functools import partial
 import torch
 
 from gtpo_megatron.batch import TrainBatch
-from gtpo_megatron.ops import LossSpec, policy_objective, vocab_parallel_logprobs_entropy
+from gtpo_megatron.ops import LossSpec, PackedLayout, policy_objective, vocab_parallel_logprobs_entropy
 
 
 @dataclass(kw_only=True)
 class MicroBatch(TrainBatch):
-    """One micro-batch on the model's device: the rows' record, ``position_ids`` ``[b, S]``, ``attention_mask``."""
+    """One micro-batch on the model's device: the rows' record and the model's inputs.
+
+    ``position_ids`` ``[b, S]``; ``attention_mask`` of the local spec (None: Transformer Engine's causal mask);
+    ``source_rows``: the policy batch's row of each sequence (-1: a padding row). A packed micro-batch is one row
+    ``[1, N]`` holding ``layout.num_sequences`` sequences: per-token tensors packed, per-sequence ones (``[n]``) not,
+    and ``packed_seq_params`` Megatron's THD description of it with Transformer Engine.
+    """
 
     position_ids: torch.Tensor
     attention_mask: torch.Tensor | None = None
+    source_rows: tuple[int, ...] = ()
+    layout: PackedLayout | None = None
+    packed_seq_params: object | None = None
 
     @classmethod
-    def of(cls, rows: TrainBatch, *, position_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> MicroBatch:
-        """``rows`` (a ``TrainBatch`` already cut and on the device) with the model's inputs."""
+    def of(cls, rows: TrainBatch, *, position_ids: torch.Tensor, **inputs) -> MicroBatch:
+        """``rows`` (a ``TrainBatch`` already cut and on the device) with the model's inputs (the other fields)."""
         record = {f.name: getattr(rows, f.name) for f in dataclasses.fields(TrainBatch)}
-        return cls(**record, position_ids=position_ids, attention_mask=attention_mask)
+        return cls(**record, position_ids=position_ids, **inputs)
+
+    def unpacked(self) -> MicroBatch:
+        """One sequence per row, ``[n, L]`` (``ops.PackedLayout.unpack``); ``self`` when not packed."""
+        if self.layout is None:
+            return self
+        rows = self.apply(lambda t: self.layout.unpack(t) if t.dim() == 2 else t)
+        return dataclasses.replace(
+            rows, position_ids=self.layout.unpack(self.position_ids), attention_mask=None, layout=None,
+            packed_seq_params=None,
+        )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -80,8 +99,14 @@ def token_logprobs_entropy(
 
 
 def policy_loss_closure(logits: torch.Tensor, batch: MicroBatch, settings: ForwardSettings):
-    """``(S / N * loss_scale, metrics)``; forward-only (``loss=None``): ``(0, {"logprobs", "entropy"})`` ``[b, S]``."""
+    """``(S / N * loss_scale, metrics)``; forward-only (``loss=None``): ``(0, {"logprobs", "entropy"})`` ``[b, S]``.
+
+    A packed micro-batch is unpacked first: the objective and the forward-only values see one sequence per row.
+    """
     logprobs, entropy = token_logprobs_entropy(logits, batch, settings)
+    if batch.layout is not None:
+        logprobs, entropy = batch.layout.unpack(logprobs), batch.layout.unpack(entropy)
+        batch = batch.unpacked()
     if settings.loss is None:
         zero = logprobs.new_zeros(())
         return zero, {"logprobs": logprobs.detach(), "entropy": entropy}
@@ -95,5 +120,6 @@ def forward_step(data_iterator, model, *, settings: ForwardSettings, loss_fn=pol
     Bind ``settings`` (and optionally ``loss_fn(logits, batch, settings)``) with ``functools.partial``.
     """
     batch: MicroBatch = next(data_iterator)
-    output = model(batch.input_ids, batch.position_ids, batch.attention_mask)
+    inputs = {} if batch.packed_seq_params is None else {"packed_seq_params": batch.packed_seq_params}
+    output = model(batch.input_ids, batch.position_ids, batch.attention_mask, **inputs)
     return output, partial(loss_fn, batch=batch, settings=settings)

@@ -1,7 +1,7 @@
-"""Hugging Face <-> Megatron-Core weight layout for Llama / Mistral / Qwen2 / Qwen3 decoders (pure tensor code).
+"""Hugging Face <-> Megatron-Core weight layout for Llama / Mistral / Qwen2 / Qwen3 decoders and their MoE variants.
 
-Names are global (``decoder.layers.{i}``, see ``global_param_name``). Shapes on TP rank ``r`` (Q heads, G KV
-groups, ``G_pad`` with head padding, D head_dim, F the MLP width):
+Pure tensor code. Names are global (``decoder.layers.{i}``, experts by global index, see ``global_param_name``).
+Shapes on TP rank ``r`` (Q heads, G KV groups, ``G_pad`` with head padding, D head_dim, F the MLP width):
 
 * embedding / ``output_layer.weight``: ``[V/tp, H]``, padded rows zero; with tied embeddings the last stage's
   output layer loads from ``model.embed_tokens.weight`` and is not exported.
@@ -9,6 +9,10 @@ groups, ``G_pad`` with head padding, D head_dim, F the MLP width):
 * ``linear_proj.weight``: ``[H, Q_pad * D / tp]``; ``linear_fc1``: ``[2 * F/tp, H]`` (gate rows, then up rows);
   ``linear_fc2.weight``: ``[H, F/tp]``. Their biases are ``[H]``, replicated. Norms are replicated (TE's fused
   ``layer_norm_weight`` spellings are accepted).
+* MoE (``moe_features``): the router ``mlp.router.weight`` ``[E, H]`` is replicated; expert ``e``'s
+  ``linear_fc1`` ``[2 * F_e, H]`` (gate, up) and ``linear_fc2`` ``[H, F_e]`` are whole on the EP rank holding it
+  (expert TP 1; ``local_experts.{e}`` of the local spec, ``linear_fc1.weight{e}`` of TE's grouped experts); a
+  shared expert is TP-sharded as the dense MLP, its gate ``[1, H]`` replicated.
 """
 
 from __future__ import annotations
@@ -21,10 +25,24 @@ from pathlib import Path
 import torch
 
 from gtpo_megatron.megatron_adapter.head_padding import padded_num_query_groups
+from gtpo_megatron.megatron_adapter.moe_features import MoEShape, moe_shape
 
 VOCAB, QKV, PROJ, FC1, ROW, REPLICATED = "vocab", "qkv", "proj", "fc1", "row", "replicated"
+EXPERT_FC1, EXPERT = "expert_fc1", "expert"
+"""An expert's fused gate/up and its down projection: whole tensors, not TP-sharded, one expert per name."""
 
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_EXPERT_RE = re.compile(
+    r"^mlp\.experts\.(?:local_experts\.(?P<local>\d+)\.)?(?P<linear>linear_fc[12])\.weight(?P<grouped>\d*)$"
+)
+_SHARED_EXPERT_MAP = {
+    "mlp.shared_experts.linear_fc1.weight": (
+        FC1,
+        ("mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight"),
+    ),
+    "mlp.shared_experts.linear_fc2.weight": (ROW, ("mlp.shared_expert.down_proj.weight",)),
+    "mlp.shared_experts.gate_weight": (REPLICATED, ("mlp.shared_expert_gate.weight",)),
+}
 _LAYER_MAP = {
     "input_layernorm.weight": (REPLICATED, ("input_layernorm.weight",)),
     "self_attention.linear_qkv.layer_norm_weight": (REPLICATED, ("input_layernorm.weight",)),
@@ -51,7 +69,10 @@ _LAYER_MAP = {
 
 @dataclass(frozen=True)
 class ModelGeometry:
-    """Shapes the conversion needs (HF Q, G, D), plus ``num_pad_groups`` zero KV groups (``head_padding``)."""
+    """Shapes the conversion needs (HF Q, G, D), ``num_pad_groups`` zero KV groups and an MoE model's ``moe``.
+
+    ``num_pad_groups``: see ``head_padding``; ``moe`` is None for a dense model.
+    """
 
     num_heads: int
     num_query_groups: int
@@ -61,6 +82,7 @@ class ModelGeometry:
     tie_word_embeddings: bool
     tp_size: int
     num_pad_groups: int = 0
+    moe: MoEShape | None = None
 
     @property
     def heads_per_group(self) -> int:
@@ -106,6 +128,7 @@ class ModelGeometry:
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
             tp_size=tp_size,
             num_pad_groups=padded_groups - groups,
+            moe=moe_shape(hf_config),
         )
 
 
@@ -118,16 +141,83 @@ class ParamMapping:
     exported: bool = True
 
 
-def global_param_name(local_name: str, layer_offset: int) -> str:
-    """``decoder.layers.{j}.x`` of a pipeline stage whose first layer is ``layer_offset`` -> global index."""
+def global_param_name(local_name: str, layer_offset: int, expert_offset: int = 0) -> str:
+    """A stage-local name -> the global one: layer ``j`` -> ``j + layer_offset``, expert ``e`` -> ``e + expert_offset``.
+
+    ``layer_offset`` is the stage's first layer, ``expert_offset`` the EP rank's first expert.
+    """
     match = _LAYER_RE.match(local_name)
     if match is None:
         return local_name
-    return f"decoder.layers.{int(match.group(1)) + layer_offset}.{match.group(2)}"
+    suffix, expert = match.group(2), expert_index(match.group(2))
+    if expert >= 0 and expert_offset:
+        suffix = with_expert_index(suffix, expert + expert_offset)
+    return f"decoder.layers.{int(match.group(1)) + layer_offset}.{suffix}"
+
+
+def expert_index(name: str) -> int:
+    """The expert ``e`` of a global name or layer suffix (``local_experts.{e}``, ``linear_fc*.weight{e}``), else -1."""
+    layer = _LAYER_RE.match(name)
+    match = _EXPERT_RE.match(layer.group(2) if layer else name)
+    if match is None:
+        return -1
+    return int(match.group("local") or match.group("grouped"))
+
+
+def with_expert_index(name: str, expert: int) -> str:
+    """``name`` (a layer suffix or a global name) naming expert ``expert`` instead."""
+    layer = _LAYER_RE.match(name)
+    prefix, suffix = (f"decoder.layers.{layer.group(1)}.", layer.group(2)) if layer else ("", name)
+    match = _EXPERT_RE.match(suffix)
+    if match.group("local") is not None:
+        return f"{prefix}mlp.experts.local_experts.{expert}.{match.group('linear')}.weight"
+    return f"{prefix}mlp.experts.{match.group('linear')}.weight{expert}"
+
+
+def stage_offsets(model) -> tuple[int, int]:
+    """``(layer_offset, expert_offset)``: global indices of this stage's first layer and this EP rank's first expert.
+
+    ``(0, 0)`` for a stage without layers; the expert offset is 0 for a dense model.
+    """
+    layers = model.decoder.layers
+    if not len(layers):
+        return 0, 0
+    experts = getattr(layers[0].mlp, "local_expert_indices", None)
+    return layers[0].layer_number - 1, int(experts[0]) if experts else 0
+
+
+def global_named_parameters(model):
+    """``(global_name, param)`` of every parameter of this stage (``global_param_name`` of ``stage_offsets``)."""
+    layer_offset, expert_offset = stage_offsets(model)
+    for local_name, param in model.named_parameters():
+        yield global_param_name(local_name, layer_offset, expert_offset), param
+
+
+def _layer_mapping(layer: str, suffix: str, geometry: ModelGeometry) -> ParamMapping | None:
+    """Mapping of the layer parameter ``suffix`` of layer ``layer``; None when no rule knows it."""
+    hf_layer = f"model.layers.{layer}"
+    if suffix in _LAYER_MAP:
+        kind, names = _LAYER_MAP[suffix]
+        return ParamMapping(kind, tuple(f"{hf_layer}.{n}" for n in names))
+    moe = geometry.moe
+    if moe is None:
+        return None
+    if suffix == "mlp.router.weight":
+        return ParamMapping(REPLICATED, (f"{hf_layer}.{moe.block}.gate.weight",))
+    if suffix in _SHARED_EXPERT_MAP and moe.shared_expert_ffn_size:
+        kind, names = _SHARED_EXPERT_MAP[suffix]
+        return ParamMapping(kind, tuple(f"{hf_layer}.{n}" for n in names))
+    match = _EXPERT_RE.match(suffix)
+    if match is None:
+        return None
+    expert, layer_index = expert_index(suffix), int(layer)
+    if match.group("linear") == "linear_fc1":
+        return ParamMapping(EXPERT_FC1, tuple(moe.hf_expert_name(layer_index, expert, i) for i in (0, 1)))
+    return ParamMapping(EXPERT, (moe.hf_expert_name(layer_index, expert, 2),))
 
 
 def param_mapping(name: str, geometry: ModelGeometry) -> ParamMapping:
-    """Mapping of the global Megatron parameter ``name``; ValueError for one it does not know (MoE, MLA)."""
+    """Mapping of the global Megatron parameter ``name``; ValueError for one it does not know (e.g. MLA)."""
     if name == "embedding.word_embeddings.weight":
         return ParamMapping(VOCAB, ("model.embed_tokens.weight",))
     if name == "output_layer.weight":
@@ -137,10 +227,10 @@ def param_mapping(name: str, geometry: ModelGeometry) -> ParamMapping:
     if name == "decoder.final_layernorm.weight":
         return ParamMapping(REPLICATED, ("model.norm.weight",))
     match = _LAYER_RE.match(name)
-    if match is None or match.group(2) not in _LAYER_MAP:
+    mapping = None if match is None else _layer_mapping(match.group(1), match.group(2), geometry)
+    if mapping is None:
         raise ValueError(f"Megatron parameter {name!r} has no Hugging Face mapping (unsupported architecture?)")
-    kind, suffixes = _LAYER_MAP[match.group(2)]
-    return ParamMapping(kind, tuple(f"model.layers.{match.group(1)}.{s}" for s in suffixes))
+    return mapping
 
 
 class HFCheckpointReader:
@@ -228,8 +318,10 @@ def shard_from_hf(
         return _padded_slice(reader, mapping.hf_names[0], 1, tp_rank * cols, cols)
     if mapping.kind == QKV:
         return _qkv_shard(reader, mapping.hf_names, geometry, tp_rank)
-    if mapping.kind == REPLICATED:
+    if mapping.kind in (REPLICATED, EXPERT):
         return reader.read(mapping.hf_names[0])
+    if mapping.kind == EXPERT_FC1:
+        return torch.cat([reader.read(name) for name in mapping.hf_names])
     full_shape = reader.shape(mapping.hf_names[0])
     if mapping.kind == FC1:
         rows = full_shape[0] // tp
@@ -242,8 +334,11 @@ def hf_from_shards(
     mapping: ParamMapping, shards: list[torch.Tensor], geometry: ModelGeometry
 ) -> list[tuple[str, torch.Tensor]]:
     """Inverse of ``shard_from_hf``: TP shards (rank order) -> full HF tensors, padding dropped, fusions split."""
-    if mapping.kind == REPLICATED:
+    if mapping.kind in (REPLICATED, EXPERT):
         return [(mapping.hf_names[0], shards[0].clone())]
+    if mapping.kind == EXPERT_FC1:
+        gate, up = shards[0].chunk(2)
+        return [(mapping.hf_names[0], gate.clone()), (mapping.hf_names[1], up.clone())]
     if mapping.kind == VOCAB:
         return [(mapping.hf_names[0], torch.cat(shards)[: geometry.vocab_size].clone())]
     if mapping.kind == ROW:
@@ -262,12 +357,6 @@ def hf_from_shards(
     return [(name, part.reshape(-1, *tail).contiguous()) for name, part in zip(mapping.hf_names, (q, k, v))]
 
 
-def stage_layer_offset(model) -> int:
-    """Global index of this pipeline stage's first transformer layer (0 when the stage has none)."""
-    layers = model.decoder.layers
-    return layers[0].layer_number - 1 if len(layers) else 0
-
-
 @torch.no_grad()
 def load_hf_weights(model, hf_path: str | Path, geometry: ModelGeometry, *, tp_rank: int) -> None:
     """Copy this rank's slices of an HF checkpoint into an unwrapped ``GPTModel`` stage, in place, cast to each dtype.
@@ -276,16 +365,15 @@ def load_hf_weights(model, hf_path: str | Path, geometry: ModelGeometry, *, tp_r
         ValueError: a tensor is missing from the checkpoint or a shard shape disagrees with the parameter.
     """
     reader = HFCheckpointReader(hf_path)
-    offset = stage_layer_offset(model)
-    for local_name, param in model.named_parameters():
-        mapping = param_mapping(global_param_name(local_name, offset), geometry)
+    for name, param in global_named_parameters(model):
+        mapping = param_mapping(name, geometry)
         missing = [n for n in mapping.hf_names if n not in reader]
         if missing:
-            raise ValueError(f"hf_path={str(hf_path)!r} lacks {missing} needed for Megatron parameter {local_name!r}")
+            raise ValueError(f"hf_path={str(hf_path)!r} lacks {missing} needed for Megatron parameter {name!r}")
         shard = shard_from_hf(mapping, reader, geometry, tp_rank)
         if tuple(shard.shape) != tuple(param.shape):
             raise ValueError(
-                f"shard of {local_name!r} from {mapping.hf_names} has shape {tuple(shard.shape)}, "
+                f"shard of {name!r} from {mapping.hf_names} has shape {tuple(shard.shape)}, "
                 f"the Megatron parameter {tuple(param.shape)}; the HF config and checkpoint disagree"
             )
         param.data.copy_(shard)

@@ -1,7 +1,9 @@
 """What each Hugging Face config field of the accepted decoders does, and how Megatron reproduces it (or refuses it).
 
 The field-by-field table (Llama, Mistral, Qwen2, Qwen3; the fields their ``transformers`` modeling code reads) is
-in docs/models.md. Nothing is dropped silently: a field that cannot be built raises ValueError at load.
+in docs/models.md; the mixture-of-experts types (Qwen3-MoE, Qwen2-MoE, Mixtral) share their attention fields and add
+the router's (``moe_features``, docs/moe.md). Nothing is dropped silently: a field that cannot be built raises
+ValueError at load.
 """
 
 from __future__ import annotations
@@ -9,9 +11,19 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from gtpo_megatron.megatron_adapter.moe_features import MOE_MODEL_TYPES, check_moe_config
+
 logger = logging.getLogger(__name__)
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", *MOE_MODEL_TYPES)
+_TRAINING_ONLY = {
+    "attention_dropout": "the policy trains without dropout",
+    "router_jitter_noise": "the policy routes without input jitter",
+}
+"""HF fields that act in training mode only, with what the policy does instead (RL fine-tuning: neither)."""
+_WINDOW_ON_EVERY_LAYER = ("mistral", "mixtral", "qwen3_moe")
+"""Model types whose ``sliding_window`` (when not null) applies to every layer; qwen2, qwen3 and qwen2_moe read
+``layer_types``."""
 _LLAMA3_CONSTANTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
@@ -29,9 +41,16 @@ def linear_biases(hf_config) -> LinearBiases:
     model_type = hf_config.model_type
     if model_type == "qwen2":
         return LinearBiases(qkv=True, proj=False, mlp=False)
-    attention = model_type in ("llama", "qwen3") and bool(getattr(hf_config, "attention_bias", False))
+    if model_type == "qwen2_moe":
+        return LinearBiases(qkv=bool(getattr(hf_config, "qkv_bias", True)), proj=False, mlp=False)
+    attention = model_type in ("llama", "qwen3", "qwen3_moe") and bool(getattr(hf_config, "attention_bias", False))
     mlp = model_type == "llama" and bool(getattr(hf_config, "mlp_bias", False))
     return LinearBiases(qkv=attention, proj=attention, mlp=mlp)
+
+
+def has_qk_norm(hf_config) -> bool:
+    """True for the model types with q/k RMSNorms (qwen3, qwen3_moe: always)."""
+    return hf_config.model_type in ("qwen3", "qwen3_moe")
 
 
 def sliding_window_settings(hf_config) -> dict:
@@ -41,9 +60,9 @@ def sliding_window_settings(hf_config) -> dict:
         ValueError: a ``layer_types`` entry other than ``full_attention`` / ``sliding_attention``, or a window < 1.
     """
     window = getattr(hf_config, "sliding_window", None)
-    if hf_config.model_type == "mistral":
+    if hf_config.model_type in _WINDOW_ON_EVERY_LAYER:
         windowed = [window is not None] * hf_config.num_hidden_layers
-    elif hf_config.model_type in ("qwen2", "qwen3"):
+    elif hf_config.model_type in ("qwen2", "qwen3", "qwen2_moe"):
         layer_types = list(getattr(hf_config, "layer_types", None) or [])
         unknown = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
         if unknown:
@@ -109,8 +128,8 @@ def check_hf_config(hf_config) -> None:
     """Refuse, at load, every field that cannot be built; warn about those without effect.
 
     Raises:
-        ValueError: unsupported ``model_type`` or ``hidden_act``, and the errors of ``rope_settings`` and
-            ``sliding_window_settings``.
+        ValueError: unsupported ``model_type`` or ``hidden_act``, and the errors of ``rope_settings``,
+            ``sliding_window_settings`` and ``moe_features.check_moe_config``.
     """
     model_type = getattr(hf_config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
@@ -122,10 +141,11 @@ def check_hf_config(hf_config) -> None:
         )
     rope_settings(hf_config)
     sliding_window_settings(hf_config)
-    dropout = float(getattr(hf_config, "attention_dropout", 0.0) or 0.0)
-    if dropout > 0:
-        logger.warning(
-            "attention_dropout=%s in the HF config has no effect: the policy trains without dropout "
-            "(as transformers and vLLM evaluate)",
-            dropout,
-        )
+    if model_type in MOE_MODEL_TYPES:
+        check_moe_config(hf_config)
+    for field, behaviour in _TRAINING_ONLY.items():
+        value = float(getattr(hf_config, field, 0.0) or 0.0)
+        if value > 0:
+            logger.warning(
+                "%s=%s in the HF config has no effect: %s (as transformers and vLLM evaluate)", field, value, behaviour
+            )

@@ -135,17 +135,11 @@ def _summed(logprobs, entropy, batch: MicroBatch, settings: ForwardSettings, pac
     if packed is not None:
         logprobs = packed.unpack(logprobs)
         entropy = None if entropy is None else packed.unpack(entropy)
-        batch = _unpacked(batch, packed)
+        batch = dataclasses.replace(batch, layout=packed).unpacked()
     one = torch.ones((), dtype=torch.float32, device=logprobs.device)
     loss_sum, sums, _ = policy_objective(logprobs, entropy, batch, spec, one)
     count = compute_normalizer(batch.loss_mask, spec.aggregation, max_response_length=spec.max_response_length)
     return loss_sum, count, _report(loss_sum.detach(), count, sums)
-
-
-def _unpacked(batch: MicroBatch, packed: PackedLayout) -> MicroBatch:
-    """The micro-batch's per-token tensors laid out one sequence per row (per-sequence tensors stay as they are)."""
-    rows = batch.apply(lambda t: packed.unpack(t) if t.dim() == 2 else t)
-    return dataclasses.replace(rows, position_ids=packed.unpack(batch.position_ids), attention_mask=None)
 
 
 def _report(loss_sum: torch.Tensor, count: torch.Tensor, sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

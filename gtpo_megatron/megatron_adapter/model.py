@@ -1,7 +1,8 @@
 """Build a Megatron-Core ``GPTModel`` (one pipeline stage, TP-sharded) from a Hugging Face decoder config.
 
-Llama, Mistral, Qwen2 and Qwen3 (dense) map onto Megatron's GPT block (RMSNorm, SwiGLU, GQA, RoPE, optional tied
-embeddings, biases, sliding windows); ``hf_features`` says how each HF setting is reproduced or why it is refused.
+Llama, Mistral, Qwen2 and Qwen3 map onto Megatron's GPT block (RMSNorm, SwiGLU, GQA, RoPE, optional tied
+embeddings, biases, sliding windows), Qwen3-MoE, Qwen2-MoE and Mixtral onto the same block with an ``MoELayer``;
+``hf_features`` and ``moe_features`` say how each HF setting is reproduced or why it is refused.
 Dropout is 0. Transformer Engine layer specs when TE imports, Megatron's local specs otherwise (which get an
 explicit causal mask, and ``SequenceParallelRMSNorm`` under sequence parallelism). The embedding and output layer
 have ``padded_vocab_size`` rows (``plan.layout``), the padded rows zero. Opt-in extras: zero KV groups when they do
@@ -19,14 +20,20 @@ import torch
 import torch.nn.functional as F
 
 from gtpo_megatron.megatron_adapter.head_padding import padded_num_query_groups
+from gtpo_megatron.megatron_adapter.hf_conversion import expert_index
 from gtpo_megatron.megatron_adapter.hf_features import (
     LinearBiases,
     check_hf_config,
+    has_qk_norm,
     linear_biases,
     rope_settings,
     sliding_window_settings,
 )
+from gtpo_megatron.megatron_adapter.moe_compat import install_moe_compat
+from gtpo_megatron.megatron_adapter.moe_features import moe_transformer_fields
 from gtpo_megatron.megatron_adapter.output_layer import use_fp32_output_layer
+from gtpo_megatron.plan.architectures import architecture_from_hf_config
+from gtpo_megatron.plan.layout import expert_problems, raise_problems
 
 if TYPE_CHECKING:
     from gtpo_megatron.megatron_adapter.settings import PolicySettings
@@ -124,18 +131,25 @@ def _with_sequence_parallel_norms(spec):
     return dataclasses.replace(spec, submodules=layer)
 
 
-def select_layer_spec(*, qk_layernorm: bool, biases: LinearBiases, sequence_parallel: bool = False):
+def select_layer_spec(
+    *, qk_layernorm: bool, biases: LinearBiases, sequence_parallel: bool = False, num_experts: int | None = None
+):
     """``(layer_spec, "transformer_engine" | "local")``, logged once.
 
-    ``biases`` and ``sequence_parallel`` adapt the local spec (TE's supports both natively).
+    ``biases`` and ``sequence_parallel`` adapt the local spec (TE's supports both natively); ``num_experts`` makes
+    the MLP an ``MoELayer`` (TE: grouped GEMMs, local: ``SequentialMLP``).
     """
     from megatron.core.models.gpt import gpt_layer_specs
 
     if transformer_engine_available():
-        spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
+        spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=num_experts, moe_grouped_gemm=num_experts is not None, qk_layernorm=qk_layernorm
+        )
         backend = "transformer_engine"
     else:
-        spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization="RMSNorm")
+        spec = gpt_layer_specs.get_gpt_layer_local_spec(
+            num_experts=num_experts, qk_layernorm=qk_layernorm, normalization="RMSNorm"
+        )
         backend = "local"
         if sequence_parallel:
             spec = _with_sequence_parallel_norms(spec)
@@ -161,7 +175,8 @@ def transformer_config_from_hf(hf_config, settings: PolicySettings, *, padding_t
 
     Raises:
         ValueError: an HF feature that cannot be built (``hf_features``), heads or KV groups not divisible by
-            ``tp_size`` (without ``model.pad_attention_heads``), layers not divisible by ``pp_size``.
+            ``tp_size`` (without ``model.pad_attention_heads``), layers not divisible by ``pp_size``, an expert
+            layout Megatron cannot form (``plan.layout.expert_problems``), packing with sliding windows.
     """
     from megatron.core.transformer import TransformerConfig
 
@@ -170,7 +185,19 @@ def transformer_config_from_hf(hf_config, settings: PolicySettings, *, padding_t
         **hf_transformer_fields(hf_config, settings, padding_tp_size=padding_tp_size),
         **settings_transformer_fields(settings),
     }
+    _check_packing(fields, settings)
     return TransformerConfig(**{**fields, **settings.model.megatron_overrides})
+
+
+def _check_packing(fields: dict, settings: PolicySettings) -> None:
+    """Refuse packing where the packed row's attention would cross sequences (sliding windows replace its mask)."""
+    if settings.token_budget is None or not settings.token_budget.packing or "window_size" not in fields:
+        return
+    raise ValueError(
+        f"optim.packing=true with a sliding-window model (window_size={fields['window_size']}): the windowed "
+        "attention builds its own mask, which would let packed sequences attend to each other; set "
+        "optim.packing=false (token-budget micro-batches are padded then)"
+    )
 
 
 def _engine_fields() -> dict:
@@ -209,6 +236,12 @@ def hf_transformer_fields(hf_config, settings: PolicySettings, *, padding_tp_siz
         raise ValueError(
             f"num_hidden_layers={hf_config.num_hidden_layers} is not divisible by pp_size={settings.pp_size}"
         )
+    arch = architecture_from_hf_config(hf_config.to_dict(), name=f"model_type={hf_config.model_type!r}")
+    raise_problems(
+        expert_problems(
+            arch, ep_size=settings.ep_size, tp_size=settings.tp_size, sequence_parallel=settings.sequence_parallel
+        )
+    )
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
     return dict(
         num_layers=hf_config.num_hidden_layers,
@@ -223,8 +256,9 @@ def hf_transformer_fields(hf_config, settings: PolicySettings, *, padding_tp_siz
         activation_func=F.silu,
         add_bias_linear=False,  # o_proj and MLP biases: per-module linear classes (select_layer_spec)
         add_qkv_bias=linear_biases(hf_config).qkv,
-        qk_layernorm=hf_config.model_type == "qwen3",
+        qk_layernorm=has_qk_norm(hf_config),
         **sliding_window_settings(hf_config),
+        **moe_transformer_fields(hf_config, settings, grouped_gemm=transformer_engine_available()),
     )
 
 
@@ -243,11 +277,21 @@ def settings_transformer_fields(settings: PolicySettings) -> dict:
         recompute_granularity=None if settings.model.recompute == "none" else settings.model.recompute,
         recompute_method="uniform" if full else None,
         recompute_num_layers=1 if full else None,
+        **_variable_shapes(settings),
         calculate_per_token_loss=False,
         # Weights are overwritten from the HF checkpoint, but Megatron only tags TP-sharded weights
         # (``tensor_model_parallel``, read by grad-norm/clipping) inside its init path: keep it on.
         perform_initialization=True,
     )
+
+
+def _variable_shapes(settings: PolicySettings) -> dict:
+    """With PP > 1, token-budget micro-batches make the stages exchange each micro-batch's shape first.
+
+    Megatron refuses that with its default ``allgather`` MoE dispatcher, so ``alltoall`` is named (unused if dense).
+    """
+    variable = settings.token_budget is not None and settings.pp_size > 1
+    return {"variable_seq_lengths": True, "moe_token_dispatcher_type": "alltoall"} if variable else {}
 
 
 def build_gpt_model(
@@ -264,8 +308,13 @@ def build_gpt_model(
     """
     from megatron.core.models.gpt import GPTModel
 
+    if config.num_moe_experts:
+        install_moe_compat()
     spec, backend = select_layer_spec(
-        qk_layernorm=config.qk_layernorm, biases=linear_biases(hf_config), sequence_parallel=config.sequence_parallel
+        qk_layernorm=config.qk_layernorm,
+        biases=linear_biases(hf_config),
+        sequence_parallel=config.sequence_parallel,
+        num_experts=config.num_moe_experts,
     )
     model = GPTModel(
         config=config,
@@ -280,6 +329,8 @@ def build_gpt_model(
         **rope_settings(hf_config),
     )
     model.layer_spec_backend = backend
+    if config.num_moe_experts:
+        _tag_experts_expert_parallel(model)
     if fp32_output_layer and post_process and config.params_dtype != torch.float32:
         use_fp32_output_layer(model.output_layer)
     _to_params_dtype(model, config.params_dtype)
@@ -288,6 +339,18 @@ def build_gpt_model(
         # (its RMSNorms) are built on the CPU; Megatron-LM's get_model moves the whole stage the same way.
         model.cuda(torch.cuda.current_device())
     return model
+
+
+def _tag_experts_expert_parallel(model) -> None:
+    """Tag every expert parameter expert-parallel (``allreduce=False``), as Megatron does only at EP > 1.
+
+    Megatron then reduces its gradient over the expert-data-parallel group, which at EP = 1 is the data-parallel
+    group (the same sum), and gives experts their own optimizer: the optimizer state has one structure at every EP
+    size, so a checkpoint written at EP = 1 loads at EP > 1 and the reverse.
+    """
+    for name, param in model.named_parameters():
+        if expert_index(name) >= 0:
+            param.allreduce = False
 
 
 def _to_params_dtype(model, params_dtype: torch.dtype) -> None:
@@ -301,8 +364,15 @@ def _to_params_dtype(model, params_dtype: torch.dtype) -> None:
             param.data = param.data.to(params_dtype)
 
 
-def causal_attention_mask(seq_len: int, backend: str) -> torch.Tensor | None:
-    """``[1, 1, S, S]`` bool, True = masked, for the local spec; None with Transformer Engine (causal by its spec)."""
+def causal_attention_mask(seq_len: int, backend: str, segment_ids: torch.Tensor | None = None) -> torch.Tensor | None:
+    """``[1, 1, S, S]`` bool, True = masked, for the local spec; None with Transformer Engine (causal by its spec).
+
+    ``segment_ids`` ``[S]`` (a packed row, ``ops.PackedLayout.segment_ids``): block-diagonal, a column sees only the
+    earlier columns of its own segment.
+    """
     if backend == "transformer_engine":
         return None
-    return torch.triu(torch.ones(seq_len, seq_len, dtype=torch.bool), diagonal=1)[None, None]
+    masked = torch.triu(torch.ones(seq_len, seq_len, dtype=torch.bool), diagonal=1)
+    if segment_ids is not None:
+        masked |= segment_ids[:, None] != segment_ids[None, :]
+    return masked[None, None]

@@ -1,9 +1,9 @@
 """``MegatronPolicy``: the facade the trainer calls (build, log-prob pass, optimizer step, weights, checkpoints).
 
 One instance per process. It owns this rank's ``GPTModel`` stage (TP-sharded, wrapped in Megatron DDP), Megatron's
-optimizer and LR schedule. Batches are ``batch.TrainBatch`` (this DP rank's rows, on CPU); they are cut
-into micro-batches of ``micro_batch_size`` rows (the last one padded with fully masked rows, which contribute
-nothing) and run through ``get_forward_backward_func()`` with ``forward_step.forward_step``.
+optimizer and LR schedule. Batches are ``batch.TrainBatch`` (this DP rank's rows, on CPU); ``micro_batching`` cuts
+them into micro-batches (fixed rows, or under ``optim.max_tokens_per_micro_batch``, padded or packed), which run
+through ``get_forward_backward_func()`` with ``forward_step.forward_step``.
 """
 
 from __future__ import annotations
@@ -14,13 +14,15 @@ from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 
 from gtpo_megatron.batch import TrainBatch
 from gtpo_megatron.builtin_models import resolve_model_path
-from gtpo_megatron.megatron_adapter import hf_conversion
+from gtpo_megatron.megatron_adapter import hf_conversion, micro_batching
 from gtpo_megatron.megatron_adapter import model as model_lib
 from gtpo_megatron.megatron_adapter.cpu_compat import cuda_to_cpu_mode, install_cpu_compat
 from gtpo_megatron.megatron_adapter.forward_step import ForwardSettings, MicroBatch, forward_step
+from gtpo_megatron.megatron_adapter.moe_metrics import RouterLoad
 from gtpo_megatron.megatron_adapter.optimizer import build_optimizer, optimizer_step, wrap_ddp
 from gtpo_megatron.megatron_adapter.step_metrics import reduce_step_metrics
 from gtpo_megatron.ops import LossSpec, compute_normalizer
@@ -30,6 +32,7 @@ if TYPE_CHECKING:
     from gtpo_megatron.config import ModelConfig
     from gtpo_megatron.megatron_adapter.settings import PolicySettings
     from gtpo_megatron.parallel.groups import ParallelGroups
+    from gtpo_megatron.plan.micro_batches import TokenBudget
 
 logger = logging.getLogger(__name__)
 
@@ -112,6 +115,8 @@ class MegatronPolicy:
         hf_path: str,
         micro_batch_size: int,
         logprob_chunk_size: int | None,
+        token_budget: TokenBudget | None = None,
+        router_load: RouterLoad | None = None,
     ):
         self.ddp_model = ddp_model
         self.optimizer = optimizer
@@ -121,6 +126,8 @@ class MegatronPolicy:
         self.geometry = geometry
         self.hf_path = hf_path
         self.micro_batch_size = micro_batch_size
+        self.token_budget = token_budget
+        self.router_load = router_load  # mixture-of-experts models only
         self.logprob_chunk_size = logprob_chunk_size
         self.device = next(self.model.parameters()).device
         self._step_end_rng: dict | None = None  # RNG states after the last train_step (or the loaded ones)
@@ -152,10 +159,12 @@ class MegatronPolicy:
         from megatron.core.distributed import finalize_model_grads
         from transformers import AutoConfig
 
-        if (groups.tp_size, groups.pp_size) != (settings.tp_size, settings.pp_size):
+        layout = (groups.tp_size, groups.pp_size, groups.ep_size)
+        if layout != (settings.tp_size, settings.pp_size, settings.ep_size):
             raise ValueError(
-                f"the process groups have tp_size={groups.tp_size}, pp_size={groups.pp_size} but the policy settings "
-                f"tp_size={settings.tp_size}, pp_size={settings.pp_size}; build both from parallel.tp_size/pp_size"
+                f"the process groups have (tp_size, pp_size, ep_size)={layout} but the policy settings "
+                f"{(settings.tp_size, settings.pp_size, settings.ep_size)}; build both from parallel.tp_size/pp_size/"
+                "ep_size"
             )
         hf_path = resolve_model_path(settings.model.name_or_path)
         install_cpu_compat()
@@ -179,6 +188,10 @@ class MegatronPolicy:
             fp32_output_layer=settings.model.fp32_output_layer,
         )
         _load_initial_weights(gpt_model, settings.model, hf_path, geometry, tp_rank=groups.tp_rank)
+        moe = geometry.moe
+        router_load = None
+        if moe is not None and trainable:
+            router_load = RouterLoad(gpt_model, num_layers=config.num_layers, num_experts=moe.num_experts)
         optimizer = scheduler = None
         if trainable:
             gpt_model = wrap_ddp(gpt_model, config, settings=settings.optim)
@@ -197,35 +210,29 @@ class MegatronPolicy:
             hf_path=hf_path,
             micro_batch_size=settings.micro_batch_size,
             logprob_chunk_size=settings.logprob_chunk_size,
+            token_budget=settings.token_budget,
+            router_load=router_load,
         )
 
     # ----------------------------------------------------------------------------------------- micro-batches
     def _micro_batches(self, batch: TrainBatch) -> list[MicroBatch]:
-        """``batch`` padded (rows: all masks False, advantages 0), on the device, cut into equal micro-batches.
+        """``batch`` on the device, cut as ``micro_batching`` says (token budget if set, else fixed rows).
 
-        With sequence parallelism the columns are right-padded to a multiple of ``tp_size`` too.
+        As many on every rank of the EP group (``equal_counts``). Collectives: with ``ep_size > 1`` one MAX
+        all-reduce on EP.
         """
-        rows, seq_len = batch.input_ids.shape
-        pad = (-rows) % self.micro_batch_size
-        pad_columns = (-seq_len) % self.groups.tp_size if self.model.config.sequence_parallel else 0
-        seq_len += pad_columns
-
-        def prepare(t: torch.Tensor) -> torch.Tensor:
-            t = torch.cat([t, t.new_zeros((pad, *t.shape[1:]))]) if pad else t
-            if pad_columns and t.dim() == 2:
-                t = torch.cat([t, t.new_zeros((t.shape[0], pad_columns))], dim=1)
-            return t.to(self.device)
-
-        padded = batch.apply(prepare)
-        positions = torch.arange(seq_len, device=self.device).expand(self.micro_batch_size, -1)
-        mask = model_lib.causal_attention_mask(seq_len, self.model.layer_spec_backend)
-        mask = None if mask is None else mask.to(self.device)
-        return [
-            MicroBatch.of(
-                padded.select(slice(start, start + self.micro_batch_size)), position_ids=positions, attention_mask=mask
-            )
-            for start in range(0, rows + pad, self.micro_batch_size)
-        ]
+        cut = {
+            "width_multiple": self.groups.tp_size if self.model.config.sequence_parallel else 1,
+            "backend": self.model.layer_spec_backend,
+            "device": self.device,
+        }
+        if self.token_budget is None:
+            micro_batches = micro_batching.fixed_micro_batches(batch, self.micro_batch_size, **cut)
+        else:
+            micro_batches = micro_batching.budget_micro_batches(batch, self.token_budget, **cut)
+        if self.groups.ep_size > 1:
+            micro_batches = micro_batching.equal_counts(micro_batches, group=self.groups.ep)
+        return micro_batches
 
     def _run_schedule(self, micro_batches: list[MicroBatch], settings: ForwardSettings, *, forward_only: bool):
         from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -236,8 +243,8 @@ class MegatronPolicy:
                 data_iterator=iter(micro_batches),
                 model=[self.ddp_model],
                 num_microbatches=len(micro_batches),
-                seq_length=micro_batches[0].input_ids.shape[1],
-                micro_batch_size=self.micro_batch_size,
+                seq_length=micro_batches[0].input_ids.shape[1],  # read only without variable_seq_lengths
+                micro_batch_size=micro_batches[0].input_ids.shape[0],
                 forward_only=forward_only,
             )
 
@@ -265,12 +272,10 @@ class MegatronPolicy:
         micro_batches = self._micro_batches(batch)
         settings = self._settings(temperature, entropy_temperature)
         store = self._run_schedule(micro_batches, settings, forward_only=True)
-        rows, seq_len = batch.input_ids.shape
+        both = torch.zeros(2, *batch.input_ids.shape, dtype=torch.float32, device=self.device)
         if self.groups.is_last_pp_stage:
-            both = torch.stack([torch.cat([d["logprobs"] for d in store]), torch.cat([d["entropy"] for d in store])])
-            both = both[:, :rows, :seq_len].float().contiguous()
-        else:
-            both = torch.empty(2, rows, seq_len, dtype=torch.float32, device=self.device)
+            for micro_batch, values in zip(micro_batches, store):
+                _scatter_rows(both, micro_batch.source_rows, torch.stack([values["logprobs"], values["entropy"]]))
         if self.groups.pp_size > 1:
             broadcast_(both, src=self.groups.pp_last_global_rank, group=self.groups.pp)
         self.ddp_model.train()
@@ -303,7 +308,8 @@ class MegatronPolicy:
 
         Returns:
             Metrics identical on every rank: ``loss``, ``normalizer``, the objective's sums, ``clip_frac``,
-            ``ratio_mean``, ``kl_mean``; ``{"normalizer": 0.0}`` only when no DP rank has a response token.
+            ``ratio_mean``, ``kl_mean``, ``perf/*`` and for MoE models ``moe_metrics``'s; ``{"normalizer": 0.0}`` only
+            when no DP rank has a response token.
 
         Raises:
             ValueError: ``batch.advantages`` is None, or the loss rejects its arguments.
@@ -330,6 +336,13 @@ class MegatronPolicy:
         )
         store = self._run_schedule(micro_batches, settings, forward_only=False)
         metrics = reduce_step_metrics(store, self.groups, device=self.device)
+        metrics.update(micro_batching.micro_batch_metrics(micro_batches, group=self.groups.dp))
+        if self.router_load is not None:
+            groups = self.groups
+            metrics.update(self.router_load.metrics(
+                world=dist.group.WORLD if groups.world_size > 1 else None, num_micro_batches=len(micro_batches),
+                stage_ranks=groups.world_size // groups.pp_size,
+            ))  # fmt: skip
         metrics["normalizer"] = float(normalizer)
         return metrics
 
@@ -399,3 +412,11 @@ class MegatronPolicy:
         trainer_state = load_checkpoint(path, self)
         self._step_end_rng = rng_state()
         return trainer_state
+
+
+def _scatter_rows(out_2BS: torch.Tensor, source_rows: tuple[int, ...], values_2bW: torch.Tensor) -> None:
+    """Write a micro-batch's ``[2, b, W]`` values into rows ``source_rows`` of ``[2, B, S]`` (-1: dropped)."""
+    keep = [k for k, row in enumerate(source_rows) if row >= 0]
+    width = min(values_2bW.shape[-1], out_2BS.shape[-1])
+    rows = torch.tensor([source_rows[k] for k in keep], device=out_2BS.device)
+    out_2BS[:, rows, :width] = values_2bW[:, keep, :width].float()

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from gtpo_megatron.builtin_models import local_model_folder
 from gtpo_megatron.config.checks import require
 from gtpo_megatron.plan.layout import padded_vocab_size
+from gtpo_megatron.plan.micro_batches import TokenBudget
 
 if TYPE_CHECKING:
     from gtpo_megatron.config import GTPOConfig, ModelConfig
@@ -36,6 +37,15 @@ OWNED_FIELDS: dict[str, str] = {
     "recompute_granularity": "model.recompute",
     "recompute_method": "model.recompute",
     "recompute_num_layers": "model.recompute",
+    "variable_seq_lengths": "optim.max_tokens_per_micro_batch at parallel.pp_size > 1",
+    "moe_token_dispatcher_type": "moe_features (and optim.max_tokens_per_micro_batch at parallel.pp_size > 1)",
+    "expert_model_parallel_size": "parallel.ep_size",
+    "expert_tensor_parallel_size": "moe_features (expert tensor parallelism is 1)",
+    "moe_router_load_balancing_type": "model.moe_aux_loss_coeff",
+    "moe_aux_loss_coeff": "model.moe_aux_loss_coeff",
+    "moe_z_loss_coeff": "model.moe_z_loss_coeff",
+    "moe_grouped_gemm": "the layer spec (Transformer Engine's grouped experts, else SequentialMLP)",
+    "moe_expert_capacity_factor": "moe_features (dropless routing)",
     "calculate_per_token_loss": "the loss normalisation contract (megatron_adapter/forward_step.py)",
     "perform_initialization": "the tensor-parallel weight tags Megatron sets while initialising (model.py)",
     **dict.fromkeys(
@@ -55,6 +65,13 @@ OWNED_FIELDS: dict[str, str] = {
             "qk_layernorm",
             "window_size",
             "window_attn_skip_freq",
+            "num_moe_experts",
+            "moe_router_topk",
+            "moe_ffn_hidden_size",
+            "moe_router_pre_softmax",
+            "moe_router_score_function",
+            "moe_shared_expert_intermediate_size",
+            "moe_shared_expert_gate",
         ),
         _FROM_HF,
     ),
@@ -111,9 +128,12 @@ class PolicySettings:
     model: ModelConfig
     tp_size: int = 1
     pp_size: int = 1
+    ep_size: int = 1
     sequence_parallel: bool = False
     optim: OptimSettings = field(default_factory=OptimSettings)
     micro_batch_size: int = 1
+    token_budget: TokenBudget | None = None
+    """Micro-batches by tokens (``optim.max_tokens_per_micro_batch``, ``optim.packing``); None: by rows."""
     logprob_chunk_size: int | None = None
     seed: int = 1234
 
@@ -167,6 +187,7 @@ def policy_settings(cfg: GTPOConfig) -> PolicySettings:
         model=cfg.model,
         tp_size=cfg.parallel.tp_size,
         pp_size=cfg.parallel.pp_size,
+        ep_size=cfg.parallel.ep_size,
         sequence_parallel=cfg.parallel.sequence_parallel,
         optim=OptimSettings(
             lr=optim.lr,
@@ -181,6 +202,9 @@ def policy_settings(cfg: GTPOConfig) -> PolicySettings:
             use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
         ),
         micro_batch_size=optim.micro_batch_size,
+        token_budget=None
+        if optim.max_tokens_per_micro_batch is None
+        else TokenBudget(max_tokens=optim.max_tokens_per_micro_batch, packing=optim.packing),
         logprob_chunk_size=cfg.algorithm.logprob_chunk_size,
         seed=cfg.trainer.seed,
     )

@@ -50,6 +50,16 @@ class PackedLayout:
         """n, the number of sequences in the row."""
         return len(self.seq_lengths)
 
+    def segment_ids(self, width: int) -> torch.Tensor:
+        """``[N]`` int64: sequence ``k`` on its columns; every other column ``n + column`` (a segment of its own).
+
+        Two columns may attend to each other only within one segment: the block-diagonal causal mask.
+        """
+        segments = torch.arange(width, dtype=torch.long) + self.num_sequences
+        for k, (start, length) in enumerate(zip(self.seq_starts, self.seq_lengths)):
+            segments[start : start + length] = k
+        return segments
+
     def _index(self, width: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """``([n, L] int64 packed column of each padded cell, [n, L] bool cell holds a token)``."""
         end = max((s + n for s, n in zip(self.seq_starts, self.seq_lengths)), default=0)

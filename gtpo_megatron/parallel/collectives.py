@@ -62,12 +62,18 @@ def broadcast_(tensor: torch.Tensor, *, src: int, group: dist.ProcessGroup | Non
     return tensor
 
 
-def all_gather_rows(local: torch.Tensor, *, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """``[B]`` fp32 from each rank's ``[B/size]`` share in rank order; one SUM all-reduce of a zero-padded vector."""
+def all_gather_rows(
+    local: torch.Tensor, *, group: dist.ProcessGroup | None, rows: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``[B]`` fp32 of the batch from each rank's ``[B/size]`` share; one SUM all-reduce of a zero-padded vector.
+
+    ``rows``: ``[B/size]`` int64, where this rank's values go (the ranks' rows partition the batch); None: the
+    contiguous share ``[rank * B/size, (rank + 1) * B/size)``.
+    """
     rank, size = (0, 1) if group is None else (dist.get_rank(group), dist.get_world_size(group))
     full = torch.zeros(local.shape[0] * size, dtype=torch.float32)
     share = local.shape[0]
-    full[rank * share : (rank + 1) * share] = local
+    full[slice(rank * share, (rank + 1) * share) if rows is None else rows] = local
     return all_reduce_sum(full, group=group)
 
 

@@ -1,7 +1,9 @@
 """Model dimensions the planner needs, read from a local HF ``config.json`` or a table of public models.
 
 The table copies the published ``config.json`` of ``Qwen/<name>`` and ``meta-llama/<name>``. Qwen2 has a q/k/v
-bias; Qwen3 has none but a per-head q/k RMSNorm (two ``head_dim`` vectors a layer).
+bias; Qwen3 has none but a per-head q/k RMSNorm (two ``head_dim`` vectors a layer). A mixture-of-experts model
+(Qwen3-MoE, Qwen2-MoE, Mixtral) replaces each layer's MLP with a router ``[E, h]``, ``E`` SwiGLU experts of width
+``f_e`` of which ``k`` see each token, and optionally a shared expert of width ``f_s`` with a ``[1, h]`` gate.
 """
 
 from __future__ import annotations
@@ -30,6 +32,14 @@ class Architecture:
     tied_embeddings: bool
     qkv_bias: bool = False
     qk_norm: bool = False
+    num_experts: int = 0
+    """Experts of each MoE layer ``E`` (0: a dense model; ``ffn_hidden_size`` is then the MLP's width)."""
+    expert_ffn_size: int = 0
+    """Width ``f_e`` of one expert."""
+    top_k: int = 0
+    """Experts ``k`` each token is routed to."""
+    shared_expert_ffn_size: int = 0
+    """Width ``f_s`` of the shared expert (0: none)."""
 
     @property
     def q_width(self) -> int:
@@ -42,12 +52,36 @@ class Architecture:
         return self.num_query_groups * self.head_dim
 
     def layer_params(self) -> int:
-        """Parameters of one transformer layer: attention, SwiGLU MLP, two RMSNorms (+ bias, qk-norm)."""
-        h, f = self.hidden_size, self.ffn_hidden_size
+        """Parameters of one transformer layer: attention, the MLP (every expert), two RMSNorms (+ bias, qk-norm)."""
+        return self.attention_params() + self.mlp_params(self.num_experts) + 2 * self.hidden_size
+
+    def attention_params(self) -> int:
+        """Attention parameters of one layer: q/k/v/o projections, the q/k/v bias and the q/k norms."""
+        h = self.hidden_size
         attention = h * (self.q_width + 2 * self.kv_width) + self.q_width * h
         bias = self.q_width + 2 * self.kv_width if self.qkv_bias else 0
-        qk_norm = 2 * self.head_dim if self.qk_norm else 0
-        return attention + bias + qk_norm + 3 * h * f + 2 * h
+        return attention + bias + (2 * self.head_dim if self.qk_norm else 0)
+
+    def expert_params(self) -> int:
+        """Parameters of one expert, ``3 h f_e`` (0 for a dense model)."""
+        return 3 * self.hidden_size * self.expert_ffn_size
+
+    def mlp_params(self, experts: int) -> int:
+        """MLP parameters of one layer counting ``experts`` experts (a dense model: its SwiGLU).
+
+        An MoE layer: the router, ``experts`` experts and the shared expert with its gate.
+        """
+        h = self.hidden_size
+        if not self.num_experts:
+            return 3 * h * self.ffn_hidden_size
+        shared = 3 * h * self.shared_expert_ffn_size + h if self.shared_expert_ffn_size else 0
+        return self.num_experts * h + experts * self.expert_params() + shared
+
+    def active_params(self) -> int:
+        """Parameters one token passes through (``k`` experts a layer; all of them for a dense model): FLOPs."""
+        layer = self.attention_params() + self.mlp_params(self.top_k) + 2 * self.hidden_size
+        embeddings = self.embedding_params() * (1 if self.tied_embeddings else 2)
+        return self.num_layers * layer + self.hidden_size + embeddings
 
     def embedding_params(self, padded_vocab_size: int | None = None) -> int:
         """Parameters of one embedding matrix (``padded_vocab_size`` rows when given, else ``vocab_size``)."""
@@ -59,11 +93,11 @@ class Architecture:
         return self.num_layers * self.layer_params() + self.hidden_size + embeddings
 
 
-def _entry(name, layers, hidden, ffn, heads, groups, vocab, tied, *, head_dim=None, bias=False, qk_norm=False):
+def _entry(name, layers, hidden, ffn, heads, groups, vocab, tied, *, head_dim=None, bias=False, qk_norm=False, **moe):
     return Architecture(
         name=name, num_layers=layers, hidden_size=hidden, ffn_hidden_size=ffn, num_attention_heads=heads,
         num_query_groups=groups, head_dim=head_dim or hidden // heads, vocab_size=vocab, tied_embeddings=tied,
-        qkv_bias=bias, qk_norm=qk_norm,
+        qkv_bias=bias, qk_norm=qk_norm, **moe,
     )  # fmt: skip
 
 
@@ -78,6 +112,36 @@ KNOWN_ARCHITECTURES: dict[str, Architecture] = {
         _entry("Qwen3-32B", 64, 5120, 25600, 64, 8, 151936, False, head_dim=128, qk_norm=True),
         _entry("Llama-3.1-8B-Instruct", 32, 4096, 14336, 32, 8, 128256, False),
         _entry("Llama-3.1-70B-Instruct", 80, 8192, 28672, 64, 8, 128256, False),
+        _entry(
+            "Qwen3-30B-A3B",
+            48,
+            2048,
+            6144,
+            32,
+            4,
+            151936,
+            False,
+            head_dim=128,
+            qk_norm=True,
+            num_experts=128,
+            expert_ffn_size=768,
+            top_k=8,
+        ),
+        _entry(
+            "Qwen3-235B-A22B",
+            94,
+            4096,
+            12288,
+            64,
+            4,
+            151936,
+            False,
+            head_dim=128,
+            qk_norm=True,
+            num_experts=128,
+            expert_ffn_size=1536,
+            top_k=8,
+        ),
     )
 }
 
@@ -107,8 +171,28 @@ def architecture_from_hf_config(config: dict, name: str) -> Architecture:
         head_dim=config.get("head_dim") or config["hidden_size"] // heads,
         vocab_size=config["vocab_size"],
         tied_embeddings=bool(config.get("tie_word_embeddings", False)),
-        qkv_bias=model_type == "qwen2" or bool(config.get("attention_bias", False)),
-        qk_norm=model_type == "qwen3",
+        qkv_bias=model_type in ("qwen2", "qwen2_moe") or bool(config.get("attention_bias", False)),
+        qk_norm=model_type in ("qwen3", "qwen3_moe"),
+        **moe_sizes(config),
+    )
+
+
+def moe_sizes(config: dict) -> dict:
+    """The expert sizes of a parsed MoE ``config.json`` (``{}`` for a dense one), under :class:`Architecture`'s names.
+
+    ``num_experts``, ``expert_ffn_size``, ``top_k``, ``shared_expert_ffn_size``; Qwen reads ``num_experts`` and
+    ``moe_intermediate_size``, Mixtral ``num_local_experts`` and ``intermediate_size``.
+    """
+    experts = int(config.get("num_experts") or config.get("num_local_experts") or 0)
+    if not experts:
+        return {}
+    mixtral = config.get("model_type") == "mixtral"
+    width = config["intermediate_size"] if mixtral else config["moe_intermediate_size"]
+    return dict(
+        num_experts=experts,
+        expert_ffn_size=int(width),
+        top_k=int(config.get("num_experts_per_tok", 2)),
+        shared_expert_ffn_size=int(config.get("shared_expert_intermediate_size") or 0),
     )
 
 

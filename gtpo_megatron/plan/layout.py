@@ -84,14 +84,47 @@ def engine_problems(arch: Architecture, *, engine_tp_size: int) -> list[str]:
     return []
 
 
-def world_problems(train_world_size: int, *, tp_size: int, pp_size: int, described: str, launch: str) -> list[str]:
-    """Reasons ``train_world_size`` ranks do not split into ``tp * pp`` replicas (``described``/``launch``: message)."""
-    if train_world_size >= 1 and train_world_size % (tp_size * pp_size) == 0:
-        return []
-    return [
-        f"{described}, not a multiple of parallel.tp_size*parallel.pp_size={tp_size}*{pp_size} (tp_size*pp_size "
-        f"must divide the world size); launch {launch} or change tp_size/pp_size"
-    ]
+def world_problems(
+    train_world_size: int, *, tp_size: int, pp_size: int, described: str, launch: str, ep_size: int = 1
+) -> list[str]:
+    """Reasons ``train_world_size`` ranks do not split into ``tp * pp`` replicas, or a stage's ranks into EP groups.
+
+    ``ep_size``: the EP group size; ``described``/``launch``: the message's wording.
+    """
+    if train_world_size < 1 or train_world_size % (tp_size * pp_size):
+        return [
+            f"{described}, not a multiple of parallel.tp_size*parallel.pp_size={tp_size}*{pp_size} (tp_size*pp_size "
+            f"must divide the world size); launch {launch} or change tp_size/pp_size"
+        ]
+    if train_world_size % (ep_size * pp_size):
+        stage = train_world_size // pp_size
+        return [
+            f"parallel.ep_size={ep_size} must divide the {stage} ranks of a pipeline stage ({described}, "
+            f"parallel.pp_size={pp_size}); use one of {_divisors(stage)}"
+        ]
+    return []
+
+
+def expert_problems(arch: Architecture, *, ep_size: int, tp_size: int, sequence_parallel: bool) -> list[str]:
+    """Reasons Megatron cannot lay out the experts of ``arch`` (none for a dense model at ``ep_size`` 1)."""
+    experts = arch.num_experts
+    if not experts:
+        if ep_size == 1:
+            return []
+        return [f"parallel.ep_size={ep_size} but {arch.name} is a dense model (no experts); set parallel.ep_size=1"]
+    problems = []
+    if experts % ep_size:
+        problems.append(
+            f"parallel.ep_size={ep_size} must divide the {experts} experts of {arch.name}; use one of "
+            f"{_divisors(experts)}"
+        )
+    if tp_size > 1 and not sequence_parallel:
+        problems.append(
+            f"parallel.tp_size={tp_size} with the mixture-of-experts {arch.name} needs parallel.sequence_parallel=true "
+            "(Megatron's MoE layer trains under tensor parallelism only with sequence parallelism); set it, or "
+            "parallel.tp_size=1"
+        )
+    return problems
 
 
 def batch_problems(*, num_prompts: int, group_size: int, dp_size: int, micro_batch_size: int) -> list[str]:
@@ -132,6 +165,8 @@ def check_layout(
     pad_attention_heads: bool = False,
     num_engines: int | Literal["auto"] = "auto",
     num_engine_gpus: int | None = None,
+    ep_size: int = 1,
+    sequence_parallel: bool = False,
 ) -> Layout:
     """Check every divisibility rule (module docstring) and return the derived :class:`Layout`.
 
@@ -147,10 +182,12 @@ def check_layout(
     need = f"{model_parallel}*k" + (f" + {pool}" if placement == "separate" else "")
     problems = model_problems(arch, tp_size=tp_size, pp_size=pp_size, pad_attention_heads=pad_attention_heads)
     problems += engine_problems(arch, engine_tp_size=engine_tp_size)
+    problems += expert_problems(arch, ep_size=ep_size, tp_size=tp_size, sequence_parallel=sequence_parallel)
     problems += world_problems(
         train_world,
         tp_size=tp_size,
         pp_size=pp_size,
+        ep_size=ep_size,
         launch=f"{need} GPUs",
         described=f"--gpus={world_size} leaves {train_world} training ranks",
     )

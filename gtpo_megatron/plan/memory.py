@@ -3,12 +3,19 @@
 All sizes are bytes on one GPU; "GiB" in the CLI is 2**30 bytes. Notation: ``L`` layers, ``h`` hidden, ``f`` SwiGLU
 width, ``q = a*d`` query width, ``k = g*d`` key (= value) width, ``b`` micro-batch size, ``s`` sequence length
 (prompt + completion), ``V`` padded vocabulary, ``t`` tp_size, ``p`` pp_size, ``D`` dp_size, ``M`` micro-batches
-per optimizer step on one data-parallel rank.
+per optimizer step on one data-parallel rank. Every per-micro-batch term is linear in its tokens ``b*s``; under
+``optim.max_tokens_per_micro_batch`` that product is the budget (forward tokens, padding included).
 
 Model (the numbers the tests check by hand):
 - Parameters of a stage: ``L/p`` layers with every matrix and the qkv bias sharded by ``t`` and the RMSNorm /
   qk-norm vectors replicated; stage 0 adds the input embedding ``V*h/t``; the last stage adds the final norm and the
   output layer ``V*h/t`` (also when embeddings are tied and ``p > 1``: Megatron keeps a copy there).
+- Mixture of experts (``e`` = ep_size, ``E`` experts of width ``f_e``, ``k`` a token): each rank holds ``E/e`` whole
+  experts of each of its layers (expert TP 1); the router ``[E, h]`` and the shared expert's gate are replicated,
+  the shared expert is sharded by ``t`` like a dense MLP. The distributed optimizer shards the experts' states over
+  their expert-data-parallel group, ``t*D/e`` ranks. Each token's MLP activations are the router input ``h`` and, for
+  each of its ``k`` experts, the expert's input, gate and up outputs and fc2 input, ``k(h + 3 f_e)``, plus a shared
+  expert's ``3 f_s`` (balanced routing: every rank computes ``k`` expert rows a token on average).
 - Weights ``param_bytes``/param; gradients 4 bytes/param (Megatron accumulates and all-reduces 16-bit models' grads
   in an fp32 main-grad buffer); Adam states 8 bytes/param (m, v) plus 4 bytes of fp32 master weights when the
   parameters are 16-bit, divided by ``D`` with the distributed optimizer. This is Megatron's table in
@@ -54,7 +61,9 @@ class TrainingShape:
     """Layout and batch shape of the training side, as plain numbers.
 
     ``micro_batch_size`` ``b``, ``seq_length`` ``s``, ``num_microbatches`` ``M`` (module notation);
-    ``reference_weights``: a KL reference policy's weights stay on the GPU (``kl_coef > 0`` without offload).
+    ``max_tokens_per_micro_batch``: the token budget, which replaces ``b*s`` (None: ``b`` rows of ``s``);
+    ``reference_weights``: a KL reference policy's weights stay on the GPU (``kl_coef > 0`` without offload);
+    ``ep_size``: expert parallelism (MoE models).
     """
 
     tp_size: int
@@ -70,6 +79,13 @@ class TrainingShape:
     logprob_chunk_size: int | None = None
     fp32_output_layer: bool = False
     reference_weights: bool = False
+    max_tokens_per_micro_batch: int | None = None
+    ep_size: int = 1
+
+    @property
+    def micro_batch_tokens(self) -> int:
+        """Forward tokens of one (the largest) micro-batch, ``b*s`` in the module's formulas."""
+        return self.max_tokens_per_micro_batch or self.micro_batch_size * self.seq_length
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -96,30 +112,55 @@ class StageMemory:
         return self.static + self.activations + self.logits
 
 
-def stage_params(arch: Architecture, *, tp_size: int, pp_size: int, padded_vocab_size: int, stage: int) -> int:
+def stage_params(
+    arch: Architecture, *, tp_size: int, pp_size: int, padded_vocab_size: int, stage: int, ep_size: int = 1
+) -> int:
     """Parameters held by one GPU of pipeline stage ``stage`` (see the module docstring for what is sharded)."""
-    per_layer_replicated = 2 * arch.hidden_size + (2 * arch.head_dim if arch.qk_norm else 0)
-    per_layer_sharded = arch.layer_params() - per_layer_replicated
+    h = arch.hidden_size
+    per_layer_replicated = 2 * h + (2 * arch.head_dim if arch.qk_norm else 0)
+    if arch.num_experts:
+        per_layer_replicated += arch.num_experts * h + (h if arch.shared_expert_ffn_size else 0)
+    experts = arch.num_experts * arch.expert_params()
+    per_layer_sharded = arch.layer_params() - per_layer_replicated - experts
     params = (arch.num_layers // pp_size) * (per_layer_sharded // tp_size + per_layer_replicated)
-    embedding = padded_vocab_size * arch.hidden_size // tp_size
+    params += stage_expert_params(arch, pp_size=pp_size, ep_size=ep_size)
+    embedding = padded_vocab_size * h // tp_size
     if stage == 0:
         params += embedding
     if stage == pp_size - 1:
-        params += arch.hidden_size + (embedding if (pp_size > 1 or not arch.tied_embeddings) else 0)
+        params += h + (embedding if (pp_size > 1 or not arch.tied_embeddings) else 0)
     return params
 
 
-def optimizer_bytes(params: int, *, param_bytes: int, dp_size: int, distributed_optimizer: bool) -> int:
-    """Adam m and v in fp32, plus fp32 master weights for 16-bit parameters; sharded over DP when distributed."""
-    total = params * (8 + (4 if param_bytes < 4 else 0))
-    return -(-total // dp_size) if distributed_optimizer else total
+def stage_expert_params(arch: Architecture, *, pp_size: int, ep_size: int) -> int:
+    """Expert parameters held by one GPU of a stage: ``E/e`` experts of each of its ``L/p`` layers (0 when dense)."""
+    return (arch.num_layers // pp_size) * (arch.num_experts // ep_size) * arch.expert_params()
+
+
+def optimizer_bytes(
+    params: int, *, param_bytes: int, dp_size: int, distributed_optimizer: bool, expert_params: int = 0,
+    expert_dp_size: int = 1,
+) -> int:  # fmt: skip
+    """Adam m and v in fp32, plus fp32 master weights for 16-bit parameters; sharded when distributed.
+
+    With the distributed optimizer the ``params - expert_params`` dense parameters' states are sharded over DP and
+    the ``expert_params`` experts' over their expert-data-parallel group (``expert_dp_size`` ranks).
+    """
+    per_param = 8 + (4 if param_bytes < 4 else 0)
+    if not distributed_optimizer:
+        return params * per_param
+    dense = params - expert_params
+    return -(-dense * per_param // dp_size) - (-expert_params * per_param // expert_dp_size)
 
 
 def layer_activation_bytes(arch: Architecture, shape: TrainingShape) -> int:
     """Bytes one layer keeps for backward for one micro-batch without recompute (module docstring formula)."""
-    sb = shape.micro_batch_size * shape.seq_length
+    sb = shape.micro_batch_tokens
     replicated = 4 * arch.hidden_size
-    sharded = 2 * arch.q_width + 2 * arch.kv_width + 3 * arch.ffn_hidden_size
+    mlp = 3 * arch.ffn_hidden_size
+    if arch.num_experts:
+        mlp = arch.top_k * (arch.hidden_size + 3 * arch.expert_ffn_size) + 3 * arch.shared_expert_ffn_size
+    sharded = 2 * arch.q_width + 2 * arch.kv_width + mlp
     if shape.sequence_parallel:
         return shape.param_bytes * sb * (replicated + sharded) // shape.tp_size
     return shape.param_bytes * sb * (replicated + sharded // shape.tp_size)
@@ -132,7 +173,7 @@ def activation_bytes(arch: Architecture, shape: TrainingShape, *, stage: int) ->
     full_layer = layer_activation_bytes(arch, shape)
     if shape.recompute != "full":
         return in_flight * layers * full_layer
-    sb = shape.micro_batch_size * shape.seq_length
+    sb = shape.micro_batch_tokens
     layer_input = shape.param_bytes * sb * arch.hidden_size // (shape.tp_size if shape.sequence_parallel else 1)
     return in_flight * layers * layer_input + full_layer
 
@@ -170,13 +211,14 @@ def logprob_working_set_bytes(
 def estimate_stage(arch: Architecture, shape: TrainingShape, *, padded_vocab_size: int, stage: int) -> StageMemory:
     """Training-phase memory of one GPU in pipeline stage ``stage`` (0-based)."""
     params = stage_params(
-        arch, tp_size=shape.tp_size, pp_size=shape.pp_size, padded_vocab_size=padded_vocab_size, stage=stage
-    )
+        arch, tp_size=shape.tp_size, pp_size=shape.pp_size, padded_vocab_size=padded_vocab_size, stage=stage,
+        ep_size=shape.ep_size,
+    )  # fmt: skip
     is_last = stage == shape.pp_size - 1
     logits = (
         logprob_working_set_bytes(
             padded_vocab_size // shape.tp_size,
-            tokens=shape.micro_batch_size * shape.seq_length,
+            tokens=shape.micro_batch_tokens,
             hidden_size=arch.hidden_size,
             param_bytes=shape.param_bytes,
             chunk_size=shape.logprob_chunk_size,
@@ -195,6 +237,8 @@ def estimate_stage(arch: Architecture, shape: TrainingShape, *, padded_vocab_siz
             param_bytes=shape.param_bytes,
             dp_size=shape.dp_size,
             distributed_optimizer=shape.distributed_optimizer,
+            expert_params=stage_expert_params(arch, pp_size=shape.pp_size, ep_size=shape.ep_size),
+            expert_dp_size=max(shape.tp_size * shape.dp_size // shape.ep_size, 1),
         ),
         activations=activation_bytes(arch, shape, stage=stage),
         logits=logits,

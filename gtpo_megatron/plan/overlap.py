@@ -1,6 +1,7 @@
 """Step time of sync and async rollouts for a split of the GPUs between training and engines (``gtpo-plan``).
 
-A first-order model to choose a split with, not a prediction. N parameters, B sequences of at most S = prompt +
+A first-order model to choose a split with, not a prediction. N parameters (a mixture of experts: the active
+ones, ``Architecture.active_params``; the weight reads W count every expert), B sequences of at most S = prompt +
 completion tokens per step, L completion tokens, G_t training and G_e engine GPUs, e = ``rollout.engine_tp_size``:
 
     t_train = 6 N B S / (G_t * peak * mfu)                  forward + backward of every token of the step
@@ -67,7 +68,7 @@ class StepTime:
 
 def train_seconds(arch: Architecture, work: StepWork, hw: Hardware, *, gpus: int) -> float:
     """``6 N B S / (G_t peak mfu)``: the step's forward and backward on ``gpus`` training GPUs."""
-    flops = 6 * arch.total_params() * work.sequences * work.seq_length
+    flops = 6 * arch.active_params() * work.sequences * work.seq_length
     return flops / (gpus * hw.peak_tflops * 1e12 * hw.mfu)
 
 
@@ -78,7 +79,7 @@ def generate_seconds(arch: Architecture, work: StepWork, hw: Hardware, *, gpus: 
     context = work.seq_length - work.completion_tokens / 2
     read_bytes = work.weight_bytes + per_engine * context * work.kv_bytes_per_token
     read_s = read_bytes / (work.engine_tp_size * hw.hbm_tbps * 1e12)
-    compute_s = 2 * arch.total_params() * per_engine / (work.engine_tp_size * hw.peak_tflops * 1e12 * hw.mfu)
+    compute_s = 2 * arch.active_params() * per_engine / (work.engine_tp_size * hw.peak_tflops * 1e12 * hw.mfu)
     return work.completion_tokens * max(read_s, compute_s)
 
 

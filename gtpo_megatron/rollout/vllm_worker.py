@@ -3,7 +3,10 @@
 vLLM mixes :class:`WeightReloadExtension` into each worker; ``LLM.collective_rpc`` calls its methods by name.
 Both weight paths end in one ``reload_weights`` pass, which re-runs ``process_weights_after_loading`` (the CPU
 backend pre-packs linear weights): ``files`` reads staged safetensors shards, ``collective`` feeds the sender's
-broadcast buckets (``rollout/weight_wire.py``) as they arrive. This module does not import vLLM.
+broadcast buckets (``rollout/weight_wire.py``) as they arrive. Two layers a reload leaves in the wrong layout are
+re-packed after it: a tied LM head (it loads nothing) and the CPU backend's MoE experts (vLLM re-packs experts for
+its GPU kernels on an update but skips the CPU grouped-GEMM pre-pack, which leaves the experts scrambled: logits
+off by 0.05-0.08 nats on a tiny Qwen3-MoE). This module does not import vLLM.
 """
 
 from __future__ import annotations
@@ -58,7 +61,7 @@ class WeightReloadExtension:
     def gtpo_reload_weights(self, weights_path: str) -> None:
         """``reload_weights`` of a folder of safetensors shards (as an iterator: a ``dummy`` engine has no loader)."""
         self.reload_weights(weights_iterator=_staged_tensors(weights_path))
-        self._gtpo_repack_tied_head()
+        self._gtpo_repack_after_reload()
 
     def gtpo_join_weight_group(self, spec: dict[str, Any], worker_offset: int) -> None:
         """Join the weight group(s) as engine worker ``worker_offset + (this worker's rank in its engine)``."""
@@ -80,14 +83,24 @@ class WeightReloadExtension:
             self.reload_weights(weights_iterator=updates)
         finally:  # a failed load: drop the rest now (its traceback would keep the iterator open)
             updates.close()
-        self._gtpo_repack_tied_head()
+        self._gtpo_repack_after_reload()
         seconds = time.perf_counter() - start
         return {"num_tensors": stats.num_tensors, "num_bytes": stats.num_bytes, "seconds": seconds,
                 "transfer_s": stats.transfer_s}  # fmt: skip
 
-    def _gtpo_repack_tied_head(self) -> None:
-        """Re-pack a tied LM head after a reload (it loads nothing, so vLLM would keep its old CPU-packed copy)."""
+    def _gtpo_repack_after_reload(self) -> None:
+        """Put the layers a reload leaves in the wrong layout back in their kernels' (module docstring)."""
         model = self.model_runner.get_model()
+        self._gtpo_repack_tied_head(model)
+        for layer in model.modules():
+            kernel = getattr(getattr(layer, "quant_method", None), "moe_kernel", None)
+            experts = getattr(kernel, "fused_experts", None)
+            if any(cls.__name__ == "CPUUnquantizedExperts" for cls in type(experts).__mro__):
+                experts.process_weights_after_loading(layer)
+
+    @staticmethod
+    def _gtpo_repack_tied_head(model) -> None:
+        """Re-pack a tied LM head after a reload (it loads nothing, so vLLM would keep its old CPU-packed copy)."""
         lm_head = getattr(model, "lm_head", None)
         quant_method = getattr(lm_head, "quant_method", None)
         tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)

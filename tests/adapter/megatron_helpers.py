@@ -29,7 +29,7 @@ def model_section(path: str, **fields) -> ModelConfig:
 def settings_at(groups, model: ModelConfig, **fields) -> PolicySettings:
     """``PolicySettings`` of a test policy of ``model`` at the TP/PP layout of ``groups`` (``fields``: ``optim``,
     ``micro_batch_size``, ``sequence_parallel``, ...)."""
-    return PolicySettings(model=model, tp_size=groups.tp_size, pp_size=groups.pp_size, **fields)
+    return PolicySettings(model=model, tp_size=groups.tp_size, pp_size=groups.pp_size, ep_size=groups.ep_size, **fields)
 
 
 def make_batch(
@@ -134,9 +134,7 @@ def megatron_named_params(policy):
     """``(global_megatron_name, param)`` of this rank's stage (the names ``hf_conversion`` maps)."""
     from gtpo_megatron.megatron_adapter import hf_conversion
 
-    offset = hf_conversion.stage_layer_offset(policy.model)
-    for name, param in policy.model.named_parameters():
-        yield hf_conversion.global_param_name(name, offset), param
+    yield from hf_conversion.global_named_parameters(policy.model)
 
 
 def megatron_logits(policy, input_ids: torch.Tensor) -> torch.Tensor | None:

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import LlamaConfig, Qwen2Config
+from transformers import Qwen2MoeConfig, Qwen3MoeConfig
 
 from gtpo_megatron.config import (
     AlgorithmConfig,
@@ -36,6 +36,7 @@ from gtpo_megatron.megatron_adapter.optimizer import ddp_config, optimizer_confi
 from gtpo_megatron.megatron_adapter.settings import OWNED_FIELDS, PolicySettings, policy_settings
 from gtpo_megatron.plan.architectures import architecture_from_hf_config
 from gtpo_megatron.plan.layout import check_layout
+from gtpo_megatron.plan.micro_batches import TokenBudget
 from gtpo_megatron.plan_cli import DTYPE_BYTES, training_shape
 
 SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "optim": OptimConfig}
@@ -47,6 +48,8 @@ NOT_MEGATRON = {
     "model.fp32_output_layer": "not a TransformerConfig field: policy._build_stage hands it to "
     "model.build_gpt_model, which swaps the output layer's forward (tests/distributed/test_fused_objective.py checks "
     "the built policy and reference)",
+    "parallel.cp_size": "only 1 is accepted (ParallelConfig refuses more); Megatron's context_parallel_size stays at "
+    "its default 1",
     "parallel.backend": "the torch.distributed backend of parallel.groups.init_distributed (train.py); Megatron's "
     "groups are derived from that process group",
 }
@@ -54,12 +57,15 @@ NOT_MEGATRON = {
 LEFT_AT_DEFAULT = {
     "model.megatron_checkpoint": "excludes model.pad_attention_heads (a checkpoint is loaded as written), which this "
     "config needs; it is in NOT_MEGATRON anyway",
+    "parallel.cp_size": "any value but 1 is refused (tests/config checks the message)",
 }
 """Fields the run config below cannot set to a non-default value, each with the reason."""
-# 3 KV groups of 2 heads (head_dim 32): at tp 2 they need model.pad_attention_heads (4 groups, 8 heads)
-HF_CONFIG = LlamaConfig(
+# 3 KV groups of 2 heads (head_dim 32): at tp 2 they need model.pad_attention_heads (4 groups, 8 heads); 4 experts
+# of which each of the ep_size 2 ranks holds 2
+HF_CONFIG = Qwen3MoeConfig(
     vocab_size=1000, hidden_size=96, intermediate_size=128, num_hidden_layers=4, num_attention_heads=6,
-    num_key_value_heads=3, head_dim=32, rms_norm_eps=1e-6,
+    num_key_value_heads=3, head_dim=32, rms_norm_eps=1e-6, num_experts=4, num_experts_per_tok=2,
+    moe_intermediate_size=64,
 )  # fmt: skip
 
 
@@ -72,14 +78,14 @@ def cfg(tmp_path_factory) -> GTPOConfig:
         model=ModelConfig(
             name_or_path=str(folder), params_dtype="float32", make_vocab_size_divisible_by=96, recompute="full",
             pad_attention_heads=True, megatron_overrides={"attention_dropout": 0.125, "bias_dropout_fusion": True},
-            fp32_output_layer=False,
+            fp32_output_layer=False, moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001,
         ),
         parallel=ParallelConfig(
-            tp_size=2, pp_size=2, sequence_parallel=True, use_distributed_optimizer=True, backend="gloo"
+            tp_size=2, pp_size=2, ep_size=2, sequence_parallel=True, use_distributed_optimizer=True, backend="gloo"
         ),
         optim=OptimConfig(
             lr=3e-5, min_lr=1e-6, warmup_steps=3, weight_decay=0.01, adam_beta1=0.8, adam_beta2=0.95, clip_grad=0.5,
-            micro_batch_size=2,
+            micro_batch_size=2, max_tokens_per_micro_batch=2048, packing=True,
         ),
         trainer=TrainerConfig(max_steps=40, seed=11),
         algorithm=AlgorithmConfig(num_updates_per_batch=2, logprob_chunk_size=256),
@@ -117,6 +123,10 @@ ARRIVALS = {
         (b.transformer.attention_dropout, 0.125), (b.transformer.bias_dropout_fusion, True)],
     "parallel.tp_size": lambda b: [(b.transformer.tensor_model_parallel_size, 2)],
     "parallel.pp_size": lambda b: [(b.transformer.pipeline_model_parallel_size, 2)],
+    "parallel.ep_size": lambda b: [(b.transformer.expert_model_parallel_size, 2)],
+    "model.moe_aux_loss_coeff": lambda b: [
+        (b.transformer.moe_aux_loss_coeff, 0.01), (b.transformer.moe_router_load_balancing_type, "aux_loss")],
+    "model.moe_z_loss_coeff": lambda b: [(b.transformer.moe_z_loss_coeff, 0.001)],
     "parallel.sequence_parallel": lambda b: [(b.transformer.sequence_parallel, True)],
     "parallel.use_distributed_optimizer": lambda b: [
         (b.ddp.use_distributed_optimizer, True), (b.optimizer.use_distributed_optimizer, True)],
@@ -131,6 +141,11 @@ ARRIVALS = {
     "optim.clip_grad": lambda b: [(b.optimizer.clip_grad, 0.5)],
     # the policy cuts micro-batches of this many rows and hands the number to Megatron's schedule
     "optim.micro_batch_size": lambda b: [(b.settings.micro_batch_size, 2)],
+    # the policy bins sequences under the budget; at pp_size 2 the stages exchange each micro-batch's shape
+    "optim.max_tokens_per_micro_batch": lambda b: [
+        (b.settings.token_budget.max_tokens, 2048), (b.transformer.variable_seq_lengths, True),
+        (b.transformer.moe_token_dispatcher_type, "alltoall")],
+    "optim.packing": lambda b: [(b.settings.token_budget.packing, True)],
 }  # fmt: skip
 """Where each field must arrive: ``field -> built -> [(arrived value, expected value), ...]``."""
 
@@ -177,7 +192,8 @@ def test_config_wiring_plan_reports_what_megatron_is_built_with(cfg: GTPOConfig,
         arch, world_size=8, tp_size=built.settings.tp_size, pp_size=built.settings.pp_size, engine_tp_size=1,
         placement="colocated", num_prompts=4, group_size=8, micro_batch_size=built.settings.micro_batch_size,
         make_vocab_size_divisible_by=built.settings.model.make_vocab_size_divisible_by,
-        pad_attention_heads=built.settings.model.pad_attention_heads,
+        pad_attention_heads=built.settings.model.pad_attention_heads, ep_size=built.settings.ep_size,
+        sequence_parallel=built.settings.sequence_parallel,
     )  # fmt: skip
     shape = training_shape(built.settings, layout, seq_length=2012)
     transformer = built.transformer
@@ -187,15 +203,20 @@ def test_config_wiring_plan_reports_what_megatron_is_built_with(cfg: GTPOConfig,
     assert shape.recompute == (transformer.recompute_granularity or "none")
     assert shape.distributed_optimizer == built.ddp.use_distributed_optimizer
     assert shape.param_bytes == transformer.params_dtype.itemsize == DTYPE_BYTES[cfg.model.params_dtype]
-    assert (shape.micro_batch_size, shape.logprob_chunk_size) == (2, 256)
+    # under a token budget the plan's micro-batch is the budget, not micro_batch_size rows
+    assert (shape.micro_batch_tokens, shape.logprob_chunk_size) == (built.settings.token_budget.max_tokens, 256)
     assert layout.padded_vocab_size == built.padded_vocab_size
 
 
 def test_config_wiring_owned_fields_are_exactly_what_the_builders_set():
-    settings = PolicySettings(model=ModelConfig(name_or_path="x"), tp_size=2, pp_size=2)
+    settings = PolicySettings(
+        model=ModelConfig(name_or_path="x"), tp_size=2, pp_size=2, token_budget=TokenBudget(max_tokens=64)
+    )
     sizes = {k: getattr(HF_CONFIG, k) for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers")}
-    windowed = Qwen2Config(**sizes, num_attention_heads=6, num_key_value_heads=3, use_sliding_window=True,
-                           sliding_window=16, max_window_layers=2)  # layers 2 and 3 windowed  # fmt: skip
+    # layers 2 and 3 windowed, a shared expert with its gate
+    windowed = Qwen2MoeConfig(**sizes, num_attention_heads=6, num_key_value_heads=3, use_sliding_window=True,
+                              sliding_window=16, max_window_layers=2, num_experts=4, moe_intermediate_size=32,
+                              shared_expert_intermediate_size=64)  # fmt: skip
     derived = set(settings_transformer_fields(settings))
     for hf in (HF_CONFIG, windowed):
         derived |= set(hf_transformer_fields(hf, dataclasses.replace(settings, tp_size=1)))

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+from transformers import LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, Qwen3Config
 
 from gtpo_megatron.megatron_adapter.hf_features import (
     LinearBiases,
@@ -113,4 +113,5 @@ def test_refusals_and_warnings(caplog):
         check_hf_config(LlamaConfig(**SMALL, hidden_act="gelu_pytorch_tanh"))
     with caplog.at_level(logging.WARNING):
         check_hf_config(LlamaConfig(**SMALL, attention_dropout=0.1))
-    assert "attention_dropout=0.1" in caplog.text
+        check_hf_config(MixtralConfig(**SMALL, router_jitter_noise=0.01))
+    assert "attention_dropout=0.1" in caplog.text and "router_jitter_noise=0.01" in caplog.text

@@ -218,6 +218,9 @@ def _trainer_collectives(rank, world, group) -> None:
     full = torch.arange(3 * world, dtype=torch.float32) / 7  # each rank's [3] share, gathered back in rank order
     gathered = all_gather_rows(full[row_shard(3 * world, rank=rank, size=world)], group=group)
     assert torch.equal(gathered, full)
+    # shares balanced by tokens are not contiguous: rank r holds rows r, r + world, r + 2 * world
+    mine = torch.arange(rank, 3 * world, world)
+    assert torch.equal(all_gather_rows(full[mine], group=group, rows=mine), full)
     assert broadcast_object({"step": 3} if rank == 0 else None, src=0, group=group) == {"step": 3}
     assert any_rank(rank == world - 1, group=group) is True and any_rank(False, group=group) is False
     empty = global_normalizer(compute_normalizer(torch.zeros(2, 3, dtype=torch.bool), "token-mean"), group=group)

@@ -44,6 +44,7 @@ GROUPS = (
     Group("megatron", "tests/gpu/test_gpu_megatron.py", 100),
     Group("trainer", "tests/gpu/test_gpu_trainer.py", 100),
     Group("vllm", "tests/gpu/test_gpu_policy_rollout.py", 150),
+    Group("moe", "tests/gpu/test_gpu_moe.py", 60),
     Group("bench", "tests/gpu/test_gpu_bench.py", BENCH_BUDGET_S, bench=True),
 )
 
@@ -91,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, type=Path, help="folder for logs, results and summary.txt")
     parser.add_argument("--dry-run", action="store_true", help="run on the CPU: CUDA-only checks skip")
-    parser.add_argument("--budget", type=float, default=270.0, help="seconds for all groups together (270)")
+    parser.add_argument("--budget", type=float, default=330.0, help="seconds for all groups together (330)")
     parser.add_argument(
         "--bench", action="store_true", help="also run the benchmark group (tests/gpu/test_gpu_bench.py)"
     )

@@ -21,6 +21,7 @@
 #                   trainer   a 2-step Trainer.run on NCCL (pure and cpu:gloo,cuda:nccl) with the real policy and a
 #                             stand-in rollout engine (real vLLM when installed), every collective recorded
 #                   vllm      generation, train/rollout mismatch, weight sync, sleep/wake (only with vLLM)
+#                   moe       a random Qwen3-MoE: parity with transformers (fp32, bf16), one NCCL training step
 #                 and, with --bench, the benchmarks of docs/performance.md (tests/gpu/test_gpu_bench.py):
 #                   bench     the fused log-prob op vs Megatron's vocab_parallel_cross_entropy and log_softmax
 #                             (N=8192, V=151936, bf16, fwd+bwd: time, memory, roofline fraction); the bf16
@@ -32,7 +33,7 @@
 # --bench         also run the bench group (its 210 s are added to the default budget); --only GROUP... runs only
 #                 the groups named (e.g. --only bench).
 # Other arguments go to pytest (e.g. -k trainer). Knobs: PYTHON, OUT, GTPO_GPU_SITE, GPU_CHECK_BUDGET [seconds for
-# the groups: 270 on a GPU (480 with --bench), 900 in a dry run; the whole script is killed 30 s later]. Exit status
+# the groups: 330 on a GPU (540 with --bench), 1100 in a dry run; the whole script is killed 30 s later]. Exit status
 # 0 when every group finished and no check failed.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -65,6 +66,6 @@ if [ "$dry_run" = 0 ] && ! "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.
   echo "run_gpu_checks.sh: torch sees no CUDA device; run on a GPU machine, or pass --dry-run" >&2
   exit 2
 fi
-budget="${GPU_CHECK_BUDGET:-$(( $([ "$dry_run" = 1 ] && echo 900 || echo 270) + bench_s ))}"
+budget="${GPU_CHECK_BUDGET:-$(( $([ "$dry_run" = 1 ] && echo 1100 || echo 330) + bench_s ))}"
 timeout --kill-after=10 "$((budget + 30))" \
   "$PYTHON" -m tests.gpu.run_checks --out "${OUT:-/tmp/gtpo_gpu_checks}" --budget "$budget" ${args[@]+"${args[@]}"}

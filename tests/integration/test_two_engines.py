@@ -1,6 +1,7 @@
 """Two vLLM engines in a real 2-rank job: ``torchrun --nproc_per_node=2`` with data parallelism 2 (tp_size=1),
 ``rollout.num_engines=2`` (ranks 0 and 1 lead one engine each, bound to their own CPU core) and the collective
-weight sync, on ``builtin:tiny-qwen2`` in fp32.
+weight sync, on ``builtin:tiny-qwen2`` in fp32, training on packed token-budget micro-batches (the rows dealt to
+the two data-parallel ranks by tokens).
 
 The default test runs 2 steps (about 2 minutes on the idle 2-core machine, mostly imports and two engine starts).
 The ``slow`` test runs the same job with one engine and checks that every step-level number that does not measure
@@ -31,6 +32,8 @@ OVERRIDES = [
     "algorithm.group_size=4",
     "checkpoint.every_n_steps=0",
     "logging.progress=false",
+    "optim.max_tokens_per_micro_batch=400",
+    "optim.packing=true",
 ]
 PER_ENGINE = ("rollout/num_engines", "rollout/tokens_per_engine_min", "rollout/tokens_per_engine_max")
 
@@ -53,6 +56,7 @@ def two_engines(tmp_path_factory):
     return _run(tmp_path_factory.mktemp("two"), "rollout.num_engines=2")
 
 
+@pytest.mark.slow
 def test_each_engine_generates_its_half_and_follows_the_collective_sync(two_engines):
     records, log = two_engines
     # rank 0's engine on core 0 (the other ranks log warnings only); engine 1's share shows in the token counters
@@ -63,8 +67,12 @@ def test_each_engine_generates_its_half_and_follows_the_collective_sync(two_engi
         # one group of 4 completions each: together every response token of the 8-sequence batch
         assert low > 0 and low + high == pytest.approx(record["response/length_mean"] * 8)
         assert record["sync/num_tensors"] > 0 and record["sync/gbytes_per_s"] > 0
-        # both engines sample with the trainer's weights (fp32 on both sides); step 2 after a collective update
+        # both engines sample with the trainer's weights (fp32 on both sides); step 2 after a collective update;
+        # the trainer's log-probs come from packed rows
         assert record["mismatch/abs_logprob_diff"] < 1e-3
+        # 4 sequences a rank of at most 256 + 16 tokens: 1 or 2 packed rows of <= 400 tokens, no padding
+        assert 1 <= record["perf/micro_batches"] <= 2 and record["perf/tokens_per_micro_batch_max"] <= 400
+        assert record["perf/padding_frac"] == 0.0
 
 
 @pytest.mark.slow

@@ -89,7 +89,9 @@ def test_layout_that_does_not_fit_exits_2_with_reason() -> None:
     assert status == 2
     assert "training phase needs" in text
     # the recipe already uses the distributed optimizer and sequence parallelism: only the unused savers are offered
-    assert "try model.recompute=full, a smaller optim.micro_batch_size, more GPUs" in text
+    assert (
+        "try model.recompute=full, optim.max_tokens_per_micro_batch=5500 (one full-length sequence), more GPUs" in text
+    )
     assert "use_distributed_optimizer" not in text.split("does not fit")[1]
 
 

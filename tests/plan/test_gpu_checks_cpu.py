@@ -73,6 +73,7 @@ def test_record_and_results_are_silent_without_their_files(tmp_path: Path, monke
         "check": "test_a", "quantity": "x", "value": 1.0, "limit": None, "unit": "s"}  # fmt: skip
 
 
+@pytest.mark.slow
 def test_runner_keeps_results_when_a_group_hangs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     checks = tmp_path / "checks"
     checks.mkdir()
@@ -117,6 +118,7 @@ def test_prepare_checks_every_requirement_of_every_wheel(tmp_path: Path) -> None
         prepare.check_requirements(bad)
 
 
+@pytest.mark.slow  # about 60 s: every group's process on the CPU
 def test_run_gpu_checks_dry_run_runs_every_group(tmp_path: Path) -> None:
     """``--dry-run``: every group runs in its own process on the CPU and the table lists every check."""
     env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable}
@@ -129,6 +131,8 @@ def test_run_gpu_checks_dry_run_runs_every_group(tmp_path: Path) -> None:
         "megatron [ok",
         "trainer [ok",
         "vllm [ok",
+        "moe [ok",
+        "test_moe_train_step_on_nccl",
         "test_trainer_run_two_steps[cpu:gloo,cuda:nccl]",
     ):
         assert line in summary, summary
@@ -158,7 +162,7 @@ def test_bench_rows_print_as_one_aligned_table_per_name(tmp_path: Path, monkeypa
 
 def test_bench_group_runs_only_when_asked() -> None:
     names = lambda groups: [g.name for g in groups]  # noqa: E731
-    assert names(run_checks.selected_groups(bench=False, only=None)) == ["ops", "megatron", "trainer", "vllm"]
+    assert names(run_checks.selected_groups(bench=False, only=None)) == ["ops", "megatron", "trainer", "vllm", "moe"]
     assert names(run_checks.selected_groups(bench=True, only=None))[-1] == "bench"
     assert names(run_checks.selected_groups(bench=False, only=["bench", "ops"])) == ["ops", "bench"]
     with pytest.raises(SystemExit, match=r"--only \['nope'\]: no such group"):

@@ -13,9 +13,9 @@ CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
 class _Model:
-    """A model of N = 1e9 parameters (all the time model reads of an ``Architecture``)."""
+    """A dense model of N = 1e9 parameters (all the time model reads of an ``Architecture``: its active ones)."""
 
-    def total_params(self) -> int:
+    def active_params(self) -> int:
         return 10**9
 
 

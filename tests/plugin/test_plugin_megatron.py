@@ -103,13 +103,12 @@ def _check_grads(ddp, geometry, groups, ref_grads, label: str) -> float:
     from gtpo_megatron.megatron_adapter import hf_conversion
 
     model, reader, worst = ddp.module, DictReader(ref_grads), 0.0
-    offset = hf_conversion.stage_layer_offset(model)
-    for local_name, param in model.named_parameters():
-        mapping = hf_conversion.param_mapping(hf_conversion.global_param_name(local_name, offset), geometry)
+    for name, param in hf_conversion.global_named_parameters(model):
+        mapping = hf_conversion.param_mapping(name, geometry)
         expected = hf_conversion.shard_from_hf(mapping, reader, geometry, groups.tp_rank)
         diff = (param.main_grad - expected).abs().max().item()
         worst = max(worst, diff)
-        assert diff <= GRAD_ATOL, f"{label}: grad of {local_name} differs by {diff}"
+        assert diff <= GRAD_ATOL, f"{label}: grad of {name} differs by {diff}"
     return worst
 
 

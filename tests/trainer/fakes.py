@@ -9,7 +9,6 @@ import os
 import random
 import socket
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -155,21 +154,14 @@ class FakePolicy:
 
 
 def single_rank_groups():
-    """``ParallelGroups``-like handle of a one-process world (dp group None: no data parallelism)."""
-    return SimpleNamespace(
-        rank=0,
-        world_size=1,
-        tp_size=1,
-        pp_size=1,
-        dp_size=1,
-        dp_rank=0,
-        tp_rank=0,
-        pp_rank=0,
-        dp=None,
-        tp=None,
-        pp=None,
-        mp=None,
-    )
+    """The ``ParallelGroups`` of a one-process world without Megatron's groups (every group None: size 1)."""
+    from gtpo_megatron.parallel.groups import ParallelGroups
+
+    return ParallelGroups(
+        tp=None, pp=None, dp=None, mp=None, ep=None, tp_size=1, pp_size=1, dp_size=1, ep_size=1, world_size=1,
+        tp_rank=0, pp_rank=0, dp_rank=0, ep_rank=0, rank=0, pp_first_global_rank=0, pp_last_global_rank=0,
+        backend="gloo",
+    )  # fmt: skip
 
 
 def one_rank_process_group():
