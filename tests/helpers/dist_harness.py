@@ -6,13 +6,17 @@ initialises ``torch.distributed`` with the gloo backend on a free localhost port
 worker is re-raised in the caller as ``RuntimeError`` carrying the worker's rank and full traceback.
 Each spawn costs a few seconds (imports): run several checks inside one ``fn``.
 
-A worker whose ``fn`` returned leaves with ``os._exit(0)`` once its group is destroyed: the interpreter's own
-finalisation can abort in gloo's teardown (``terminate called without an active exception``, SIGABRT; the class of
-fault pytorch/pytorch#179291 describes) after every check has passed, which read as a failed test.
+A worker whose ``fn`` returned destroys its group, runs the ``atexit`` hooks (multiprocessing's among them: it
+shuts down the managers and daemonic children the worker started, such as the forked server of the checkpoint's
+write queue) and leaves with ``os._exit(0)``. The interpreter's own finalisation can abort in gloo's teardown
+(``terminate called without an active exception``, SIGABRT; the class of fault pytorch/pytorch#179291 describes)
+after every check has passed, which read as a failed test. The hooks must run first: a process the worker forked
+inherits the pipe ``mp.spawn`` waits on, so one left running keeps the caller waiting for ever.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import socket
 import sys
@@ -51,6 +55,7 @@ def _entry(rank: int, fn, world_size: int, port: int, threads: int, args: tuple)
         dist.destroy_process_group()
         raise _WorkerError(f"rank {rank} failed:\n{traceback.format_exc()}") from exc
     dist.destroy_process_group()
+    atexit._run_exitfuncs()  # what a normal exit runs before finalisation; it stops the processes the worker started
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
