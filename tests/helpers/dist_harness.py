@@ -1,10 +1,12 @@
 """Run a function in N spawned CPU processes joined by a gloo process group.
 
 ``run_distributed(fn, world_size, *args)`` spawns ``world_size`` processes with ``torch.multiprocessing.spawn``,
-initialises ``torch.distributed`` with the gloo backend on a free localhost port and calls
+initialises ``torch.distributed`` with the gloo backend through a TCP store the caller holds and calls
 ``fn(rank, world_size, *args)`` in each. ``fn`` must be a module-level (picklable) function. Any exception in a
 worker is re-raised in the caller as ``RuntimeError`` carrying the worker's rank and full traceback.
-Each spawn costs a few seconds (imports): run several checks inside one ``fn``.
+Each spawn costs a few seconds (imports): run several checks inside one ``fn``. The caller's store listens on a
+port the OS picks as it binds (port 0), so concurrent runs cannot race for one (a port found free beforehand can be
+taken before the workers bind it: EADDRINUSE).
 
 A worker whose ``fn`` returned destroys its group, runs the ``atexit`` hooks (multiprocessing's among them: it
 shuts down the managers and daemonic children the worker started, such as the forked server of the checkpoint's
@@ -35,6 +37,9 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+_TIMEOUT = timedelta(seconds=120)
+
+
 class _WorkerError(Exception):
     """Carries a worker's formatted traceback across the process boundary."""
 
@@ -42,13 +47,8 @@ class _WorkerError(Exception):
 def _entry(rank: int, fn, world_size: int, port: int, threads: int, args: tuple) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     torch.set_num_threads(threads)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world_size,
-        timeout=timedelta(seconds=120),
-    )
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=_TIMEOUT)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=_TIMEOUT)
     try:
         fn(rank, world_size, *args)
     except BaseException as exc:  # re-raised with the traceback text, which pickling would otherwise drop
@@ -73,8 +73,9 @@ def run_distributed(fn, world_size: int, *args, threads_per_rank: int = 1) -> No
     Raises:
         RuntimeError: with the failing rank's traceback.
     """
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=_TIMEOUT, wait_for_workers=False)
     try:
-        mp.spawn(_entry, args=(fn, world_size, free_port(), threads_per_rank, args), nprocs=world_size, join=True)
+        mp.spawn(_entry, args=(fn, world_size, store.port, threads_per_rank, args), nprocs=world_size, join=True)
     except mp.ProcessRaisedException as exc:
         raise RuntimeError(f"distributed test failed:\n{exc}") from None
     except mp.ProcessExitedException as exc:
