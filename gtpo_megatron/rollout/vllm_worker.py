@@ -16,6 +16,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from gtpo_megatron.parallel.weight_group import WeightGroupSpec, join_as_worker
 from gtpo_megatron.rollout.engine import NamedTensor
 from gtpo_megatron.rollout.weight_wire import WireStats, receive_weights
@@ -87,6 +89,25 @@ class WeightReloadExtension:
         seconds = time.perf_counter() - start
         return {"num_tensors": stats.num_tensors, "num_bytes": stats.num_bytes, "seconds": seconds,
                 "transfer_s": stats.transfer_s}  # fmt: skip
+
+    def gtpo_bind_routing_capture(self) -> None:
+        """Record every MoE layer's top-k of each forward into a buffer (vLLM's own routed-experts capturer).
+
+        vLLM's ``enable_return_routed_experts`` needs its V2 model runner, which needs Triton (GPU only); on CPU the
+        same capturer is bound here and :meth:`gtpo_captured_experts` reads the last forward's rows.
+        """
+        from vllm.model_executor.layers.fused_moe.routed_experts_capturer import (
+            RoutedExpertsCapturer,
+            bind_routed_experts_capturer,
+        )
+
+        tokens = self.vllm_config.scheduler_config.max_num_batched_tokens
+        self._gtpo_capturer = RoutedExpertsCapturer(tokens, self.vllm_config)
+        bind_routed_experts_capturer(self.model_runner.get_model(), self._gtpo_capturer)
+
+    def gtpo_captured_experts(self, num_tokens: int):
+        """``[num_tokens, L, K]`` int16 experts of the first ``num_tokens`` rows of the last forward (a prefill)."""
+        return self._gtpo_capturer.device_buffer[:num_tokens].to("cpu", torch.int16).clone()
 
     def _gtpo_repack_after_reload(self) -> None:
         """Put the layers a reload leaves in the wrong layout back in their kernels' (module docstring)."""
