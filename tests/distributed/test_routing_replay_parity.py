@@ -9,7 +9,10 @@
     experts (their weights still from their own softmax), and logits far from the no-replay ones: the test fails if
     replay is ignored;
 (c) with ``model.recompute=full`` (every layer's forward re-runs in the backward) the forced routing gives the
-    gradients of (b)'s run without recompute: the recompute replays the same experts.
+    gradients of (b)'s run without recompute: the recompute replays the same experts; so do packed token-budget
+    micro-batches (``optim.packing``: rows reordered and packed into one row each);
+(d) at TP=2 EP=2 with sequence parallelism (each rank routes half of every sequence) and at PP=2 (each stage's
+    routers pick their own layers), a random routing replayed gives the float64 reference's logits.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from gtpo_megatron.plan.micro_batches import TokenBudget
 from tests.adapter.megatron_helpers import (
     load_hf_model,
     make_batch,
@@ -36,13 +40,14 @@ ROWS, SEQ_LEN, EXPERTS, TOP_K = 4, 12, 4, 2
 LOGITS_ATOL = 1e-5  # fp32 Megatron against a float64 reference of the same routing
 
 
-def _build(path: str, **model_fields):
+def _build(path: str, tp: int = 1, ep: int = 2, pp: int = 1, **model_fields):
     from gtpo_megatron.megatron_adapter.policy import MegatronPolicy
     from gtpo_megatron.parallel.groups import init_distributed
 
-    groups = init_distributed(tp_size=1, pp_size=1, ep_size=2)
+    groups = init_distributed(tp_size=tp, pp_size=pp, ep_size=ep)
     model = model_section(path, make_vocab_size_divisible_by=100, **model_fields)
-    return MegatronPolicy.from_pretrained(settings_at(groups, model, routing_replay=True), groups=groups)
+    settings = settings_at(groups, model, routing_replay=True, sequence_parallel=tp > 1)
+    return MegatronPolicy.from_pretrained(settings, groups=groups)
 
 
 def _own_routing(policy, input_ids: torch.Tensor) -> torch.Tensor:
@@ -143,14 +148,32 @@ def _worker(rank: int, world_size: int, out_root: str) -> None:
     forced_metrics, forced_grads = _grads(policy, batch, forced)
     # layer 0 never agrees; layer 1 routes hidden states that layer 0's forced experts changed, so by chance only
     assert forced_metrics["mismatch/routing_agreement"] < 0.1, forced_metrics
-    # (c) full recompute replays the same experts in the backward's second forward
+    # (c) full recompute replays the same experts in the backward's second forward; packing moves them along
+    policy.token_budget = TokenBudget(max_tokens=2 * SEQ_LEN, packing=True)
+    _, packed_grads = _grads(policy, batch, forced)
+    grad_packed = max((packed_grads[n] - g).abs().max().item() for n, g in forced_grads.items())
+    assert grad_packed <= 1e-6, grad_packed
     recomputed = _build(path, recompute="full")
     _, recomputed_grads = _grads(recomputed, batch, forced)
     grad_c = max((recomputed_grads[n] - g).abs().max().item() for n, g in forced_grads.items())
     assert grad_c <= 1e-6, grad_c
+    # (d) sequence parallelism and pipeline stages: a random routing replayed
+    chosen = torch.rand(ROWS, SEQ_LEN, TINY["num_hidden_layers"], EXPERTS, generator=torch.Generator().manual_seed(1))
+    random = (chosen.argsort(dim=-1)[..., :TOP_K] + 1).to(torch.int16)
+    reference = _reference_logits(load_hf_model(path), batch.input_ids, random)
+    layouts = {}
+    for tp, ep, pp in ((2, 2, 1), (1, 1, 2)):
+        logits = _replayed_logits(_build(path, tp, ep, pp), batch.input_ids, random)
+        if logits is not None:  # the last stage; vocabulary shard of this TP rank
+            start = (rank % tp) * logits.shape[-1]
+            real = min(logits.shape[-1], TINY["vocab_size"] - start)  # columns past the vocabulary are padding
+            diff = logits[..., :real].double() - reference[..., start : start + real]
+            layouts[(tp, ep, pp)] = diff.abs().max().item()
+            assert layouts[(tp, ep, pp)] <= LOGITS_ATOL, layouts
     print(
         f"[routing replay parity] rank {rank}: own |dlogits| {diff_a:.2e}, |dgrad| {grad_a:.2e}; forced vs float64 "
-        f"reference |dlogits| {diff_b:.2e} (vs no replay {moved:.2e}); recompute |dgrad| {grad_c:.2e}"
+        f"reference |dlogits| {diff_b:.2e} (vs no replay {moved:.2e}); recompute |dgrad| {grad_c:.2e}, packed "
+        f"|dgrad| {grad_packed:.2e}; random routing |dlogits| at (tp, ep, pp) {layouts}"
     )
 
 
