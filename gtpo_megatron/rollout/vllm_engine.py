@@ -270,8 +270,8 @@ class VLLMEngine:
         fed = [int(t) for t in prompt_ids] + [int(t) for t in token_ids[:-1]]
         params = SamplingParams(max_tokens=1, detokenize=False)
         self._llm.generate([TokensPrompt(prompt_token_ids=fed)], params, use_tqdm=False)
-        captured = self._llm.collective_rpc("gtpo_captured_experts", args=(len(fed),))[0]
-        return torch.as_tensor(captured, dtype=torch.int16)  # a multiprocess engine returns nested lists
+        shape, data = self._llm.collective_rpc("gtpo_captured_experts", args=(len(fed),))[0]
+        return torch.frombuffer(bytearray(data), dtype=torch.int16).reshape(shape)
 
     def score(self, prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]]) -> list[list[float]]:
         """Log-probabilities (nats, temperature 1) of P non-empty completions given their prompts: P lists of floats.

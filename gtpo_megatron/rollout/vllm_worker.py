@@ -105,9 +105,13 @@ class WeightReloadExtension:
         self._gtpo_capturer = RoutedExpertsCapturer(tokens, self.vllm_config)
         bind_routed_experts_capturer(self.model_runner.get_model(), self._gtpo_capturer)
 
-    def gtpo_captured_experts(self, num_tokens: int):
-        """``[num_tokens, L, K]`` int16 experts of the first ``num_tokens`` rows of the last forward (a prefill)."""
-        return self._gtpo_capturer.device_buffer[:num_tokens].to("cpu", torch.int16).clone()
+    def gtpo_captured_experts(self, num_tokens: int) -> tuple[list[int], bytes]:
+        """``(shape, int16 bytes)`` of the ``[num_tokens, L, K]`` experts of the last forward's first rows (a prefill).
+
+        Bytes and a shape cross ``collective_rpc``'s serialisation in either engine mode (a tensor does not).
+        """
+        experts = self._gtpo_capturer.device_buffer[:num_tokens].to("cpu", torch.int16)
+        return list(experts.shape), experts.numpy().tobytes()
 
     def _gtpo_repack_after_reload(self) -> None:
         """Put the layers a reload leaves in the wrong layout back in their kernels' (module docstring)."""
