@@ -17,6 +17,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -123,6 +125,8 @@ def _worker(rank: int, world_size: int, out_root: str) -> None:
                                 head_dim=16, norm_topk_prob=True)  # fmt: skip
         save_random_hf_model(path, config)
     dist.barrier()
+    # before any MoE policy: moe_compat's CPU stand-in for torch.cuda.Stream breaks later transformers imports
+    hf_model = load_hf_model(path)
     policy = _build(path)
     batch = make_batch(rows=ROWS, seq_len=SEQ_LEN, vocab_size=TINY["vocab_size"], seed=5)
     plain_logits = _replayed_logits(policy, batch.input_ids, None)
@@ -140,7 +144,7 @@ def _worker(rank: int, world_size: int, out_root: str) -> None:
     forced = ((own.long() - 1 + 1) % EXPERTS + 1).to(torch.int16)
     forced[:, -1] = 0
     forced_logits = _replayed_logits(policy, batch.input_ids, forced)
-    reference = _reference_logits(load_hf_model(path), batch.input_ids, forced)
+    reference = _reference_logits(copy.deepcopy(hf_model), batch.input_ids, forced)
     diff_b = (forced_logits.double() - reference).abs().max().item()
     moved = (forced_logits - plain_logits).abs().max().item()
     assert diff_b <= LOGITS_ATOL, diff_b
@@ -160,7 +164,7 @@ def _worker(rank: int, world_size: int, out_root: str) -> None:
     # (d) sequence parallelism and pipeline stages: a random routing replayed
     chosen = torch.rand(ROWS, SEQ_LEN, TINY["num_hidden_layers"], EXPERTS, generator=torch.Generator().manual_seed(1))
     random = (chosen.argsort(dim=-1)[..., :TOP_K] + 1).to(torch.int16)
-    reference = _reference_logits(load_hf_model(path), batch.input_ids, random)
+    reference = _reference_logits(copy.deepcopy(hf_model), batch.input_ids, random)
     layouts = {}
     for tp, ep, pp in ((2, 2, 1), (1, 1, 2)):
         logits = _replayed_logits(_build(path, tp, ep, pp), batch.input_ids, random)
