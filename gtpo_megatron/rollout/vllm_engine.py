@@ -87,6 +87,32 @@ def _engine_environment(
                 os.environ[key] = value
 
 
+class WorkerExtension(WeightReloadExtension):
+    """The ``worker_extension_cls``: the weight reloads plus the CPU routed-experts capture (module docstring).
+
+    The capture methods run in each vLLM worker; they live here because this is the module that imports vLLM.
+    """
+
+    def gtpo_bind_routing_capture(self) -> None:
+        """Record every MoE layer's top-k of each forward into a buffer: vLLM's own capturer, bound to the routers."""
+        from vllm.model_executor.layers.fused_moe.routed_experts_capturer import (
+            RoutedExpertsCapturer,
+            bind_routed_experts_capturer,
+        )
+
+        tokens = self.vllm_config.scheduler_config.max_num_batched_tokens
+        self._gtpo_capturer = RoutedExpertsCapturer(tokens, self.vllm_config)
+        bind_routed_experts_capturer(self.model_runner.get_model(), self._gtpo_capturer)
+
+    def gtpo_captured_experts(self, num_tokens: int) -> tuple[list[int], bytes]:
+        """``(shape, int16 bytes)`` of the ``[num_tokens, L, K]`` experts of the last forward's first rows (a prefill).
+
+        Bytes and a shape cross ``collective_rpc``'s serialisation in either engine mode (a tensor does not).
+        """
+        experts = self._gtpo_capturer.device_buffer[:num_tokens].to("cpu", torch.int16)
+        return list(experts.shape), experts.numpy().tobytes()
+
+
 def _default_staging_root() -> str | None:
     shm = Path("/dev/shm")
     return str(shm) if shm.is_dir() and os.access(shm, os.W_OK) else None
@@ -196,7 +222,7 @@ class VLLMEngine:
                 logprobs_mode="processed_logprobs",
                 load_format=load_format,
                 use_tqdm_on_load=False,
-                worker_extension_cls=f"{WeightReloadExtension.__module__}.WeightReloadExtension",
+                worker_extension_cls=f"{WorkerExtension.__module__}.WorkerExtension",
                 **routing,
             )
             if self._capture_by_prefill:

@@ -1,6 +1,7 @@
 """Code that runs inside every vLLM worker process: the ``worker_extension_cls`` of ``VLLMEngine``.
 
-vLLM mixes :class:`WeightReloadExtension` into each worker; ``LLM.collective_rpc`` calls its methods by name.
+vLLM mixes :class:`WeightReloadExtension` into each worker (as the base of ``vllm_engine.WorkerExtension``, which adds
+the routed-experts capture); ``LLM.collective_rpc`` calls its methods by name.
 Both weight paths end in one ``reload_weights`` pass, which re-runs ``process_weights_after_loading`` (the CPU
 backend pre-packs linear weights): ``files`` reads staged safetensors shards, ``collective`` feeds the sender's
 broadcast buckets (``rollout/weight_wire.py``) as they arrive. Two layers a reload leaves in the wrong layout are
@@ -15,8 +16,6 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
-
-import torch
 
 from gtpo_megatron.parallel.weight_group import WeightGroupSpec, join_as_worker
 from gtpo_megatron.rollout.engine import NamedTensor
@@ -89,29 +88,6 @@ class WeightReloadExtension:
         seconds = time.perf_counter() - start
         return {"num_tensors": stats.num_tensors, "num_bytes": stats.num_bytes, "seconds": seconds,
                 "transfer_s": stats.transfer_s}  # fmt: skip
-
-    def gtpo_bind_routing_capture(self) -> None:
-        """Record every MoE layer's top-k of each forward into a buffer (vLLM's own routed-experts capturer).
-
-        vLLM's ``enable_return_routed_experts`` needs its V2 model runner, which needs Triton (GPU only); on CPU the
-        same capturer is bound here and :meth:`gtpo_captured_experts` reads the last forward's rows.
-        """
-        from vllm.model_executor.layers.fused_moe.routed_experts_capturer import (
-            RoutedExpertsCapturer,
-            bind_routed_experts_capturer,
-        )
-
-        tokens = self.vllm_config.scheduler_config.max_num_batched_tokens
-        self._gtpo_capturer = RoutedExpertsCapturer(tokens, self.vllm_config)
-        bind_routed_experts_capturer(self.model_runner.get_model(), self._gtpo_capturer)
-
-    def gtpo_captured_experts(self, num_tokens: int) -> tuple[list[int], bytes]:
-        """``(shape, int16 bytes)`` of the ``[num_tokens, L, K]`` experts of the last forward's first rows (a prefill).
-
-        Bytes and a shape cross ``collective_rpc``'s serialisation in either engine mode (a tensor does not).
-        """
-        experts = self._gtpo_capturer.device_buffer[:num_tokens].to("cpu", torch.int16)
-        return list(experts.shape), experts.numpy().tobytes()
 
     def _gtpo_repack_after_reload(self) -> None:
         """Put the layers a reload leaves in the wrong layout back in their kernels' (module docstring)."""
