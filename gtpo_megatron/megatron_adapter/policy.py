@@ -24,7 +24,7 @@ from gtpo_megatron.megatron_adapter.cpu_compat import cuda_to_cpu_mode, install_
 from gtpo_megatron.megatron_adapter.forward_step import ForwardSettings, MicroBatch, forward_step
 from gtpo_megatron.megatron_adapter.moe_metrics import RouterLoad
 from gtpo_megatron.megatron_adapter.optimizer import build_optimizer, optimizer_step, wrap_ddp
-from gtpo_megatron.megatron_adapter.routing_replay import RoutingReplay, check_replay_supported
+from gtpo_megatron.megatron_adapter.routing_replay import RoutingReplay, check_replay_supported, recomputes_routers
 from gtpo_megatron.megatron_adapter.step_metrics import reduce_step_metrics
 from gtpo_megatron.ops import LossSpec, compute_normalizer
 from gtpo_megatron.parallel.collectives import all_reduce_, barrier, broadcast_, global_normalizer
@@ -200,7 +200,7 @@ class MegatronPolicy:
         routing_replay = None
         if settings.routing_replay:
             routing_replay = RoutingReplay(
-                gpt_model, recompute=settings.model.recompute == "full", tp_rank=groups.tp_rank,
+                gpt_model, recompute=recomputes_routers(config), tp_rank=groups.tp_rank,
                 tp_size=groups.tp_size, sequence_parallel=config.sequence_parallel,
             )  # fmt: skip
         optimizer = scheduler = None

@@ -14,10 +14,10 @@ policy and its KL reference would share), and :class:`RoutingReplay` feeds them 
 * tokens reach the router as ``[S/tp (sequence parallel), b]`` flattened sequence-major, so a micro-batch's
   ``[b, S, L, K]`` record is transposed, cut to this TP rank's sequence chunk and flattened the same way; the
   router's ``layer_number`` (1-based, global over pipeline stages) picks its layer;
-* with full recompute (``model.recompute=full``) a layer's forward runs twice, first under ``no_grad`` inside
-  Megatron's checkpoint and again with gradients in the backward. Backwards come in forward order in Megatron's
-  schedules (no pipelining, 1F1B), so each training forward queues its experts and each recompute takes the oldest:
-  both runs route alike. Selective recompute does not re-run routers.
+* with full recompute (``model.recompute=full``, or selective recompute of Megatron's ``moe`` module) a router's
+  forward runs twice, first under ``no_grad`` inside Megatron's checkpoint and again with gradients in the
+  backward. Backwards come in forward order in Megatron's schedules (no pipelining, 1F1B), so each training forward
+  queues its experts and each recompute takes the oldest: both runs route alike (:func:`recomputes_routers`).
 
 The routing agreement (tokens whose trainer top-k set equals the engine's / recorded tokens) is counted on the first
 run of each forward. No collectives; ``agreement`` leaves the reduction to the caller.
@@ -68,6 +68,13 @@ def router_targets(routed_experts: torch.Tensor, layer: int, chunk: tuple[int, i
     tokens_SbK = (routed_experts[:, :, layer].long() - 1).transpose(0, 1)
     tokens_SbK = tokens_SbK.chunk(size, dim=0)[rank]
     return tokens_SbK.reshape(-1, tokens_SbK.shape[-1])
+
+
+def recomputes_routers(config) -> bool:
+    """Whether the backward re-runs the routers of a ``TransformerConfig``'s layers (full, or selective ``moe``)."""
+    if config.recompute_granularity == "full":
+        return True
+    return config.recompute_granularity == "selective" and "moe" in (config.recompute_modules or ())
 
 
 class LayerReplay:
@@ -132,7 +139,7 @@ class RoutingReplay:
 
     Args:
         model: the stage (a ``GPTModel``, DDP-wrapped or not); every ``TopKRouter`` in it gets a ``LayerReplay``.
-        recompute: ``model.recompute == "full"``.
+        recompute: :func:`recomputes_routers` of the stage's config.
         tp_rank, tp_size: this rank's tensor-parallel coordinates; ``sequence_parallel``: tokens are cut over TP.
 
     Raises:

@@ -3,12 +3,14 @@ and ``LayerReplay``'s choice between the replayed and the router's own experts (
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from gtpo_megatron.batch import TrainBatch
 from gtpo_megatron.megatron_adapter.micro_batching import budget_micro_batches, fixed_micro_batches
-from gtpo_megatron.megatron_adapter.routing_replay import LayerReplay, router_targets
+from gtpo_megatron.megatron_adapter.routing_replay import LayerReplay, recomputes_routers, router_targets
 from gtpo_megatron.plan.micro_batches import TokenBudget
 
 CPU = torch.device("cpu")
@@ -100,3 +102,13 @@ def test_layer_replay_refuses_a_target_of_another_token_count():
     replay.target = torch.zeros(3, 2, dtype=torch.long)
     with pytest.raises(ValueError, match="layer 3: replayed experts"):
         replay.get_replay_topk(torch.zeros(2, 4), 2, None, None, _own_topk)
+
+
+@pytest.mark.parametrize(
+    "granularity, modules, rerun",
+    [("full", ["core_attn"], True), ("selective", ["core_attn"], False), ("selective", ["moe"], True),
+     (None, ["moe"], False), ("selective", None, False)],
+)  # fmt: skip
+def test_routers_are_recomputed_under_full_or_selective_moe_recompute(granularity, modules, rerun):
+    config = SimpleNamespace(recompute_granularity=granularity, recompute_modules=modules)
+    assert recomputes_routers(config) is rerun
