@@ -11,9 +11,10 @@ CPU: the KV cache is ``VLLM_CPU_KVCACHE_SPACE``; attention needs head_dim >= 32;
 
 Routed experts (``routing_replay``, docs/moe.md): each completion carries ``[P + R - 1, L, K]`` int16, the experts
 of every fed token in every MoE layer. GPU: vLLM's ``enable_return_routed_experts`` (its V2 model runner), the
-experts chosen while sampling. CPU (no V2 runner without Triton): the worker binds vLLM's own capturer
-(``vllm_worker``) and each finished completion is prefilled once more (prefix caching off) to read them, the
-experts of the same weights and tokens in one prefill rather than in the decoding steps.
+experts chosen while sampling. CPU (no V2 runner without Triton): each worker binds vLLM's own capturer
+(:class:`WorkerExtension`) and each finished completion is prefilled once more (prefix caching off; seeded, so it
+draws nothing from the engine's generator) to read them: the experts of the same weights and tokens in one prefill
+rather than in the decoding steps.
 """
 
 from __future__ import annotations
@@ -184,6 +185,7 @@ class VLLMEngine:
 
         self._capture_by_prefill = routing_replay and current_platform.is_cpu()
         routing = _routing_kwargs(routing_replay, cpu=current_platform.is_cpu())
+        routing_environment = routing.pop("environment", {})
         self._sleep_enabled = enable_sleep_mode and not current_platform.is_cpu()
         if enable_sleep_mode and not self._sleep_enabled:
             logger.warning("enable_sleep_mode=True has no effect on CPU: vLLM's CPU worker cannot sleep")
@@ -198,7 +200,7 @@ class VLLMEngine:
             cpu_kvcache_space_gib=cpu_kvcache_space_gib,
             in_process=in_process,
             model_path=self.model_path,
-            extra={**(environment or {}), **routing.pop("environment", {})},
+            extra={**(environment or {}), **routing_environment},
             quiet_logs=quiet_logs,
         )
         with env:
@@ -294,7 +296,7 @@ class VLLMEngine:
         from vllm.inputs import TokensPrompt
 
         fed = [int(t) for t in prompt_ids] + [int(t) for t in token_ids[:-1]]
-        params = SamplingParams(max_tokens=1, detokenize=False)
+        params = SamplingParams(max_tokens=1, detokenize=False, seed=0)
         self._llm.generate([TokensPrompt(prompt_token_ids=fed)], params, use_tqdm=False)
         shape, data = self._llm.collective_rpc("gtpo_captured_experts", args=(len(fed),))[0]
         return torch.frombuffer(bytearray(data), dtype=torch.int16).reshape(shape)
