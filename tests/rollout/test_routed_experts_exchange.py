@@ -1,4 +1,7 @@
-"""Routed experts from the engine leaders to every rank (``rollout.exchange``) and into ``TrainBatch`` rows."""
+"""Routed experts from the engine leaders to every rank (``rollout.exchange``) and into ``TrainBatch`` rows.
+
+The sum of the leaders' wires is the all-reduce's; one test runs it on 2 gloo ranks (uint8 and int32 wires).
+"""
 
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ from gtpo_megatron.rollout.exchange import (
     unpack_rows,
 )
 from gtpo_megatron.rollout.types import Completion, PromptCompletions
+from tests.helpers.dist_harness import run_distributed
 
 LAYOUT = RowLayout(max_prompt_len=4, max_tokens=5)
 LAYERS, TOP_K = 3, 2
@@ -79,3 +83,25 @@ def test_routed_experts_of_the_wrong_shape_are_refused():
     group.completions.completions[1].routed_experts = None
     with pytest.raises(ValueError, match="routed experts of shape None"):
         pack_routed_experts({0: group}, num_groups=1, group_size=2, layout=LAYOUT, routing=routing)
+
+
+def _share_worker(rank: int, world_size: int) -> None:
+    import torch.distributed as dist
+
+    from gtpo_megatron.parallel.collectives import all_reduce_sum
+
+    for num_experts in (8, 300):
+        routing = RoutingLayout(num_layers=LAYERS, top_k=TOP_K, num_experts=num_experts)
+        slots = [{0: _group([1, 2, 3], [5, 2], 0, num_experts)}, {1: _group([4, 5], [1, 3], 10, num_experts)}]
+        wire = pack_routed_experts(slots[rank], num_groups=2, group_size=2, layout=LAYOUT, routing=routing)
+        rows = pack_rows(slots[rank], num_groups=2, group_size=2, layout=LAYOUT)
+        gathered = unpack_rows(all_reduce_sum(rows, group=dist.group.WORLD), group_size=2, layout=LAYOUT)
+        attach_routed_experts(all_reduce_sum(wire, group=dist.group.WORLD), gathered.groups)
+        sent = [c for s in slots for g in s.values() for c in g.completions.completions]
+        got = [c for g in gathered.groups for c in g.completions]
+        assert all(torch.equal(a.routed_experts, b.routed_experts) for a, b in zip(sent, got, strict=True))
+
+
+@pytest.mark.distributed
+def test_routed_experts_cross_a_gloo_all_reduce():
+    run_distributed(_share_worker, 2)
