@@ -12,7 +12,10 @@
     gradients of (b)'s run without recompute: the recompute replays the same experts; so do packed token-budget
     micro-batches (``optim.packing``: rows reordered and packed into one row each);
 (d) at TP=2 EP=2 with sequence parallelism (each rank routes half of every sequence) and at PP=2 (each stage's
-    routers pick their own layers), a random routing replayed gives the float64 reference's logits.
+    routers pick their own layers), a random routing replayed gives the float64 reference's logits;
+(e) at PP=2 (1F1B over 4 micro-batches: the first stage runs two forwards before its first backward) full
+    recompute gives the gradients of the run without it: each recompute replays its own micro-batch's experts, not
+    the last ones set.
 """
 
 from __future__ import annotations
@@ -79,7 +82,7 @@ def _replayed_logits(policy, input_ids: torch.Tensor, routed: torch.Tensor | Non
     return logits
 
 
-def _grads(policy, batch, routed: torch.Tensor | None) -> tuple[float, dict[str, torch.Tensor]]:
+def _grads(policy, batch, routed: torch.Tensor | None) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
     from gtpo_megatron.ops import LossSpec
 
     share = ROWS // policy.groups.dp_size
@@ -167,17 +170,24 @@ def _worker(rank: int, world_size: int, out_root: str) -> None:
     reference = _reference_logits(copy.deepcopy(hf_model), batch.input_ids, random)
     layouts = {}
     for tp, ep, pp in ((2, 2, 1), (1, 1, 2)):
-        logits = _replayed_logits(_build(path, tp, ep, pp), batch.input_ids, random)
+        staged = _build(path, tp, ep, pp)
+        logits = _replayed_logits(staged, batch.input_ids, random)
         if logits is not None:  # the last stage; vocabulary shard of this TP rank
             start = (rank % tp) * logits.shape[-1]
             real = min(logits.shape[-1], TINY["vocab_size"] - start)  # columns past the vocabulary are padding
             diff = logits[..., :real].double() - reference[..., start : start + real]
             layouts[(tp, ep, pp)] = diff.abs().max().item()
             assert layouts[(tp, ep, pp)] <= LOGITS_ATOL, layouts
+    # (e) 1F1B at PP=2 runs both forwards before the first backward: each recompute replays its own micro-batch
+    _, staged_grads = _grads(staged, batch, random)
+    _, recomputed_grads = _grads(_build(path, 1, 1, 2, recompute="full"), batch, random)
+    grad_e = max((recomputed_grads[n] - g).abs().max().item() for n, g in staged_grads.items())
+    assert grad_e <= 1e-6, grad_e
     print(
         f"[routing replay parity] rank {rank}: own |dlogits| {diff_a:.2e}, |dgrad| {grad_a:.2e}; forced vs float64 "
         f"reference |dlogits| {diff_b:.2e} (vs no replay {moved:.2e}); recompute |dgrad| {grad_c:.2e}, packed "
-        f"|dgrad| {grad_packed:.2e}; random routing |dlogits| at (tp, ep, pp) {layouts}"
+        f"|dgrad| {grad_packed:.2e}; random routing |dlogits| at (tp, ep, pp) {layouts}; PP=2 recompute |dgrad| "
+        f"{grad_e:.2e}"
     )
 
 
