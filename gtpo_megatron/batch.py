@@ -1,7 +1,8 @@
 """``TrainBatch``: the step's per-row record, from collation (``rollout.batch``) to the loss (``ops.policy_objective``).
 
 The one list of per-row tensors: row selection, padding, devices and unpacking go through
-:meth:`TrainBatch.apply`. Masks: docs/architecture.md ("Mask vocabulary"). B rows group by group, S padded length;
+:meth:`TrainBatch.apply`; per-token tensors are ``[B, S, ...]`` (dim >= 2), per-sequence ones ``[B]``.
+Masks: docs/architecture.md ("Mask vocabulary"). B rows group by group, S padded length;
 column ``s`` describes the prediction of ``input_ids[:, s]`` (column 0 is never a response token). Torch only.
 """
 
@@ -34,6 +35,10 @@ class TrainBatch:
         seq_entropy: ``[B]`` fp32 <H>_i (nats) of a pass before the update; None: measured by the training forward.
         old_logprobs: ``[B, S]`` fp32 log pi_old (nats); None: one update per batch (ratio 1 with gradient).
         ref_logprobs: ``[B, S]`` fp32 reference-policy log-probs (nats) of the KL term, else None.
+        routed_experts: ``[B, S, L, K]`` int16, the engine's experts of the *input* token in column ``s`` in each of
+            the L MoE layers, each id plus one; 0: not recorded (the router takes its own top-k). Set only with
+            ``rollout.routing_replay=rollout`` (``megatron_adapter.routing_replay``, docs/moe.md); zero padding
+            therefore means "no record" wherever a layout owner pads.
     """
 
     input_ids: torch.Tensor
@@ -47,6 +52,7 @@ class TrainBatch:
     seq_entropy: torch.Tensor | None = None
     old_logprobs: torch.Tensor | None = None
     ref_logprobs: torch.Tensor | None = None
+    routed_experts: torch.Tensor | None = None
 
     def apply(self: RecordT, fn: Callable[[torch.Tensor], torch.Tensor]) -> RecordT:
         """A copy with ``fn`` applied to every record tensor that is set (fields of subclasses are kept as they are)."""

@@ -193,6 +193,7 @@ def build_collector(cfg: GTPOConfig, model_path: str, tokenizer, placement: Engi
         verbose=cfg.logging.verbose,
         # Started from a Megatron checkpoint: the HF folder may hold no weights; the trainer pushes the policy's.
         load_format="dummy" if cfg.model.megatron_checkpoint is not None else "auto",
+        routing_replay=rollout.routing_replay == "rollout",
     )
     logger.info("started %s with %s", placement.describe(), environment or "the default environment")
     pool = RewardPool(cfg.reward.name, num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s)

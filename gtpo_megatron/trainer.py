@@ -41,6 +41,7 @@ from gtpo_megatron.resume import RunCheckpoints
 from gtpo_megatron.rollout.batch import collate_completions, rollout_metrics
 from gtpo_megatron.rollout.collector import RolloutCollector, StepRollout, collect_step
 from gtpo_megatron.rollout.engine_guard import close_all
+from gtpo_megatron.rollout.exchange import RoutingLayout
 from gtpo_megatron.rollout.pipeline import AsyncRollouts
 from gtpo_megatron.rollout.push import CollectiveWeightSync, FilesWeightSync
 
@@ -59,6 +60,12 @@ class StepAborted(Exception):  # noqa: N818 - a decision, not an error
     def __init__(self, completed_step: int) -> None:
         super().__init__(f"step {completed_step + 1} aborted")
         self.completed_step = completed_step
+
+
+def routing_layout(policy: Policy) -> RoutingLayout:
+    """The routed experts' exchange layout of an MoE ``policy`` (rollout routing replay, docs/moe.md)."""
+    moe = policy.geometry.moe
+    return RoutingLayout(num_layers=policy.hf_config.num_hidden_layers, top_k=moe.top_k, num_experts=moe.num_experts)
 
 
 class Trainer:
@@ -109,11 +116,13 @@ class Trainer:
         self.initial_entropy = InitialEntropy(cfg.algorithm)
         self._world = dist.group.WORLD
         self.num_engines = num_engines
+        self.routing = routing_layout(policy) if cfg.rollout.routing_replay == "rollout" else None
         self.rollouts = None  # rollout.mode=async: the engines sample ahead (rollout/pipeline.py)
         if cfg.rollout.mode == "async":
             self.rollouts = AsyncRollouts(
-                cfg, collector=collector, loader=loader, num_engines=num_engines, group=self._world
-            )
+                cfg, collector=collector, loader=loader, num_engines=num_engines, group=self._world,
+                routing=self.routing,
+            )  # fmt: skip
         self.checkpoints = RunCheckpoints(
             cfg, policy, loader, self.initial_entropy, rank=groups.rank, group=dist.group.WORLD,
             in_flight=None if self.rollouts is None else (lambda: self.rollouts.in_flight),
@@ -196,7 +205,9 @@ class Trainer:
         metrics.update(objective_metrics(train_metrics))
         if self.initial_entropy.value is not None:
             metrics["entropy/initial"] = self.initial_entropy.value
-        metrics.update({k if k.startswith("perf/") else f"train/{k}": v for k, v in train_metrics.items()})
+        metrics.update(
+            {k if k.startswith(("perf/", "mismatch/")) else f"train/{k}": v for k, v in train_metrics.items()}
+        )
         metrics.update({"time/old_logprob_s": 0.0, **({"time/ref_logprob_s": 0.0} if self.reference else {})})
         metrics.update({**rollout.stats, **measured})
         metrics["perf/tokens_per_s"] = float(batch.token_mask.sum()) / metrics["time/step_s"]
@@ -223,6 +234,7 @@ class Trainer:
             num_engines=self.num_engines,
             group=self._world,
             stop=self.stop_requests,
+            routing=self.routing,
         )
         if self.collector is not None and rollout is not None and self.cfg.rollout.placement == "colocated":
             self.collector.engine.sleep()

@@ -69,6 +69,10 @@ class RolloutConfig:
     rank 0 to every engine worker over a process group of their own (gloo on CPU, NCCL on GPU), each worker
     loading them in one reload pass; ``files`` stages safetensors shards in ``/dev/shm`` for one engine (fallback,
     ``num_engines`` must be 1)."""
+    routing_replay: Literal["off", "rollout"] = "off"
+    """Mixture-of-experts policies: ``rollout`` replays the engine's expert choices in the training forwards (rollout
+    routing replay, R3, arXiv 2510.11370; docs/moe.md): each token goes to the experts vLLM routed it to, weighted by
+    the trainer's router over those experts; ``off``: the trainer's router chooses its own top-k."""
     timeout_s: float = 1800.0
     """Seconds an engine may take to generate one round or to apply one weight update before the job stops with an
     error naming the engine and its ranks (also the weight group's collective timeout)."""

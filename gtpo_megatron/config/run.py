@@ -144,6 +144,7 @@ class GTPOConfig:
         self._validate_token_budget()
         if hf is not None:
             self._validate_sequence_length(hf.get("max_position_embeddings"))
+            self._validate_routing_replay(num_experts=arch.num_experts)
 
     def _validate_token_budget(self) -> None:
         budget = self.optim.max_tokens_per_micro_batch
@@ -172,4 +173,13 @@ class GTPOConfig:
             total,
             f"must not exceed the model's max_position_embeddings={max_pos}",
             "shorten prompts or completions",
+        )
+
+    def _validate_routing_replay(self, *, num_experts: int) -> None:
+        _require(
+            self.rollout.routing_replay == "off" or num_experts > 0,
+            "rollout.routing_replay",
+            self.rollout.routing_replay,
+            f"replays expert choices, but {self.model.name_or_path} is a dense model (no experts to route to)",
+            "set rollout.routing_replay=off",
         )

@@ -13,11 +13,15 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from functools import partial
+from typing import TYPE_CHECKING
 
 import torch
 
 from gtpo_megatron.batch import TrainBatch
 from gtpo_megatron.ops import LossSpec, PackedLayout, policy_objective, vocab_parallel_logprobs_entropy
+
+if TYPE_CHECKING:
+    from gtpo_megatron.megatron_adapter.routing_replay import RoutingReplay
 
 
 @dataclass(kw_only=True)
@@ -46,7 +50,7 @@ class MicroBatch(TrainBatch):
         """One sequence per row, ``[n, L]`` (``ops.PackedLayout.unpack``); ``self`` when not packed."""
         if self.layout is None:
             return self
-        rows = self.apply(lambda t: self.layout.unpack(t) if t.dim() == 2 else t)
+        rows = self.apply(lambda t: self.layout.unpack(t) if t.dim() >= 2 else t)
         return dataclasses.replace(
             rows, position_ids=self.layout.unpack(self.position_ids), attention_mask=None, layout=None,
             packed_seq_params=None,
@@ -59,7 +63,8 @@ class ForwardSettings:
 
     ``tp_group`` shards the vocabulary (None: unsharded; columns ``>= vocab_size`` are padding); ``entropy_temperature``
     None means ``temperature``; ``loss`` None is forward-only mode; ``normalizer`` the global ``N`` (fp32 scalar) and
-    ``loss_scale`` ``M * D``.
+    ``loss_scale`` ``M * D``; ``routing_replay`` the model's routers, fed each micro-batch's ``routed_experts``
+    (None: routers choose on their own).
     """
 
     tp_group: object
@@ -70,6 +75,7 @@ class ForwardSettings:
     normalizer: torch.Tensor | None = None
     loss_scale: float = 1.0
     entropy_temperature: float | None = None
+    routing_replay: RoutingReplay | None = None
 
 
 def token_logprobs_entropy(
@@ -120,6 +126,8 @@ def forward_step(data_iterator, model, *, settings: ForwardSettings, loss_fn=pol
     Bind ``settings`` (and optionally ``loss_fn(logits, batch, settings)``) with ``functools.partial``.
     """
     batch: MicroBatch = next(data_iterator)
+    if settings.routing_replay is not None:
+        settings.routing_replay.set_micro_batch(batch.routed_experts)
     inputs = {} if batch.packed_seq_params is None else {"packed_seq_params": batch.packed_seq_params}
     output = model(batch.input_ids, batch.position_ids, batch.attention_mask, **inputs)
     return output, partial(loss_fn, batch=batch, settings=settings)

@@ -35,12 +35,12 @@ def _round_up(n: int, multiple: int) -> int:
 
 
 def _columns(t: torch.Tensor, width: int) -> torch.Tensor:
-    """The first ``width`` columns of a per-token tensor (zero-padded past its own), per-row tensors unchanged."""
-    if t.dim() != 2:
+    """The first ``width`` columns of a per-token ``[B, S, ...]`` (zero-padded past its own); ``[B]`` unchanged."""
+    if t.dim() < 2:
         return t
     if width <= t.shape[1]:
         return t[:, :width]
-    return torch.cat([t, t.new_zeros((t.shape[0], width - t.shape[1]))], dim=1)
+    return torch.cat([t, t.new_zeros((t.shape[0], width - t.shape[1], *t.shape[2:]))], dim=1)
 
 
 def fixed_micro_batches(
@@ -97,7 +97,7 @@ def _packed(batch: TrainBatch, rows: list[int], lengths: list[int], *, width_mul
     starts = [sum(lengths[:k]) for k in range(len(lengths))]
     layout = PackedLayout.of(starts, lengths)
     width, longest = _round_up(sum(lengths), width_multiple), max(lengths)
-    record = batch.select(torch.tensor(rows)).apply(lambda t: layout.pack(t[:, :longest], width) if t.dim() == 2 else t)
+    record = batch.select(torch.tensor(rows)).apply(lambda t: layout.pack(t[:, :longest], width) if t.dim() >= 2 else t)
     positions = layout.pack(torch.arange(longest).expand(len(rows), -1), width)
     segments = layout.segment_ids(width)
     return MicroBatch.of(

