@@ -29,7 +29,10 @@ def cpu_compat_needed() -> bool:
 
 
 class NullStream:
-    """Stand-in for a CUDA stream: every synchronisation is immediate on the CPU."""
+    """Stand-in for a CUDA stream (a class, as ``torch.cuda.Stream`` is): every synchronisation is immediate."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        """Any device and priority: there is one null stream."""
 
     def wait_event(self, *args: Any, **kwargs: Any) -> None:
         """Nothing to wait for."""

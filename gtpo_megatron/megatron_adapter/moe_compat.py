@@ -5,6 +5,8 @@
 * Without CUDA (``cpu_compat``), the ``alltoall`` dispatcher copies its split sizes to the host on a side stream as
   numpy arrays, which ``all_to_all_single`` and the output allocation read as integer sequences; the tensors are
   already on the host there, so the copy becomes ``.numpy()`` and the side stream ``cpu_compat``'s null stream.
+  ``torch.cuda.Stream`` stays a class (``NullStream``): libraries imported later evaluate annotations such as
+  ``torch.cuda.Stream | None``, which a function in its place breaks (transformers 5.25's model loading).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ def install_moe_compat() -> None:
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
     if cpu_compat_needed():
-        torch.cuda.Stream = lambda *args, **kwargs: NullStream()
+        torch.cuda.Stream = NullStream  # a class still: annotations such as `torch.cuda.Stream | None` evaluate
         torch.cuda.stream = lambda stream: contextlib.nullcontext()
         token_dispatcher.maybe_move_tensor_to_cpu = _host_copy
     _installed = True

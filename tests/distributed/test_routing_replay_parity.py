@@ -128,9 +128,8 @@ def _worker(rank: int, world_size: int, out_root: str) -> None:
                                 head_dim=16, norm_topk_prob=True)  # fmt: skip
         save_random_hf_model(path, config)
     dist.barrier()
-    # before any MoE policy: moe_compat's CPU stand-in for torch.cuda.Stream breaks later transformers imports
-    hf_model = load_hf_model(path)
     policy = _build(path)
+    hf_model = load_hf_model(path)  # after the MoE policy: transformers loads with moe_compat's CPU stream installed
     batch = make_batch(rows=ROWS, seq_len=SEQ_LEN, vocab_size=TINY["vocab_size"], seed=5)
     plain_logits = _replayed_logits(policy, batch.input_ids, None)
     own = _own_routing(policy, batch.input_ids)
