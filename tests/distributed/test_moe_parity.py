@@ -7,7 +7,7 @@ at TP=1 EP=1 (DP=2), TP=1 EP=2 (each rank holds 2 experts) and TP=2 EP=2 with se
 * the vocab-parallel logits equal the HF logits (fp32, ``megatron_helpers.LOGITS_ATOL``);
 * the weight stream (export and vLLM sync source) gives back every HF tensor, every expert included, ``torch.equal``;
 
-and for Qwen3-MoE and Qwen2-MoE at the EP=2 layouts, with 1 and 2 micro-batches per rank: the GTPO loss equals the
+and for each at the EP=2 layouts, with 1 and 2 micro-batches per rank: the GTPO loss equals the
 reference loss, every local gradient shard (each rank's experts, the router, the shared expert's TP shards) equals
 the HF gradient sliced by the same conversion (atol 1e-5), Megatron's global gradient norm equals the reference
 norm, the step's expert loads (``moe_expert_load_max`` / ``_min``) equal the HF routers' top-k counts over every
@@ -44,7 +44,7 @@ ROWS = 4
 GRAD_ATOL = 1e-5
 LOGPROB_ATOL = 1e-5
 LAYOUTS = ((1, 1), (1, 2), (2, 2))  # (tp, ep); sequence parallelism at tp 2 (Megatron's MoE layer needs it)
-TRAINED = ("qwen3_moe", "qwen2_moe")
+TRAINED = ("qwen3_moe", "qwen2_moe", "mixtral")
 
 
 def _configs() -> dict:
@@ -70,7 +70,8 @@ def _build(path: str, tp: int, ep: int, model=None):
 
 def _checkpoint_names(grads: dict[str, torch.Tensor], moe) -> dict[str, torch.Tensor]:
     """HF gradients under the checkpoint's names: transformers 5 holds a layer's experts fused
-    (``experts.gate_up_proj`` ``[E, 2F, H]``, gate rows first; ``experts.down_proj`` ``[E, H, F]``)."""
+    (``experts.gate_up_proj`` ``[E, 2F, H]``, gate rows first; ``experts.down_proj`` ``[E, H, F]``) and Mixtral's
+    ``block_sparse_moe`` under ``mlp``."""
     named = {}
     for name, grad in grads.items():
         layer = int(name.split(".")[2]) if name.startswith("model.layers.") else -1
@@ -80,8 +81,8 @@ def _checkpoint_names(grads: dict[str, torch.Tensor], moe) -> dict[str, torch.Te
                 named |= {moe.hf_expert_name(layer, expert, 0): gate, moe.hf_expert_name(layer, expert, 1): up}
         elif name.endswith(".experts.down_proj"):
             named |= {moe.hf_expert_name(layer, expert, 2): down for expert, down in enumerate(grad)}
-        else:
-            named[name] = grad
+        else:  # Mixtral's router: in memory under mlp, in the checkpoint under block_sparse_moe
+            named[name.replace(".mlp.gate.", f".{moe.block}.gate.")] = grad
     return named
 
 
