@@ -136,11 +136,6 @@ def engine_environment(
     return {"VLLM_CPU_OMP_THREADS_BIND": binding}
 
 
-def engine_dtype(cfg: GTPOConfig) -> str:
-    """The engines' weight dtype: ``rollout.dtype``, or ``model.params_dtype`` when ``auto``."""
-    return cfg.model.params_dtype if cfg.rollout.dtype == "auto" else cfg.rollout.dtype
-
-
 def build_loader(cfg: GTPOConfig, tokenizer):
     """The prompt loader over the problems whose prompts fit ``rollout.max_prompt_len``.
 
@@ -181,7 +176,7 @@ def build_collector(cfg: GTPOConfig, model_path: str, tokenizer, placement: Engi
     rollout = cfg.rollout
     engine = VLLMEngine(
         model_path,
-        dtype=engine_dtype(cfg),
+        dtype=cfg.engine_dtype,
         max_model_len=rollout.max_prompt_len + rollout.max_tokens,
         gpu_memory_utilization=rollout.gpu_memory_utilization,
         cpu_kvcache_space_gib=max(1, math.ceil(rollout.cpu_kv_cache_gib)),
@@ -240,7 +235,7 @@ def build_weight_sync(
         relay=relay,
     )
     return CollectiveWeightSync(engine=engine, group=group, exporting=exporting, bucket_bytes=bucket_bytes,
-                                dtype=getattr(torch, engine_dtype(cfg)))  # fmt: skip
+                                dtype=getattr(torch, cfg.engine_dtype))  # fmt: skip
 
 
 def build_trainer(cfg: GTPOConfig, groups: ParallelGroups, *, timer: PhaseTimer | None = None) -> Trainer:

@@ -149,7 +149,7 @@ def engine_memory(
     cfg: GTPOConfig, arch: Architecture, layout: Layout, *, gpu_mem_bytes: int, seq_length: int
 ) -> EngineMemory:
     """vLLM's share of one engine GPU for the rollout batch (KV cache in the engine's weight dtype)."""
-    dtype = cfg.model.params_dtype if cfg.rollout.dtype == "auto" else cfg.rollout.dtype
+    dtype = cfg.engine_dtype
     budget = int(cfg.rollout.gpu_memory_utilization * gpu_mem_bytes)
     weights = engine_weight_bytes(arch, engine_tp_size=layout.engine_tp_size, param_bytes=DTYPE_BYTES[dtype])
     per_token = kv_cache_bytes_per_token(arch, engine_tp_size=layout.engine_tp_size, kv_bytes=DTYPE_BYTES[dtype])
@@ -326,7 +326,7 @@ def _summary(
         f"{arch.name}: {arch.total_params() / 1e9:.2f}B parameters, {arch.num_layers} layers, "
         f"{arch.num_attention_heads} heads / {arch.num_query_groups} query groups, vocab {arch.vocab_size} -> "
         f"padded {layout.padded_vocab_size}\n"
-        + _experts_line(arch, shape)
+        + _experts_line(cfg, arch, layout, shape)
         + f"layout on {args.gpus} GPUs: train {layout.train_world_size} = tp {layout.tp_size} x pp {layout.pp_size} x "
         f"dp {layout.dp_size}{f', ep {shape.ep_size}' if shape.ep_size > 1 else ''} "
         f"(sequence_parallel={shape.sequence_parallel}, distributed_optimizer="
@@ -344,16 +344,23 @@ def _summary(
     )
 
 
-def _experts_line(arch: Architecture, shape: TrainingShape) -> str:
-    """The MoE line of the summary (empty for a dense model)."""
+def _experts_line(cfg: GTPOConfig, arch: Architecture, layout: Layout, shape: TrainingShape) -> str:
+    """The MoE line of the summary: the trainer's and the engines' expert layouts (empty for a dense model).
+
+    vLLM's engines keep every expert of every layer and split each expert's FFN over their tensor parallelism
+    (vLLM's default; its ``enable_expert_parallel`` is not driven here).
+    """
     if not arch.num_experts:
         return ""
     per_rank = arch.num_experts // shape.ep_size
     expert_gib = stage_expert_params(arch, pp_size=shape.pp_size, ep_size=shape.ep_size) * shape.param_bytes / GIB
+    engine_bytes = stage_expert_params(arch, pp_size=1, ep_size=1) * DTYPE_BYTES[cfg.engine_dtype]
+    engine_gib = engine_bytes / layout.engine_tp_size / GIB
     return (
         f"experts: {arch.num_experts} a layer, {arch.top_k} active ({arch.active_params() / 1e9:.2f}B active "
         f"parameters: the FLOPs below), ep {shape.ep_size}: {per_rank} a rank, {expert_gib:.2f} GiB of expert "
-        "weights a GPU\n"
+        f"weights a GPU; engines: all {arch.num_experts} a layer, each split {layout.engine_tp_size} ways by engine "
+        f"tp, {engine_gib:.2f} GiB of expert weights a GPU\n"
     )
 
 
@@ -381,7 +388,7 @@ def _rollout_summary(
 
 def _sync_seconds(cfg: GTPOConfig, arch: Architecture, args: argparse.Namespace) -> float:
     """Seconds of one weight sync of ``rollout.weight_sync`` (the ``files`` path: write, then re-read)."""
-    nbytes = DTYPE_BYTES[cfg.model.params_dtype if cfg.rollout.dtype == "auto" else cfg.rollout.dtype]
+    nbytes = DTYPE_BYTES[cfg.engine_dtype]
     if cfg.rollout.weight_sync == "files":
         return 2 * weight_sync_seconds(arch, param_bytes=nbytes, bandwidth_gbps=FILES_GBPS)
     return weight_sync_seconds(arch, param_bytes=nbytes, bandwidth_gbps=args.sync_bandwidth_gbps)
@@ -389,7 +396,7 @@ def _sync_seconds(cfg: GTPOConfig, arch: Architecture, args: argparse.Namespace)
 
 def _overlap_summary(cfg: GTPOConfig, arch: Architecture, layout: Layout, args: argparse.Namespace) -> str:
     """Sync (colocated) against async (the best separate split) steps of the whole job (``plan.overlap``)."""
-    dtype = cfg.model.params_dtype if cfg.rollout.dtype == "auto" else cfg.rollout.dtype
+    dtype = cfg.engine_dtype
     hw = Hardware(peak_tflops=args.gpu_tflops, hbm_tbps=args.gpu_hbm_tbps, mfu=args.mfu)
     work = StepWork(
         sequences=layout.sequences_per_step, seq_length=cfg.rollout.max_prompt_len + cfg.rollout.max_tokens,
@@ -418,7 +425,7 @@ def _overlap_summary(cfg: GTPOConfig, arch: Architecture, layout: Layout, args: 
 
 def _sync_summary(cfg: GTPOConfig, arch: Architecture, layout: Layout, args: argparse.Namespace) -> str:
     """The weight sync of ``rollout.weight_sync``: bytes in the engine dtype, time and the bandwidth assumed."""
-    dtype = cfg.model.params_dtype if cfg.rollout.dtype == "auto" else cfg.rollout.dtype
+    dtype = cfg.engine_dtype
     nbytes = DTYPE_BYTES[dtype]
     volume = f"{arch.total_params() * nbytes / 1e9:.1f} GB ({dtype}) per sync"
     if cfg.rollout.weight_sync == "files":

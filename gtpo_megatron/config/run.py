@@ -83,6 +83,11 @@ class GTPOConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
+    @property
+    def engine_dtype(self) -> str:
+        """The engines' weight dtype: ``rollout.dtype``, or ``model.params_dtype`` when ``auto``."""
+        return self.model.params_dtype if self.rollout.dtype == "auto" else self.rollout.dtype
+
     def validate(self, world_size: int, *, hf_config: dict | None = None) -> None:
         """Cross-section checks once the world size is known (``megatron_adapter.settings.validate_config`` wraps it).
 

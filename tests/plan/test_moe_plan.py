@@ -86,3 +86,10 @@ def test_moe_layouts_that_do_not_divide_or_fit_exit_2(overrides, fragment):
     recipe = str(CONFIGS / "qwen3-30b-a3b_math_gtpo_32gpu.yaml")
     status, text = run(["--config", recipe, "--gpus", "32", "--gpu-mem", "80", *overrides])
     assert status == 2 and fragment in text, text
+
+
+def test_the_engines_expert_layout_is_reported():
+    """Engines keep all 128 experts a layer, split by engine tp 8 (bf16: 48 x 128 x 3 x 2048 x 768 x 2 / 8 bytes)."""
+    recipe = str(CONFIGS / "qwen3-30b-a3b_math_gtpo_32gpu.yaml")
+    status, text = run(["--config", recipe, "--gpus", "32", "--gpu-mem", "80"])
+    assert status == 0 and "engines: all 128 a layer, each split 8 ways by engine tp, 6.75 GiB" in text, text
