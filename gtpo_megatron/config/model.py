@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -37,7 +38,8 @@ class ModelConfig:
     ``name_or_path``'s weights."""
     moe_aux_loss_coeff: float = 0.0
     """Mixture-of-experts models: weight of Megatron's load-balancing loss of the router (0, as RL recipes use:
-    none is computed). It is added to the GTPO loss per token like the loss itself (docs/moe.md)."""
+    none is computed). Megatron adds its gradient to each micro-batch's, divided by the number of micro-batches,
+    outside the GTPO loss, which ``train/loss`` reports alone (docs/moe.md)."""
     moe_z_loss_coeff: float = 0.0
     """Mixture-of-experts models: weight of the router's z-loss (0: none)."""
     fp32_output_layer: bool = True
@@ -63,7 +65,8 @@ class ModelConfig:
             "use 128 (Megatron's default)",
         )
         for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
-            _require(getattr(self, name) >= 0, f"model.{name}", getattr(self, name), "must be >= 0", "use 0")
+            value = getattr(self, name)
+            _require(0 <= value < math.inf, f"model.{name}", value, "must be finite and >= 0", "use 0 (off) or 1e-3")
         _require(
             self.megatron_checkpoint is None or (bool(self.megatron_checkpoint) and not self.pad_attention_heads),
             "model.megatron_checkpoint/model.pad_attention_heads",

@@ -189,6 +189,15 @@ def transformer_config_from_hf(hf_config, settings: PolicySettings, *, padding_t
     return TransformerConfig(**{**fields, **settings.model.megatron_overrides})
 
 
+def check_hf_model(hf_config, settings: PolicySettings) -> None:
+    """Every refusal of :func:`transformer_config_from_hf` that needs no process group, before anything is built.
+
+    Raises:
+        ValueError: as :func:`hf_transformer_fields`, or packing with a sliding window.
+    """
+    _check_packing(hf_transformer_fields(hf_config, settings), settings)
+
+
 def _check_packing(fields: dict, settings: PolicySettings) -> None:
     """Refuse packing where the packed row's attention would cross sequences (sliding windows replace its mask)."""
     if settings.token_budget is None or not settings.token_budget.packing or "window_size" not in fields:

@@ -19,12 +19,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from gtpo_megatron.plan.architectures import moe_sizes
+from gtpo_megatron.plan.architectures import MOE_MODEL_TYPES, moe_sizes
 
 if TYPE_CHECKING:
     from gtpo_megatron.megatron_adapter.settings import PolicySettings
 
-MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral")
+_HF_ROUTING = dict(
+    moe_layer_freq=1,
+    moe_router_topk_scaling_factor=None,
+    moe_input_jitter_eps=None,
+    moe_router_enable_expert_bias=False,
+    moe_router_num_groups=None,
+    moe_router_group_topk=None,
+)
+"""Megatron's routing options that HF's (and vLLM's) routers of these types do not have, pinned to their no-op
+values: every layer an MoE layer, no weight scaling, jitter, expert bias or group-limited top-k."""
 _EXPERT_LINEARS = {"mixtral": ("w1", "w3", "w2")}
 _DEFAULT_EXPERT_LINEARS = ("gate_proj", "up_proj", "down_proj")
 
@@ -110,6 +119,7 @@ def moe_transformer_fields(hf_config, settings: PolicySettings, *, grouped_gemm:
         moe_ffn_hidden_size=shape.expert_ffn_size,
         moe_router_pre_softmax=not shape.renormalize,
         moe_router_score_function="softmax",
+        **_HF_ROUTING,
         moe_expert_capacity_factor=None,
         moe_token_dispatcher_type="alltoall",
         moe_grouped_gemm=grouped_gemm,

@@ -172,9 +172,9 @@ class MegatronPolicy:
         hf_path = resolve_model_path(settings.model.name_or_path)
         install_cpu_compat()
         hf_config = AutoConfig.from_pretrained(hf_path)
-        if settings.routing_replay:
-            check_replay_supported(hf_config)
         config = model_lib.transformer_config_from_hf(hf_config, settings, padding_tp_size=padding_tp_size)
+        if settings.routing_replay:  # after the model's own refusals (an unsupported type is not "dense")
+            check_replay_supported(hf_config)
         vocab_size = _padded_vocab(settings, hf_config, padding_tp_size=padding_tp_size)
         geometry = hf_conversion.ModelGeometry.from_hf(
             hf_config,

@@ -72,6 +72,12 @@ OWNED_FIELDS: dict[str, str] = {
             "moe_router_score_function",
             "moe_shared_expert_intermediate_size",
             "moe_shared_expert_gate",
+            "moe_layer_freq",
+            "moe_router_topk_scaling_factor",
+            "moe_input_jitter_eps",
+            "moe_router_enable_expert_bias",
+            "moe_router_num_groups",
+            "moe_router_group_topk",
         ),
         _FROM_HF,
     ),
@@ -222,14 +228,22 @@ def read_hf_config(name_or_path: str) -> dict | None:
 def validate_config(cfg: GTPOConfig, world_size: int, *, check_registries: bool = True) -> None:
     """``cfg.validate(world_size)`` with the local model's ``config.json``, then Megatron's and the registries' names.
 
-    ``check_registries`` imports torch, megatron and the rewards.
+    ``check_registries`` imports torch, megatron and the rewards, and runs the model's load-time refusals
+    (``model.check_hf_model``: HF fields Megatron cannot build, packing with sliding windows) on a local model.
 
     Raises:
         ValueError: naming the fields, the values, the rule and a fix.
     """
-    cfg.validate(world_size, hf_config=read_hf_config(cfg.model.name_or_path))
+    hf = read_hf_config(cfg.model.name_or_path)
+    cfg.validate(world_size, hf_config=hf)
     if not check_registries:
         return
+    if hf is not None:
+        from transformers import AutoConfig
+
+        from gtpo_megatron.megatron_adapter.model import check_hf_model
+
+        check_hf_model(AutoConfig.from_pretrained(local_model_folder(cfg.model.name_or_path)), policy_settings(cfg))
     from megatron.core.transformer import TransformerConfig
 
     from gtpo_megatron.ops import advantages

@@ -177,16 +177,31 @@ def architecture_from_hf_config(config: dict, name: str) -> Architecture:
     )
 
 
+MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral")
+"""The mixture-of-experts ``model_type`` s the converter builds (``megatron_adapter.moe_features``, docs/moe.md)."""
+_EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+"""``config.json`` keys that count a layer's experts (Qwen and OLMoE, Mixtral, DeepSeek)."""
+
+
 def moe_sizes(config: dict) -> dict:
     """The expert sizes of a parsed MoE ``config.json`` (``{}`` for a dense one), under :class:`Architecture`'s names.
 
     ``num_experts``, ``expert_ffn_size``, ``top_k``, ``shared_expert_ffn_size``; Qwen reads ``num_experts`` and
     ``moe_intermediate_size``, Mixtral ``num_local_experts`` and ``intermediate_size``.
+
+    Raises:
+        ValueError: experts in a ``model_type`` outside :data:`MOE_MODEL_TYPES` (DeepSeek-V3, OLMoE, ...).
     """
-    experts = int(config.get("num_experts") or config.get("num_local_experts") or 0)
+    experts = int(next((config[key] for key in _EXPERT_COUNT_KEYS if config.get(key)), 0))
     if not experts:
         return {}
-    mixtral = config.get("model_type") == "mixtral"
+    model_type = config.get("model_type")
+    if model_type not in MOE_MODEL_TYPES:
+        raise ValueError(
+            f"model_type={model_type!r} is a mixture of experts ({experts} experts a layer) that is not built here; "
+            f"the mixture-of-experts types are {list(MOE_MODEL_TYPES)} (docs/moe.md): use one of those"
+        )
+    mixtral = model_type == "mixtral"
     width = config["intermediate_size"] if mixtral else config["moe_intermediate_size"]
     return dict(
         num_experts=experts,

@@ -230,6 +230,8 @@ def test_config_wiring_owned_fields_are_exactly_what_the_builders_set():
         ({"bf16": True, "num_layers": 3}, "bf16 (set by model.params_dtype), num_layers (set by the model's config"),
         ({"recompute_num_layers": 2}, "recompute_num_layers (set by model.recompute)"),
         ({"calculate_per_token_loss": True}, "the loss normalisation contract"),
+        ({"moe_layer_freq": 2}, "moe_layer_freq (set by the model's config"),  # routing HF and vLLM do not have
+        ({"moe_input_jitter_eps": 0.01}, "moe_input_jitter_eps (set by the model's config"),
     ],
 )
 def test_config_wiring_overrides_of_owned_fields_are_refused(cfg: GTPOConfig, overrides, fragment):

@@ -131,3 +131,26 @@ def test_shared_expert_names_and_what_a_dense_geometry_refuses():
     dense = _geometry(LlamaConfig(**SMALL))
     with pytest.raises(ValueError, match="has no Hugging Face mapping"):
         hc.param_mapping("decoder.layers.0.mlp.router.weight", dense)
+
+
+@pytest.mark.parametrize(
+    ("hf_config", "overrides", "fragment"),
+    [
+        (Qwen3MoeConfig(**SMALL, **EXPERTS, mlp_only_layers=[0]), [], "mlp_only_layers=[0]"),
+        (Qwen3MoeConfig(**{**EXPERTS, **SMALL, "num_experts_per_tok": 16}), [], "num_experts_per_tok=16"),
+        (
+            MixtralConfig(**SMALL, num_local_experts=8, num_experts_per_tok=2, sliding_window=64),
+            ["optim.max_tokens_per_micro_batch=4000", "optim.packing=true"],
+            "optim.packing=true with a sliding-window model",
+        ),
+    ],
+)
+def test_load_time_refusals_come_with_the_config_check(tmp_path, hf_config, overrides, fragment):
+    """``validate_config`` (the job's first check, before any engine or model is started) runs the load-time
+    refusals on a local model's config.json, so a bad checkpoint fails before torchrun has built anything."""
+    from gtpo_megatron.megatron_adapter.settings import validate_config
+
+    hf_config.save_pretrained(tmp_path)
+    cfg = load_config(None, [f"model={tmp_path}", "output_dir=unused", "rollout.max_tokens=64", *overrides])
+    with pytest.raises(ValueError, match=fragment.replace("[", r"\[").replace("]", r"\]")):
+        validate_config(cfg, 2)

@@ -369,3 +369,10 @@ def test_off_policy_correction_rules():
         load_config(DEMO, ["algorithm.off_policy_correction=tis", "algorithm.off_policy_cap=0.5"])
     with pytest.raises(ValueError, match=r"algorithm.off_policy_correction/loss_temperature=\('tis', 1.0\)"):
         load_config(DEMO, ["algorithm.off_policy_correction=tis", "algorithm.loss_temperature=1.0"])
+
+
+@pytest.mark.parametrize("field", ["moe_aux_loss_coeff", "moe_z_loss_coeff"])
+@pytest.mark.parametrize("value", ["-0.1", "inf"])
+def test_router_loss_coefficients_must_be_finite_and_non_negative(field, value):
+    with pytest.raises(ValueError, match=rf"model.{field}=(-0.1|inf): must be finite and >= 0"):
+        load_config(None, [*BASE, f"model.{field}={value}"])

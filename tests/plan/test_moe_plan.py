@@ -93,3 +93,17 @@ def test_the_engines_expert_layout_is_reported():
     recipe = str(CONFIGS / "qwen3-30b-a3b_math_gtpo_32gpu.yaml")
     status, text = run(["--config", recipe, "--gpus", "32", "--gpu-mem", "80"])
     assert status == 0 and "engines: all 128 a layer, each split 8 ways by engine tp, 6.75 GiB" in text, text
+
+
+@pytest.mark.parametrize(
+    ("config", "model_type"),
+    [
+        ({"n_routed_experts": 256, "moe_intermediate_size": 2048}, "deepseek_v3"),  # MLA: not a dense model
+        ({"num_experts": 64, "intermediate_size": 1024}, "olmoe"),  # no moe_intermediate_size: no KeyError
+    ],
+)
+def test_experts_of_an_unbuilt_type_are_refused_by_name(config, model_type):
+    dense_fields = {"num_hidden_layers": 2, "hidden_size": 8, "intermediate_size": 16, "num_attention_heads": 4,
+                    "vocab_size": 10, "num_experts_per_tok": 8}  # fmt: skip
+    with pytest.raises(ValueError, match=rf"model_type='{model_type}' is a mixture of experts .*'qwen3_moe'"):
+        architecture_from_hf_config({**dense_fields, **config, "model_type": model_type}, name="m")
