@@ -128,8 +128,9 @@ def _thd_params(layout: PackedLayout, width: int, device: torch.device):
 def equal_counts(micro_batches: list[MicroBatch], *, group) -> list[MicroBatch]:
     """``micro_batches`` completed to the longest list of ``group`` with idle copies of the last micro-batch.
 
-    An idle micro-batch has every mask False and no source rows: it adds nothing to the loss, the gradient or the
-    log-probs (only its forward tokens, counted as padding). Collectives: one MAX all-reduce on ``group``.
+    An idle micro-batch has every mask False, no source rows and no routed experts (its routers choose their own, and
+    routing replay counts no agreement for it): it adds nothing to the loss, the gradient or the log-probs (only its
+    forward tokens, counted as padding). Collectives: one MAX all-reduce on ``group``.
     """
     count = int(all_reduce_(torch.tensor([float(len(micro_batches))]), op="max", group=group)[0])
     last = micro_batches[-1]
@@ -138,6 +139,7 @@ def equal_counts(micro_batches: list[MicroBatch], *, group) -> list[MicroBatch]:
         token_mask=None if last.token_mask is None else torch.zeros_like(last.token_mask),
         response_mask=torch.zeros_like(last.response_mask),
         source_rows=(-1,) * len(last.source_rows),
+        routed_experts=None,
     )
     return micro_batches + [idle] * (count - len(micro_batches))
 

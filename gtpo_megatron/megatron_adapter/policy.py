@@ -355,14 +355,13 @@ class MegatronPolicy:
         store = self._run_schedule(micro_batches, settings, forward_only=False)
         metrics = reduce_step_metrics(store, self.groups, device=self.device)
         metrics.update(micro_batching.micro_batch_metrics(micro_batches, group=self.groups.dp))
+        world = dist.group.WORLD if self.groups.world_size > 1 else None
         if self.router_load is not None:
-            groups = self.groups
             metrics.update(self.router_load.metrics(
-                world=dist.group.WORLD if groups.world_size > 1 else None, num_micro_batches=len(micro_batches),
-                stage_ranks=groups.world_size // groups.pp_size,
+                world=world, num_micro_batches=len(micro_batches),
+                stage_ranks=self.groups.world_size // self.groups.pp_size,
             ))  # fmt: skip
         if self.routing_replay is not None:
-            world = dist.group.WORLD if self.groups.world_size > 1 else None
             matched, recorded = all_reduce_(self.routing_replay.agreement(), op="sum", group=world).tolist()
             if recorded > 0:
                 metrics["mismatch/routing_agreement"] = matched / recorded
