@@ -37,7 +37,7 @@ class TrainBatch:
         ref_logprobs: ``[B, S]`` fp32 reference-policy log-probs (nats) of the KL term, else None.
         routed_experts: ``[B, S, L, K]`` int16, the engine's experts of the *input* token in column ``s`` in each of
             the L MoE layers, each id plus one; 0: not recorded (the router takes its own top-k). Set only with
-            ``rollout.routing_replay=rollout`` (``megatron_adapter.routing_replay``, docs/moe.md); zero padding
+            ``rollout.routing_replay=rollout`` (``megatron_adapter.moe.routing_replay``, docs/moe.md); zero padding
             therefore means "no record" wherever a layout owner pads.
     """
 

@@ -26,7 +26,8 @@ import sys
 from dataclasses import dataclass, replace
 
 from gtpo_megatron.config import GTPOConfig, load_config
-from gtpo_megatron.megatron_adapter.settings import PolicySettings, policy_settings, validate_config
+from gtpo_megatron.megatron_adapter.settings import PolicySettings, policy_settings
+from gtpo_megatron.megatron_adapter.validation import validate_config
 from gtpo_megatron.plan.architectures import Architecture, resolve_architecture
 from gtpo_megatron.plan.layout import Layout, check_layout
 from gtpo_megatron.plan.memory import (

@@ -80,24 +80,22 @@ def compute_gtpo_weights(
     """GTPO's advantages and per-token weights of one step (docs/algorithm.md sections 2-4), the trainer's own code.
 
     Args:
-        response_ids: ``[B, T]`` int ids, ``group_size`` rows per prompt; only ``response_mask`` columns are read.
-            With ``packed``: ``[1, N]``.
+        response_ids: ``[B, T]`` int ids, ``group_size`` rows a prompt; ``[1, N]`` with ``packed``.
         response_mask: same shape, bool, True on response tokens (EOS included).
-        rewards: ``[B]`` rewards (any real dtype).
-        seq_entropy: ``[B]`` <H>_i in nats (``sequence_mean_entropy``).
+        rewards: ``[B]`` rewards.
+        seq_entropy: ``[B]`` <H>_i in nats.
         algorithm: the algorithm section (other algorithms: ``config.PRESETS[name]``).
         initial_entropy: <H>_ini of the ``paper`` filter.
-        truncated: ``[B]`` bool, completions cut at the token limit (``overlong_filter``).
+        truncated: ``[B]`` bool, cut at the token limit.
         packed: where the B sequences sit in a packed row.
         scores: ``[B]`` task scores when ``rewards`` are shaped.
 
     Returns:
-        ``StepWeights``: ``advantages`` (``A_i - gamma <H>_i``) and ``token_weights`` (lambda * delta_i) for the
-        loss; ``keep_mask`` is delta_i, ``loss_row_mask`` the rows in the objective.
+        ``StepWeights``: ``advantages`` (``A_i - gamma <H>_i``), ``token_weights`` (lambda * delta_i), ``keep_mask``
+        (delta_i) and ``loss_row_mask``.
 
     Raises:
-        ValueError: shapes, a bool mask, ``group_size`` not dividing B, the ``paper`` filter without
-            ``initial_entropy``, ``overlong_filter`` without ``truncated``, a bad ``packed`` layout.
+        ValueError: shapes, group size, a filter's missing input, a bad ``packed`` layout.
     """
     if packed is None:
         ids, mask = response_ids, response_mask

@@ -24,7 +24,8 @@ from gtpo_megatron.logging import (
     report_optional_accelerators,
     setup_logging,
 )
-from gtpo_megatron.megatron_adapter.settings import policy_settings, validate_config
+from gtpo_megatron.megatron_adapter.settings import policy_settings
+from gtpo_megatron.megatron_adapter.validation import validate_config
 from gtpo_megatron.preemption import hold_stop_signals, release_stop_signals
 from gtpo_megatron.run_dir import check_fresh_run, config_path, resolve_megatron_lm_checkpoint
 

@@ -2,12 +2,15 @@
 
 - every "docs/algorithm.md section N" (also "sections N-M", "sections N and M", "§N") names a ``## N. Title``
   heading of ``docs/algorithm.md``, and nothing cites the algorithm under another name (``docs/algorithm.md``);
+- every backquoted ``path.py:Name`` or ``path.py:Class.method`` in ``docs/*.md`` and ``README.md`` names a file of
+  the repository (or of the package) that defines it (read with ``ast``);
 - no file outside ``tests/`` names the development machine's ``../shared`` folder (tests may read data there);
 - no tracked file speaks of the project's issue tracker by number: the product speaks of itself only.
 """
 
 from __future__ import annotations
 
+import ast
 import re
 import subprocess
 from pathlib import Path
@@ -21,6 +24,7 @@ CITATION = re.compile(r"docs/algorithm\.md`*[\s#*\"',]*(?:sections?\s*|§\s*)" +
 OLD_NAME = re.compile("GTPO" + "_SPEC")
 SHARED = re.compile(r"\.\./shared|/work/shared")
 ISSUE = re.compile(r"\bissues?[\s#_-]*\d+", re.IGNORECASE)
+CODE_REFERENCE = re.compile(r"`(?P<path>[\w./-]+\.py):(?P<name>[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)")
 
 
 def tracked_texts() -> dict[str, str]:
@@ -108,3 +112,49 @@ def test_relative_links_of_the_documentation_resolve(texts):
             if "://" not in target and not (ROOT / name).parent.joinpath(target).exists():
                 broken.append(f"{name}: {target}")
     assert not broken, f"links to files that do not exist: {broken}"
+
+
+def _names(node: ast.stmt) -> set[str]:
+    """The names one statement of a module or class body binds."""
+    if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+        return {node.name}
+    if isinstance(node, ast.Import | ast.ImportFrom):
+        return {(alias.asname or alias.name).split(".")[0] for alias in node.names}
+    targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+    return {target.id for target in targets if isinstance(target, ast.Name)}
+
+
+def unresolved(path: str, name: str) -> str | None:
+    """Why ``path.py:name`` (``Name`` or ``Class.member``) names nothing, or None when it resolves."""
+    files = [file for file in (ROOT / path, ROOT / "gtpo_megatron" / path) if file.is_file()]
+    if not files:
+        return "no such file"
+    body = ast.parse(files[0].read_text()).body
+    for part in name.split("."):
+        node = next((node for node in body if part in _names(node)), None)
+        if node is None:
+            return f"{part!r} is not defined there"
+        body = node.body if isinstance(node, ast.ClassDef) else []
+    return None
+
+
+def test_reference_resolver_on_hand_written_names():
+    assert unresolved("rollout/pipeline.py", "AsyncRollouts.take") is None
+    assert unresolved("gtpo_megatron/ops/losses.py", "LossSpec.off_policy_cap") is None
+    assert unresolved("ops/losses.py", "LossSpec.nothing") == "'nothing' is not defined there"
+    assert unresolved("ops/nothing.py", "LossSpec") == "no such file"
+    text = "see `trainer.py:Trainer._train` and ``plan/layout.py:row_shard``, not `a.py` or `b.py:3`"
+    assert [m.group("path", "name") for m in CODE_REFERENCE.finditer(text)] == [
+        ("trainer.py", "Trainer._train"),
+        ("plan/layout.py", "row_shard"),
+    ]
+
+
+def test_every_code_reference_of_the_documentation_resolves(texts):
+    docs = {name: text for name, text in texts.items() if name == "README.md" or re.fullmatch(r"docs/[^/]+\.md", name)}
+    found = [
+        (name, m.group("path"), m.group("name")) for name, text in docs.items() for m in CODE_REFERENCE.finditer(text)
+    ]
+    assert len(found) >= 50, f"the documentation's code references were not found: {found}"
+    broken = [f"{doc}: {path}:{name} ({why})" for doc, path, name in found if (why := unresolved(path, name))]
+    assert not broken, f"references to code that does not exist: {broken}"

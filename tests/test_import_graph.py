@@ -77,11 +77,12 @@ def test_a_room_holding_two_layers_points_up(tmp_path, monkeypatch):
     assert import_graph.room_arrows_up(imports) == [("gtpo_megatron.config", "gtpo_megatron.plan")]
 
 
-def test_config_reads_no_disk_and_imports_only_yaml_and_the_planners_arithmetic():
+def test_config_reads_no_disk_and_imports_only_yaml_the_planners_arithmetic_and_the_choices():
     imports = import_graph.read_imports(ROOT)
     config = {name: found for name, found in imports.items() if name.startswith("gtpo_megatron.config")}
     external = {m.split(".")[0] for found in config.values() for m in found.external}
     assert external - {"yaml"} <= set(sys.stdlib_module_names)
     package = {m for found in config.values() for m in found.runtime | found.type_only}
-    assert {m for m in package if not m.startswith(("gtpo_megatron.config", "gtpo_megatron.plan"))} == set()
+    own = ("gtpo_megatron.config", "gtpo_megatron.plan", "gtpo_megatron.choices")
+    assert {m for m in package if not m.startswith(own)} == set()
     assert not {m for m in package if m.startswith("gtpo_megatron.plan.") and "cli" in m}

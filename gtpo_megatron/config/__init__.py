@@ -3,7 +3,7 @@
 One module per group of sections (``model``, ``rollout``, ``algorithm``, ``run``: each section checks its own fields;
 ``run.GTPOConfig.validate`` the cross-section arithmetic), ``checks`` (the error shape) and ``loader`` (YAML
 recipes, presets, shorthands and dotted overrides; nothing else imports it). Reading the model's ``config.json``
-and Megatron's field names is ``megatron_adapter.settings.validate_config``'s job. Importing this package imports
+and Megatron's field names is ``megatron_adapter.validation.validate_config``'s job. Importing this package imports
 neither torch, megatron nor vllm.
 """
 

@@ -6,6 +6,18 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
+from gtpo_megatron.choices import (
+    KL_LOSSES,
+    OFF_POLICY_CAP_MIN,
+    REQUIRED_AGGREGATION,
+    Aggregation,
+    ConflictMode,
+    ConflictOverlap,
+    EntropyFilterMode,
+    KlEstimator,
+    LossName,
+    OffPolicyCorrection,
+)
 from gtpo_megatron.config.checks import require as _require
 from gtpo_megatron.config.checks import require_numbers
 
@@ -16,21 +28,21 @@ LN2 = math.log(2.0)
 class AlgorithmConfig:
     """The policy-optimisation algorithm: GTPO and its GRPO/DAPO/Dr. GRPO presets (``algorithm.*``)."""
 
-    name: Literal["gtpo", "grpo", "dapo", "dr_grpo"] = "gtpo"
+    name: LossName = "gtpo"
     """Policy loss and preset (docs/algorithm.md sections 1-5); unset fields take the preset of this name."""
     group_size: int = 8
     """Completions G per prompt (paper: 8 or 12)."""
     advantage_estimator: str = "group_mean"
     """Registered estimator: ``group_mean`` (GTPO, section 2) or ``group_mean_std`` (GRPO)."""
-    conflict_mode: Literal["prefix_suffix", "any_position", "off"] = "prefix_suffix"
+    conflict_mode: Literal[ConflictMode, "off"] = "prefix_suffix"
     """Conflict-token rule of section 3; ``off`` gives lambda = 1 on every response token."""
     conflict_amplification: float = 2.0
     """lambda on positive conflict tokens (w, section 3)."""
-    conflict_overlap: Literal["once", "multiply"] = "once"
+    conflict_overlap: ConflictOverlap = "once"
     """A token in both prefix and suffix runs gets w once, or w*w (authors' code parity switch)."""
     normalize_by_conflicts: bool = False
     """Divide completion i by max(1, n_i) as the authors' code does (section 3 parity switch)."""
-    entropy_filter: Literal["off", "paper", "fixed"] = "paper"
+    entropy_filter: EntropyFilterMode = "paper"
     """Entropy filter delta_i (section 4), with tau = ``entropy_threshold`` (NOT always ln 2: ln 2 is only its
     default): ``paper`` measures <H>_ini, the mean <H>_i of the completions of the first ``initial_entropy_steps``
     steps, keeps every completion when <H>_ini > tau and otherwise drops those with <H>_i > tau; ``fixed`` always
@@ -49,7 +61,7 @@ class AlgorithmConfig:
     """Drop groups whose rewards are all equal instead of giving them the small -gamma*<H> update."""
     exclude_filtered_from_conflicts: bool = False
     """Compute conflicts only among completions the entropy filter keeps (section 4 switch)."""
-    aggregation: Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum"] = "seq-mean-token-mean"
+    aggregation: Aggregation = "seq-mean-token-mean"
     """Token aggregation of the loss; the normaliser is global over the optimizer step (section 1)."""
     clip_eps_low: float = 0.2
     """Lower PPO clip epsilon (ratio >= 1 - eps_low)."""
@@ -59,7 +71,7 @@ class AlgorithmConfig:
     """beta of the optional KL term to a frozen reference policy, a copy of the initial weights under the same
     layout (GRPO and Dr. GRPO only, docs/algorithm.md section 5; the paper's GRPO runs use 0 or 1e-6). Logged as
     ``train/kl_mean`` (mean per response token)."""
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    kl_estimator: KlEstimator = "k3"
     """KL estimator when kl_coef > 0 (Schulman's k1, k2, k3; ``ops.losses.PolicyLossFn``)."""
     num_updates_per_batch: int = 1
     """Optimizer steps per rollout batch (paper: 1, so the ratio is 1 with gradient)."""
@@ -94,14 +106,15 @@ class AlgorithmConfig:
     first step). With 1 prompt per step (the paper recipes) one step is one question's G samples; more steps pool more
     questions, each measured under the policy of its step (before its update), and the filter uses the running
     mean meanwhile. Each of these steps runs one no-grad forward pass before its update."""
-    off_policy_correction: Literal["none", "tis", "mis"] = "none"
+    off_policy_correction: OffPolicyCorrection = "none"
     """Importance weight of each token's surrogate for completions sampled by an older policy or a mismatched engine
     (docs/algorithm.md section 11, decoupled PPO): ``none``; ``tis``, truncated IS, w = min(pi_prox / mu, C);
     ``mis``, masked IS, w = pi_prox / mu on tokens with pi_prox / mu <= C and 0 above. mu is the engine's log-prob of
     the sampled token, so it needs ``loss_temperature: sampling``. Logged as ``offpolicy/is_weight_mean`` and
     ``offpolicy/is_capped_frac``."""
     off_policy_cap: float = 2.0
-    """The cap C of ``off_policy_correction`` (>= 1; 2 is the value verl and slime default to)."""
+    """The cap C of ``off_policy_correction`` (>= 1, ``choices.OFF_POLICY_CAP_MIN``; 2 is the value verl and slime
+    default to)."""
     kl_reference_offload: bool = False
     """With kl_coef > 0 on CUDA: keep the reference policy's weights in host memory between its forward passes
     (one host-to-device copy per step; ``gtpo-plan`` then counts no reference weights on the GPU). No effect on
@@ -153,13 +166,13 @@ class AlgorithmConfig:
         )
         _require(self.kl_coef >= 0, "algorithm.kl_coef", self.kl_coef, "must be >= 0", "use 0 or 1e-6 (paper GRPO)")
         _require(
-            self.kl_coef == 0 or self.name in ("grpo", "dr_grpo"),
+            self.kl_coef == 0 or self.name in KL_LOSSES,
             "algorithm.kl_coef",
             self.kl_coef,
             f"the {self.name} objective has no KL term (docs/algorithm.md sections 1 and 5: no reference model)",
             "set algorithm.kl_coef=0, or algorithm=grpo for GRPO with a KL term",
         )
-        required = {"dapo": "token-mean", "dr_grpo": "seq-mean-token-sum"}.get(self.name)
+        required = REQUIRED_AGGREGATION.get(self.name)
         _require(
             required is None or self.aggregation == required,
             "algorithm.aggregation",
@@ -191,10 +204,10 @@ class AlgorithmConfig:
             "use 1 (docs/algorithm.md section 4: the first step)",
         )
         _require(
-            self.off_policy_cap >= 1,
+            self.off_policy_cap >= OFF_POLICY_CAP_MIN,
             "algorithm.off_policy_cap",
             self.off_policy_cap,
-            "must be >= 1 (a cap below 1 truncates tokens the engine and the trainer agree on)",
+            f"must be >= {OFF_POLICY_CAP_MIN} (a cap below it truncates tokens the engine and the trainer agree on)",
             "use 2.0",
         )
         _require(

@@ -7,6 +7,10 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from gtpo_megatron.config.checks import require as _require
+from gtpo_megatron.plan.memory import Recompute
+
+ParamsDtype = Literal["float32", "bfloat16"]
+"""The dtypes Megatron trains in (``model.params_dtype``; float16 would need a loss scaler)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -16,11 +20,11 @@ class ModelConfig:
     name_or_path: str
     """Local HF folder, hub name (online users) or a built-in:
     ``builtin:smollm2-135m-instruct|tiny-llama|tiny-qwen2|tiny-qwen3-moe``."""
-    params_dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    params_dtype: ParamsDtype = "bfloat16"
     """Dtype of the Megatron parameters (the optimizer keeps fp32 master weights for 16-bit types)."""
     make_vocab_size_divisible_by: int = 128
     """Megatron pads the vocabulary to a multiple of this times tp_size (padded_vocab_size)."""
-    recompute: Literal["none", "selective", "full"] = "none"
+    recompute: Recompute = "none"
     """Activation recompute granularity passed to Megatron."""
     pad_attention_heads: bool = False
     """Pad the KV groups (zero weights, exact: they stay zero in training) up to a multiple of ``parallel.tp_size``

@@ -6,13 +6,17 @@ from dataclasses import dataclass
 from typing import Literal
 
 from gtpo_megatron.config.checks import require as _require
+from gtpo_megatron.plan.engines import Placement
+
+EngineDtype = Literal["auto", "float32", "bfloat16", "float16"]
+"""The engines' weight dtypes (``rollout.dtype``, ``gtpo-eval --dtype``); ``auto``: the trainer's."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RolloutConfig:
     """Sampling and the vLLM engine (``rollout.*``; docs/algorithm.md section 6 for the paper's values)."""
 
-    placement: Literal["colocated", "separate"] = "colocated"
+    placement: Placement = "colocated"
     """``colocated``: the engine shares the training devices and sleeps while the policy trains; ``separate``: the
     engine runs on devices of its own (outside the torchrun world) and never sleeps."""
     mode: Literal["sync", "async"] = "sync"
@@ -42,7 +46,7 @@ class RolloutConfig:
     as the original run did, given the same weights."""
     engine_tp_size: int = 1
     """vLLM tensor-parallel size."""
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    dtype: EngineDtype = "auto"
     """vLLM weight dtype; ``auto`` follows model.params_dtype."""
     gpu_memory_utilization: float = 0.5
     """Fraction of GPU memory vLLM may take (colocated runs share it with training)."""

@@ -89,7 +89,7 @@ class GTPOConfig:
         return self.model.params_dtype if self.rollout.dtype == "auto" else self.rollout.dtype
 
     def validate(self, world_size: int, *, hf_config: dict | None = None) -> None:
-        """Cross-section checks once the world size is known (``megatron_adapter.settings.validate_config`` wraps it).
+        """Cross-section checks once the world size is known (``megatron_adapter.validation.validate_config`` wraps it).
 
         The planner's rules (``plan.layout``, ``plan.engines``): tp*pp divides the world size, P*G splits over dp
         and the per-rank share into micro-batches, an explicit ``rollout.num_engines`` tiles the world (colocated)

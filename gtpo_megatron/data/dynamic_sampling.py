@@ -20,18 +20,10 @@ UNIFORM_REWARD_ATOL = 1e-6
 def filter_uniform_groups(
     rewards: Sequence[float] | torch.Tensor, group_size: int, *, atol: float = UNIFORM_REWARD_ATOL
 ) -> torch.Tensor:
-    """Which prompt groups have varied task scores: the one uniform-group rule (module docstring).
+    """``[P]`` bool, True where a prompt group's task scores vary by more than ``atol`` (the one uniform-group rule).
 
-    Args:
-        rewards: ``[B]`` task scores, B = P * group_size, grouped by prompt. Not modified.
-        group_size: G, completions per prompt (>= 1; with G = 1 every group is uniform).
-        atol: scores within ``atol`` of each other count as equal (``max - min <= atol``).
-
-    Returns:
-        ``[P]`` bool, True for a varied group (keep); ``mask.repeat_interleave(group_size)`` is the ``[B]`` view.
-
-    Raises:
-        ValueError: if ``group_size < 1`` or ``B`` is not a multiple of ``group_size``.
+    ``rewards``: ``[B]`` task scores grouped by prompt, B = P * ``group_size`` (G >= 1; at G = 1 every group is
+    uniform). Raises ValueError on ``group_size < 1`` or B not a multiple of it.
     """
     rewards_B = torch.as_tensor(rewards, dtype=torch.float64).reshape(-1)
     if group_size < 1:

@@ -21,17 +21,8 @@ def overlong_penalty(
 ) -> torch.Tensor:
     """DAPO's soft overlong punishment (eq. 13) times ``penalty``: 0 up to L_max - L_cache, then a ramp to -1 at L_max.
 
-    Args:
-        lengths: ``[B]`` response lengths in tokens (EOS included, padding excluded). Not modified.
-        max_len: L_max (usually the sampling max_tokens), >= 1.
-        cache_len: L_cache, the ramp's width, 1 <= cache_len <= max_len.
-        penalty: scale, >= 0.
-
-    Returns:
-        ``[B]`` fp32 penalties in ``[-penalty, 0]``, to add to the rewards.
-
-    Raises:
-        ValueError: on ``cache_len`` outside ``[1, max_len]`` or a negative ``penalty``.
+    ``lengths``: ``[B]`` response tokens (EOS included); ``max_len`` L_max; ``cache_len`` L_cache in ``[1, L_max]``
+    (else ValueError); ``penalty`` >= 0 (else ValueError). Returns ``[B]`` fp32 in ``[-penalty, 0]``.
     """
     if not 1 <= cache_len <= max_len:
         raise ValueError(f"cache_len={cache_len} must be in [1, max_len={max_len}]; DAPO uses max_len/4 or so")
@@ -46,20 +37,10 @@ def overlong_penalty(
 def shape_rewards(
     scores: torch.Tensor, response_lengths: torch.Tensor, cfg: AlgorithmConfig, *, max_tokens: int, reward_span: float
 ) -> torch.Tensor:
-    """Task scores plus DAPO's overlong penalty when ``cfg.overlong_buffer_len > 0`` (docs/algorithm.md section 5).
+    """``[B]`` fp32 rewards: task ``scores`` plus DAPO's overlong penalty when ``cfg.overlong_buffer_len > 0``.
 
-    The penalty at ``max_tokens`` is ``cfg.overlong_penalty * reward_span``: DAPO's 1 on a 0/1 reward becomes 20 on
-    the paper's 0-20 reward, so the shaping weighs the same against the task reward whatever its scale.
-
-    Args:
-        scores: ``[B]`` reward-function scores.
-        response_lengths: ``[B]`` response tokens per completion.
-        cfg: the algorithm section (``overlong_buffer_len`` L_cache, ``overlong_penalty`` in reward-range units).
-        max_tokens: L_max, the sampling limit.
-        reward_span: highest minus lowest score of the reward function (``rewards.reward_span``), > 0.
-
-    Returns:
-        ``[B]`` fp32 rewards used for the advantages.
+    The penalty at L_max = ``max_tokens`` is ``cfg.overlong_penalty * reward_span`` (``rewards.reward_span``), so the
+    shaping weighs the same against a 0/1 or a 0-20 reward (docs/algorithm.md section 5).
     """
     rewards = scores.float()
     if cfg.overlong_buffer_len > 0:

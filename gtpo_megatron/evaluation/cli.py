@@ -16,8 +16,11 @@ import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import get_args
 
+from gtpo_megatron.config.rollout import EngineDtype
 from gtpo_megatron.data.datasets import check_source, load_problems
+from gtpo_megatron.data.prompts import SYSTEM_PROMPTS
 from gtpo_megatron.evaluation.evaluate import BENCHMARKS, EvalConfig, run_evaluation
 from gtpo_megatron.rewards.answer_text import EXTRACTION_MODES
 
@@ -77,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--max-error-frac", type=float, default=0.5, help="stop when the grader fails on more of a benchmark's answers"
     )
-    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
+    p.add_argument("--dtype", default="auto", choices=get_args(EngineDtype))
     p.add_argument(
         "--max-model-len", type=int, default=None, help="vLLM context length (default: longest prompt + max tokens)"
     )
@@ -90,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--system-prompt",
         default="concise",
-        choices=("authors", "concise"),
+        choices=tuple(SYSTEM_PROMPTS),
         help="system message of the prompts: the training run's data.system_prompt (default: concise)",
     )
     return p

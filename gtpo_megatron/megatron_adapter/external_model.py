@@ -1,14 +1,15 @@
 """A caller's own ``GPTModel`` seen by the HF converter: its ``ModelGeometry``, or a refusal that names what fails.
 
-Decoders of ``hf_features.SUPPORTED_MODEL_TYPES`` built as Megatron's GPT block (local or TE spec; MoE layers for
-the MoE types) are accepted; anything else (MLA, extra modules, sizes or expert counts that disagree with the HF
-config) is refused before any weight moves.
+Decoders of ``plan.model_families.SUPPORTED_MODEL_TYPES`` built as Megatron's GPT block (local or TE spec; MoE
+layers for the MoE types) are accepted; anything else (MLA, extra modules, sizes or expert counts that disagree with
+the HF config) is refused before any weight moves.
 """
 
 from __future__ import annotations
 
 from gtpo_megatron.megatron_adapter.hf_conversion import ModelGeometry, global_named_parameters, param_mapping
-from gtpo_megatron.megatron_adapter.hf_features import SUPPORTED_MODEL_TYPES, check_hf_config
+from gtpo_megatron.megatron_adapter.hf_features import check_hf_config
+from gtpo_megatron.plan.model_families import SUPPORTED_MODEL_TYPES
 
 _CONVERTER = "gtpo_megatron/megatron_adapter/hf_conversion.py"
 
@@ -76,7 +77,7 @@ def _check_sizes(model, hf_config, geometry: ModelGeometry) -> None:
     if moe is not None:
         pairs["moe_ffn_hidden_size / moe_intermediate_size"] = (config.moe_ffn_hidden_size, moe.expert_ffn_size)
         pairs["moe_router_topk / num_experts_per_tok"] = (config.moe_router_topk, moe.top_k)
-        # the renormalised HF top-k is Megatron's top-k then softmax (moe_features)
+        # the renormalised HF top-k is Megatron's top-k then softmax (moe.features)
         pairs["moe_router_pre_softmax / not renormalised top-k"] = (config.moe_router_pre_softmax, not moe.renormalize)
     wrong = [f"{name}: model {ours} vs HF {theirs}" for name, (ours, theirs) in pairs.items() if ours != theirs]
     if model.vocab_size < hf_config.vocab_size:

@@ -21,7 +21,7 @@ from gtpo_megatron.batch import TrainBatch
 from gtpo_megatron.ops import LossSpec, PackedLayout, policy_objective, vocab_parallel_logprobs_entropy
 
 if TYPE_CHECKING:
-    from gtpo_megatron.megatron_adapter.routing_replay import RoutingReplay
+    from gtpo_megatron.megatron_adapter.moe.routing_replay import RoutingReplay
 
 
 @dataclass(kw_only=True)

@@ -9,10 +9,11 @@ Shapes on TP rank ``r`` (Q heads, G KV groups, ``G_pad`` with head padding, D he
 * ``linear_proj.weight``: ``[H, Q_pad * D / tp]``; ``linear_fc1``: ``[2 * F/tp, H]`` (gate rows, then up rows);
   ``linear_fc2.weight``: ``[H, F/tp]``. Their biases are ``[H]``, replicated. Norms are replicated (TE's fused
   ``layer_norm_weight`` spellings are accepted).
-* MoE (``moe_features``): the router ``mlp.router.weight`` ``[E, H]`` is replicated; expert ``e``'s
-  ``linear_fc1`` ``[2 * F_e, H]`` (gate, up) and ``linear_fc2`` ``[H, F_e]`` are whole on the EP rank holding it
-  (expert TP 1; ``local_experts.{e}`` of the local spec, ``linear_fc1.weight{e}`` of TE's grouped experts); a
-  shared expert is TP-sharded as the dense MLP, its gate ``[1, H]`` replicated.
+* MoE (``moe.features``; the HF names are the family's, ``plan.model_families``): the router ``mlp.router.weight``
+  ``[E, H]`` is replicated; expert ``e``'s ``linear_fc1`` ``[2 * F_e, H]`` (gate, up) and ``linear_fc2``
+  ``[H, F_e]`` are whole on the EP rank holding it (expert TP 1; ``local_experts.{e}`` of the local spec,
+  ``linear_fc1.weight{e}`` of TE's grouped experts); a shared expert is TP-sharded as the dense MLP, its gate
+  ``[1, H]`` replicated.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from pathlib import Path
 import torch
 
 from gtpo_megatron.megatron_adapter.head_padding import padded_num_query_groups
-from gtpo_megatron.megatron_adapter.moe_features import MoEShape, moe_shape
+from gtpo_megatron.megatron_adapter.moe.features import MoEShape, moe_shape
 
 VOCAB, QKV, PROJ, FC1, ROW, REPLICATED = "vocab", "qkv", "proj", "fc1", "row", "replicated"
 EXPERT_FC1, EXPERT = "expert_fc1", "expert"
@@ -35,14 +36,11 @@ _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _EXPERT_RE = re.compile(
     r"^mlp\.experts\.(?:local_experts\.(?P<local>\d+)\.)?(?P<linear>linear_fc[12])\.weight(?P<grouped>\d*)$"
 )
-_SHARED_EXPERT_MAP = {
-    "mlp.shared_experts.linear_fc1.weight": (
-        FC1,
-        ("mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight"),
-    ),
-    "mlp.shared_experts.linear_fc2.weight": (ROW, ("mlp.shared_expert.down_proj.weight",)),
-    "mlp.shared_experts.gate_weight": (REPLICATED, ("mlp.shared_expert_gate.weight",)),
+_SHARED_EXPERT = {
+    "mlp.shared_experts.linear_fc1.weight": (FC1, (0, 1)),
+    "mlp.shared_experts.linear_fc2.weight": (ROW, (2,)),
 }
+"""A shared expert's fused gate/up and its down projection: the family's linears ``0, 1, 2``."""
 _LAYER_MAP = {
     "input_layernorm.weight": (REPLICATED, ("input_layernorm.weight",)),
     "self_attention.linear_qkv.layer_norm_weight": (REPLICATED, ("input_layernorm.weight",)),
@@ -199,21 +197,24 @@ def _layer_mapping(layer: str, suffix: str, geometry: ModelGeometry) -> ParamMap
     if suffix in _LAYER_MAP:
         kind, names = _LAYER_MAP[suffix]
         return ParamMapping(kind, tuple(f"{hf_layer}.{n}" for n in names))
-    moe = geometry.moe
+    moe, layer_index = geometry.moe, int(layer)
     if moe is None:
         return None
+    family = moe.family
     if suffix == "mlp.router.weight":
-        return ParamMapping(REPLICATED, (f"{hf_layer}.{moe.block}.gate.weight",))
-    if suffix in _SHARED_EXPERT_MAP and moe.shared_expert_ffn_size:
-        kind, names = _SHARED_EXPERT_MAP[suffix]
-        return ParamMapping(kind, tuple(f"{hf_layer}.{n}" for n in names))
+        return ParamMapping(REPLICATED, (family.router_name(layer_index),))
+    if suffix in _SHARED_EXPERT and moe.shared_expert_ffn_size:
+        kind, linears = _SHARED_EXPERT[suffix]
+        return ParamMapping(kind, tuple(family.shared_expert_name(layer_index, which) for which in linears))
+    if suffix == "mlp.shared_experts.gate_weight" and moe.shared_expert_ffn_size and family.shared_expert_gate:
+        return ParamMapping(REPLICATED, (family.shared_gate_name(layer_index),))
     match = _EXPERT_RE.match(suffix)
     if match is None:
         return None
-    expert, layer_index = expert_index(suffix), int(layer)
+    expert = expert_index(suffix)
     if match.group("linear") == "linear_fc1":
-        return ParamMapping(EXPERT_FC1, tuple(moe.hf_expert_name(layer_index, expert, i) for i in (0, 1)))
-    return ParamMapping(EXPERT, (moe.hf_expert_name(layer_index, expert, 2),))
+        return ParamMapping(EXPERT_FC1, tuple(family.hf_expert_name(layer_index, expert, i) for i in (0, 1)))
+    return ParamMapping(EXPERT, (family.hf_expert_name(layer_index, expert, 2),))
 
 
 def param_mapping(name: str, geometry: ModelGeometry) -> ParamMapping:

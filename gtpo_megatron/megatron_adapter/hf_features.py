@@ -2,8 +2,8 @@
 
 The field-by-field table (Llama, Mistral, Qwen2, Qwen3; the fields their ``transformers`` modeling code reads) is
 in docs/models.md; the mixture-of-experts types (Qwen3-MoE, Qwen2-MoE, Mixtral) share their attention fields and add
-the router's (``moe_features``, docs/moe.md). Nothing is dropped silently: a field that cannot be built raises
-ValueError at load.
+the router's (``moe.features``, docs/moe.md); what differs between the types is their ``plan.model_families``
+record. Nothing is dropped silently: a field that cannot be built raises ValueError at load.
 """
 
 from __future__ import annotations
@@ -11,19 +11,16 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from gtpo_megatron.megatron_adapter.moe_features import MOE_MODEL_TYPES, check_moe_config
+from gtpo_megatron.megatron_adapter.moe.features import check_moe_config
+from gtpo_megatron.plan.model_families import FAMILIES, SUPPORTED_MODEL_TYPES
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", *MOE_MODEL_TYPES)
 _TRAINING_ONLY = {
     "attention_dropout": "the policy trains without dropout",
     "router_jitter_noise": "the policy routes without input jitter",
 }
 """HF fields that act in training mode only, with what the policy does instead (RL fine-tuning: neither)."""
-_WINDOW_ON_EVERY_LAYER = ("mistral", "mixtral", "qwen3_moe")
-"""Model types whose ``sliding_window`` (when not null) applies to every layer; qwen2, qwen3 and qwen2_moe read
-``layer_types``."""
 _LLAMA3_CONSTANTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
@@ -37,20 +34,16 @@ class LinearBiases:
 
 
 def linear_biases(hf_config) -> LinearBiases:
-    """The biases ``transformers`` builds for ``hf_config`` (see the module table)."""
-    model_type = hf_config.model_type
-    if model_type == "qwen2":
-        return LinearBiases(qkv=True, proj=False, mlp=False)
-    if model_type == "qwen2_moe":
-        return LinearBiases(qkv=bool(getattr(hf_config, "qkv_bias", True)), proj=False, mlp=False)
-    attention = model_type in ("llama", "qwen3", "qwen3_moe") and bool(getattr(hf_config, "attention_bias", False))
-    mlp = model_type == "llama" and bool(getattr(hf_config, "mlp_bias", False))
-    return LinearBiases(qkv=attention, proj=attention, mlp=mlp)
+    """The biases ``transformers`` builds for ``hf_config`` (its family's flags)."""
+    family, config = FAMILIES[hf_config.model_type], hf_config.to_dict()
+    return LinearBiases(
+        qkv=family.qkv_bias.read(config), proj=family.proj_bias.read(config), mlp=family.mlp_bias.read(config)
+    )
 
 
 def has_qk_norm(hf_config) -> bool:
-    """True for the model types with q/k RMSNorms (qwen3, qwen3_moe: always)."""
-    return hf_config.model_type in ("qwen3", "qwen3_moe")
+    """True for the families with q/k RMSNorms (qwen3, qwen3_moe)."""
+    return FAMILIES[hf_config.model_type].qk_norm
 
 
 def sliding_window_settings(hf_config) -> dict:
@@ -59,10 +52,10 @@ def sliding_window_settings(hf_config) -> dict:
     Raises:
         ValueError: a ``layer_types`` entry other than ``full_attention`` / ``sliding_attention``, or a window < 1.
     """
-    window = getattr(hf_config, "sliding_window", None)
-    if hf_config.model_type in _WINDOW_ON_EVERY_LAYER:
+    window, where = getattr(hf_config, "sliding_window", None), FAMILIES[hf_config.model_type].windows
+    if where == "every_layer":
         windowed = [window is not None] * hf_config.num_hidden_layers
-    elif hf_config.model_type in ("qwen2", "qwen3", "qwen2_moe"):
+    elif where == "layer_types":
         layer_types = list(getattr(hf_config, "layer_types", None) or [])
         unknown = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
         if unknown:
@@ -129,7 +122,7 @@ def check_hf_config(hf_config) -> None:
 
     Raises:
         ValueError: unsupported ``model_type`` or ``hidden_act``, and the errors of ``rope_settings``,
-            ``sliding_window_settings`` and ``moe_features.check_moe_config``.
+            ``sliding_window_settings`` and ``moe.features.check_moe_config``.
     """
     model_type = getattr(hf_config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
@@ -141,7 +134,7 @@ def check_hf_config(hf_config) -> None:
         )
     rope_settings(hf_config)
     sliding_window_settings(hf_config)
-    if model_type in MOE_MODEL_TYPES:
+    if FAMILIES[model_type].moe:
         check_moe_config(hf_config)
     for field, behaviour in _TRAINING_ONLY.items():
         value = float(getattr(hf_config, field, 0.0) or 0.0)

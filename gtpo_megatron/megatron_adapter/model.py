@@ -2,7 +2,7 @@
 
 Llama, Mistral, Qwen2 and Qwen3 map onto Megatron's GPT block (RMSNorm, SwiGLU, GQA, RoPE, optional tied
 embeddings, biases, sliding windows), Qwen3-MoE, Qwen2-MoE and Mixtral onto the same block with an ``MoELayer``;
-``hf_features`` and ``moe_features`` say how each HF setting is reproduced or why it is refused.
+``hf_features`` and ``moe.features`` say how each HF setting is reproduced or why it is refused.
 Dropout is 0. Transformer Engine layer specs when TE imports, Megatron's local specs otherwise (which get an
 explicit causal mask, and ``SequenceParallelRMSNorm`` under sequence parallelism). The embedding and output layer
 have ``padded_vocab_size`` rows (``plan.layout``), the padded rows zero. Opt-in extras: zero KV groups when they do
@@ -29,8 +29,8 @@ from gtpo_megatron.megatron_adapter.hf_features import (
     rope_settings,
     sliding_window_settings,
 )
-from gtpo_megatron.megatron_adapter.moe_compat import install_moe_compat
-from gtpo_megatron.megatron_adapter.moe_features import moe_transformer_fields
+from gtpo_megatron.megatron_adapter.moe.compat import install_moe_compat
+from gtpo_megatron.megatron_adapter.moe.features import moe_transformer_fields
 from gtpo_megatron.megatron_adapter.output_layer import use_fp32_output_layer
 from gtpo_megatron.plan.architectures import architecture_from_hf_config
 from gtpo_megatron.plan.layout import expert_problems, raise_problems

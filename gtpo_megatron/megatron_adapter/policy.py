@@ -22,9 +22,9 @@ from gtpo_megatron.megatron_adapter import hf_conversion, micro_batching
 from gtpo_megatron.megatron_adapter import model as model_lib
 from gtpo_megatron.megatron_adapter.cpu_compat import cuda_to_cpu_mode, install_cpu_compat
 from gtpo_megatron.megatron_adapter.forward_step import ForwardSettings, MicroBatch, forward_step
-from gtpo_megatron.megatron_adapter.moe_metrics import RouterLoad
+from gtpo_megatron.megatron_adapter.moe.metrics import RouterLoad
+from gtpo_megatron.megatron_adapter.moe.routing_replay import RoutingReplay, check_replay_supported, recomputes_routers
 from gtpo_megatron.megatron_adapter.optimizer import build_optimizer, optimizer_step, wrap_ddp
-from gtpo_megatron.megatron_adapter.routing_replay import RoutingReplay, check_replay_supported, recomputes_routers
 from gtpo_megatron.megatron_adapter.step_metrics import reduce_step_metrics
 from gtpo_megatron.ops import LossSpec, compute_normalizer
 from gtpo_megatron.parallel.collectives import all_reduce_, barrier, broadcast_, global_normalizer
@@ -326,7 +326,7 @@ class MegatronPolicy:
 
         Returns:
             Metrics identical on every rank: ``loss``, ``normalizer``, the objective's sums, ``clip_frac``,
-            ``ratio_mean``, ``kl_mean``, ``perf/*`` and for MoE models ``moe_metrics``'s; ``{"normalizer": 0.0}`` only
+            ``ratio_mean``, ``kl_mean``, ``perf/*`` and for MoE models ``moe.metrics``'s; ``{"normalizer": 0.0}`` only
             when no DP rank has a response token.
 
         Raises:

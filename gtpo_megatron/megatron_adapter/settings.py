@@ -2,28 +2,25 @@
 
 ``policy_settings(cfg)`` is the one reader of the ``model``, ``parallel`` and ``optim`` sections for the policy:
 ``MegatronPolicy`` builds its ``TransformerConfig``, DDP and optimizer configs from them only, and ``gtpo-plan``
-reports on the same object. ``validate_config`` adds what the config package may not read (``config.json``,
-Megatron's field names, the registries). ``model.megatron_overrides`` may set any ``TransformerConfig`` field but
-those of :data:`OWNED_FIELDS`.
+reports on the same object (``validation.validate_config`` adds what the config package may not read).
+``model.megatron_overrides`` may set any ``TransformerConfig`` field but those of :data:`OWNED_FIELDS`.
 """
 
 from __future__ import annotations
 
-import json
 import math
-from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, get_args
 
-from gtpo_megatron.builtin_models import local_model_folder
-from gtpo_megatron.config.checks import require
+from gtpo_megatron.config.model import ParamsDtype
 from gtpo_megatron.plan.layout import padded_vocab_size
 from gtpo_megatron.plan.micro_batches import TokenBudget
 
 if TYPE_CHECKING:
     from gtpo_megatron.config import GTPOConfig, ModelConfig
 
-PARAMS_DTYPES = ("float32", "bfloat16")
-"""Parameter dtypes the Megatron policy trains in (float16 would need a loss scaler)."""
+PARAMS_DTYPES = get_args(ParamsDtype)
+"""Parameter dtypes the Megatron policy trains in: the config's own choice, re-checked for configs built in code."""
 
 _FROM_HF = "the model's config.json"
 OWNED_FIELDS: dict[str, str] = {
@@ -38,14 +35,14 @@ OWNED_FIELDS: dict[str, str] = {
     "recompute_method": "model.recompute",
     "recompute_num_layers": "model.recompute",
     "variable_seq_lengths": "optim.max_tokens_per_micro_batch at parallel.pp_size > 1",
-    "moe_token_dispatcher_type": "moe_features (and optim.max_tokens_per_micro_batch at parallel.pp_size > 1)",
+    "moe_token_dispatcher_type": "moe.features (and optim.max_tokens_per_micro_batch at parallel.pp_size > 1)",
     "expert_model_parallel_size": "parallel.ep_size",
-    "expert_tensor_parallel_size": "moe_features (expert tensor parallelism is 1)",
+    "expert_tensor_parallel_size": "moe.features (expert tensor parallelism is 1)",
     "moe_router_load_balancing_type": "model.moe_aux_loss_coeff",
     "moe_aux_loss_coeff": "model.moe_aux_loss_coeff",
     "moe_z_loss_coeff": "model.moe_z_loss_coeff",
     "moe_grouped_gemm": "the layer spec (Transformer Engine's grouped experts, else SequentialMLP)",
-    "moe_expert_capacity_factor": "moe_features (dropless routing)",
+    "moe_expert_capacity_factor": "moe.features (dropless routing)",
     "calculate_per_token_loss": "the loss normalisation contract (megatron_adapter/forward_step.py)",
     "perform_initialization": "the tensor-parallel weight tags Megatron sets while initialising (model.py)",
     **dict.fromkeys(
@@ -217,46 +214,3 @@ def policy_settings(cfg: GTPOConfig) -> PolicySettings:
         seed=cfg.trainer.seed,
         routing_replay=cfg.rollout.routing_replay == "rollout",
     )
-
-
-def read_hf_config(name_or_path: str) -> dict | None:
-    """The model's ``config.json`` as a dict when it is on local disk (built-ins: once materialised), else None."""
-    path = local_model_folder(name_or_path) / "config.json"
-    return json.loads(path.read_text()) if path.is_file() else None
-
-
-def validate_config(cfg: GTPOConfig, world_size: int, *, check_registries: bool = True) -> None:
-    """``cfg.validate(world_size)`` with the local model's ``config.json``, then Megatron's and the registries' names.
-
-    ``check_registries`` imports torch, megatron and the rewards, and runs the model's load-time refusals
-    (``model.check_hf_model``: HF fields Megatron cannot build, packing with sliding windows) on a local model.
-
-    Raises:
-        ValueError: naming the fields, the values, the rule and a fix.
-    """
-    hf = read_hf_config(cfg.model.name_or_path)
-    cfg.validate(world_size, hf_config=hf)
-    if not check_registries:
-        return
-    if hf is not None:
-        from transformers import AutoConfig
-
-        from gtpo_megatron.megatron_adapter.model import check_hf_model
-
-        check_hf_model(AutoConfig.from_pretrained(local_model_folder(cfg.model.name_or_path)), policy_settings(cfg))
-    from megatron.core.transformer import TransformerConfig
-
-    from gtpo_megatron.ops import advantages
-    from gtpo_megatron.rewards import registry
-
-    known = {f.name for f in fields(TransformerConfig)}
-    for key in cfg.model.megatron_overrides:
-        require(
-            key in known,
-            "model.megatron_overrides",
-            key,
-            "is not a field of megatron TransformerConfig",
-            f"use one of its fields, e.g. {sorted(known)[:5]}",
-        )
-    advantages.get_advantage_estimator(cfg.algorithm.advantage_estimator)
-    registry.get_reward(cfg.reward.name)

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import torch
 
-CONFLICT_MODES = ("prefix_suffix", "any_position")
-OVERLAP_MODES = ("once", "multiply")
+from gtpo_megatron.choices import CONFLICT_MODES, OVERLAP_MODES
 
 
 def _validate(response_ids, response_mask, advantages, group_size, mode, overlap) -> None:

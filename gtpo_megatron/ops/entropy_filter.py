@@ -10,7 +10,8 @@ import math
 
 import torch
 
-ENTROPY_FILTER_MODES = ("paper", "fixed", "off")
+from gtpo_megatron.choices import ENTROPY_FILTER_MODES
+
 LN2 = math.log(2.0)
 
 

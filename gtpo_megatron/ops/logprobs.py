@@ -344,43 +344,33 @@ def vocab_parallel_logprobs_entropy(
     """Log-probabilities of ``target_ids`` and full-vocabulary entropy from a vocabulary shard.
 
     Args:
-        logits: ``[..., V/tp]`` this rank's vocabulary shard, any float dtype, any leading shape. Not modified and
-            not copied: a non-contiguous view such as ``logits[:, :-1]`` of ``[B, S, V/tp]`` is processed sequence
-            by sequence (only dims before the last two are merged; they should be viewable, else reshape copies).
-            ``-inf`` marks a token of probability 0 (masked); padded columns (``>= vocab_size``) may hold anything.
-        target_ids: ``[...]`` int64 token ids in the *global* vocabulary, all in ``[0, vocab_size)``.
-        tp_group: tensor-parallel group sharding the vocabulary; ``None`` means ``logits`` holds all V columns.
-        vocab_size: real vocabulary size; columns ``>= vocab_size`` (Megatron's padding) get no probability mass,
-            no entropy contribution and zero gradient. Default: all ``V`` columns.
-        temperature: the log-probs are those of ``softmax(logits / temperature)`` (> 0).
-        entropy_temperature: the entropy is that of ``softmax(logits / entropy_temperature)`` (> 0); ``None``: the
-            same as ``temperature``. A different value costs three more element-wise passes per chunk in forward.
-        chunk_size: tokens per chunk; the fp32 working set is at most two ``[chunk_size, V/tp]`` buffers, and
-            backward recomputes the softmax chunk by chunk from the saved logits. ``None``: one chunk (per leading
-            index for a non-contiguous view).
-        with_entropy: also return the entropy (its statistics cost one multiply-add per element either way).
-        entropy_requires_grad: make the entropy differentiable (exact gradient at ``entropy_temperature``);
-            otherwise it is detached.
-        padded_vocab_size: optional ``V`` to validate ``logits.shape[-1] * tp_size == V``.
-        check_inputs: refuse bad target ids and rows without a softmax (below), at the cost of ONE host sync per
-            call (after the MAX all-reduce, identical on every TP rank, so all ranks raise together). With
-            ``False`` nothing is synced and such rows give NaN (out-of-range targets: wrong values).
+        logits: ``[..., V/tp]`` this rank's vocabulary shard, any float dtype; not modified or copied (a
+            non-contiguous view such as ``logits[:, :-1]`` is processed sequence by sequence). ``-inf`` marks a
+            masked token; padded columns (``>= vocab_size``) may hold anything.
+        target_ids: ``[...]`` int64 ids in the *global* vocabulary, in ``[0, vocab_size)``.
+        tp_group: the group sharding the vocabulary; ``None``: ``logits`` holds all V columns.
+        vocab_size: real vocabulary (default V); padded columns get no mass, no entropy and zero gradient.
+        temperature: log-probs of ``softmax(logits / temperature)``.
+        entropy_temperature: the entropy's temperature (``None``: the same; else three more passes per chunk).
+        chunk_size: tokens per chunk (fp32 working set: two ``[chunk_size, V/tp]`` buffers; ``None``: one chunk).
+        with_entropy: return the entropy.
+        entropy_requires_grad: make the entropy differentiable (else detached).
+        padded_vocab_size: optional V to validate ``logits.shape[-1] * tp_size == V``.
+        check_inputs: refuse bad ids and rows without a softmax at ONE host sync per call (identical on every TP
+            rank, so all raise together); ``False``: no sync, such rows give NaN.
 
     Returns:
-        ``(logprobs, entropy)``: ``logprobs`` ``[...]`` fp32 natural-log probabilities, differentiable w.r.t.
-        ``logits`` (gradient in ``logits.dtype``, computed in fp32; a target whose own logit is ``-inf`` gets
-        ``-inf``, its exact value, with a finite gradient); ``entropy`` ``[...]`` fp32 in nats, or None.
+        ``(logprobs, entropy)``, ``[...]`` fp32 nats: logprobs differentiable w.r.t. ``logits`` (a target whose own
+        logit is ``-inf`` gets ``-inf`` with a finite gradient); entropy, or None.
 
     Collectives:
-        Two all-reduces on ``tp_group`` in forward (MAX of ``[N]`` row maxima; SUM of a ``[3, N]`` stack of
-        sum-exp, target logit and sum exp*logit, ``[4, N]`` with a separate ``entropy_temperature``), none in
-        backward (the forward saved the global statistics).
+        Forward: a MAX all-reduce of ``[N]`` row maxima and a SUM of a ``[3, N]`` stack (``[4, N]`` with a
+        separate ``entropy_temperature``) on ``tp_group``; none in backward.
 
     Raises:
-        ValueError: shard width inconsistent with ``padded_vocab_size``, ``vocab_size`` out of range, shape/dtype
-            mismatches, a temperature ``<= 0``, ``chunk_size < 1``; with ``check_inputs``: target ids outside
-            ``[0, vocab_size)``, a row whose real vocabulary is all ``-inf`` (every token masked) or holds
-            ``+inf``/NaN (the message names the row's index).
+        ValueError: a shard width inconsistent with ``padded_vocab_size``, ``vocab_size`` out of range, shape or
+            dtype mismatches, a temperature ``<= 0``, ``chunk_size < 1``; with ``check_inputs``: ids outside
+            ``[0, vocab_size)``, a row all ``-inf`` or holding ``+inf``/NaN (naming the row).
     """
     if entropy_temperature is None or not with_entropy:
         entropy_temperature = temperature

@@ -16,14 +16,17 @@ from dataclasses import dataclass
 
 import torch
 
+from gtpo_megatron.choices import (
+    AGGREGATIONS,
+    KL_ESTIMATORS,
+    KL_LOSSES,
+    LOSS_NAMES,
+    OFF_POLICY_CAP_MIN,
+    OFF_POLICY_CORRECTIONS,
+    REQUIRED_AGGREGATION,
+)
 from gtpo_megatron.ops.entropy_filter import LN2
 from gtpo_megatron.ops.loss_metrics import policy_loss_metrics
-from gtpo_megatron.ops.off_policy import OFF_POLICY_CORRECTIONS
-
-LOSS_NAMES = ("gtpo", "grpo", "dapo", "dr_grpo")
-AGGREGATIONS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum")
-KL_ESTIMATORS = ("k1", "k2", "k3")
-_REQUIRED_AGGREGATION = {"dapo": "token-mean", "dr_grpo": "seq-mean-token-sum"}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -45,10 +48,10 @@ class LossSpec:
             (``entropy_filter.entropy_keep_mask``'s ``mode``, ``threshold``, <H>_ini, ``only_negative``).
         entropy_penalty: gamma of ``A_i - gamma * <H>_i`` (0: none).
         off_policy_correction: one of :data:`OFF_POLICY_CORRECTIONS` (docs/algorithm.md section 11; ``none``: no
-            importance weight); ``off_policy_cap``: its cap C (> 0).
+            importance weight); ``off_policy_cap``: its cap C (>= 1, ``choices.OFF_POLICY_CAP_MIN``).
 
     Raises:
-        ValueError: an unknown name, aggregation, estimator or correction, a negative clip range, a cap <= 0, a KL
+        ValueError: an unknown name, aggregation, estimator or correction, a negative clip range, a cap below 1, a KL
             term for ``gtpo`` / ``dapo``, ``dapo`` without ``token-mean`` or ``dr_grpo`` without
             ``seq-mean-token-sum``.
     """
@@ -81,13 +84,13 @@ class LossSpec:
                 f"unknown off_policy_correction {self.off_policy_correction!r}; choose one of "
                 f"{list(OFF_POLICY_CORRECTIONS)}"
             )
-        if not self.off_policy_cap > 0:
-            raise ValueError(f"off_policy_cap={self.off_policy_cap} must be > 0; use 2.0")
+        if not self.off_policy_cap >= OFF_POLICY_CAP_MIN:
+            raise ValueError(f"off_policy_cap={self.off_policy_cap} must be >= {OFF_POLICY_CAP_MIN}; use 2.0")
         if self.clip_eps_low < 0 or self.clip_eps_high < 0:
             raise ValueError(f"clip_eps_low={self.clip_eps_low}, clip_eps_high={self.clip_eps_high} must both be >= 0")
-        if self.kl_coef != 0.0 and self.loss_name in ("gtpo", "dapo"):
+        if self.kl_coef != 0.0 and self.loss_name not in KL_LOSSES:
             raise ValueError(f"{self.loss_name} has no KL term; got kl_coef={self.kl_coef}, set 0")
-        required = _REQUIRED_AGGREGATION.get(self.loss_name, self.aggregation)
+        required = REQUIRED_AGGREGATION.get(self.loss_name, self.aggregation)
         if self.aggregation != required:
             raise ValueError(f"{self.loss_name} uses aggregation={required!r}; got {self.aggregation!r}")
 

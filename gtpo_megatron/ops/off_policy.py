@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-OFF_POLICY_CORRECTIONS = ("none", "tis", "mis")
+from gtpo_megatron.choices import OFF_POLICY_CORRECTIONS
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from gtpo_megatron.plan.layout import world_problems
+
 CUDA_BACKEND = "cpu:gloo,cuda:nccl"
 """The default process group's backend on a GPU machine: ``parallel.collectives`` runs tensor collectives on the
 CUDA device (NCCL) and torch runs object collectives and barriers on the CPU (gloo)."""
@@ -82,7 +84,8 @@ def init_distributed(
     ``backend=None``: :data:`CUDA_BACKEND` with CUDA (device from ``LOCAL_RANK``), else gloo.
 
     Raises:
-        ValueError: if ``tp_size * pp_size`` or ``ep_size * pp_size`` does not divide the world size.
+        ValueError: a size below 1, or ``tp_size * pp_size`` or ``ep_size * pp_size`` does not divide the world
+            size (``plan.layout.world_problems``).
     """
     if backend is None:
         backend = CUDA_BACKEND if torch.cuda.is_available() else "gloo"
@@ -91,16 +94,16 @@ def init_distributed(
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=timeout_minutes))
     world_size = dist.get_world_size()
-    if tp_size < 1 or pp_size < 1 or world_size % (tp_size * pp_size) != 0:
-        raise ValueError(
-            f"parallel.tp_size={tp_size} x parallel.pp_size={pp_size} must divide the world size {world_size}; "
-            f"choose sizes whose product divides {world_size}"
-        )
-    if ep_size < 1 or world_size % (ep_size * pp_size) != 0:
-        raise ValueError(
-            f"parallel.ep_size={ep_size} x parallel.pp_size={pp_size} must divide the world size {world_size} "
-            f"(the EP groups form inside a pipeline stage); choose an ep_size dividing {world_size // pp_size}"
-        )
+    problems = world_problems(
+        world_size,
+        tp_size=tp_size,
+        pp_size=pp_size,
+        ep_size=ep_size,
+        described=f"the world size {world_size}",
+        launch=f"a multiple of {tp_size * pp_size} ranks",
+    )
+    if problems:
+        raise ValueError("; ".join(problems))
     from megatron.core import parallel_state
 
     if parallel_state.model_parallel_is_initialized():

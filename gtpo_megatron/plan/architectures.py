@@ -1,9 +1,9 @@
 """Model dimensions the planner needs, read from a local HF ``config.json`` or a table of public models.
 
-The table copies the published ``config.json`` of ``Qwen/<name>`` and ``meta-llama/<name>``. Qwen2 has a q/k/v
-bias; Qwen3 has none but a per-head q/k RMSNorm (two ``head_dim`` vectors a layer). A mixture-of-experts model
-(Qwen3-MoE, Qwen2-MoE, Mixtral) replaces each layer's MLP with a router ``[E, h]``, ``E`` SwiGLU experts of width
-``f_e`` of which ``k`` see each token, and optionally a shared expert of width ``f_s`` with a ``[1, h]`` gate.
+The table copies the published ``config.json`` of ``Qwen/<name>`` and ``meta-llama/<name>``; biases and q/k norms
+come from each model's family (``plan.model_families``). A mixture-of-experts model (Qwen3-MoE, Qwen2-MoE, Mixtral)
+replaces each layer's MLP with a router ``[E, h]``, ``E`` SwiGLU experts of width ``f_e`` of which ``k`` see each
+token, and optionally a shared expert of width ``f_s`` with a ``[1, h]`` gate.
 """
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+
+from gtpo_megatron.plan.model_families import FAMILIES, moe_sizes, planning_family
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -93,11 +95,12 @@ class Architecture:
         return self.num_layers * self.layer_params() + self.hidden_size + embeddings
 
 
-def _entry(name, layers, hidden, ffn, heads, groups, vocab, tied, *, head_dim=None, bias=False, qk_norm=False, **moe):
+def _entry(name, model_type, layers, hidden, ffn, heads, groups, vocab, tied, *, head_dim=None, **moe):
+    family = FAMILIES[model_type]
     return Architecture(
         name=name, num_layers=layers, hidden_size=hidden, ffn_hidden_size=ffn, num_attention_heads=heads,
         num_query_groups=groups, head_dim=head_dim or hidden // heads, vocab_size=vocab, tied_embeddings=tied,
-        qkv_bias=bias, qk_norm=qk_norm, **moe,
+        qkv_bias=family.qkv_bias.read({}), qk_norm=family.qk_norm, **moe,
     )  # fmt: skip
 
 
@@ -105,15 +108,16 @@ def _entry(name, layers, hidden, ffn, heads, groups, vocab, tied, *, head_dim=No
 KNOWN_ARCHITECTURES: dict[str, Architecture] = {
     a.name: a
     for a in (
-        _entry("Qwen2.5-1.5B-Instruct", 28, 1536, 8960, 12, 2, 151936, True, bias=True),
-        _entry("Qwen2.5-3B-Instruct", 36, 2048, 11008, 16, 2, 151936, True, bias=True),
-        _entry("Qwen2.5-7B-Instruct", 28, 3584, 18944, 28, 4, 152064, False, bias=True),
-        _entry("Qwen2.5-32B-Instruct", 64, 5120, 27648, 40, 8, 152064, False, bias=True),
-        _entry("Qwen3-32B", 64, 5120, 25600, 64, 8, 151936, False, head_dim=128, qk_norm=True),
-        _entry("Llama-3.1-8B-Instruct", 32, 4096, 14336, 32, 8, 128256, False),
-        _entry("Llama-3.1-70B-Instruct", 80, 8192, 28672, 64, 8, 128256, False),
+        _entry("Qwen2.5-1.5B-Instruct", "qwen2", 28, 1536, 8960, 12, 2, 151936, True),
+        _entry("Qwen2.5-3B-Instruct", "qwen2", 36, 2048, 11008, 16, 2, 151936, True),
+        _entry("Qwen2.5-7B-Instruct", "qwen2", 28, 3584, 18944, 28, 4, 152064, False),
+        _entry("Qwen2.5-32B-Instruct", "qwen2", 64, 5120, 27648, 40, 8, 152064, False),
+        _entry("Qwen3-32B", "qwen3", 64, 5120, 25600, 64, 8, 151936, False, head_dim=128),
+        _entry("Llama-3.1-8B-Instruct", "llama", 32, 4096, 14336, 32, 8, 128256, False),
+        _entry("Llama-3.1-70B-Instruct", "llama", 80, 8192, 28672, 64, 8, 128256, False),
         _entry(
             "Qwen3-30B-A3B",
+            "qwen3_moe",
             48,
             2048,
             6144,
@@ -122,13 +126,13 @@ KNOWN_ARCHITECTURES: dict[str, Architecture] = {
             151936,
             False,
             head_dim=128,
-            qk_norm=True,
             num_experts=128,
             expert_ffn_size=768,
             top_k=8,
         ),
         _entry(
             "Qwen3-235B-A22B",
+            "qwen3_moe",
             94,
             4096,
             12288,
@@ -137,7 +141,6 @@ KNOWN_ARCHITECTURES: dict[str, Architecture] = {
             151936,
             False,
             head_dim=128,
-            qk_norm=True,
             num_experts=128,
             expert_ffn_size=1536,
             top_k=8,
@@ -147,7 +150,7 @@ KNOWN_ARCHITECTURES: dict[str, Architecture] = {
 
 
 def architecture_from_hf_config(config: dict, name: str) -> Architecture:
-    """Build an :class:`Architecture` from a parsed HF ``config.json`` (llama, qwen2, qwen3 model types).
+    """Build an :class:`Architecture` from a parsed HF ``config.json`` (biases and q/k norms: its family).
 
     Raises:
         ValueError: a required key is missing (the message names it and the file's ``model_type``).
@@ -160,7 +163,7 @@ def architecture_from_hf_config(config: dict, name: str) -> Architecture:
             "supports dense llama/qwen2/qwen3 configs"
         )
     heads = config["num_attention_heads"]
-    model_type = config.get("model_type", "")
+    family = planning_family(config.get("model_type", ""))
     return Architecture(
         name=name,
         num_layers=config["num_hidden_layers"],
@@ -171,43 +174,9 @@ def architecture_from_hf_config(config: dict, name: str) -> Architecture:
         head_dim=config.get("head_dim") or config["hidden_size"] // heads,
         vocab_size=config["vocab_size"],
         tied_embeddings=bool(config.get("tie_word_embeddings", False)),
-        qkv_bias=model_type in ("qwen2", "qwen2_moe") or bool(config.get("attention_bias", False)),
-        qk_norm=model_type in ("qwen3", "qwen3_moe"),
+        qkv_bias=family.qkv_bias.read(config),
+        qk_norm=family.qk_norm,
         **moe_sizes(config),
-    )
-
-
-MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral")
-"""The mixture-of-experts ``model_type`` s the converter builds (``megatron_adapter.moe_features``, docs/moe.md)."""
-_EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
-"""``config.json`` keys that count a layer's experts (Qwen and OLMoE, Mixtral, DeepSeek)."""
-
-
-def moe_sizes(config: dict) -> dict:
-    """The expert sizes of a parsed MoE ``config.json`` (``{}`` for a dense one), under :class:`Architecture`'s names.
-
-    ``num_experts``, ``expert_ffn_size``, ``top_k``, ``shared_expert_ffn_size``; Qwen reads ``num_experts`` and
-    ``moe_intermediate_size``, Mixtral ``num_local_experts`` and ``intermediate_size``.
-
-    Raises:
-        ValueError: experts in a ``model_type`` outside :data:`MOE_MODEL_TYPES` (DeepSeek-V3, OLMoE, ...).
-    """
-    experts = int(next((config[key] for key in _EXPERT_COUNT_KEYS if config.get(key)), 0))
-    if not experts:
-        return {}
-    model_type = config.get("model_type")
-    if model_type not in MOE_MODEL_TYPES:
-        raise ValueError(
-            f"model_type={model_type!r} is a mixture of experts ({experts} experts a layer) that is not built here; "
-            f"the mixture-of-experts types are {list(MOE_MODEL_TYPES)} (docs/moe.md): use one of those"
-        )
-    mixtral = model_type == "mixtral"
-    width = config["intermediate_size"] if mixtral else config["moe_intermediate_size"]
-    return dict(
-        num_experts=experts,
-        expert_ffn_size=int(width),
-        top_k=int(config.get("num_experts_per_tok", 2)),
-        shared_expert_ffn_size=int(config.get("shared_expert_intermediate_size") or 0),
     )
 
 

@@ -14,6 +14,7 @@ from typing import Literal
 
 from gtpo_megatron.plan.architectures import Architecture
 from gtpo_megatron.plan.engines import (
+    Placement,
     engine_count_problems,
     engine_placements,
     engine_pool_gpus,
@@ -91,6 +92,8 @@ def world_problems(
 
     ``ep_size``: the EP group size; ``described``/``launch``: the message's wording.
     """
+    if min(tp_size, pp_size, ep_size) < 1:
+        return [f"parallel.tp_size/pp_size/ep_size={tp_size}/{pp_size}/{ep_size} must each be >= 1; use 1"]
     if train_world_size < 1 or train_world_size % (tp_size * pp_size):
         return [
             f"{described}, not a multiple of parallel.tp_size*parallel.pp_size={tp_size}*{pp_size} (tp_size*pp_size "
@@ -156,7 +159,7 @@ def check_layout(
     tp_size: int,
     pp_size: int,
     engine_tp_size: int,
-    placement: Literal["colocated", "separate"],
+    placement: Placement,
     num_prompts: int,
     group_size: int,
     micro_batch_size: int,

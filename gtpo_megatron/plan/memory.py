@@ -50,6 +50,8 @@ from typing import Literal
 
 from gtpo_megatron.plan.architectures import Architecture
 
+Recompute = Literal["none", "selective", "full"]
+"""Megatron's activation recomputation (``model.recompute``): what the backward pass recomputes."""
 GRAD_BYTES = 4
 """Bytes per gradient element (Megatron's fp32 main-grad buffer)."""
 FP32_OP_BUFFERS = 2
@@ -75,7 +77,7 @@ class TrainingShape:
     param_bytes: int = 2
     sequence_parallel: bool = False
     distributed_optimizer: bool = False
-    recompute: Literal["none", "selective", "full"] = "none"
+    recompute: Recompute = "none"
     logprob_chunk_size: int | None = None
     fp32_output_layer: bool = False
     reference_weights: bool = False

@@ -57,8 +57,10 @@ def test_ops_is_torch_math_only():
             continue
         third_party = {n for n in found.external if n.split(".")[0] not in sys.stdlib_module_names}
         assert third_party <= {"torch", "torch.distributed"}, (module, third_party)
-        # ops reads the per-row record (gtpo_megatron.batch: a dataclass of tensors, torch only)
-        allowed = ("gtpo_megatron.ops", "gtpo_megatron.batch", collectives) if module != collectives else ()
+        # ops reads the per-row record (gtpo_megatron.batch: a dataclass of tensors, torch only) and the closed
+        # choices' names (gtpo_megatron.choices: stdlib only)
+        allowed = ("gtpo_megatron.ops", "gtpo_megatron.batch", "gtpo_megatron.choices", collectives)
+        allowed = allowed if module != collectives else ()
         outside = {n for n in found.runtime | found.type_only if not n.startswith(allowed)}
         assert outside == set(), (module, outside)
 

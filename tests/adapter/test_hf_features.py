@@ -9,17 +9,27 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, Qwen3Config
+from transformers import (
+    LlamaConfig,
+    MistralConfig,
+    MixtralConfig,
+    Qwen2Config,
+    Qwen2MoeConfig,
+    Qwen3Config,
+    Qwen3MoeConfig,
+)
 
 from gtpo_megatron.megatron_adapter.hf_features import (
     LinearBiases,
     check_hf_config,
+    has_qk_norm,
     linear_biases,
     rope_settings,
     sliding_window_settings,
 )
 from gtpo_megatron.megatron_adapter.model import transformer_config_from_hf
 from gtpo_megatron.megatron_adapter.settings import PolicySettings
+from gtpo_megatron.plan.architectures import architecture_from_hf_config
 from tests.adapter.megatron_helpers import model_section
 from tests.helpers.tiny_configs import SMALL
 
@@ -34,6 +44,24 @@ def test_linear_biases_follow_the_transformers_classes():
     ignored = MistralConfig(**SMALL)
     ignored.attention_bias, ignored.mlp_bias = True, True
     assert linear_biases(ignored) == LinearBiases(qkv=False, proj=False, mlp=False)
+
+
+@pytest.mark.parametrize(
+    ("hf_config", "qkv_bias", "qk_norm"),
+    [
+        (LlamaConfig(**SMALL, attention_bias=True), True, False),
+        (MistralConfig(**SMALL), False, False),
+        (Qwen2Config(**SMALL), True, False),
+        (Qwen3Config(**SMALL), False, True),
+        (Qwen3MoeConfig(**SMALL, num_experts=4), False, True),
+        (Qwen2MoeConfig(**SMALL, num_experts=4, qkv_bias=False), False, False),
+        (MixtralConfig(**SMALL, num_local_experts=4), False, False),
+    ],
+)
+def test_the_planner_counts_the_biases_and_norms_the_model_builds(hf_config, qkv_bias, qk_norm):
+    arch = architecture_from_hf_config(hf_config.to_dict(), name="x")
+    assert (arch.qkv_bias, arch.qk_norm) == (qkv_bias, qk_norm)
+    assert (linear_biases(hf_config).qkv, has_qk_norm(hf_config)) == (qkv_bias, qk_norm)
 
 
 def test_sliding_window_settings():

@@ -1,4 +1,4 @@
-"""``moe_compat``'s CPU stand-ins leave ``torch.cuda`` usable by libraries imported after them: ``torch.cuda.Stream``
+"""``moe.compat``'s CPU stand-ins leave ``torch.cuda`` usable by libraries imported after them: ``torch.cuda.Stream``
 is still a class, so an annotation such as ``torch.cuda.Stream | None`` (evaluated by transformers' model loading)
 works, and an instance takes a stream's arguments and synchronises at once. Run in a fresh interpreter: the patches
 are process-wide."""
@@ -11,7 +11,7 @@ import sys
 CHECK = """
 import torch
 from gtpo_megatron.megatron_adapter.cpu_compat import NullStream, install_cpu_compat
-from gtpo_megatron.megatron_adapter.moe_compat import install_moe_compat
+from gtpo_megatron.megatron_adapter.moe.compat import install_moe_compat
 
 assert install_cpu_compat()
 install_moe_compat()

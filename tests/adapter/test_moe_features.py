@@ -82,7 +82,7 @@ def test_expert_layouts_megatron_cannot_form_are_refused_at_load(hf_config, sett
 
 
 def test_validate_checks_the_expert_layout_before_any_process_starts(tmp_path):
-    from gtpo_megatron.megatron_adapter.settings import validate_config
+    from gtpo_megatron.megatron_adapter.validation import validate_config
 
     Qwen3MoeConfig(**SMALL, **EXPERTS).save_pretrained(tmp_path)
     base = [f"model={tmp_path}", "output_dir=unused", "rollout.max_tokens=64"]
@@ -148,7 +148,7 @@ def test_shared_expert_names_and_what_a_dense_geometry_refuses():
 def test_load_time_refusals_come_with_the_config_check(tmp_path, hf_config, overrides, fragment):
     """``validate_config`` (the job's first check, before any engine or model is started) runs the load-time
     refusals on a local model's config.json, so a bad checkpoint fails before torchrun has built anything."""
-    from gtpo_megatron.megatron_adapter.settings import validate_config
+    from gtpo_megatron.megatron_adapter.validation import validate_config
 
     hf_config.save_pretrained(tmp_path)
     cfg = load_config(None, [f"model={tmp_path}", "output_dir=unused", "rollout.max_tokens=64", *overrides])

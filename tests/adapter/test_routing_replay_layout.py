@@ -10,7 +10,7 @@ import torch
 
 from gtpo_megatron.batch import TrainBatch
 from gtpo_megatron.megatron_adapter.micro_batching import budget_micro_batches, fixed_micro_batches
-from gtpo_megatron.megatron_adapter.routing_replay import LayerReplay, recomputes_routers, router_targets
+from gtpo_megatron.megatron_adapter.moe.routing_replay import LayerReplay, recomputes_routers, router_targets
 from gtpo_megatron.plan.micro_batches import TokenBudget
 
 CPU = torch.device("cpu")

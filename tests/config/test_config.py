@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from gtpo_megatron.config import PRESETS, AlgorithmConfig, GTPOConfig, load_config, preset_values, save_config
-from gtpo_megatron.megatron_adapter.settings import validate_config
+from gtpo_megatron.megatron_adapter.validation import validate_config
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO = REPO / "configs" / "cpu_demo.yaml"

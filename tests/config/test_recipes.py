@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from gtpo_megatron.config import load_config, preset_values
-from gtpo_megatron.megatron_adapter.settings import validate_config
+from gtpo_megatron.megatron_adapter.validation import validate_config
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 PAPER_MODELS = ("qwen2.5-3b-instruct", "llama3.1-8b-instruct")  # docs/algorithm.md section 6

@@ -35,7 +35,7 @@ def test_load_time_check_refuses_a_dense_model_and_a_megatron_without_the_replay
     from megatron.core.transformer.moe import moe_utils
     from transformers import Qwen2Config, Qwen3MoeConfig
 
-    from gtpo_megatron.megatron_adapter.routing_replay import check_replay_supported
+    from gtpo_megatron.megatron_adapter.moe.routing_replay import check_replay_supported
 
     moe = Qwen3MoeConfig(**{k: v for k, v in MOE.items() if k != "model_type"})
     check_replay_supported(moe)

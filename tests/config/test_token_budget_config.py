@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from gtpo_megatron.config import ModelConfig, load_config
-from gtpo_megatron.megatron_adapter.settings import PolicySettings, policy_settings, validate_config
+from gtpo_megatron.megatron_adapter.settings import PolicySettings, policy_settings
+from gtpo_megatron.megatron_adapter.validation import validate_config
 from gtpo_megatron.plan.micro_batches import TokenBudget
 
 BASE = ["model=builtin:tiny-qwen2", "output_dir=/tmp/run", "rollout.max_prompt_len=100", "rollout.max_tokens=400"]

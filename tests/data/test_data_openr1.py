@@ -51,7 +51,7 @@ def test_the_r1_recipe_is_its_generator_output_and_validates():
     import importlib.util
 
     from gtpo_megatron.config import load_config
-    from gtpo_megatron.megatron_adapter.settings import validate_config
+    from gtpo_megatron.megatron_adapter.validation import validate_config
 
     repo = Path(__file__).resolve().parents[2]
     spec = importlib.util.spec_from_file_location("write_paper_recipes", repo / "scripts/write_paper_recipes.py")

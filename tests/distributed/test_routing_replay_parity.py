@@ -1,4 +1,4 @@
-"""Rollout routing replay (``megatron_adapter.routing_replay``) on 2 gloo ranks at EP=2, tiny random Qwen3-MoE.
+"""Rollout routing replay (``megatron_adapter.moe.routing_replay``) on 2 gloo ranks at EP=2, tiny random Qwen3-MoE.
 
 4 experts, renormalised top-2, 2 layers, built from a config; each rank holds 2 experts. The checks:
 
@@ -37,11 +37,13 @@ from tests.adapter.megatron_helpers import (
     settings_at,
 )
 from tests.helpers.dist_harness import run_distributed
-from tests.helpers.tiny_configs import TINY
+from tests.helpers.tiny_configs import EXPERTS as TINY_EXPERTS
+from tests.helpers.tiny_configs import TINY, tiny_moe
 
 pytestmark = pytest.mark.distributed
 
-ROWS, SEQ_LEN, EXPERTS, TOP_K = 4, 12, 4, 2
+ROWS, SEQ_LEN = 4, 12
+EXPERTS, TOP_K = TINY_EXPERTS["num_experts"], TINY_EXPERTS["num_experts_per_tok"]
 LOGITS_ATOL = 1e-5  # fp32 Megatron against a float64 reference of the same routing
 
 
@@ -120,16 +122,12 @@ def _reference_logits(hf_model, input_ids: torch.Tensor, routed: torch.Tensor) -
 
 
 def _worker(rank: int, world_size: int, out_root: str) -> None:
-    from transformers import Qwen3MoeConfig
-
     path = f"{out_root}/qwen3_moe"
     if rank == 0:
-        config = Qwen3MoeConfig(**TINY, num_experts=EXPERTS, num_experts_per_tok=TOP_K, moe_intermediate_size=32,
-                                head_dim=16, norm_topk_prob=True)  # fmt: skip
-        save_random_hf_model(path, config)
+        save_random_hf_model(path, tiny_moe("qwen3_moe"))
     dist.barrier()
     policy = _build(path)
-    hf_model = load_hf_model(path)  # after the MoE policy: transformers loads with moe_compat's CPU stream installed
+    hf_model = load_hf_model(path)  # after the MoE policy: transformers loads with moe.compat's CPU stream installed
     batch = make_batch(rows=ROWS, seq_len=SEQ_LEN, vocab_size=TINY["vocab_size"], seed=5)
     plain_logits = _replayed_logits(policy, batch.input_ids, None)
     own = _own_routing(policy, batch.input_ids)

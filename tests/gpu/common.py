@@ -14,10 +14,19 @@ import socket
 import pytest
 import torch
 
+from tests.gpu.report import record
+
 DRY_RUN = os.environ.get("GTPO_GPU_DRY_RUN") == "1"
 DEVICE = torch.device("cpu") if DRY_RUN else torch.device("cuda")
 MODEL = os.environ.get("GTPO_GPU_MODEL", "builtin:tiny-llama")
 """The model of the Megatron and trainer checks (``run_gpu_checks.sh --prepare`` ships ``builtin:tiny-llama``)."""
+
+
+def loss_spec():
+    """The GPU checks' objective: GTPO, seq-mean-token-mean, clip 0.2/0.2."""
+    from gtpo_megatron.ops import LossSpec
+
+    return LossSpec(loss_name="gtpo", aggregation="seq-mean-token-mean", clip_eps_low=0.2, clip_eps_high=0.2)
 
 
 def needs_cuda(what: str) -> None:
@@ -49,6 +58,36 @@ def single_rank_world(backend: str | None = None):
         yield groups
     finally:
         destroy_distributed()
+
+
+def build_policy(groups, path: str, params_dtype: str, *, lr: float = 1e-6, **model_fields):
+    """A ``MegatronPolicy`` of ``path`` in ``params_dtype`` on ``groups``: micro-batches of 2 rows, Adam at ``lr``
+    with gradient clipping 1.0."""
+    from gtpo_megatron.config import ModelConfig
+    from gtpo_megatron.megatron_adapter.policy import MegatronPolicy
+    from gtpo_megatron.megatron_adapter.settings import OptimSettings, PolicySettings
+
+    model = ModelConfig(name_or_path=path, params_dtype=params_dtype, **model_fields)
+    settings = PolicySettings(model=model, micro_batch_size=2, optim=OptimSettings(lr=lr, clip_grad=1.0))
+    return MegatronPolicy.from_pretrained(settings, groups=groups)
+
+
+def check_train_step(policy, batch, check: str, parameter: torch.nn.Parameter) -> dict[str, float]:
+    """One ``train_step`` of ``batch`` (old log-probs: the policy's own plus noise): its loss against the float64
+    reference, a finite non-zero gradient norm and a moved ``parameter``, recorded under ``check``; the metrics."""
+    logprobs, _ = policy.compute_logprobs(batch)
+    batch.old_logprobs = torch.where(batch.response_mask, logprobs + 0.1 * torch.randn_like(logprobs), 0.0)
+    before = parameter.detach().clone()
+    metrics = policy.train_step(batch, loss_spec())
+    expected = reference_train_loss(logprobs, batch)
+    batch.old_logprobs = None
+    limit = 1e-2 * (1 + abs(expected))  # the training pass recomputes the same bf16 log-probs; a wrong normaliser
+    record(check, "|loss - float64 reference|", abs(metrics["loss"] - expected), limit=limit)  # or sign: far off
+    record(check, "grad norm", metrics["grad_norm"])
+    assert abs(metrics["loss"] - expected) <= limit
+    assert torch.isfinite(torch.tensor(metrics["grad_norm"])) and metrics["grad_norm"] > 0
+    assert not torch.equal(before, parameter.detach())
+    return metrics
 
 
 def reference_train_loss(logprobs: torch.Tensor, batch) -> float:

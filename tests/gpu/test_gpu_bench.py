@@ -30,7 +30,7 @@ import torch
 
 from gtpo_megatron.ops import vocab_parallel_logprobs_entropy
 from gtpo_megatron.plan.architectures import KNOWN_ARCHITECTURES, Architecture
-from tests.gpu.common import DEVICE, DRY_RUN, single_rank_world
+from tests.gpu.common import DEVICE, DRY_RUN
 from tests.gpu.report import bench_row, record
 
 pytestmark = pytest.mark.gpu
@@ -79,12 +79,6 @@ def _peak_extra_bytes(fn) -> float:
     fn()
     torch.cuda.synchronize()
     return torch.cuda.max_memory_allocated() - base
-
-
-@pytest.fixture(scope="module")
-def groups():
-    with single_rank_world() as groups:
-        yield groups
 
 
 def test_bench_logprob_op(groups) -> None:

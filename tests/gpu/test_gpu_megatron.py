@@ -17,20 +17,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gtpo_megatron.config import ModelConfig
-from gtpo_megatron.ops import LossSpec
 from tests.adapter.megatron_helpers import load_hf_model, make_batch, reference_token_logprobs
-from tests.gpu.common import MODEL, needs_module, reference_train_loss, single_rank_world
+from tests.gpu.common import MODEL, build_policy, check_train_step, needs_module
 from tests.gpu.report import record
 
 pytestmark = pytest.mark.gpu
-LOSS = LossSpec(loss_name="gtpo", aggregation="seq-mean-token-mean", clip_eps_low=0.2, clip_eps_high=0.2)
-
-
-@pytest.fixture(scope="module")
-def groups():
-    with single_rank_world() as groups:
-        yield groups
 
 
 @pytest.fixture(scope="module")
@@ -46,14 +37,6 @@ def reference(batch):
     return logprobs, entropy
 
 
-def _policy(groups, params_dtype: str, **settings):
-    from gtpo_megatron.megatron_adapter.policy import MegatronPolicy
-    from gtpo_megatron.megatron_adapter.settings import PolicySettings
-
-    model = ModelConfig(name_or_path=MODEL, params_dtype=params_dtype)
-    return MegatronPolicy.from_pretrained(PolicySettings(model=model, micro_batch_size=2, **settings), groups=groups)
-
-
 @pytest.mark.parametrize(
     ("params_dtype", "fp32_output_layer", "limit"),
     # fp32: matmul order only; bf16: weights and activations rounded to 8 bits (2 layers, random weights)
@@ -63,7 +46,7 @@ def _policy(groups, params_dtype: str, **settings):
 def test_forward_logprobs_vs_float64(groups, batch, reference, params_dtype, fp32_output_layer, limit) -> None:
     from gtpo_megatron.megatron_adapter.output_layer import use_fp32_output_layer
 
-    policy = _policy(groups, params_dtype)
+    policy = build_policy(groups, MODEL, params_dtype)
     if fp32_output_layer:
         use_fp32_output_layer(policy.model.output_layer)
     logprobs, entropy = policy.compute_logprobs(batch)
@@ -81,29 +64,15 @@ def test_forward_logprobs_vs_float64(groups, batch, reference, params_dtype, fp3
 def test_train_step_on_nccl(groups, batch) -> None:
     import torch.distributed as dist
 
-    from gtpo_megatron.megatron_adapter.settings import OptimSettings
-
     # lr 1e-3: one Adam step must move bf16 weights visibly (a 1e-6 step is below bf16 resolution)
-    policy = _policy(groups, "bfloat16", optim=OptimSettings(lr=1e-3, clip_grad=1.0))
-    logprobs, _ = policy.compute_logprobs(batch)
-    batch.old_logprobs = torch.where(batch.response_mask, logprobs + 0.1 * torch.randn_like(logprobs), 0.0)
-    before = next(policy.model.parameters()).detach().clone()
-    metrics = policy.train_step(batch, LOSS)
-    expected = reference_train_loss(logprobs, batch)
-    batch.old_logprobs = None
-    check = "test_train_step_on_nccl"
-    limit = 1e-2 * (1 + abs(expected))  # the training pass recomputes the same bf16 log-probs; a wrong normaliser
-    record(check, f"backend {dist.get_backend()}", 1.0)  # or sign would be off by a factor, far above 1 %
-    record(check, "|loss - float64 reference|", abs(metrics["loss"] - expected), limit=limit)
-    record(check, "grad norm", metrics["grad_norm"])
-    assert abs(metrics["loss"] - expected) <= limit
-    assert torch.isfinite(torch.tensor(metrics["grad_norm"])) and metrics["grad_norm"] > 0
-    assert not torch.equal(before, next(policy.model.parameters()).detach())
+    policy = build_policy(groups, MODEL, "bfloat16", lr=1e-3)
+    record("test_train_step_on_nccl", f"backend {dist.get_backend()}", 1.0)
+    check_train_step(policy, batch, "test_train_step_on_nccl", next(policy.model.parameters()))
 
 
 def test_transformer_engine_specs(groups, batch, reference) -> None:
     needs_module("transformer_engine", "TE")
-    policy = _policy(groups, "float32")
+    policy = build_policy(groups, MODEL, "float32")
     assert policy.model.layer_spec_backend == "transformer_engine"
     logprobs, _ = policy.compute_logprobs(batch)
     error = (logprobs.double() - reference[0])[batch.response_mask].abs().max().item()

@@ -18,6 +18,7 @@ PACKAGE = "gtpo_megatron"
 # prefixes it holds (the longest matching prefix decides) and the third-party imports it may make.
 # docs/architecture.md shows this table as ``render_layers()`` prints it (tests/test_import_graph.py compares them).
 LAYERS: list[tuple[str, tuple[str, ...], str]] = [
+    ("closed choices", ("gtpo_megatron.choices",), "stdlib"),
     ("collectives", ("gtpo_megatron.parallel.collectives",), "torch, torch.distributed; no package module"),
     ("the per-row record", ("gtpo_megatron.batch",), "torch"),
     ("ops", ("gtpo_megatron.ops",), "torch; the log-prob op's TP all-reduces go through `parallel.collectives`"),

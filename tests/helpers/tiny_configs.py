@@ -35,3 +35,21 @@ def tiny_qwen3(**fields):
     from transformers import Qwen3Config
 
     return Qwen3Config(**{**TINY, "head_dim": 32, "tie_word_embeddings": True, **fields})
+
+
+EXPERTS = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+"""The distributed MoE tests' experts: 4 a layer, top-2, width 32."""
+
+
+def tiny_moe(model_type: str):
+    """A ``TINY`` mixture-of-experts config with ``EXPERTS``: ``qwen3_moe`` (q/k norms, head_dim 16, top-k weights
+    renormalised), ``qwen2_moe`` (a shared expert of width 48) or ``mixtral`` (its experts' width is
+    ``intermediate_size``)."""
+    from transformers import MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
+
+    if model_type == "qwen3_moe":
+        return Qwen3MoeConfig(**TINY, **EXPERTS, head_dim=16, norm_topk_prob=True)
+    if model_type == "qwen2_moe":
+        return Qwen2MoeConfig(**TINY, **EXPERTS, shared_expert_intermediate_size=48)
+    width, top_k = EXPERTS["moe_intermediate_size"], EXPERTS["num_experts_per_tok"]
+    return MixtralConfig(**{**TINY, "intermediate_size": width}, num_local_experts=4, num_experts_per_tok=top_k)

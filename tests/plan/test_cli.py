@@ -181,7 +181,7 @@ def test_plan_imports_no_torch() -> None:
 def test_plan_refuses_what_the_policy_cannot_build() -> None:
     recipe = str(SCALE_RECIPES[0])
     status, text = run(["--config", recipe, "--gpus", str(_gpus(SCALE_RECIPES[0])), "model.params_dtype=float16"])
-    assert status == 2 and "model.params_dtype='float16': the Megatron policy trains in" in text
+    assert status == 2 and "model.params_dtype='float16': must be one of ['float32', 'bfloat16']" in text
 
 
 def test_many_engines_and_the_sync_path_of_the_70b_recipe() -> None:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from gtpo_megatron.parallel.groups import init_distributed
 from gtpo_megatron.plan.architectures import KNOWN_ARCHITECTURES
-from gtpo_megatron.plan.layout import check_layout, padded_vocab_size
+from gtpo_megatron.plan.layout import check_layout, padded_vocab_size, world_problems
+from tests.helpers.dist_harness import run_distributed
 
 LLAMA70B = KNOWN_ARCHITECTURES["Llama-3.1-70B-Instruct"]  # 64 heads, 8 KV heads, 80 layers
 QWEN25_32B = KNOWN_ARCHITECTURES["Qwen2.5-32B-Instruct"]  # 40 heads, 8 KV heads, 64 layers
@@ -97,3 +99,30 @@ def test_all_problems_are_reported_together() -> None:
     text = str(info.value)
     assert text.count("\n  - ") == 3  # tp, pp and the world size (64 is not a multiple of 16*3)
     assert "parallel.tp_size=16" in text and "parallel.pp_size=3" in text and "--gpus=64" in text
+
+
+@pytest.mark.parametrize(
+    ("sizes", "message"),
+    [
+        ((1, 1, 0), "parallel.tp_size/pp_size/ep_size=1/1/0 must each be >= 1; use 1"),
+        (
+            (1, 2, 3),
+            "parallel.ep_size=3 must divide the 4 ranks of a pipeline stage (the world size 8, parallel.pp_size=2); "
+            "use one of [1, 2, 4]",
+        ),
+        ((2, 2, 2), ""),
+    ],
+)  # fmt: skip
+def test_world_problems_hold_the_expert_parallel_rule(sizes, message) -> None:
+    tp, pp, ep = sizes
+    found = world_problems(8, tp_size=tp, pp_size=pp, ep_size=ep, described="the world size 8", launch="8 ranks")
+    assert found == ([message] if message else [])
+
+
+def _init_with_ep(rank: int, world_size: int, ep_size: int) -> None:
+    with pytest.raises(ValueError, match=rf"parallel.ep_size={ep_size} must divide the {world_size} ranks of a"):
+        init_distributed(ep_size=ep_size)
+
+
+def test_the_process_groups_refuse_by_the_same_rule() -> None:
+    run_distributed(_init_with_ep, 2, 3)

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gtpo_megatron.megatron_adapter.settings import validate_config
+from gtpo_megatron.megatron_adapter.validation import validate_config
 from gtpo_megatron.rollout.types import Completion, PromptCompletions
 from tests.helpers.dist_harness import run_distributed
 from tests.helpers.references import ref_logprobs_entropy

@@ -61,7 +61,7 @@ def test_unknown_data_source_fails_before_model_loading(monkeypatch, capsys):
     "override, fragment",
     [
         ("model.megatron_overrides={sequence_parallel: true}", "sequence_parallel (set by parallel.sequence_parallel)"),
-        ("model.params_dtype=float16", "model.params_dtype='float16': the Megatron policy trains in"),
+        ("model.params_dtype=float16", "model.params_dtype='float16': must be one of ['float32', 'bfloat16']"),
     ],
 )
 def test_policy_settings_errors_exit_2_before_any_process_group(override, fragment, monkeypatch, capsys):

@@ -31,7 +31,7 @@ from collections.abc import Callable
 
 import torch
 
-from gtpo_megatron.megatron_adapter.moe_features import moe_shape
+from gtpo_megatron.megatron_adapter.moe.features import moe_shape
 
 
 def check_replay_supported(hf_config) -> None:

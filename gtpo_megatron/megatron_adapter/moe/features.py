@@ -1,25 +1,24 @@
 """Mixture-of-experts decoders (Qwen3-MoE, Qwen2-MoE, Mixtral): the HF router and expert fields and Megatron's.
 
-Every decoder layer of an accepted model is one ``MoELayer`` (docs/moe.md has the field table):
+Every decoder layer of an accepted model is one ``MoELayer`` (docs/moe.md has the field table; each family's keys
+and names are its ``plan.model_families`` record):
 
-* router: HF ``softmax(logits) -> top-k``, renormalised over the k when ``norm_topk_prob`` (Qwen3-MoE, Qwen2-MoE)
-  and always for Mixtral. Megatron's ``moe_router_pre_softmax=False`` is ``top-k(logits) -> softmax`` over the k,
-  the same renormalised weights; ``True`` is ``softmax -> top-k``, HF without renormalisation.
-* experts: ``num_experts`` SwiGLU MLPs of width ``moe_intermediate_size`` (Mixtral: ``intermediate_size``), dropless
-  (no capacity factor). Qwen2-MoE adds a shared expert of width ``shared_expert_intermediate_size`` scaled by
-  ``sigmoid(shared_expert_gate(x))`` (``moe_shared_expert_gate``).
-* HF tensor names: ``{block}.gate.weight`` (router) and ``{block}.experts.{e}.{gate, up, down}`` with
-  ``block = model.layers.{i}.mlp`` (Mixtral: ``model.layers.{i}.block_sparse_moe`` and ``w1, w3, w2``).
+* router: HF ``softmax(logits) -> top-k``, renormalised over the k when the family says so (``norm_topk_prob``).
+  Megatron's ``moe_router_pre_softmax=False`` is ``top-k(logits) -> softmax`` over the k, the same renormalised
+  weights; ``True`` is ``softmax -> top-k``, HF without renormalisation.
+* experts: ``num_experts`` SwiGLU MLPs of the family's width key, dropless (no capacity factor); a family with a
+  shared expert adds one, scaled by ``sigmoid(shared_expert_gate(x))`` when it is gated (``moe_shared_expert_gate``).
 
 Expert tensor parallelism is 1: each expert is whole on one rank, EP ranks hold ``num_experts / ep_size`` each.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from gtpo_megatron.plan.architectures import MOE_MODEL_TYPES, moe_sizes
+from gtpo_megatron.plan.model_families import FAMILIES, MoEFamily, moe_sizes
 
 if TYPE_CHECKING:
     from gtpo_megatron.megatron_adapter.settings import PolicySettings
@@ -34,41 +33,27 @@ _HF_ROUTING = dict(
 )
 """Megatron's routing options that HF's (and vLLM's) routers of these types do not have, pinned to their no-op
 values: every layer an MoE layer, no weight scaling, jitter, expert bias or group-limited top-k."""
-_EXPERT_LINEARS = {"mixtral": ("w1", "w3", "w2")}
-_DEFAULT_EXPERT_LINEARS = ("gate_proj", "up_proj", "down_proj")
 
 
 @dataclass(frozen=True)
 class MoEShape:
-    """The experts of every layer: counts, widths (0: no shared expert), routing and the HF naming scheme."""
+    """The experts of every layer: counts, widths (0: no shared expert), routing and the family's HF names."""
 
     num_experts: int
     top_k: int
     expert_ffn_size: int
     shared_expert_ffn_size: int
     renormalize: bool
-    block: str
-    """``mlp`` or ``block_sparse_moe``: the HF submodule of a layer that holds the router and experts."""
-    expert_linears: tuple[str, str, str]
-    """HF names of an expert's gate, up and down projections."""
-
-    def hf_expert_name(self, layer: int, expert: int, which: int) -> str:
-        """``model.layers.{layer}.{block}.experts.{expert}.{gate|up|down}.weight`` (``which`` 0, 1, 2)."""
-        return f"model.layers.{layer}.{self.block}.experts.{expert}.{self.expert_linears[which]}.weight"
+    family: MoEFamily
 
 
 def moe_shape(hf_config) -> MoEShape | None:
     """The ``MoEShape`` of an accepted MoE config (``check_moe_config`` first); None for a dense model type."""
-    model_type = hf_config.model_type
-    if model_type not in MOE_MODEL_TYPES:
+    family = FAMILIES.get(hf_config.model_type)
+    if family is None or family.moe is None:
         return None
-    mixtral = model_type == "mixtral"
-    return MoEShape(
-        **moe_sizes(hf_config.to_dict()),
-        renormalize=mixtral or bool(getattr(hf_config, "norm_topk_prob", False)),
-        block="block_sparse_moe" if mixtral else "mlp",
-        expert_linears=_EXPERT_LINEARS.get(model_type, _DEFAULT_EXPERT_LINEARS),
-    )
+    config = hf_config.to_dict()
+    return MoEShape(**moe_sizes(config), renormalize=family.moe.renormalize.read(config), family=family.moe)
 
 
 def check_moe_config(hf_config) -> None:
@@ -77,19 +62,18 @@ def check_moe_config(hf_config) -> None:
     ``hf_features`` warns about Mixtral's training-only ``router_jitter_noise``.
 
     Raises:
-        ValueError: dense layers among the sparse ones (``mlp_only_layers``, ``decoder_sparse_step != 1``), no
-            experts, or a top-k outside ``[1, num_experts]``, each naming the config key.
+        ValueError: dense layers among the sparse ones (the family's ``all_sparse`` keys), no experts, or a top-k
+            outside ``[1, num_experts]``, each naming the config key.
     """
-    if hf_config.model_type in ("qwen3_moe", "qwen2_moe"):
-        dense = list(getattr(hf_config, "mlp_only_layers", None) or [])
-        step = int(getattr(hf_config, "decoder_sparse_step", 1) or 1)
-        if dense or step != 1:
-            raise ValueError(
-                f"mlp_only_layers={dense}, decoder_sparse_step={step}: dense MLP layers among the MoE layers are "
-                "not built here (every layer is an MoE layer); use a checkpoint with mlp_only_layers=[] and "
-                "decoder_sparse_step=1"
-            )
-    sizes = moe_sizes(hf_config.to_dict())
+    config, moe = hf_config.to_dict(), FAMILIES[hf_config.model_type].moe
+    if moe.has_dense_layers(config):
+        values = {key: sparse if config.get(key) is None else config[key] for key, sparse in moe.all_sparse}
+        raise ValueError(
+            ", ".join(f"{key}={json.dumps(value)}" for key, value in values.items())
+            + ": dense MLP layers among the MoE layers are not built here (every layer is an MoE layer); use a "
+            "checkpoint with " + " and ".join(f"{key}={json.dumps(sparse)}" for key, sparse in moe.all_sparse)
+        )
+    sizes = moe_sizes(config)
     experts, top_k = sizes.get("num_experts", 0), sizes.get("top_k", 0)
     if experts < 1 or not 1 <= top_k <= experts:
         raise ValueError(
@@ -112,7 +96,8 @@ def moe_transformer_fields(hf_config, settings: PolicySettings, *, grouped_gemm:
     model = settings.model
     shared = {}
     if shape.shared_expert_ffn_size:
-        shared = dict(moe_shared_expert_intermediate_size=shape.shared_expert_ffn_size, moe_shared_expert_gate=True)
+        gated = shape.family.shared_expert_gate is not None
+        shared = dict(moe_shared_expert_intermediate_size=shape.shared_expert_ffn_size, moe_shared_expert_gate=gated)
     return dict(
         num_moe_experts=shape.num_experts,
         moe_router_topk=shape.top_k,
