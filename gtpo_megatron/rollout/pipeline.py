@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from gtpo_megatron.preemption import StepInterrupted
+from gtpo_megatron.preemption import StepInterrupted, wait_until
 from gtpo_megatron.rollout.collector import StepRollout, share_step
 from gtpo_megatron.rollout.exchange import EngineTally, RoutingLayout
 
@@ -203,13 +203,9 @@ class AsyncRollouts:
         return {**metrics, "async/weight_wait_s": idle_s}
 
     def _wait(self, batch: _Batch, stop: StopRequests | None) -> None:
-        """Wait for ``batch`` (``rollout.timeout_s``; interruptible by SIGTERM with ``stop``) and raise its error."""
+        """Wait for ``batch`` (``rollout.timeout_s``; ``stop``'s abort signals leave it) and raise its error."""
         timeout_s = self.cfg.rollout.timeout_s
-        if stop is None:
-            finished = batch.done.wait(timeout_s)
-        else:
-            with stop.interruptible():
-                finished = batch.done.wait(timeout_s)
+        finished = wait_until(batch.done.wait, timeout_s, stop)
         name = getattr(self.collector.engine, "name", "the rollout engine")
         if not finished:
             raise RuntimeError(

@@ -24,9 +24,7 @@ import dataclasses
 import logging
 import math
 import os
-import shutil
 import tempfile
-import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 
@@ -41,6 +39,7 @@ from gtpo_megatron.rollout.engine import (
     request_seed,
     validate_prompt_ids,
 )
+from gtpo_megatron.rollout.staging import open_staging_dir
 from gtpo_megatron.rollout.types import Completion, PromptCompletions
 from gtpo_megatron.rollout.vllm_worker import WeightReloadExtension, check_fused_groups_complete
 
@@ -112,11 +111,6 @@ class WorkerExtension(WeightReloadExtension):
         """
         experts = self._gtpo_capturer.device_buffer[:num_tokens].to("cpu", torch.int16)
         return list(experts.shape), experts.numpy().tobytes()
-
-
-def _default_staging_root() -> str | None:
-    shm = Path("/dev/shm")
-    return str(shm) if shm.is_dir() and os.access(shm, os.W_OK) else None
 
 
 class VLLMEngine:
@@ -231,8 +225,7 @@ class VLLMEngine:
                 self._llm.collective_rpc("gtpo_bind_routing_capture")
         self._dtype: torch.dtype = self._llm.llm_engine.model_config.dtype
         self._packed_modules = self._llm.collective_rpc("gtpo_packed_modules")[0]
-        self._staging = Path(tempfile.mkdtemp(prefix="gtpo-weights-", dir=staging_dir or _default_staging_root()))
-        weakref.finalize(self, shutil.rmtree, self._staging, ignore_errors=True)  # also when close() is skipped
+        self._staging, self._remove_staging = open_staging_dir(self, staging_dir)  # also removed at exit
         self._bucket_names: set[str] | None = None
         self._num_buckets = 0
 
@@ -416,7 +409,7 @@ class VLLMEngine:
         llm, self._llm = getattr(self, "_llm", None), None
         if llm is not None:
             llm.llm_engine.engine_core.shutdown()
-        shutil.rmtree(self._staging, ignore_errors=True)
+        self._remove_staging()
 
     def __enter__(self) -> VLLMEngine:
         return self
