@@ -25,6 +25,10 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from multiprocessing.managers import SyncManager
 
 logger = logging.getLogger(__name__)
 WAIT_SLICE_S = 0.05
@@ -65,6 +69,19 @@ def init_helper_process(parent_pid: int, ignored: tuple[int, ...] = (*ABORT_SIGN
     if sys.platform == "linux":
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     threading.Thread(target=_exit_with_parent, args=(parent_pid,), name="gtpo-parent-watch", daemon=True).start()
+
+
+def start_helper_manager() -> SyncManager:
+    """A forked ``multiprocessing`` manager that ignores the stop signals and ends with this process.
+
+    Forked: milliseconds, no re-import; :func:`init_helper_process` runs first in it. Its proxies keep it alive.
+    """
+    import multiprocessing
+    from multiprocessing.managers import SyncManager
+
+    manager = SyncManager(ctx=multiprocessing.get_context("fork"))
+    manager.start(init_helper_process, (os.getpid(),))
+    return manager
 
 
 def _exit_with_parent(parent_pid: int) -> None:
