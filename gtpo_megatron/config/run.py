@@ -38,8 +38,8 @@ class CheckpointConfig:
     keep_last: int = 2
     """Checkpoints kept under output_dir/checkpoints (older ones are deleted)."""
     save_on_sigterm: bool = True
-    """On SIGTERM (preemption; SIGKILL follows ~30 s later) abort the step in flight at its next safe point, save
-    the last completed step and exit cleanly (``gtpo_megatron.preemption``)."""
+    """On SIGTERM (preemption; SIGKILL follows ~30 s later) or SIGINT (Ctrl-C) abort the step in flight at its next
+    wait or safe point, save the last completed step and exit cleanly (``gtpo_megatron.preemption``)."""
     save_on_sigusr1: bool = True
     """On SIGUSR1 (Slurm's early warning, ``--signal=B:USR1@<seconds>`` in ``launch/submit.sbatch``) finish the
     step in flight, save it and exit cleanly."""
