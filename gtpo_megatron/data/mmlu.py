@@ -15,6 +15,7 @@ from typing import Any
 
 from gtpo_megatron.data.prompts import CHOICE_LETTERS, choice_question
 from gtpo_megatron.data.types import Problem
+from gtpo_megatron.rewards.choice import choice_reference
 
 MMLU = "mmlu"
 SUBJECTS = (
@@ -85,4 +86,5 @@ def mmlu_problem(record: dict, *, default_id: str, where: str) -> Problem:
         raise ValueError(f"{where}: subject={subject!r} is not one of MMLU's subjects (data.mmlu.SUBJECTS)")
     letter = _answer_letter(record["answer"], len(choices), where)
     problem_id = str(record.get("id", default_id))
-    return Problem(id=problem_id, question=choice_question(question, choices), answer=letter, source=f"mmlu/{subject}")
+    answer = choice_reference(letter, choices)
+    return Problem(id=problem_id, question=choice_question(question, choices), answer=answer, source=f"mmlu/{subject}")
