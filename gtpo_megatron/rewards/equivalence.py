@@ -55,16 +55,16 @@ def upright_symbols(latex: str) -> str:
     r"""``latex`` with upright letters and function names written as math-verify reads them.
 
     A text-mode command (``\mathrm``, ``\text``, ``\textrm``, ``\mathit``, ``\operatorname``) around one letter
-    becomes the letter, as written plainly (``\frac{1}{\mathrm{e}}`` -> ``\frac{1}{e}``, Euler's number;
-    ``2\mathrm{i}`` -> ``2i``; ``\mathrm{d} x`` -> ``dx``; a space after a letter: ``\cdot\mathrm{e}`` ->
-    ``\cdot e``), around a function name the function's command (``\operatorname{sin}`` -> ``\sin ``); words
-    (units, prose) stay for math-verify's own text handling.
+    becomes the letter, after a space unless a digit precedes it (``\frac{1}{\mathrm{e}}`` -> ``\frac{1}{ e}``,
+    Euler's number; ``2\mathrm{i}`` -> ``2i``; ``5\,\mathrm{m}`` -> ``5\, m``, a unit; ``\mathrm{d} x`` -> `` dx``);
+    around a function name it becomes the function's command (``\operatorname{sin}`` -> ``\sin ``). Words (units,
+    prose) stay for math-verify's own text handling.
     """
 
     def rewrite(match: re.Match) -> str:
         name, before = match.group(1), latex[match.start() - 1 : match.start()]
         if len(name) == 1:
-            return f" {name}" if before.isalpha() else name
+            return name if before.isdigit() else f" {name}"
         return f"\\{name} " if name in _FUNCTIONS else match.group(0)
 
     return _UPRIGHT_RE.sub(rewrite, latex)
