@@ -41,6 +41,10 @@ def test_unknown_subject_lists_the_closest_names():
     with pytest.raises(ValueError, match=r"^data.source='mmlu/geography': .*closest: high_school_geography"):
         check_source("mmlu/geography", data_dir=FIXTURES, prefix="data.")
     check_source("mmlu/astronomy", data_dir=FIXTURES)  # a real subject with its file: fine
+    with pytest.raises(
+        ValueError, match=r"does not exist; .* and set GTPO_DATA_DIR=DIR, or give data.path=FILE.jsonl$"
+    ):
+        check_source("mmlu", data_dir="/nonexistent", prefix="data.")
     with pytest.raises(ValueError, match="holds no question of the MMLU subject 'virology'"):
         load_problems("mmlu/virology", data_dir=FIXTURES)  # a real subject the file does not hold
 

@@ -101,6 +101,20 @@ def test_unknown_subject_is_a_usage_error_before_the_model_loads(tmp_path, capsy
     assert "MMLU has no subject 'astronmy'; closest: astronomy, anatomy" in capsys.readouterr().err
 
 
+def test_missing_mmlu_file_names_the_option_gtpo_eval_accepts(tmp_path, capsys):
+    from gtpo_megatron.evaluation.cli import main
+
+    flags = _flags(tmp_path)
+    flags[flags.index("--data-dir") + 1] = str(tmp_path / "empty")
+    with pytest.raises(SystemExit) as exit_info:
+        main(flags)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2
+    assert "mmlu/test.jsonl does not exist; download the benchmarks once with `gtpo-data --out DIR mmlu`" in err
+    assert err.rstrip().endswith("and pass --data-dir DIR or set GTPO_DATA_DIR=DIR")
+    assert "path=" not in err  # gtpo-eval has no file option
+
+
 def test_pooling_weights_by_problems_and_adds_counts():
     a = {"accuracy": 1.0, "pass@1": 1.0, "num_problems": 1.0, "num_samples": 4.0, "num_no_answer": 0.0,
          "reward/num_errors": 1.0}  # fmt: skip
