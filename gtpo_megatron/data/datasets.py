@@ -8,7 +8,7 @@ source          file                            fields                         a
 ==============  ==============================  =============================  =================================
 gsm8k           gsm8k/{train,test}.jsonl        question, answer               after ``####``, commas removed
 math500, aime*  <folder>/test.jsonl             problem, answer                as is
-mmlu[/subject]  mmlu/{test,validation,dev}      question, choices, answer      the letter (:mod:`.mmlu`)
+mmlu[/subject]  mmlu/{test,validation,dev}      question, choices, answer      letter + choices (:mod:`.mmlu`)
 openr1-math     openr1-math/train.jsonl         problem, answer, correctness_  as is, unusable rows dropped
                                                                                (:mod:`.openr1`)
 ==============  ==============================  =============================  =================================

@@ -1,11 +1,11 @@
-r"""MMLU (Hendrycks et al., 2021): its subjects, the source names that select them, and its rows as problems.
+"""MMLU (Hendrycks et al., 2021): its subjects, the source names that select them, and its rows as problems.
 
 Sources: ``mmlu`` (every subject of the file) and ``mmlu/<subject>`` (one subject). The local file
 ``mmlu/<split>.jsonl`` (``gtpo-data mmlu``, from ``cais/mmlu`` config ``all``) holds one row per question:
 ``question`` (str), ``choices`` (2-10 str), ``answer`` (index into ``choices``, or its letter) and ``subject``.
 A row becomes a :class:`Problem` whose question lists the lettered choices (``prompts.choice_question``) and whose
-answer is the letter; ``source`` is ``mmlu/<subject>``. The letter is graded by the math rewards like any answer
-(math-verify reads ``C``, ``(C)``, ``\text{C}``, ``\textbf{(C)}`` as the same symbol).
+answer is the choice reference (``rewards.choice.choice_reference``: the letter and the choices), graded by the
+letter a completion states or the text of one choice (``docs/rewards.md``); ``source`` is ``mmlu/<subject>``.
 """
 
 from __future__ import annotations
