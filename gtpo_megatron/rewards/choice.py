@@ -1,13 +1,8 @@
 r"""Multiple-choice answers: the reference that carries the letter and the options, and the letter a completion states.
 
-A choice reference is the JSON text ``{"letter": "C", "options": ["...", ...]}`` (:func:`choice_reference`, written
-by ``data.mmlu``). The answer span is the ``<answer>`` block, else the last answer statement ("The answer is (C)",
-"Answer: C", ``\boxed{C}``), else the whole visible text. The span states a letter when it starts with one (any
-case, after "Answer:", "The answer is", "Option" or "Choice"): ``C``, ``(C)``, ``C.``, ``C)``, ``C:``, or one of the
-last four followed by text (``C. 42``, ``(C) Paris``); the text after a stated letter is not checked, so a stated
-letter wins (``B. Paris`` is B even when Paris is option C). A span without a letter that is exactly one option's
-text (case and spacing aside) states that option. A span naming two different letters (``A or B``, ``(A), (C)``)
-states none. Rules in ``docs/rewards.md``. Stdlib only.
+A choice reference is the JSON text ``{"letter": "C", "options": [...]}``. The span, letter forms, option texts and
+the two-letter rule are in ``docs/rewards.md`` (a stated letter wins: ``B. Paris`` is B even when Paris is option C).
+Stdlib only.
 """
 
 from __future__ import annotations
@@ -46,7 +41,7 @@ class ChoiceReference:
 
 
 def choice_reference(letter: str, options: list[str] | tuple[str, ...]) -> str:
-    """The reference text of a multiple-choice question (module docstring); ``ValueError`` for a letter off the list."""
+    """The reference text of a multiple-choice question; ``ValueError`` for a letter off the list."""
     if letter not in LETTERS[: len(options)]:
         raise ValueError(f"letter={letter!r} must be one of {list(LETTERS[: len(options)])} for {len(options)} options")
     return json.dumps({"letter": letter, "options": list(options)}, ensure_ascii=False)
@@ -74,7 +69,7 @@ def _plain(text: str) -> str:
 
 
 def answer_span(completion: str) -> str | None:
-    """The text that states the choice (module docstring); ``None`` when cut off inside ``<think>`` or empty."""
+    """The text that states the choice (``<answer>``, last statement or box, else all); ``None``: cut off or empty."""
     text = visible_text(completion)
     if text is None:
         return None
