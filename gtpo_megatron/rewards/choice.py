@@ -17,9 +17,9 @@ LETTERS = "ABCDEFGHIJ"
 _LATEX_WRAP_RE = re.compile(r"\\(?:boxed|fbox|text|textbf|textrm|mathrm|mathbf)\s*\{([^{}]*)\}")
 _LATEX_DELIMITER_RE = re.compile(r"\$|\\[()\[\]]")
 _BOX_RE = re.compile(r"\\(?:boxed|fbox)\s*\{")
-_STATEMENT_RE = re.compile(r"\b(?:answer|option|choice)\s*(?:is\b|:)", re.IGNORECASE)
+_STATEMENT_RE = re.compile(r"\b(?:answer|option|choice)\s*(?:is\b\s*:?|:)", re.IGNORECASE)
 _PREFIX_RE = re.compile(
-    r"(?:(?:the\s+)?(?:final\s+|correct\s+|best\s+)?(?:answer|option|choice)\s*(?:is\b|:)?\s*(?:option\s+)?)?",
+    r"(?:(?:the\s+)?(?:final\s+|correct\s+|best\s+)?(?:answer|option|choice)\s*(?:is\b\s*:?|:)?\s*(?:option\s+)?)?",
     re.IGNORECASE,
 )
 # (C), [C], C., C), C: with optional text after; or the letter alone.

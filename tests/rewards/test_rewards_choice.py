@@ -40,6 +40,8 @@ def score(completion: str, letter: str, options: list[str] = OPTIONS) -> float:
         ("<answer>Choice A</answer>", "A", 1.0),
         ("<answer>The answer is (B)</answer>", "B", 1.0),
         ("Answer: c", "C", 1.0),
+        ("The answer is: (B)", "B", 1.0),
+        ("<answer>The correct answer is: d</answer>", "D", 1.0),
         ("The correct answer is (b).", "B", 1.0),
         ("The correct answer is C. 6%.", "C", 1.0),
         ("Therefore the final answer is D", "D", 1.0),
