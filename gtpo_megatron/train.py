@@ -125,6 +125,14 @@ def _train(cfg, timer, *, started: float) -> int:
             groups.pp_size,
             groups.dp_size,
         )
+        if cfg.optim.packing and cfg.optim.max_tokens_per_micro_batch is None:
+            logger.info(
+                "optim.packing: %d tokens a micro-batch, optim.micro_batch_size=%d full-length rows "
+                "(rollout.max_prompt_len + rollout.max_tokens = %d); set optim.max_tokens_per_micro_batch to change it",
+                cfg.max_tokens_per_micro_batch,
+                cfg.optim.micro_batch_size,
+                cfg.rollout.max_prompt_len + cfg.rollout.max_tokens,
+            )
     torch.manual_seed(cfg.trainer.seed)
     trainer = build_trainer(cfg, groups, timer=timer)
     trainer.sink.write(format_startup_line(timer.seconds, time.perf_counter() - started))

@@ -245,7 +245,7 @@ class Trainer:
     def _dp_rows(self, batch: TrainBatch) -> torch.Tensor:
         """This DP rank's rows (``[B/D]`` int64): a contiguous share, or, under a token budget, balanced by tokens."""
         dp, rank = self.groups.dp_size, self.groups.dp_rank
-        if self.cfg.optim.max_tokens_per_micro_batch is None:
+        if self.cfg.max_tokens_per_micro_batch is None:
             return torch.arange(batch.num_sequences)[row_shard(batch.num_sequences, rank=rank, size=dp)]
         return torch.tensor(balanced_row_shards(batch.sequence_lengths(), dp)[rank])
 

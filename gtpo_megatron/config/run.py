@@ -88,6 +88,16 @@ class GTPOConfig:
         """The engines' weight dtype: ``rollout.dtype``, or ``model.params_dtype`` when ``auto``."""
         return self.model.params_dtype if self.rollout.dtype == "auto" else self.rollout.dtype
 
+    @property
+    def max_tokens_per_micro_batch(self) -> int | None:
+        """The token budget: ``optim.max_tokens_per_micro_batch``, or with ``optim.packing`` alone that of full rows.
+
+        Full rows: ``micro_batch_size * (rollout.max_prompt_len + rollout.max_tokens)``; None: by rows.
+        """
+        if self.optim.max_tokens_per_micro_batch is not None or not self.optim.packing:
+            return self.optim.max_tokens_per_micro_batch
+        return self.optim.micro_batch_size * (self.rollout.max_prompt_len + self.rollout.max_tokens)
+
     def validate(self, world_size: int, *, hf_config: dict | None = None) -> None:
         """Cross-section checks once the world size is known (``megatron_adapter.validation.validate_config`` wraps it).
 
@@ -122,7 +132,7 @@ class GTPOConfig:
             group_size=self.algorithm.group_size,
             dp_size=dp,
             # a token budget forms its own micro-batches: any number of rows per rank
-            micro_batch_size=self.optim.micro_batch_size if self.optim.max_tokens_per_micro_batch is None else 1,
+            micro_batch_size=self.optim.micro_batch_size if self.max_tokens_per_micro_batch is None else 1,
         )
         if self.rollout.num_engines != "auto":
             problems += engines.engine_count_problems(
@@ -152,7 +162,7 @@ class GTPOConfig:
             self._validate_routing_replay(num_experts=arch.num_experts)
 
     def _validate_token_budget(self) -> None:
-        budget = self.optim.max_tokens_per_micro_batch
+        budget = self.max_tokens_per_micro_batch
         prompt, total = self.rollout.max_prompt_len, self.rollout.max_prompt_len + self.rollout.max_tokens
         _require(
             budget is None or budget >= prompt,
