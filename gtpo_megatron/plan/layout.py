@@ -9,6 +9,7 @@ returns its problems (empty when it holds); ``check_layout`` (``gtpo-plan``) and
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -83,6 +84,11 @@ def engine_problems(arch: Architecture, *, engine_tp_size: int) -> list[str]:
             f"multiple of num_query_groups={groups} (vLLM); use one of {engine_ok}"
         ]
     return []
+
+
+def smallest_world_size(*, tp_size: int, pp_size: int, ep_size: int = 1) -> int:
+    """The fewest training ranks ``world_problems`` accepts: a multiple of ``tp * pp`` and of ``ep * pp``."""
+    return pp_size * math.lcm(tp_size, ep_size)
 
 
 def world_problems(
