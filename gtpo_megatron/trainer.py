@@ -296,10 +296,11 @@ class Trainer:
     def _after_update(self, step: int) -> dict[str, float]:
         """The weight sync after ``step``'s update; async: between the engines' batches (``AsyncRollouts``).
 
-        Async: a SIGTERM during the drain skips the push (safe point: one MAX all-reduce on the world).
+        None after the last step (no rollout samples its weights). Async: a SIGTERM during the drain skips the push
+        (safe point: one MAX all-reduce on the world).
         """
         if self.rollouts is None:
-            return self._sync_weights()
+            return self._sync_weights() if step < self.cfg.trainer.max_steps else {}
         waited = self.rollouts.drain(self.stop_requests)
         if self._agree(self.stop_requests.abort_requested):
             return waited
