@@ -331,5 +331,5 @@ def test_off_policy_correction_reaches_the_loss_and_metrics(tmp_path):
     _, loss, _ = trainer.policy.train_batches[0]
     assert (loss.off_policy_correction, loss.off_policy_cap) == ("tis", 1.5)
     assert metrics["offpolicy/is_weight_mean"] == pytest.approx((1 + math.exp(-0.5)) / 2)
-    assert metrics["offpolicy/is_capped_frac"] == 0.0
+    assert metrics["offpolicy/is_capped_frac"] == 0.0 and metrics["offpolicy/is_undefined_frac"] == 0.0
     assert "offpolicy/is_weight_mean" not in make_trainer(tmp_path / "none").step(1)
