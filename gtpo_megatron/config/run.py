@@ -119,11 +119,14 @@ class GTPOConfig:
         )
         tp, pp = self.parallel.tp_size, self.parallel.pp_size
         dp = max(world_size // (tp * pp), 1)
+        hf = hf_config
+        arch = None if hf is None else architecture_from_hf_config(hf, name=self.model.name_or_path)
         problems = layout.world_problems(
             world_size,
             tp_size=tp,
             pp_size=pp,
             ep_size=self.parallel.ep_size,
+            num_experts=0 if arch is None else arch.num_experts,
             described=f"the world size {world_size}",
             launch=f"a multiple of {tp * pp} ranks",
         )
@@ -146,14 +149,16 @@ class GTPOConfig:
                     num_engine_gpus=self.rollout.num_engine_gpus,
                 ),
             )
-        hf = hf_config
-        if hf is not None:
-            arch = architecture_from_hf_config(hf, name=self.model.name_or_path)
+        if arch is not None:
             problems += layout.model_problems(
                 arch, tp_size=tp, pp_size=pp, pad_attention_heads=self.model.pad_attention_heads
             )
             problems += layout.expert_problems(
-                arch, ep_size=self.parallel.ep_size, tp_size=tp, sequence_parallel=self.parallel.sequence_parallel
+                arch,
+                ep_size=self.parallel.ep_size,
+                tp_size=tp,
+                sequence_parallel=self.parallel.sequence_parallel,
+                stage_ranks=world_size // pp if world_size % (tp * pp) == 0 else None,
             )
         layout.raise_problems(problems)
         self._validate_token_budget()
