@@ -246,7 +246,7 @@ class Trainer:
     def _dp_rows(self, batch: TrainBatch) -> torch.Tensor:
         """This DP rank's rows (``[B/D]`` int64): a contiguous share, or, under a token budget, balanced by tokens."""
         dp, rank = self.groups.dp_size, self.groups.dp_rank
-        if self.cfg.optim.max_tokens_per_micro_batch is None:
+        if self.cfg.max_tokens_per_micro_batch is None:
             return torch.arange(batch.num_sequences)[row_shard(batch.num_sequences, rank=rank, size=dp)]
         return torch.tensor(balanced_row_shards(batch.sequence_lengths(), dp)[rank])
 
@@ -297,10 +297,11 @@ class Trainer:
     def _after_update(self, step: int) -> dict[str, float]:
         """The weight sync after ``step``'s update; async: between the engines' batches (``AsyncRollouts``).
 
-        Async: an abort signal during the drain skips the push (safe point: one MAX all-reduce on the world).
+        No push after the last step (no rollout samples its weights). Async: an abort signal during the drain skips
+        the push (safe point: one MAX all-reduce on the world).
         """
         if self.rollouts is None:
-            return self._sync_weights()
+            return self._sync_weights() if step < self.cfg.trainer.max_steps else {}
         waited = self.rollouts.drain(self.stop_requests)
         if self._agree(self.stop_requests.abort_requested):
             return waited

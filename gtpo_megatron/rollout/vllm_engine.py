@@ -7,7 +7,8 @@ walk per worker (``rollout/vllm_worker.py``) and a prefix-cache reset; ``files``
 (``/dev/shm`` when available) and reloads them at ``finish_weight_update``.
 
 CPU: the KV cache is ``VLLM_CPU_KVCACHE_SPACE``; attention needs head_dim >= 32; the in-process engine starts in
-~3 s but hangs inside a multi-rank torch.distributed job (use the multiprocess one there); no sleep mode.
+~3 s but hangs inside a multi-rank torch.distributed job (use the multiprocess one there); no sleep mode; the
+engine's own process preloads Intel OpenMP and tcmalloc (``rollout/cpu_preload.py``).
 
 Routed experts (``routing_replay``, docs/moe.md): each completion carries ``[P + R - 1, L, K]`` int16, the experts
 of every fed token in every MoE layer. GPU: vLLM's ``enable_return_routed_experts`` (its V2 model runner), the
@@ -31,7 +32,7 @@ from pathlib import Path
 import torch
 
 from gtpo_megatron.builtin_models import resolve_model_path
-from gtpo_megatron.rollout import vllm_logging
+from gtpo_megatron.rollout import cpu_preload, vllm_logging
 from gtpo_megatron.rollout.engine import (
     NamedTensor,
     SamplingConfig,
@@ -47,6 +48,7 @@ logger = logging.getLogger(__name__)
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _FINISH_REASONS = ("stop", "length")
+_MULTIPROCESSING = "VLLM_ENABLE_V1_MULTIPROCESSING"  # "0": the engine core runs in the caller's process
 
 
 @contextlib.contextmanager
@@ -64,7 +66,7 @@ def _engine_environment(
     """
     wanted = {"VLLM_CPU_KVCACHE_SPACE": str(math.ceil(cpu_kvcache_space_gib)), **extra}  # vLLM parses whole GiB
     if in_process is not None:
-        wanted["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
+        wanted[_MULTIPROCESSING] = "0" if in_process else "1"
     if Path(model_path).is_dir() and "HF_HUB_OFFLINE" not in os.environ:
         wanted["HF_HUB_OFFLINE"] = "1"
     log_folder = tempfile.TemporaryDirectory(prefix="gtpo-vllm-logging-") if quiet_logs is not None else None
@@ -180,6 +182,11 @@ class VLLMEngine:
         self._capture_by_prefill = routing_replay and current_platform.is_cpu()
         routing = _routing_kwargs(routing_replay, cpu=current_platform.is_cpu())
         routing_environment = routing.pop("environment", {})
+        in_child = in_process is False or (in_process is None and os.environ.get(_MULTIPROCESSING, "1") != "0")
+        preload = {}
+        if current_platform.is_cpu() and in_child:
+            preload = cpu_preload.engine_environment(os.environ, cpu_preload.preload_libraries())
+            logger.info("the engine's process preloads %s", preload.get("LD_PRELOAD", "nothing more"))
         self._sleep_enabled = enable_sleep_mode and not current_platform.is_cpu()
         if enable_sleep_mode and not self._sleep_enabled:
             logger.warning("enable_sleep_mode=True has no effect on CPU: vLLM's CPU worker cannot sleep")
@@ -194,7 +201,7 @@ class VLLMEngine:
             cpu_kvcache_space_gib=cpu_kvcache_space_gib,
             in_process=in_process,
             model_path=self.model_path,
-            extra={**(environment or {}), **routing_environment},
+            extra={**preload, **(environment or {}), **routing_environment},
             quiet_logs=quiet_logs,
         )
         with env:
