@@ -60,6 +60,8 @@ def _set_scale(scale: torch.Tensor, grad: torch.Tensor) -> None:
 class RouterLossWeights:
     """Sets the router losses' gradient scale of every micro-batch of a training pass (module docstring).
 
+    For Megatron's legacy loss form (``calculate_per_token_loss=False``, which ``MegatronPolicy`` runs).
+
     Args:
         model: the stage (unwrapped ``GPTModel``); every ``TopKRouter`` in it gets a forward hook.
         recompute: ``routing_replay.recomputes_routers`` of the stage's config.
