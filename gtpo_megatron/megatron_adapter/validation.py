@@ -2,8 +2,7 @@
 
 ``validate_config`` runs in ``gtpo-train`` and ``gtpo-plan`` before any process group, engine or model exists: the
 config's own rules, the model's load-time refusals (``model.check_hf_model``) on a local ``config.json``, Megatron's
-field names for ``model.megatron_overrides`` and the registries' names. It also logs the warnings of combinations
-that run but correct less than their names suggest (:func:`routing_replay_caveat`).
+field names for ``model.megatron_overrides`` and the registries' names; it warns of :func:`routing_replay_caveat`.
 """
 
 from __future__ import annotations

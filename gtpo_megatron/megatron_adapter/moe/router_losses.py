@@ -1,23 +1,14 @@
-"""The weight of the routers' load-balancing and z-losses in a step: each micro-batch's share of the step's tokens.
+"""The routers' load-balancing and z-losses weighed per micro-batch by its share of the step's tokens (docs/moe.md).
 
-Megatron's router computes each micro-batch's losses ``l_m`` (means over its forward tokens) and attaches them with
-``MoEAuxLossAutoScaler``, whose backward scales their gradient by one process-wide scale. The schedule sets it after
-every forward to ``s / M`` (``s``: the fp16 loss scale times ``cp_size``; ``M``: this rank's micro-batch count) and
-DDP averages the gradients over the ``D`` data-parallel ranks, so micro-batch ``m`` of rank ``d`` weighs
-``1 / (D M_d)``. Cut evenly (every ``M_d = M``, micro-batches of equal tokens) that is ``1 / (D M)``, the mean over the
-step's ``D M`` micro-batches. Under a token budget ``M_d`` differs between ranks, and an idle EP micro-batch (a copy of
-the rank's last one) weighs as much as a real one.
-
-Here micro-batch ``m`` weighs ``r_m / R``: ``r_m`` its real tokens (``token_mask``; without one, real rows times its
-width), ``R`` their sum over the step's micro-batches and DP ranks. Evenly cut ``r_m = R / (D M)``, Megatron's weight;
-summed over the step the weights are 1 however the rows were cut; an idle micro-batch (``r_m = 0``) weighs nothing.
-After DDP's ``1 / D`` that needs the scale ``s D r_m / R`` (Megatron's ``s / M`` times ``M D r_m / R``).
-
-The scale is read in the backward, where Megatron's schedules have moved on (1F1B runs later forwards first; a
-recompute reruns the router inside the backward). So each router's training forward hooks its output probabilities
-(every router loss of the layer lies behind them) to set its own micro-batch's scale just before the losses'
-backward runs. With recompute the first, no-grad forward queues the weight and the recompute takes the oldest
-(backwards follow forwards' order), as routing replay does.
+Megatron's router attaches each micro-batch's losses ``l_m`` (token means) with ``MoEAuxLossAutoScaler``, whose
+backward scales their gradient by a process-wide scale the schedule sets after each forward to ``s / M`` (``s``: fp16
+loss scale times ``cp_size``, ``M``: this rank's micro-batches); DDP then averages over ``D`` ranks, so ``l_m`` of
+rank ``d`` weighs ``1 / (D M_d)``: the mean over micro-batches when cut evenly, else dependent on the cut. Here it
+weighs ``r_m / R`` (``r_m``: its real tokens, ``R``: their sum over the step and the DP ranks), which is ``1 / (D M)``
+when cut evenly, sums to 1 however cut and is 0 for an idle micro-batch: after DDP's ``1 / D`` the scale is
+``s D r_m / R``. Each router's training forward hooks its output probabilities (every router loss lies behind them)
+to set its own micro-batch's scale just before the losses' backward, whatever the schedule runs in between; with
+recompute the no-grad first forward queues the weight and the recompute takes the oldest.
 """
 
 from __future__ import annotations
@@ -54,13 +45,11 @@ def router_loss_factors(micro_batches: list[MicroBatch], *, dp_group, dp_size: i
 def _set_scale(scale: torch.Tensor, grad: torch.Tensor) -> None:
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
-    MoEAuxLossAutoScaler.set_loss_scale(scale.to(grad.device))
+    MoEAuxLossAutoScaler.set_loss_scale(scale.to(grad.device, copy=True))  # Megatron may keep it and copy_ into it
 
 
 class RouterLossWeights:
-    """Sets the router losses' gradient scale of every micro-batch of a training pass (module docstring).
-
-    For Megatron's legacy loss form (``calculate_per_token_loss=False``, which ``MegatronPolicy`` runs).
+    """Sets the router losses' scale of each micro-batch of a pass (Megatron's legacy loss form, as ``MegatronPolicy``).
 
     Args:
         model: the stage (unwrapped ``GPTModel``); every ``TopKRouter`` in it gets a forward hook.
@@ -91,7 +80,7 @@ class RouterLossWeights:
         self.current = self.factors.popleft() if self.factors else None
 
     def end_pass(self) -> None:
-        """Forget the pass (a forward-only pass later leaves the scale to Megatron).
+        """Forget the pass.
 
         Raises:
             RuntimeError: a recompute is still queued (the schedule's backwards did not follow its forwards).
@@ -104,11 +93,9 @@ class RouterLossWeights:
     def _hook(self, router, inputs, outputs) -> None:
         if self.current is None or not router.training:
             return
-        grad = torch.is_grad_enabled()
-        if self.recompute and not grad:
-            self.pending[id(router)].append(self.current)
-            return
-        if not grad:
+        if not torch.is_grad_enabled():  # the first forward of a recomputed layer, or a no-grad pass
+            if self.recompute:
+                self.pending[id(router)].append(self.current)
             return
         factor = self.pending[id(router)].popleft() if self.recompute else self.current
         probs = outputs[0]
