@@ -2,12 +2,13 @@
 
 ``validate_config`` runs in ``gtpo-train`` and ``gtpo-plan`` before any process group, engine or model exists: the
 config's own rules, the model's load-time refusals (``model.check_hf_model``) on a local ``config.json``, Megatron's
-field names for ``model.megatron_overrides`` and the registries' names.
+field names for ``model.megatron_overrides`` and the registries' names; it warns of :func:`routing_replay_caveat`.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import fields
 from typing import TYPE_CHECKING
 
@@ -17,6 +18,8 @@ from gtpo_megatron.megatron_adapter.settings import policy_settings
 
 if TYPE_CHECKING:
     from gtpo_megatron.config import GTPOConfig
+
+logger = logging.getLogger(__name__)
 
 
 def read_hf_config(name_or_path: str) -> dict | None:
@@ -36,6 +39,9 @@ def validate_config(cfg: GTPOConfig, world_size: int, *, check_registries: bool 
     """
     hf = read_hf_config(cfg.model.name_or_path)
     cfg.validate(world_size, hf_config=hf)
+    caveat = routing_replay_caveat(cfg)
+    if caveat is not None:
+        logger.warning(caveat)
     if not check_registries:
         return
     if hf is not None:
@@ -60,3 +66,18 @@ def validate_config(cfg: GTPOConfig, world_size: int, *, check_registries: bool 
         )
     advantages.get_advantage_estimator(cfg.algorithm.advantage_estimator)
     registry.get_reward(cfg.reward.name)
+
+
+def routing_replay_caveat(cfg: GTPOConfig) -> str | None:
+    """The warning of routing replay with async rollouts and a TIS/MIS correction (docs/moe.md); None otherwise."""
+    correction = cfg.algorithm.off_policy_correction
+    if cfg.rollout.routing_replay == "off" or cfg.rollout.mode != "async" or correction == "none":
+        return None
+    return (
+        f"rollout.routing_replay={cfg.rollout.routing_replay!r} with rollout.mode='async' and "
+        f"algorithm.off_policy_correction={correction!r}: the training forward replays the experts the engine chose "
+        f"with weights up to rollout.max_staleness={cfg.rollout.max_staleness} steps old, so pi_prox and mu share "
+        "that routing and the importance weight pi_prox / mu cannot see how the current router would route "
+        "differently (routing drift); the update trains under the stale routing. Use rollout.mode=sync or "
+        "rollout.routing_replay=off where routing drift matters (docs/moe.md, routing replay with async rollouts)"
+    )
