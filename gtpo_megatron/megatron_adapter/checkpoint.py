@@ -134,11 +134,13 @@ def _sigterm_proof_write_queue() -> None:
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
+    from gtpo_megatron.node_local import socket_path
     from gtpo_megatron.preemption import ignore_stop_signals
 
     if getattr(filesystem_async, "_results_queue", False) is not None:
         return
-    manager = SyncManager(ctx=multiprocessing.get_context("fork"))
+    # its own socket folder: under a long TMPDIR, Python's default socket path would not fit AF_UNIX
+    manager = SyncManager(address=socket_path("gtpo-ckpt"), ctx=multiprocessing.get_context("fork"))
     manager.start(ignore_stop_signals)
     filesystem_async._results_queue = manager.Queue()  # the proxy keeps the manager alive
 

@@ -4,7 +4,7 @@ Completions carry token ids, text, finish reasons and ``processed_logprobs``. Ev
 own ``n=1`` request seeded by :func:`request_seed` of the call's seed, the prompt's global index and the sample
 (vLLM's ``n > 1`` would share streams between neighbouring prompts). A weight update ends in one ``reload_weights``
 walk per worker (``rollout/vllm_worker.py``) and a prefix-cache reset; ``files`` stages safetensors shards
-(``/dev/shm`` when available) and reloads them at ``finish_weight_update``.
+(``/dev/shm`` or ``$GTPO_STAGING_DIR``: ``node_local``) and reloads them at ``finish_weight_update``.
 
 CPU: the KV cache is ``VLLM_CPU_KVCACHE_SPACE``; attention needs head_dim >= 32; the in-process engine starts in
 ~3 s but hangs inside a multi-rank torch.distributed job (use the multiprocess one there); no sleep mode.
@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from gtpo_megatron.builtin_models import resolve_model_path
+from gtpo_megatron.node_local import socket_dir, staging_root
 from gtpo_megatron.rollout import vllm_logging
 from gtpo_megatron.rollout.engine import (
     NamedTensor,
@@ -64,6 +65,8 @@ def _engine_environment(
     ``quiet_logs``: keyword arguments of ``vllm_logging.child_log_environment``, or None for vLLM's own logging.
     """
     wanted = {"VLLM_CPU_KVCACHE_SPACE": str(math.ceil(cpu_kvcache_space_gib)), **extra}  # vLLM parses whole GiB
+    if "VLLM_RPC_BASE_PATH" not in os.environ:  # its IPC sockets: a long TMPDIR would not fit AF_UNIX
+        wanted["VLLM_RPC_BASE_PATH"] = socket_dir()
     if in_process is not None:
         wanted["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
     if Path(model_path).is_dir() and "HF_HUB_OFFLINE" not in os.environ:
@@ -114,11 +117,6 @@ class WorkerExtension(WeightReloadExtension):
         return list(experts.shape), experts.numpy().tobytes()
 
 
-def _default_staging_root() -> str | None:
-    shm = Path("/dev/shm")
-    return str(shm) if shm.is_dir() and os.access(shm, os.W_OK) else None
-
-
 class VLLMEngine:
     """A ``RolloutEngine`` backed by ``vllm.LLM``.
 
@@ -131,7 +129,7 @@ class VLLMEngine:
         tensor_parallel_size, seed, enforce_eager, max_num_seqs: vLLM's own.
         enable_sleep_mode: allow ``sleep``/``wake_up`` to free GPU memory (ignored with a warning on CPU).
         in_process: True runs the engine core in this process, False in a child; None keeps the environment's.
-        staging_dir: parent of the weight staging folder; default ``/dev/shm`` if writable, else the temp folder.
+        staging_dir: parent of the weight staging folder; default ``node_local.staging_root``.
         environment: extra variables for the engine's processes while it starts (``plan/engines.py``).
         verbose: vLLM's full logging; False: WARNING without the records this project makes harmless.
         load_format: ``"auto"`` loads ``model_path``'s weights; ``"dummy"`` random ones, replaced by a weight
@@ -231,7 +229,7 @@ class VLLMEngine:
                 self._llm.collective_rpc("gtpo_bind_routing_capture")
         self._dtype: torch.dtype = self._llm.llm_engine.model_config.dtype
         self._packed_modules = self._llm.collective_rpc("gtpo_packed_modules")[0]
-        self._staging = Path(tempfile.mkdtemp(prefix="gtpo-weights-", dir=staging_dir or _default_staging_root()))
+        self._staging = Path(tempfile.mkdtemp(prefix="gtpo-weights-", dir=staging_dir or staging_root()))
         weakref.finalize(self, shutil.rmtree, self._staging, ignore_errors=True)  # also when close() is skipped
         self._bucket_names: set[str] | None = None
         self._num_buckets = 0
