@@ -27,6 +27,8 @@ import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
+from gtpo_megatron.node_local import socket_path
+
 if TYPE_CHECKING:
     from multiprocessing.managers import SyncManager
 
@@ -79,7 +81,8 @@ def start_helper_manager() -> SyncManager:
     import multiprocessing
     from multiprocessing.managers import SyncManager
 
-    manager = SyncManager(ctx=multiprocessing.get_context("fork"))
+    # its own socket folder: under a long TMPDIR, Python's default socket path would not fit AF_UNIX
+    manager = SyncManager(address=socket_path("gtpo-ckpt"), ctx=multiprocessing.get_context("fork"))
     manager.start(init_helper_process, (os.getpid(),))
     return manager
 

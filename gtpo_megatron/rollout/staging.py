@@ -17,23 +17,19 @@ import tempfile
 import weakref
 from pathlib import Path
 
+from gtpo_megatron.node_local import staging_root
+
 PREFIX = "gtpo-weights-"
 _LOCK = ".owner"
-
-
-def default_staging_root() -> Path:
-    """``/dev/shm`` when it is a writable folder (memory-backed), else the temp folder."""
-    shm = Path("/dev/shm")
-    return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
 
 
 def open_staging_dir(owner: object, root: str | Path | None = None) -> tuple[Path, weakref.finalize]:
     """A new locked folder ``<root>/gtpo-weights-<pid>-*`` after sweeping those of dead owners under ``root``.
 
     Returns the folder and its remover (call it to remove the folder now; it also runs when ``owner`` is garbage
-    collected and at interpreter exit). ``root``: default :func:`default_staging_root`.
+    collected and at interpreter exit). ``root``: default ``node_local.staging_root``.
     """
-    root = Path(root) if root is not None else default_staging_root()
+    root = Path(root or staging_root() or tempfile.gettempdir())
     sweep_staging_dirs(root)
     path = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=root))
     lock = os.open(path / _LOCK, os.O_CREAT | os.O_RDWR, 0o600)

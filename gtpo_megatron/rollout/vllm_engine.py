@@ -4,7 +4,7 @@ Completions carry token ids, text, finish reasons and ``processed_logprobs``. Ev
 own ``n=1`` request seeded by :func:`request_seed` of the call's seed, the prompt's global index and the sample
 (vLLM's ``n > 1`` would share streams between neighbouring prompts). A weight update ends in one ``reload_weights``
 walk per worker (``rollout/vllm_worker.py``) and a prefix-cache reset; ``files`` stages safetensors shards
-(``/dev/shm`` when available) and reloads them at ``finish_weight_update``.
+(``/dev/shm`` or ``$GTPO_STAGING_DIR``: ``node_local``) and reloads them at ``finish_weight_update``.
 
 CPU: the KV cache is ``VLLM_CPU_KVCACHE_SPACE``; attention needs head_dim >= 32; the in-process engine starts in
 ~3 s but hangs inside a multi-rank torch.distributed job (use the multiprocess one there); no sleep mode; the
@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from gtpo_megatron.builtin_models import resolve_model_path
+from gtpo_megatron.node_local import socket_dir
 from gtpo_megatron.rollout import cpu_preload, vllm_logging
 from gtpo_megatron.rollout.engine import (
     NamedTensor,
@@ -65,6 +66,8 @@ def _engine_environment(
     ``quiet_logs``: keyword arguments of ``vllm_logging.child_log_environment``, or None for vLLM's own logging.
     """
     wanted = {"VLLM_CPU_KVCACHE_SPACE": str(math.ceil(cpu_kvcache_space_gib)), **extra}  # vLLM parses whole GiB
+    if "VLLM_RPC_BASE_PATH" not in os.environ:  # its IPC sockets: a long TMPDIR would not fit AF_UNIX
+        wanted["VLLM_RPC_BASE_PATH"] = socket_dir()
     if in_process is not None:
         wanted[_MULTIPROCESSING] = "0" if in_process else "1"
     if Path(model_path).is_dir() and "HF_HUB_OFFLINE" not in os.environ:
@@ -127,7 +130,7 @@ class VLLMEngine:
         tensor_parallel_size, seed, enforce_eager, max_num_seqs: vLLM's own.
         enable_sleep_mode: allow ``sleep``/``wake_up`` to free GPU memory (ignored with a warning on CPU).
         in_process: True runs the engine core in this process, False in a child; None keeps the environment's.
-        staging_dir: parent of the weight staging folder; default ``/dev/shm`` if writable, else the temp folder.
+        staging_dir: parent of the weight staging folder; default ``node_local.staging_root``.
         environment: extra variables for the engine's processes while it starts (``plan/engines.py``).
         verbose: vLLM's full logging; False: WARNING without the records this project makes harmless.
         load_format: ``"auto"`` loads ``model_path``'s weights; ``"dummy"`` random ones, replaced by a weight
