@@ -73,11 +73,9 @@ def _report_config_error(err: ValueError) -> None:
 
 
 def _check_inputs(cfg) -> None:
-    """The model (and Megatron checkpoint) and the data exist (a typo fails here, not after minutes of loading)."""
-    from gtpo_megatron.builtin_models import check_model
+    """The Megatron checkpoint and the data exist (the model: ``validate_config``); a typo fails before any loading."""
     from gtpo_megatron.data.datasets import check_source
 
-    check_model(cfg.model.name_or_path)
     if cfg.model.megatron_checkpoint is not None:
         resolve_megatron_lm_checkpoint(cfg.model.megatron_checkpoint)
     check_source(cfg.data.source, path=cfg.data.path, split=cfg.data.split, prefix="data.")

@@ -8,10 +8,10 @@ A run written by ``gtpo-train`` looks like (names owned by ``run_dir``; written 
 
 ``export_checkpoint_to_hf`` accepts the step folder, the ``checkpoints/`` folder (uses ``latest``) or the run dir.
 It rebuilds the policy from the run's config in this single process (a 1-rank gloo group, TP = PP = 1; the
-checkpoint may have been written with any TP/PP/DP layout: dist checkpoints reshard on load, and the policy is built
-with the plain, non-distributed optimizer, which ``checkpoint.load_checkpoint`` can load on CPU without Apex/TE),
-loads the checkpoint and writes ``policy.export_hf`` into ``<step dir>/hf/`` (written under a temporary sibling and
-renamed, so an interrupted export leaves no half folder; an existing ``hf/`` is reused).
+checkpoint may have been written with any TP/PP/DP layout: dist checkpoints reshard on load), loads the model's
+tensors only (``checkpoint.load_model_weights``: no optimizer, schedule or RNG state, and no resume messages) and
+writes ``policy.export_hf`` into ``<step dir>/hf/`` (written under a temporary sibling and renamed, so an
+interrupted export leaves no half folder; an existing ``hf/`` is reused).
 """
 
 from __future__ import annotations
@@ -48,12 +48,13 @@ def export_checkpoint_to_hf(path: str | Path, out_dir: str | Path | None = None,
         logger.info("reusing the exported HF folder %s", out)
         return out
     from gtpo_megatron.config import load_config
+    from gtpo_megatron.megatron_adapter.checkpoint import load_model_weights
 
     cfg = load_config(run_config_path(step_dir))
     logger.info("exporting %s (base model %s) to %s", step_dir, cfg.model.name_or_path, out)
     with _single_rank_world() as groups:
         policy = _build_export_policy(cfg, groups)
-        policy.load_checkpoint(str(step_dir))
+        load_model_weights(step_dir, policy)
         policy.export_hf(str(out))
     return out
 
@@ -61,8 +62,7 @@ def export_checkpoint_to_hf(path: str | Path, out_dir: str | Path | None = None,
 def _build_export_policy(cfg, groups):
     """``build.build_policy`` with the run's model settings at TP = PP = 1 and the non-distributed optimizer.
 
-    ``checkpoint.load_checkpoint`` restores the optimizer too; Megatron's distributed optimizer cannot load on CPU
-    without Apex/TE (``checkpoint._check_loadable``), the plain one loads a checkpoint of any layout. The padding
+    The export reads no optimizer state: one rank needs no distributed optimizer. The padding
     (vocabulary, and attention heads with ``model.pad_attention_heads``) is that of the run's TP size.
     """
     from gtpo_megatron.build import build_policy

@@ -12,7 +12,6 @@ writes ``OUT/results.json`` (``results[benchmark]["pass@1"]``, ``["pass@4"]``, `
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -22,6 +21,7 @@ from gtpo_megatron.config.rollout import EngineDtype
 from gtpo_megatron.data.datasets import check_source, load_problems
 from gtpo_megatron.data.prompts import SYSTEM_PROMPTS
 from gtpo_megatron.evaluation.evaluate import BENCHMARKS, EvalConfig, run_evaluation
+from gtpo_megatron.logging import quiet_known_warnings, setup_logging
 from gtpo_megatron.rewards.answer_text import EXTRACTION_MODES
 
 
@@ -126,9 +126,17 @@ def config_from_args(args: argparse.Namespace) -> EvalConfig:
     )
 
 
+def setup_console() -> None:
+    """gtpo-eval's console: this package's INFO lines, third-party loggers (Megatron's parameter lists) at WARNING."""
+    import torch
+
+    setup_logging(0)
+    quiet_known_warnings(cuda=torch.cuda.is_available())  # before megatron-core is imported (a checkpoint's export)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``gtpo-eval``; prints the Markdown report. Returns the exit status."""
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    setup_console()
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

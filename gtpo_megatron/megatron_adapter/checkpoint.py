@@ -202,6 +202,34 @@ def _use_config_lr(optimizer_state: dict, param_groups: list[dict]) -> None:
     walk(optimizer_state)
 
 
+def _open(path: str | Path, policy) -> tuple[Path, dict]:
+    """The checkpoint folder of ``path`` and its common state, refused before any tensor is read if it cannot load."""
+    from megatron.core import dist_checkpointing
+
+    folder = resolve_checkpoint_dir(path)
+    common = dist_checkpointing.load_common_state_dict(str(folder))
+    _check_experts(common, policy, folder)
+    return folder, common
+
+
+def load_model_weights(path: str | Path, policy) -> None:
+    """The model's tensors of a checkpoint (folder or root), in any layout, into ``policy``. All ranks.
+
+    No optimizer, LR schedule, RNG or trainer state: what an export needs, without a resume's messages.
+
+    Raises:
+        ValueError: as :func:`load_checkpoint`.
+    """
+    from megatron.core import dist_checkpointing
+
+    from gtpo_megatron.megatron_adapter.cpu_compat import cuda_to_cpu_mode
+
+    folder, _ = _open(path, policy)
+    with cuda_to_cpu_mode():
+        loaded = dist_checkpointing.load({"model": policy.model.sharded_state_dict()}, str(folder))
+        policy.model.load_state_dict(loaded["model"])
+
+
 def load_checkpoint(path: str | Path, policy) -> dict:
     """Load a checkpoint (folder or root) into ``policy`` in any layout; returns the saved trainer state. All ranks.
 
@@ -213,9 +241,7 @@ def load_checkpoint(path: str | Path, policy) -> dict:
 
     from gtpo_megatron.megatron_adapter.cpu_compat import cuda_to_cpu_mode
 
-    folder = resolve_checkpoint_dir(path)
-    common = dist_checkpointing.load_common_state_dict(str(folder))
-    _check_experts(common, policy, folder)
+    folder, common = _open(path, policy)
     same_layout = {"ep_size": 1, **common["layout"]} == _layout(policy.groups)
     if not same_layout:
         logger.warning(

@@ -1,8 +1,9 @@
 """The job's first check: ``GTPOConfig.validate`` with the model's ``config.json``, then what only this edge knows.
 
 ``validate_config`` runs in ``gtpo-train`` and ``gtpo-plan`` before any process group, engine or model exists: the
-config's own rules, the model's load-time refusals (``model.check_hf_model``) on a local ``config.json``, Megatron's
-field names for ``model.megatron_overrides`` and the registries' names; it warns of :func:`routing_replay_caveat`.
+model is found (a local folder, a built-in, materialised, or a hub name, whose ``config.json`` alone is fetched),
+then the config's own rules, the model's load-time refusals (``model.check_hf_model``), Megatron's field names for
+``model.megatron_overrides`` and the registries' names; it warns of :func:`routing_replay_caveat`.
 """
 
 from __future__ import annotations
@@ -10,9 +11,10 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import fields
+from pathlib import Path
 from typing import TYPE_CHECKING
 
-from gtpo_megatron.builtin_models import local_model_folder
+from gtpo_megatron.builtin_models import BUILTIN_PREFIX, check_model, local_model_folder, resolve_model_path
 from gtpo_megatron.config.checks import require
 from gtpo_megatron.megatron_adapter.settings import policy_settings
 
@@ -20,24 +22,92 @@ if TYPE_CHECKING:
     from gtpo_megatron.config import GTPOConfig
 
 logger = logging.getLogger(__name__)
+DEFERRED = (
+    "parallel.tp_size/pp_size against the heads and layers, parallel.ep_size against the experts, "
+    "rollout.routing_replay, the sequence length and the model's load-time refusals"
+)
 
 
-def read_hf_config(name_or_path: str) -> dict | None:
-    """The model's ``config.json`` as a dict when it is on local disk (built-ins: once materialised), else None."""
-    path = local_model_folder(name_or_path) / "config.json"
-    return json.loads(path.read_text()) if path.is_file() else None
+def find_hf_config(name_or_path: str, *, fetch: bool) -> Path | None:
+    """The model's ``config.json``: a local folder's, a built-in's, or a hub name's from the hub cache or the hub.
+
+    Without ``fetch`` only what is on disk (a built-in once materialised). With it a built-in is materialised and a
+    hub name's ``config.json`` (that file only) is read from the hub cache, else downloaded after one request
+    without retries. None: not on disk (without ``fetch``), or the hub answered with a server error.
+
+    Raises:
+        ValueError: (``fetch``) naming ``model.name_or_path``, its value and a fix: an unknown built-in, a missing
+            path, a folder without ``config.json``, a hub name the hub does not know or that neither the hub cache
+            nor the hub can give.
+    """
+    if not fetch:
+        path = local_model_folder(name_or_path) / "config.json"
+        return path if path.is_file() else None
+    check_model(name_or_path)
+    folder = Path(resolve_model_path(name_or_path)).expanduser()
+    if name_or_path.startswith(BUILTIN_PREFIX) or folder.is_dir():
+        require(
+            (folder / "config.json").is_file(),
+            "model.name_or_path",
+            name_or_path,
+            f"the folder {folder} has no config.json",
+            "give a Hugging Face model folder (config.json, weights, tokenizer)",
+        )
+        return folder / "config.json"
+    return _hub_config_file(name_or_path)
+
+
+def _hub_config_file(repo_id: str) -> Path | None:
+    """``config.json`` of the hub model ``repo_id``: the hub cache's, else one HEAD request and that file's download.
+
+    Raises:
+        ValueError: ``repo_id`` is no hub name, unknown or gated on the hub, has no config.json, or is not in the
+            hub cache while the hub cannot be reached (offline mode, no network).
+    """
+    import huggingface_hub as hub
+    from huggingface_hub import errors
+
+    def refuse(rule: str, fix: str) -> ValueError:
+        return ValueError(f"model.name_or_path={repo_id!r}: {rule}; {fix}")
+
+    download = (
+        f"check its spelling; on a machine with network `hf download {repo_id}` fills the hub cache (HF_HOME; "
+        "copy it here, HF_HUB_OFFLINE=1 then reads only the cache), or give a local Hugging Face model folder"
+    )
+    try:
+        cached = hub.try_to_load_from_cache(repo_id, "config.json")
+        if isinstance(cached, str):
+            return Path(cached)
+        hub.get_hf_file_metadata(hub.hf_hub_url(repo_id, "config.json"))  # one request, no retries
+        return Path(hub.hf_hub_download(repo_id, "config.json"))
+    except errors.HFValidationError as err:
+        raise refuse(f"neither a local folder, a built-in nor a hub name ({err})", download) from None
+    except errors.GatedRepoError:
+        raise refuse("is gated on the hub", "request access on its hub page, then `hf auth login`") from None
+    except errors.RepositoryNotFoundError:
+        raise refuse("no such model on the hub (or it is private)", download) from None
+    except errors.RemoteEntryNotFoundError:
+        raise refuse("the hub repository has no config.json", "give a Hugging Face transformers model") from None
+    except errors.HfHubHTTPError as err:
+        logger.warning("%s: config.json not fetched (%s); deferred to the model's load: %s", repo_id, err, DEFERRED)
+        return None
+    except Exception as err:  # noqa: BLE001 - the hub's HTTP client's connection errors (the client varies)
+        raise refuse(f"not in the hub cache, and the hub cannot be reached ({err})", download) from None
 
 
 def validate_config(cfg: GTPOConfig, world_size: int, *, check_registries: bool = True) -> None:
-    """``cfg.validate(world_size)`` with the local model's ``config.json``, then Megatron's and the registries' names.
+    """``cfg.validate(world_size)`` with the model's ``config.json``, then Megatron's and the registries' names.
 
-    ``check_registries`` imports torch, megatron and the rewards, and runs the model's load-time refusals
-    (``model.check_hf_model``: HF fields Megatron cannot build, packing with sliding windows) on a local model.
+    ``check_registries`` (``gtpo-train``) finds the model (``find_hf_config`` with ``fetch``), imports torch,
+    megatron and the rewards, and runs the model's load-time refusals (``model.check_hf_model``: HF fields
+    Megatron cannot build, packing with sliding windows); without it (``gtpo-plan``) only a config.json on disk is
+    read. Where none is read the model's checks wait for its load: one warning line says which.
 
     Raises:
         ValueError: naming the fields, the values, the rule and a fix.
     """
-    hf = read_hf_config(cfg.model.name_or_path)
+    path = find_hf_config(cfg.model.name_or_path, fetch=check_registries)
+    hf = json.loads(path.read_text()) if path is not None else None
     cfg.validate(world_size, hf_config=hf)
     caveat = routing_replay_caveat(cfg)
     if caveat is not None:
@@ -49,7 +119,7 @@ def validate_config(cfg: GTPOConfig, world_size: int, *, check_registries: bool 
 
         from gtpo_megatron.megatron_adapter.model import check_hf_model
 
-        check_hf_model(AutoConfig.from_pretrained(local_model_folder(cfg.model.name_or_path)), policy_settings(cfg))
+        check_hf_model(AutoConfig.from_pretrained(path.parent), policy_settings(cfg))
     from megatron.core.transformer import TransformerConfig
 
     from gtpo_megatron.ops import advantages

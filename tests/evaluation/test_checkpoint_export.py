@@ -54,9 +54,10 @@ def _train_and_save(rank: int, world_size: int, run_dir: str) -> None:
 
 
 def _resolve_in_fresh_process(model: str) -> str:
+    """``resolve_hf_model`` under gtpo-eval's console: an export says what it does, not Megatron's internals."""
     code = (
-        "import sys; from gtpo_megatron.evaluation.evaluate import resolve_hf_model; "
-        "print(resolve_hf_model(sys.argv[1]))"
+        "import sys; from gtpo_megatron.evaluation.cli import setup_console; setup_console(); "
+        "from gtpo_megatron.evaluation.evaluate import resolve_hf_model; print(resolve_hf_model(sys.argv[1]))"
     )
     out = subprocess.run(
         [sys.executable, "-c", code, model],
@@ -66,6 +67,9 @@ def _resolve_in_fresh_process(model: str) -> str:
         cwd=Path(__file__).resolve().parents[2],
     )
     assert out.returncode == 0, out.stderr[-4000:]
+    assert "INFO] exporting" in out.stderr
+    for internal in ("Params for bucket", "LR schedule", "RNG states are not restored", "Apex"):
+        assert internal not in out.stderr, out.stderr
     return out.stdout.strip().splitlines()[-1]
 
 
