@@ -1,17 +1,12 @@
 """Stop requests from signals: save what the run has before the job is killed (stdlib only).
 
 - ``SIGUSR1`` (Slurm's ``--signal=B:USR1@<seconds>``): save at the next step boundary and stop.
-- ``SIGTERM`` (preemption, time limit; SIGKILL ~30 s later) and ``SIGINT`` (Ctrl-C): abort the step in flight at
-  its next wait or safe point and save the last completed step. A step whose optimizer update began is finished
-  (an update is not interruptible), skips its weight sync and is saved.
+- ``SIGTERM`` (preemption; SIGKILL ~30 s later) and ``SIGINT`` (Ctrl-C): abort the step in flight at its next wait
+  or safe point and save the last completed step; a step whose update began is finished, unsynced, and saved.
 
-SIGUSR1 is held from start-up (:func:`hold_stop_signals`): a request during start-up waits for the first step
-boundary, and helper processes inherit it blocked. Handlers only set flags, except inside
-:meth:`StopRequests.interruptible`, where an abort signal raises :class:`StepInterrupted`. Every wait of a step goes
-through :func:`wait_until`, which looks at the flags before it blocks and every ``WAIT_SLICE_S``, so a signal that
-lands just before a wait, or on another thread, is seen within a slice. The trainer decides at its safe points with
-one ``parallel.collectives.any_rank``. Helper processes (:func:`init_helper_process`) ignore the stop signals, which
-their parent handles, and end with it.
+SIGUSR1 is held from start-up (:func:`hold_stop_signals`); helper processes inherit it blocked. Handlers set flags;
+inside :meth:`StopRequests.interruptible` an abort signal raises :class:`StepInterrupted`. Every wait of a step is a
+:func:`wait_until`. The trainer decides at its safe points with one ``parallel.collectives.any_rank``.
 """
 
 from __future__ import annotations
@@ -62,9 +57,7 @@ def release_stop_signals() -> None:
 def init_helper_process(parent_pid: int, ignored: tuple[int, ...] = (*ABORT_SIGNALS, signal.SIGUSR1)) -> None:
     """Initialise a helper process of the trainer ``parent_pid``: ignore the ``ignored`` signals, end with it.
 
-    The parent handles the stop signals and stops its helpers (Ctrl-C reaches the whole process group). The helper
-    gets SIGKILL when the thread that started it ends (``PR_SET_PDEATHSIG``, Linux; the main thread: the parent
-    dies, even by SIGKILL), and a daemon thread that polls ``os.getppid()`` every second exits it otherwise.
+    SIGKILL when the thread that started it ends (``PR_SET_PDEATHSIG``, Linux), else a thread polling ``getppid``.
     """
     for sig in ignored:
         signal.signal(sig, signal.SIG_IGN)
@@ -74,10 +67,7 @@ def init_helper_process(parent_pid: int, ignored: tuple[int, ...] = (*ABORT_SIGN
 
 
 def start_helper_manager() -> SyncManager:
-    """A forked ``multiprocessing`` manager that ignores the stop signals and ends with this process.
-
-    Forked: milliseconds, no re-import; :func:`init_helper_process` runs first in it. Its proxies keep it alive.
-    """
+    """A forked ``multiprocessing`` manager (:func:`init_helper_process`); its proxies keep it alive."""
     import multiprocessing
     from multiprocessing.managers import SyncManager
 
@@ -96,9 +86,8 @@ def _exit_with_parent(parent_pid: int) -> None:
 def wait_until(done: Callable[[float], bool], timeout_s: float | None, stop: StopRequests | None = None) -> bool:
     """Wait until ``done(seconds)`` (which blocks up to ``seconds``) is True; False after ``timeout_s`` (None: none).
 
-    Blocks in slices of ``WAIT_SLICE_S``, so the main thread runs signal handlers within a slice even when the
-    signal was delivered to another thread. Arm before check: ``stop``'s abort flag is read before each slice, so a
-    request that came before or during the wait is never lost.
+    Arm before check: ``stop``'s abort flag is read before each ``WAIT_SLICE_S`` slice (the main thread runs the
+    handlers of signals taken by other threads between slices), so no request before or during the wait is lost.
 
     Raises:
         StepInterrupted: ``stop`` holds an abort request (SIGTERM/SIGINT), or one arrives inside an

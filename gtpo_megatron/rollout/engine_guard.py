@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from gtpo_megatron.plan.engines import EnginePlacement
-from gtpo_megatron.preemption import wait_until
+from gtpo_megatron.preemption import StepInterrupted, wait_until
 from gtpo_megatron.rollout.engine import NamedTensor, RolloutEngine, SamplingConfig
 from gtpo_megatron.rollout.types import PromptCompletions
 
@@ -78,6 +78,8 @@ class GuardedEngine:
         """Wait for a call (``timeout_s`` at most); a failure marks the engine unusable and raises, naming it."""
         try:
             return call.result(self.timeout_s)
+        except StepInterrupted:  # a stop signal left the wait: not the engine's failure
+            raise
         except BaseException as err:
             if breaks_weights:
                 self.unusable = f"{call.what} failed: {err}"

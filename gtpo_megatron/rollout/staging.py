@@ -1,10 +1,7 @@
 """The ``files`` weight sync's staging folders (``/dev/shm/gtpo-weights-<pid>-*``): they go with their run.
 
-An engine's folder is named with its process's PID and locked by it (``flock`` on ``.owner``; the kernel drops the
-lock when the process ends, however it ends); it is removed when the engine closes or the process exits. A process
-killed before that (SIGKILL, a crash in C) leaves its folder behind; the next :func:`open_staging_dir` on the
-machine removes every folder whose PID is not running and whose lock is free, so live runs' folders (of any PID
-namespace: they hold their lock) are left alone.
+A folder carries its owner's PID and ``flock`` (dropped by the kernel however the owner ends) and is removed at
+close or exit; one left by a killed owner is swept by the next :func:`open_staging_dir` (PID gone, lock free).
 """
 
 from __future__ import annotations
@@ -51,10 +48,7 @@ def _remove(path: Path, lock: int) -> None:
 
 
 def _owner_alive(path: Path) -> bool:
-    """Whether the PID in the folder's name runs here, or a process (of any PID namespace) holds its lock.
-
-    An older version's folder (no PID in its name) counts as alive.
-    """
+    """Whether the PID in its name runs here or a process holds its lock (no PID in the name: alive)."""
     pid = path.name.removeprefix(PREFIX).split("-")[0]
     if not pid.isdigit() or _pid_running(int(pid)):
         return True

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 
 import pytest
 
 from gtpo_megatron.plan.engines import EnginePlacement
+from gtpo_megatron.preemption import StepInterrupted, StopRequests
 from gtpo_megatron.rollout.engine import SamplingConfig
 from gtpo_megatron.rollout.engine_guard import EngineCall, GuardedEngine
 from tests.trainer.fakes import FakeEngine
@@ -43,6 +45,20 @@ def test_a_hung_generation_stops_within_the_timeout_naming_the_engine():
     engine.release.set()
     out = guarded.generate([[1, 2]], 2, SamplingConfig(seed=3), prompt_indices=[5])
     assert len(out[0].completions) == 2 and [5] in engine.prompt_indices  # the stuck call also ends now
+
+
+def test_a_stop_signal_on_another_thread_leaves_a_hung_generation_and_keeps_the_engine():
+    """Another thread takes the SIGTERM; the main thread, waiting for the engine, still leaves within a slice."""
+    engine = _Stuck()
+    guarded, requests = (
+        GuardedEngine(engine, placement=PLACEMENT, timeout_s=60.0),
+        StopRequests(on_sigterm=True, on_sigusr1=False),
+    )
+    with requests.installed(), pytest.raises(StepInterrupted), requests.interruptible():
+        threading.Timer(0.2, lambda: signal.pthread_kill(threading.get_ident(), signal.SIGTERM)).start()
+        guarded.generate([[1, 2]], 2, SamplingConfig(seed=3))
+    engine.release.set()
+    assert guarded.unusable is None and len(guarded.generate([[1]], 1, SamplingConfig())) == 1
 
 
 def test_a_failed_reload_makes_the_engine_unusable():

@@ -96,26 +96,28 @@ class _SignalAfterUpdate(FakePolicy):
 
 
 class _SignalEngine(_LoggingEngine):
-    """SIGTERM at the start of generation ``step`` (after ``after.wait()``), then 30 s more of generation."""
+    """SIGTERM at the start of generation ``step`` (after ``after.wait()``); that generation then lasts until
+    ``release`` is set (its ``gen<step>`` is logged after it), so a trainer that waited for it cannot finish first."""
 
     def __init__(self, step: int, after: threading.Event | None = None):
         super().__init__()
-        self.signal_step, self.after = step, after
+        self.signal_step, self.after, self.release = step, after, threading.Event()
 
     def generate(self, prompt_ids, n, sampling, prompt_indices=None):
         if sampling.seed // 1000 == self.signal_step:
             if self.after is not None:
-                self.after.wait(10)
+                self.after.wait(300)
             os.kill(os.getpid(), signal.SIGTERM)
-            time.sleep(30)  # a long generation: the trainer must not wait for it
+            self.release.wait(300)  # a long generation: the trainer must not wait for it
         return super().generate(prompt_ids, n, sampling, prompt_indices)
 
 
 def test_sigterm_while_waiting_for_the_first_batch_aborts_step_1(tmp_path, caplog):
-    start = time.perf_counter()
+    engine = _SignalEngine(1)
     with caplog.at_level(logging.INFO, logger="gtpo_megatron"):
-        _, records = _run(tmp_path, *ASYNC, engine=_SignalEngine(1))
-    assert time.perf_counter() - start < 20, "SIGTERM did not leave the wait for the batch"
+        _, records = _run(tmp_path, *ASYNC, engine=engine)
+    assert engine.log == [], "SIGTERM did not leave the wait for the batch"  # the generation is still running
+    engine.release.set()
     assert records == [] and list_checkpoints(tmp_path / "checkpoints") == []
     assert "SIGTERM: step 1 aborted; no step completed, nothing saved" in caplog.text
 
@@ -124,10 +126,10 @@ def test_sigterm_after_an_update_saves_the_step_with_its_batches_in_flight_and_a
     full, _ = _run(tmp_path / "full", *ASYNC)
     policy = _SignalAfterUpdate(at=2)
     trainer = make_trainer(tmp_path / "cut", *ASYNC, engine=_SignalEngine(3, after=policy.trained), policy=policy)
-    start = time.perf_counter()
     trainer.run()
+    assert "gen3" not in trainer.collector.engine.log, "SIGTERM did not leave the drain"  # still generating
+    trainer.collector.engine.release.set()
     trainer.close()
-    assert time.perf_counter() - start < 20, "SIGTERM did not leave the drain"
     assert [p.name for p in list_checkpoints(tmp_path / "cut" / "checkpoints")] == ["step_000002"]
     state = json.loads((tmp_path / "cut" / "checkpoints" / "step_000002" / "state.json").read_text())
     assert state["rollout_in_flight"] == [3]  # sampled with step 1's weights, never trained
