@@ -22,6 +22,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from gtpo_megatron.megatron_adapter.head_padding import padded_num_query_groups
 from gtpo_megatron.megatron_adapter.optimizer import restore_schedule
 from gtpo_megatron.parallel.collectives import barrier
 from gtpo_megatron.run_dir import (
@@ -213,7 +214,47 @@ def _open(path: str | Path, policy) -> tuple[Path, dict]:
     folder = resolve_checkpoint_dir(path)
     common = dist_checkpointing.load_common_state_dict(str(folder))
     _check_experts(common, policy, folder)
+    _check_shapes(folder, common["layout"]["tp_size"], policy)
     return folder, common
+
+
+def _check_shapes(folder: Path, saved_tp_size: int, policy) -> None:
+    """Refuse a checkpoint whose model tensors have other global shapes than ``policy``'s (the metadata file only).
+
+    The padded heads and vocabulary depend on the TP size, and checkpoints keep them (``head_padding``).
+    """
+    from megatron.core.dist_checkpointing import ShardedTensor, load_tensors_metadata
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+
+    saved = load_tensors_metadata(str(folder))
+    for tensor in nested_values(policy.model.sharded_state_dict()):
+        if not isinstance(tensor, ShardedTensor) or tensor.key not in saved:
+            continue
+        was, now = tuple(saved[tensor.key].global_shape), tuple(tensor.global_shape)
+        if was == now:
+            continue
+        geometry, tp_size = policy.geometry, policy.groups.tp_size
+        groups = padded_num_query_groups(
+            num_heads=geometry.num_heads,
+            num_query_groups=geometry.num_query_groups,
+            tp_size=saved_tp_size,
+            pad_attention_heads=True,  # a run that did not pad had no padding to keep
+        )
+        per_group = geometry.heads_per_group
+        padding = (
+            f"at parallel.tp_size={saved_tp_size} its attention heads are padded to {groups} KV groups "
+            f"({groups * per_group} heads), at parallel.tp_size={tp_size} this model has "
+            f"{geometry.padded_num_query_groups} ({geometry.padded_num_heads} heads)"
+            if groups != geometry.padded_num_query_groups
+            else f"the padded vocabulary or heads of parallel.tp_size={saved_tp_size} and {tp_size} differ"
+        )
+        raise ValueError(
+            f"checkpoint {str(folder)!r} was written at parallel.tp_size={saved_tp_size}: {tensor.key} is {was} "
+            f"there, {now} here; {padding} (model.pad_attention_heads; checkpoints keep the padded layout, "
+            f"docs/models.md). Resume with parallel.tp_size={saved_tp_size}, or export it to Hugging Face "
+            f"(`python -m gtpo_megatron.evaluation.checkpoint_export {folder}`, which drops the padding) and start "
+            f"a new run with model.name_or_path={folder}/hf"
+        )
 
 
 def load_model_weights(path: str | Path, policy) -> None:

@@ -179,3 +179,24 @@ def test_smollm2_tp2_with_head_padding_matches_transformers():
 
 def test_padded_heads_stay_zero_and_training_matches_tp1(tmp_path):
     run_distributed(_tiny_worker, 2, str(tmp_path))
+
+
+def _resume_worker(rank: int, world_size: int, root: str) -> None:
+    path = f"{root}/hf"
+    padded = _build(path, 2, pad_attention_heads=True)
+    padded.train_step(make_batch(rows=ROWS, seed=5), LOSS)  # the optimizer's state exists from the first step on
+    padded.save_checkpoint(f"{root}/ckpt/step_000001", {"step": 1})
+    with pytest.raises(ValueError) as error:
+        _build(path, 1, pad_attention_heads=True).load_checkpoint(f"{root}/ckpt")
+    message = str(error.value)
+    for part in ("parallel.tp_size=2", "4 KV groups (8 heads)", "parallel.tp_size=1", "3 (6 heads)"):
+        assert part in message, message
+    assert "Resume with parallel.tp_size=2" in message and "checkpoint_export" in message, message
+    assert _build(path, 2, pad_attention_heads=True).load_checkpoint(f"{root}/ckpt") == {"step": 1}  # the fix
+
+
+def test_a_resume_at_a_tp_size_of_other_padding_is_refused_before_loading(tmp_path):
+    """Checkpoints keep the padded layout: TP=2 pads 3 KV groups to 4, TP=1 has 3; the load names both and the fix
+    instead of Megatron's global-shape mismatch."""
+    _save_three_group_llama(str(tmp_path / "hf"))
+    run_distributed(_resume_worker, 2, str(tmp_path))
