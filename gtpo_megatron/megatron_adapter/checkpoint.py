@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from gtpo_megatron.megatron_adapter.head_padding import padded_num_query_groups
+from gtpo_megatron.megatron_adapter.head_padding import resume_padding_error
 from gtpo_megatron.megatron_adapter.optimizer import restore_schedule
 from gtpo_megatron.parallel.collectives import barrier
 from gtpo_megatron.run_dir import (
@@ -219,9 +219,9 @@ def _open(path: str | Path, policy) -> tuple[Path, dict]:
 
 
 def _check_shapes(folder: Path, saved_tp_size: int, policy) -> None:
-    """Refuse a checkpoint whose model tensors have other global shapes than ``policy``'s (the metadata file only).
+    """Refuse a checkpoint whose model tensors' global shapes (its metadata file) are not ``policy``'s.
 
-    The padded heads and vocabulary depend on the TP size, and checkpoints keep them (``head_padding``).
+    The padded heads (``head_padding.resume_padding_error``) or vocabulary of another TP size.
     """
     from megatron.core.dist_checkpointing import ShardedTensor, load_tensors_metadata
     from megatron.core.dist_checkpointing.dict_utils import nested_values
@@ -234,26 +234,18 @@ def _check_shapes(folder: Path, saved_tp_size: int, policy) -> None:
         if was == now:
             continue
         geometry, tp_size = policy.geometry, policy.groups.tp_size
-        groups = padded_num_query_groups(
+        error = resume_padding_error(
+            str(folder),
+            saved_tp_size=saved_tp_size,
+            tp_size=tp_size,
             num_heads=geometry.num_heads,
             num_query_groups=geometry.num_query_groups,
-            tp_size=saved_tp_size,
-            pad_attention_heads=True,  # a run that did not pad had no padding to keep
+            padded_groups=geometry.padded_num_query_groups,
         )
-        per_group = geometry.heads_per_group
-        padding = (
-            f"at parallel.tp_size={saved_tp_size} its attention heads are padded to {groups} KV groups "
-            f"({groups * per_group} heads), at parallel.tp_size={tp_size} this model has "
-            f"{geometry.padded_num_query_groups} ({geometry.padded_num_heads} heads)"
-            if groups != geometry.padded_num_query_groups
-            else f"the padded vocabulary or heads of parallel.tp_size={saved_tp_size} and {tp_size} differ"
-        )
-        raise ValueError(
-            f"checkpoint {str(folder)!r} was written at parallel.tp_size={saved_tp_size}: {tensor.key} is {was} "
-            f"there, {now} here; {padding} (model.pad_attention_heads; checkpoints keep the padded layout, "
-            f"docs/models.md). Resume with parallel.tp_size={saved_tp_size}, or export it to Hugging Face "
-            f"(`python -m gtpo_megatron.evaluation.checkpoint_export {folder}`, which drops the padding) and start "
-            f"a new run with model.name_or_path={folder}/hf"
+        raise error or ValueError(
+            f"checkpoint {str(folder)!r}: {tensor.key} is {was} there, {now} in this model (written at "
+            f"parallel.tp_size={saved_tp_size}, now {tp_size}: the padded vocabulary differs); resume with the "
+            "checkpoint's parallel.tp_size and model section"
         )
 
 
