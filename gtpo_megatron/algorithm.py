@@ -220,6 +220,7 @@ OBJECTIVE_METRICS = {  # step metric: its ops.MEANS row, over the training forwa
     "mismatch/prob_ratio_err": "mismatch_prob_ratio_err",
     "offpolicy/is_weight_mean": "is_weight_mean",
     "offpolicy/is_capped_frac": "is_capped_frac",
+    "offpolicy/is_undefined_frac": "is_undefined_frac",
 }
 
 

@@ -30,6 +30,7 @@ from gtpo_megatron.plan.engines import (
     engine_pool_gpus,
     relay_workers,
     resolve_num_engines,
+    visible_devices,
 )
 from gtpo_megatron.trainer import Trainer
 
@@ -122,9 +123,9 @@ def build_placements(cfg: GTPOConfig, world_size: int) -> list[EnginePlacement]:
 def engine_environment(
     placement: EnginePlacement, placements: list[EnginePlacement], cfg: GTPOConfig, world_size: int
 ) -> dict[str, str]:
-    """Environment of one engine's processes: its GPUs, or on CPU its own cores when engines share a node."""
+    """Environment of one engine's processes: its GPUs (``visible_devices``), or its CPU cores beside a neighbour."""
     if placement.devices:
-        return {"CUDA_VISIBLE_DEVICES": ",".join(str(d) for d in placement.devices)}
+        return {"CUDA_VISIBLE_DEVICES": visible_devices(placement.devices, os.environ.get("CUDA_VISIBLE_DEVICES"))}
     per_node = ranks_per_node(world_size)
     node = placement.leader_rank // per_node
     neighbours = [p.index for p in placements if p.leader_rank // per_node == node]

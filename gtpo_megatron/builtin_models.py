@@ -23,6 +23,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from gtpo_megatron.run_dir import open_modes
+
 BUILTIN_PREFIX = "builtin:"
 _SMOLLM2 = "smollm2-135m-instruct"
 _TINY = {"tiny-llama": "llama", "tiny-qwen2": "qwen2", "tiny-qwen3-moe": "qwen3_moe"}
@@ -125,6 +127,7 @@ def _locked_build(target: Path, builder) -> None:
             still_missing = missing_model_files(tmp)
             if still_missing:
                 raise RuntimeError(f"building {target.name} produced an incomplete folder (missing {still_missing})")
+            open_modes(tmp)
             os.replace(tmp, target)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -123,7 +123,8 @@ class MetricSink:
         if cfg.progress:
             from tqdm import tqdm
 
-            self._bar = tqdm(total=max_steps, initial=start_step, desc="GTPO", unit="step", dynamic_ncols=True)
+            label = progress_label(run_config.get("algorithm", {}).get("name", "gtpo"))
+            self._bar = tqdm(total=max_steps, initial=start_step, desc=label, unit="step", dynamic_ncols=True)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         """Record the metrics of ``step`` (1-based); non-finite values are written as null in jsonl."""
@@ -155,6 +156,11 @@ class MetricSink:
         if self._wandb_run is not None:
             self._wandb_run.finish()
             self._wandb_run = None
+
+
+def progress_label(algorithm: str) -> str:
+    """The progress bar's label of ``algorithm.name``: ``GTPO``, ``GRPO``, ``DAPO``, ``Dr. GRPO``."""
+    return "Dr. GRPO" if algorithm == "dr_grpo" else algorithm.upper()
 
 
 def format_step_line(step: int, metrics: dict[str, float]) -> str:

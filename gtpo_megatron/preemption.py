@@ -1,24 +1,43 @@
 """Stop requests from signals: save what the run has before the job is killed (stdlib only).
 
 - ``SIGUSR1`` (Slurm's ``--signal=B:USR1@<seconds>``): save at the next step boundary and stop.
-- ``SIGTERM`` (preemption, time limit; SIGKILL ~30 s later): abort the step in flight at the next safe point and
-  save the last completed step (one whose update is done counts; only its weight sync is skipped).
+- ``SIGTERM`` (preemption, time limit; SIGKILL ~30 s later) and ``SIGINT`` (Ctrl-C): abort the step in flight at
+  its next wait or safe point and save the last completed step. A step whose optimizer update began is finished
+  (an update is not interruptible), skips its weight sync and is saved.
 
 SIGUSR1 is held from start-up (:func:`hold_stop_signals`): a request during start-up waits for the first step
 boundary, and helper processes inherit it blocked. Handlers only set flags, except inside
-:meth:`StopRequests.interruptible`, where SIGTERM raises :class:`StepInterrupted`; the trainer decides at its safe
-points with one ``parallel.collectives.any_rank``.
+:meth:`StopRequests.interruptible`, where an abort signal raises :class:`StepInterrupted`. Every wait of a step goes
+through :func:`wait_until`, which looks at the flags before it blocks and every ``WAIT_SLICE_S``, so a signal that
+lands just before a wait, or on another thread, is seen within a slice. The trainer decides at its safe points with
+one ``parallel.collectives.any_rank``. Helper processes (:func:`init_helper_process`) ignore the stop signals, which
+their parent handles, and end with it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
+import os
 import signal
+import sys
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+from gtpo_megatron.node_local import socket_path
+
+if TYPE_CHECKING:
+    from multiprocessing.managers import SyncManager
 
 logger = logging.getLogger(__name__)
+WAIT_SLICE_S = 0.05
+"""Longest a wait blocks before it looks at the stop flags again (the main thread also runs handlers then)."""
+ABORT_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+"""Signals that abort the step in flight (``checkpoint.save_on_sigterm``)."""
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 _HELD = {"received": False}  # a SIGUSR1 handled while held (taken by another thread), for StopRequests.installed
 
 
@@ -40,32 +59,83 @@ def release_stop_signals() -> None:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR1})
 
 
-def ignore_stop_signals() -> None:
-    """Ignore SIGTERM and SIGUSR1 (the initializer of a helper process that a save needs)."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+def init_helper_process(parent_pid: int, ignored: tuple[int, ...] = (*ABORT_SIGNALS, signal.SIGUSR1)) -> None:
+    """Initialise a helper process of the trainer ``parent_pid``: ignore the ``ignored`` signals, end with it.
+
+    The parent handles the stop signals and stops its helpers (Ctrl-C reaches the whole process group). The helper
+    gets SIGKILL when the thread that started it ends (``PR_SET_PDEATHSIG``, Linux; the main thread: the parent
+    dies, even by SIGKILL), and a daemon thread that polls ``os.getppid()`` every second exits it otherwise.
+    """
+    for sig in ignored:
+        signal.signal(sig, signal.SIG_IGN)
+    if sys.platform == "linux":
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    threading.Thread(target=_exit_with_parent, args=(parent_pid,), name="gtpo-parent-watch", daemon=True).start()
+
+
+def start_helper_manager() -> SyncManager:
+    """A forked ``multiprocessing`` manager that ignores the stop signals and ends with this process.
+
+    Forked: milliseconds, no re-import; :func:`init_helper_process` runs first in it. Its proxies keep it alive.
+    """
+    import multiprocessing
+    from multiprocessing.managers import SyncManager
+
+    # its own socket folder: under a long TMPDIR, Python's default socket path would not fit AF_UNIX
+    manager = SyncManager(address=socket_path("gtpo-ckpt"), ctx=multiprocessing.get_context("fork"))
+    manager.start(init_helper_process, (os.getpid(),))
+    return manager
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    while os.getppid() == parent_pid:  # also when the parent died before the prctl above
+        time.sleep(1.0)
+    os._exit(0)
+
+
+def wait_until(done: Callable[[float], bool], timeout_s: float | None, stop: StopRequests | None = None) -> bool:
+    """Wait until ``done(seconds)`` (which blocks up to ``seconds``) is True; False after ``timeout_s`` (None: none).
+
+    Blocks in slices of ``WAIT_SLICE_S``, so the main thread runs signal handlers within a slice even when the
+    signal was delivered to another thread. Arm before check: ``stop``'s abort flag is read before each slice, so a
+    request that came before or during the wait is never lost.
+
+    Raises:
+        StepInterrupted: ``stop`` holds an abort request (SIGTERM/SIGINT), or one arrives inside an
+            :meth:`StopRequests.interruptible` block.
+    """
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while True:
+        if stop is not None and stop.abort_requested:
+            raise StepInterrupted
+        left = WAIT_SLICE_S if deadline is None else min(WAIT_SLICE_S, deadline - time.monotonic())
+        if done(max(left, 0.0)):
+            return True
+        if deadline is not None and time.monotonic() >= deadline:
+            return False
 
 
 class StepInterrupted(BaseException):  # noqa: N818 - like KeyboardInterrupt: library code must not swallow it
-    """Raised by SIGTERM inside :meth:`StopRequests.interruptible` (a ``BaseException``: not swallowed)."""
+    """An abort signal in :meth:`StopRequests.interruptible` or :func:`wait_until` (``BaseException``: kept)."""
 
 
 class StopRequests:
     """The run's stop flags, set by signal handlers while :meth:`installed` is active.
 
     Args:
-        on_sigterm: handle SIGTERM (``checkpoint.save_on_sigterm``); otherwise it keeps its previous handler.
+        on_sigterm: handle SIGTERM and SIGINT (``checkpoint.save_on_sigterm``); otherwise they keep their handlers.
         on_sigusr1: handle SIGUSR1 (``checkpoint.save_on_sigusr1``).
 
     Attributes:
-        abort_requested: a SIGTERM arrived: abort the step in flight at the next safe point.
+        abort_requested: SIGTERM or SIGINT arrived: abort the step in flight at the next wait or safe point.
         save_requested: a SIGUSR1 arrived: save at the next step boundary and stop.
     """
 
     def __init__(self, *, on_sigterm: bool, on_sigusr1: bool) -> None:
         self.abort_requested = False
         self.save_requested = False
-        self._signals = {signal.SIGTERM: on_sigterm, signal.SIGUSR1: on_sigusr1}
+        self._received: list[str] = []  # signal names, first arrival order
+        self._signals = {**dict.fromkeys(ABORT_SIGNALS, on_sigterm), signal.SIGUSR1: on_sigusr1}
         self._interruptible = False
 
     @property
@@ -74,9 +144,8 @@ class StopRequests:
         return self.abort_requested or self.save_requested
 
     def describe(self) -> str:
-        """The signals received, for log lines (``"SIGTERM"``, ``"SIGUSR1"``, both, or ``"a rank's signal"``)."""
-        names = [name for name, flag in (("SIGTERM", self.abort_requested), ("SIGUSR1", self.save_requested)) if flag]
-        return " and ".join(names) or "another rank's signal"
+        """The signals received, for log lines: ``"SIGINT"``, ``"SIGTERM and SIGUSR1"``, ``"another rank's signal"``."""
+        return " and ".join(self._received) or "another rank's signal"
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[StopRequests]:
@@ -87,13 +156,13 @@ class StopRequests:
         wanted = [sig for sig, enabled in self._signals.items() if enabled]
         if threading.current_thread() is not threading.main_thread():
             wanted = []
-        handlers = {signal.SIGTERM: self._on_sigterm, signal.SIGUSR1: self._on_sigusr1}
-        previous = {sig: signal.signal(sig, handlers[sig]) for sig in wanted}
+        previous = {sig: signal.signal(sig, self._on_sigusr1 if sig == signal.SIGUSR1 else self._on_abort)
+                    for sig in wanted}  # fmt: skip
         held = signal.SIGUSR1 in wanted and (signal.SIGUSR1 in signal.sigpending() or _HELD["received"])
         _HELD["received"] = False
         mask = signal.pthread_sigmask(signal.SIG_UNBLOCK, set(wanted)) if wanted else None
         if held:
-            self.save_requested = True
+            self._on_sigusr1(signal.SIGUSR1, None)
             logger.warning("SIGUSR1 received during start-up: saving at the first step boundary and stopping")
         try:
             yield self
@@ -105,20 +174,30 @@ class StopRequests:
 
     @contextlib.contextmanager
     def interruptible(self) -> Iterator[None]:
-        """A block (issuing no collective) that SIGTERM leaves at once with :class:`StepInterrupted`."""
-        if self.abort_requested:
-            raise StepInterrupted
+        """A block (issuing no collective) that SIGTERM or SIGINT leaves at once with :class:`StepInterrupted`.
+
+        Armed before the flag is checked: a signal between the two raises from the handler.
+        """
         self._interruptible = True
         try:
+            if self.abort_requested:
+                raise StepInterrupted
             yield
         finally:
             self._interruptible = False
 
-    def _on_sigterm(self, signum, frame) -> None:
+    def _note(self, signum: int) -> None:
+        name = signal.Signals(signum).name
+        if name not in self._received:
+            self._received.append(name)
+
+    def _on_abort(self, signum, frame) -> None:
+        self._note(signum)
         self.abort_requested = True
         if self._interruptible:
             self._interruptible = False
             raise StepInterrupted
 
     def _on_sigusr1(self, signum, frame) -> None:
+        self._note(signum)
         self.save_requested = True

@@ -107,6 +107,22 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
+def open_modes(folder: str | Path) -> None:
+    """Give ``folder`` and all it holds the modes of a plain ``mkdir`` / ``open`` (0777 / 0666 less the umask).
+
+    For a folder assembled under ``tempfile.mkdtemp`` (0700) and filled by writers that create files 0600
+    (safetensors), before it is renamed into place: exports and built-in models are meant to be read by others.
+    """
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(folder, 0o777 & ~umask)
+    for root, dirs, files in os.walk(folder):
+        for name in dirs:
+            os.chmod(Path(root) / name, 0o777 & ~umask)
+        for name in files:
+            os.chmod(Path(root) / name, 0o666 & ~umask)
+
+
 def _write_durably(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` through a temporary name, renamed into place; file and folder flushed to disk."""
     tmp = path.parent / f".{path.name}.tmp"

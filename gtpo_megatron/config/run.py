@@ -38,8 +38,8 @@ class CheckpointConfig:
     keep_last: int = 2
     """Checkpoints kept under output_dir/checkpoints (older ones are deleted)."""
     save_on_sigterm: bool = True
-    """On SIGTERM (preemption; SIGKILL follows ~30 s later) abort the step in flight at its next safe point, save
-    the last completed step and exit cleanly (``gtpo_megatron.preemption``)."""
+    """On SIGTERM (preemption; SIGKILL follows ~30 s later) or SIGINT (Ctrl-C) abort the step in flight at its next
+    wait or safe point, save the last completed step and exit cleanly (``gtpo_megatron.preemption``)."""
     save_on_sigusr1: bool = True
     """On SIGUSR1 (Slurm's early warning, ``--signal=B:USR1@<seconds>`` in ``launch/submit.sbatch``) finish the
     step in flight, save it and exit cleanly."""
@@ -88,6 +88,16 @@ class GTPOConfig:
         """The engines' weight dtype: ``rollout.dtype``, or ``model.params_dtype`` when ``auto``."""
         return self.model.params_dtype if self.rollout.dtype == "auto" else self.rollout.dtype
 
+    @property
+    def max_tokens_per_micro_batch(self) -> int | None:
+        """The token budget: ``optim.max_tokens_per_micro_batch``, or with ``optim.packing`` alone that of full rows.
+
+        Full rows: ``micro_batch_size * (rollout.max_prompt_len + rollout.max_tokens)``; None: by rows.
+        """
+        if self.optim.max_tokens_per_micro_batch is not None or not self.optim.packing:
+            return self.optim.max_tokens_per_micro_batch
+        return self.optim.micro_batch_size * (self.rollout.max_prompt_len + self.rollout.max_tokens)
+
     def validate(self, world_size: int, *, hf_config: dict | None = None) -> None:
         """Cross-section checks once the world size is known (``megatron_adapter.validation.validate_config`` wraps it).
 
@@ -109,11 +119,14 @@ class GTPOConfig:
         )
         tp, pp = self.parallel.tp_size, self.parallel.pp_size
         dp = max(world_size // (tp * pp), 1)
+        hf = hf_config
+        arch = None if hf is None else architecture_from_hf_config(hf, name=self.model.name_or_path)
         problems = layout.world_problems(
             world_size,
             tp_size=tp,
             pp_size=pp,
             ep_size=self.parallel.ep_size,
+            num_experts=0 if arch is None else arch.num_experts,
             described=f"the world size {world_size}",
             launch=f"a multiple of {tp * pp} ranks",
         )
@@ -122,7 +135,7 @@ class GTPOConfig:
             group_size=self.algorithm.group_size,
             dp_size=dp,
             # a token budget forms its own micro-batches: any number of rows per rank
-            micro_batch_size=self.optim.micro_batch_size if self.optim.max_tokens_per_micro_batch is None else 1,
+            micro_batch_size=self.optim.micro_batch_size if self.max_tokens_per_micro_batch is None else 1,
         )
         if self.rollout.num_engines != "auto":
             problems += engines.engine_count_problems(
@@ -136,14 +149,16 @@ class GTPOConfig:
                     num_engine_gpus=self.rollout.num_engine_gpus,
                 ),
             )
-        hf = hf_config
-        if hf is not None:
-            arch = architecture_from_hf_config(hf, name=self.model.name_or_path)
+        if arch is not None:
             problems += layout.model_problems(
                 arch, tp_size=tp, pp_size=pp, pad_attention_heads=self.model.pad_attention_heads
             )
             problems += layout.expert_problems(
-                arch, ep_size=self.parallel.ep_size, tp_size=tp, sequence_parallel=self.parallel.sequence_parallel
+                arch,
+                ep_size=self.parallel.ep_size,
+                tp_size=tp,
+                sequence_parallel=self.parallel.sequence_parallel,
+                stage_ranks=world_size // pp if world_size % (tp * pp) == 0 else None,
             )
         layout.raise_problems(problems)
         self._validate_token_budget()
@@ -152,7 +167,7 @@ class GTPOConfig:
             self._validate_routing_replay(num_experts=arch.num_experts)
 
     def _validate_token_budget(self) -> None:
-        budget = self.optim.max_tokens_per_micro_batch
+        budget = self.max_tokens_per_micro_batch
         prompt, total = self.rollout.max_prompt_len, self.rollout.max_prompt_len + self.rollout.max_tokens
         _require(
             budget is None or budget >= prompt,

@@ -8,7 +8,7 @@ source          file                            fields                         a
 ==============  ==============================  =============================  =================================
 gsm8k           gsm8k/{train,test}.jsonl        question, answer               after ``####``, commas removed
 math500, aime*  <folder>/test.jsonl             problem, answer                as is
-mmlu[/subject]  mmlu/{test,validation,dev}      question, choices, answer      the letter (:mod:`.mmlu`)
+mmlu[/subject]  mmlu/{test,validation,dev}      question, choices, answer      letter + choices (:mod:`.mmlu`)
 openr1-math     openr1-math/train.jsonl         problem, answer, correctness_  as is, unusable rows dropped
                                                                                (:mod:`.openr1`)
 ==============  ==============================  =============================  =================================
@@ -152,7 +152,7 @@ def read_jsonl(path: str | Path, *, source: str, limit: int | None = None) -> li
     if not path.is_file():
         raise FileNotFoundError(
             f"{path}: no such data file; pass path=... (data.path in configs) or set GTPO_DATA_DIR to the folder "
-            "that holds gsm8k/, math500/, aime24/, aime25/, amc2023/ (`gtpo-data --out DIR` downloads them)"
+            "that holds gsm8k/, math500/, aime24/, aime25/, amc2023/, mmlu/ (`gtpo-data --out DIR` downloads them)"
         )
     return _to_problems(_jsonl_rows(path, local_key(source)), source=source, limit=limit, origin=str(path))
 
@@ -166,18 +166,30 @@ def _load_hf(name: str, *, split: str, limit: int | None) -> list[Problem]:
 
 
 def check_source(
-    source: str, *, path: str | None = None, split: str | None = None, data_dir: str | None = None, prefix: str = ""
+    source: str,
+    *,
+    path: str | None = None,
+    split: str | None = None,
+    data_dir: str | None = None,
+    prefix: str = "",
+    data_dir_flag: str | None = None,
 ) -> None:
     """Fails fast, without reading any data, when ``load_problems`` with these arguments cannot find its data.
 
     Checks that ``path`` exists, that a local benchmark has ``split`` and its file, and that any other source is a
     Hugging Face name that the installed packages can load. ``prefix`` is put before the field names in messages
-    (``"data."`` for the training config).
+    (``"data."`` for the training config). ``data_dir_flag``: the caller's option for the data folder, for a caller
+    without a file option (gtpo-eval: ``--data-dir``); the messages name it instead of ``{prefix}path=FILE.jsonl``.
 
     Raises:
         ValueError: naming the field, its value and a fix.
     """
     key = local_key(source, field=f"{prefix}source")
+    point_at_dir = (
+        f"pass {data_dir_flag} DIR or set GTPO_DATA_DIR=DIR"
+        if data_dir_flag
+        else f"set GTPO_DATA_DIR=DIR, or give {prefix}path=FILE.jsonl"
+    )
     if path is not None:
         if not Path(path).is_file():
             raise ValueError(
@@ -198,19 +210,18 @@ def check_source(
         if not file.is_file():
             raise ValueError(
                 f"{prefix}source={source!r}: {file} does not exist; download the benchmarks once with "
-                f"`gtpo-data --out DIR {key}` (needs `pip install datasets` and network) and set GTPO_DATA_DIR=DIR "
-                f"(gtpo-eval: --data-dir DIR), or give {prefix}path=FILE.jsonl"
+                f"`gtpo-data --out DIR {key}` (needs `pip install datasets` and network) and {point_at_dir}"
             )
         return
     if importlib.util.find_spec("datasets") is None:
         known = ["synthetic", *BENCHMARKS]
         near = difflib.get_close_matches(source, known, n=1) if source not in HF_ALIASES else []
-        fix = f"did you mean {near[0]!r}? Otherwise" if near else f"use one of {known} or"
         what = f"the Hugging Face dataset {HF_ALIASES[source]!r}" if source in HF_ALIASES else "not a local source"
+        local = f"a local source ({data_dir_flag} DIR)" if data_dir_flag else f"a local jsonl, {prefix}path=FILE.jsonl"
+        fix = f"did you mean {near[0]!r}? Otherwise use {local}" if near else f"use one of {known} or {local}"
         raise ValueError(
             f"{prefix}source={source!r}: {what}, and loading it from Hugging Face needs the `datasets` "
-            f"package, which is not installed (pip install datasets); {fix} give a local jsonl with "
-            f"{prefix}path=FILE.jsonl"
+            f"package, which is not installed (pip install datasets); {fix}"
         )
 
 

@@ -1,11 +1,11 @@
-r"""MMLU (Hendrycks et al., 2021): its subjects, the source names that select them, and its rows as problems.
+"""MMLU (Hendrycks et al., 2021): its subjects, the source names that select them, and its rows as problems.
 
 Sources: ``mmlu`` (every subject of the file) and ``mmlu/<subject>`` (one subject). The local file
 ``mmlu/<split>.jsonl`` (``gtpo-data mmlu``, from ``cais/mmlu`` config ``all``) holds one row per question:
 ``question`` (str), ``choices`` (2-10 str), ``answer`` (index into ``choices``, or its letter) and ``subject``.
 A row becomes a :class:`Problem` whose question lists the lettered choices (``prompts.choice_question``) and whose
-answer is the letter; ``source`` is ``mmlu/<subject>``. The letter is graded by the math rewards like any answer
-(math-verify reads ``C``, ``(C)``, ``\text{C}``, ``\textbf{(C)}`` as the same symbol).
+answer is the choice reference (``rewards.choice.choice_reference``: the letter and the choices), graded by the
+letter a completion states or the text of one choice (``docs/rewards.md``); ``source`` is ``mmlu/<subject>``.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import Any
 
 from gtpo_megatron.data.prompts import CHOICE_LETTERS, choice_question
 from gtpo_megatron.data.types import Problem
+from gtpo_megatron.rewards.choice import choice_reference
 
 MMLU = "mmlu"
 SUBJECTS = (
@@ -85,4 +86,5 @@ def mmlu_problem(record: dict, *, default_id: str, where: str) -> Problem:
         raise ValueError(f"{where}: subject={subject!r} is not one of MMLU's subjects (data.mmlu.SUBJECTS)")
     letter = _answer_letter(record["answer"], len(choices), where)
     problem_id = str(record.get("id", default_id))
-    return Problem(id=problem_id, question=choice_question(question, choices), answer=letter, source=f"mmlu/{subject}")
+    answer = choice_reference(letter, choices)
+    return Problem(id=problem_id, question=choice_question(question, choices), answer=answer, source=f"mmlu/{subject}")

@@ -142,7 +142,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         config = config_from_args(args)
         for name in config.benchmarks:  # a typo or a broken file fails here, before the model and vLLM load
-            check_source(name, split="test", data_dir=config.data_dir)
+            check_source(name, split="test", data_dir=config.data_dir, data_dir_flag="--data-dir")
             load_problems(name, split="test", limit=config.limit, data_dir=config.data_dir)
     except (ValueError, FileNotFoundError) as err:
         parser.error(str(err))

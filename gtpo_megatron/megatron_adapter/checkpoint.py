@@ -126,21 +126,17 @@ def _sigterm_proof_write_queue() -> None:
     """Serve Megatron's write-results queue from a forked process that ignores the stop signals (once).
 
     megatron-core's ``torch_dist`` writer reports through a queue served by a ``multiprocessing`` manager
-    (``filesystem_async._results_queue``). SIGTERM/SIGUSR1 reach every process of the job and would kill that
-    server, and with it the save meant to keep the run. Forked (milliseconds, no re-import), it ignores them;
-    SIGKILL still ends it. Without that attribute (another megatron-core) nothing is done.
+    (``filesystem_async._results_queue``). SIGTERM/SIGINT/SIGUSR1 reach every process of the job and would kill
+    that server, and with it the save meant to keep the run: ``preemption.start_helper_manager`` ignores them and
+    ends with this process. Without that attribute (another megatron-core) nothing is done.
     """
-    import multiprocessing
-    from multiprocessing.managers import SyncManager
-
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    from gtpo_megatron.preemption import ignore_stop_signals
+    from gtpo_megatron.preemption import start_helper_manager
 
     if getattr(filesystem_async, "_results_queue", False) is not None:
         return
-    manager = SyncManager(ctx=multiprocessing.get_context("fork"))
-    manager.start(ignore_stop_signals)
+    manager = start_helper_manager()
     filesystem_async._results_queue = manager.Queue()  # the proxy keeps the manager alive
 
 

@@ -21,6 +21,7 @@ from gtpo_megatron.batch import TrainBatch
 from gtpo_megatron.ops import LossSpec, PackedLayout, policy_objective, vocab_parallel_logprobs_entropy
 
 if TYPE_CHECKING:
+    from gtpo_megatron.megatron_adapter.moe.router_losses import RouterLossWeights
     from gtpo_megatron.megatron_adapter.moe.routing_replay import RoutingReplay
 
 
@@ -64,7 +65,8 @@ class ForwardSettings:
     ``tp_group`` shards the vocabulary (None: unsharded; columns ``>= vocab_size`` are padding); ``entropy_temperature``
     None means ``temperature``; ``loss`` None is forward-only mode; ``normalizer`` the global ``N`` (fp32 scalar) and
     ``loss_scale`` ``M * D``; ``routing_replay`` the model's routers, fed each micro-batch's ``routed_experts``
-    (None: routers choose on their own).
+    (None: routers choose on their own); ``router_losses`` weighs the routers' losses of each micro-batch (None:
+    Megatron's ``1 / M``).
     """
 
     tp_group: object
@@ -76,6 +78,7 @@ class ForwardSettings:
     loss_scale: float = 1.0
     entropy_temperature: float | None = None
     routing_replay: RoutingReplay | None = None
+    router_losses: RouterLossWeights | None = None
 
 
 def token_logprobs_entropy(
@@ -128,6 +131,8 @@ def forward_step(data_iterator, model, *, settings: ForwardSettings, loss_fn=pol
     batch: MicroBatch = next(data_iterator)
     if settings.routing_replay is not None:
         settings.routing_replay.set_micro_batch(batch.routed_experts)
+    if settings.router_losses is not None:
+        settings.router_losses.next_micro_batch()
     inputs = {} if batch.packed_seq_params is None else {"packed_seq_params": batch.packed_seq_params}
     output = model(batch.input_ids, batch.position_ids, batch.attention_mask, **inputs)
     return output, partial(loss_fn, batch=batch, settings=settings)

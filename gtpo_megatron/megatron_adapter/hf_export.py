@@ -2,7 +2,7 @@
 
 Every model-parallel rank drains the stream (its collectives are matched); only the writer keeps tensors. Shards
 of ``max_shard_bytes`` plus an index (or one ``model.safetensors``) are assembled in a temporary sibling and
-renamed into place, so a reader never sees a half-written folder.
+renamed into place, so a reader never sees a half-written folder; it gets the umask's modes (``run_dir.open_modes``).
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import torch
+
+from gtpo_megatron.run_dir import open_modes
 
 
 def _flush(buffer: dict[str, torch.Tensor], folder: Path, index: int, weight_map: dict[str, str]) -> None:
@@ -50,6 +52,7 @@ def write_hf_folder(
             from transformers import AutoTokenizer
 
             AutoTokenizer.from_pretrained(tokenizer_source).save_pretrained(tmp)
+        open_modes(tmp)
         if out_dir.exists():
             shutil.rmtree(out_dir)
         os.replace(tmp, out_dir)

@@ -9,7 +9,7 @@ or from the caller (``*_from_logprobs``), in ``TrainBatch`` columns. A packed ro
 unpacked to one sequence per row first. Reported metrics: ``gtpo/loss`` (``J``) and ``gtpo/`` ``clip_frac``,
 ``ratio_mean``, ``entropy_mean``, ``kl_mean``, ``amplified_frac`` (weight > 1), ``zero_weight_frac`` (weight 0);
 with ``spec.off_policy_correction`` (the behaviour log-probs in ``batch.rollout_logprobs``, docs/algorithm.md
-section 11) ``is_weight_mean`` and ``is_capped_frac``.
+section 11) ``is_weight_mean``, ``is_capped_frac`` and ``is_undefined_frac``.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from gtpo_megatron.parallel.collectives import all_reduce_sum
 
 _REPORTED = (  # of MEANS; the off-policy weights only with a correction
     "clip_frac", "ratio_mean", "entropy_mean", "kl_mean", "amplified_frac", "zero_weight_frac", "is_weight_mean",
-    "is_capped_frac",
+    "is_capped_frac", "is_undefined_frac",
 )  # fmt: skip
 
 

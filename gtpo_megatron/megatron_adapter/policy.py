@@ -22,6 +22,7 @@ from gtpo_megatron.megatron_adapter import hf_conversion, micro_batching
 from gtpo_megatron.megatron_adapter import model as model_lib
 from gtpo_megatron.megatron_adapter.cpu_compat import cuda_to_cpu_mode, install_cpu_compat
 from gtpo_megatron.megatron_adapter.forward_step import ForwardSettings, MicroBatch, forward_step
+from gtpo_megatron.megatron_adapter.moe import router_losses as router_losses_lib
 from gtpo_megatron.megatron_adapter.moe.metrics import RouterLoad
 from gtpo_megatron.megatron_adapter.moe.routing_replay import RoutingReplay, check_replay_supported, recomputes_routers
 from gtpo_megatron.megatron_adapter.optimizer import build_optimizer, optimizer_step, wrap_ddp
@@ -119,6 +120,7 @@ class MegatronPolicy:
         token_budget: TokenBudget | None = None,
         router_load: RouterLoad | None = None,
         routing_replay: RoutingReplay | None = None,
+        router_losses: router_losses_lib.RouterLossWeights | None = None,
     ):
         self.ddp_model = ddp_model
         self.optimizer = optimizer
@@ -131,6 +133,7 @@ class MegatronPolicy:
         self.token_budget = token_budget
         self.router_load = router_load  # mixture-of-experts models only
         self.routing_replay = routing_replay  # rollout.routing_replay=rollout only
+        self.router_losses = router_losses  # trainable MoE models with a router loss coefficient > 0 only
         self.logprob_chunk_size = logprob_chunk_size
         self.device = next(self.model.parameters()).device
         self._step_end_rng: dict | None = None  # RNG states after the last train_step (or the loaded ones)
@@ -194,9 +197,11 @@ class MegatronPolicy:
         )
         _load_initial_weights(gpt_model, settings.model, hf_path, geometry, tp_rank=groups.tp_rank)
         moe = geometry.moe
-        router_load = None
+        router_load = router_losses = None
         if moe is not None and trainable:
             router_load = RouterLoad(gpt_model, num_layers=config.num_layers, num_experts=moe.num_experts)
+            if settings.model.moe_aux_loss_coeff > 0 or settings.model.moe_z_loss_coeff > 0:
+                router_losses = router_losses_lib.RouterLossWeights(gpt_model, recompute=recomputes_routers(config))
         routing_replay = None
         if settings.routing_replay:
             routing_replay = RoutingReplay(
@@ -224,6 +229,7 @@ class MegatronPolicy:
             token_budget=settings.token_budget,
             router_load=router_load,
             routing_replay=routing_replay,
+            router_losses=router_losses,
         )
 
     # ----------------------------------------------------------------------------------------- micro-batches
@@ -273,6 +279,7 @@ class MegatronPolicy:
             entropy_temperature=entropy_temperature,
             chunk_size=self.logprob_chunk_size,
             routing_replay=self.routing_replay,
+            router_losses=self.router_losses,
             **loss_fields,
         )
 
@@ -352,7 +359,13 @@ class MegatronPolicy:
             normalizer=normalizer,
             loss_scale=float(len(micro_batches) * self.groups.dp_size),
         )
+        if self.router_losses is not None:
+            self.router_losses.begin_pass(router_losses_lib.router_loss_factors(
+                micro_batches, dp_group=self.groups.dp, dp_size=self.groups.dp_size
+            ))  # fmt: skip
         store = self._run_schedule(micro_batches, settings, forward_only=False)
+        if self.router_losses is not None:
+            self.router_losses.end_pass()
         metrics = reduce_step_metrics(store, self.groups, device=self.device)
         metrics.update(micro_batching.micro_batch_metrics(micro_batches, group=self.groups.dp))
         world = dist.group.WORLD if self.groups.world_size > 1 else None

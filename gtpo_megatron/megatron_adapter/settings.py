@@ -208,8 +208,8 @@ def policy_settings(cfg: GTPOConfig) -> PolicySettings:
         ),
         micro_batch_size=optim.micro_batch_size,
         token_budget=None
-        if optim.max_tokens_per_micro_batch is None
-        else TokenBudget(max_tokens=optim.max_tokens_per_micro_batch, packing=optim.packing),
+        if cfg.max_tokens_per_micro_batch is None
+        else TokenBudget(max_tokens=cfg.max_tokens_per_micro_batch, packing=optim.packing),
         logprob_chunk_size=cfg.algorithm.logprob_chunk_size,
         seed=cfg.trainer.seed,
         routing_replay=cfg.rollout.routing_replay == "rollout",

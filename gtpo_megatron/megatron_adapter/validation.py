@@ -3,7 +3,8 @@
 ``validate_config`` runs in ``gtpo-train`` and ``gtpo-plan`` before any process group, engine or model exists: the
 model is found (a local folder, a built-in, materialised, or a hub name, whose ``config.json`` alone is fetched),
 then the config's own rules, the model's load-time refusals (``model.check_hf_model``), a resumed checkpoint's
-padded heads, Megatron's field names for ``model.megatron_overrides`` and the registries' names.
+padded heads, Megatron's field names for ``model.megatron_overrides`` and the registries' names; it warns of
+:func:`routing_replay_caveat`.
 """
 
 from __future__ import annotations
@@ -113,6 +114,9 @@ def validate_config(cfg: GTPOConfig, world_size: int, *, check_registries: bool 
     path = find_hf_config(cfg.model.name_or_path, fetch=check_registries)
     hf = json.loads(path.read_text()) if path is not None else None
     cfg.validate(world_size, hf_config=hf)
+    caveat = routing_replay_caveat(cfg)
+    if caveat is not None:
+        logger.warning(caveat)
     if not check_registries:
         return
     if hf is not None:
@@ -138,6 +142,21 @@ def validate_config(cfg: GTPOConfig, world_size: int, *, check_registries: bool 
         )
     advantages.get_advantage_estimator(cfg.algorithm.advantage_estimator)
     registry.get_reward(cfg.reward.name)
+
+
+def routing_replay_caveat(cfg: GTPOConfig) -> str | None:
+    """The warning of routing replay with async rollouts and a TIS/MIS correction (docs/moe.md); None otherwise."""
+    correction = cfg.algorithm.off_policy_correction
+    if cfg.rollout.routing_replay == "off" or cfg.rollout.mode != "async" or correction == "none":
+        return None
+    return (
+        f"rollout.routing_replay={cfg.rollout.routing_replay!r} with rollout.mode='async' and "
+        f"algorithm.off_policy_correction={correction!r}: the training forward replays the experts the engine chose "
+        f"with weights up to rollout.max_staleness={cfg.rollout.max_staleness} steps old, so pi_prox and mu share "
+        "that routing and the importance weight pi_prox / mu cannot see how the current router would route "
+        "differently (routing drift); the update trains under the stale routing. Use rollout.mode=sync or "
+        "rollout.routing_replay=off where routing drift matters (docs/moe.md, routing replay with async rollouts)"
+    )
 
 
 def _check_resume_padding(cfg: GTPOConfig, hf: dict) -> None:

@@ -24,10 +24,11 @@ MEANS: dict[str, tuple[str, str]] = {  # mean: (sum, count) among the metric sum
     "mismatch_prob_ratio_err": ("mismatch_prob_ratio_err", "num_tokens"),
     "is_weight_mean": ("is_weight_sum", "num_tokens"),
     "is_capped_frac": ("is_capped_tokens", "num_tokens"),
+    "is_undefined_frac": ("is_undefined_tokens", "num_tokens"),
 }
 """Entropies in nats (token entropy at the entropy temperature); the mismatch is |log pi_train - log pi_rollout| and
-|pi_train / pi_rollout - 1| per response token, before the update; the off-policy weight w and the fraction of
-tokens whose pi_prox / mu exceeds the cap (docs/algorithm.md section 11)."""
+|pi_train / pi_rollout - 1| per response token, before the update; the off-policy weight w and the fractions of
+tokens whose pi_prox / mu exceeds the cap or is undefined (NaN; docs/algorithm.md section 11)."""
 
 
 def means(sums: dict[str, float], names) -> dict[str, float]:

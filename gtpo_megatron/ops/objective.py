@@ -83,9 +83,10 @@ def policy_objective(
     Returns:
         ``(loss, metrics, terms)``: the fp32 scalar loss; detached sums (``policy_loss_metrics``'s, ``loss``,
         ``advantage_abs_sum``, ``seq_entropy_sum`` given an entropy, ``mismatch_sums`` of the proximal policy
-        (``old_logprobs``, else the detached ``policy_logprobs``) given ``rollout_logprobs``, ``is_weight_sum`` and
-        ``is_capped_tokens`` with an off-policy correction, ``logprob_diff_max`` given ``old_logprobs``: reduce it
-        with MAX); the terms.
+        (``old_logprobs``, else the detached ``policy_logprobs``) given ``rollout_logprobs``, ``is_weight_sum``,
+        ``is_capped_tokens`` and ``is_undefined_tokens`` with an off-policy correction (an undefined token's
+        surrogate is taken at ratio 1 and weighted 0), ``logprob_diff_max`` given ``old_logprobs``: reduce it with
+        MAX); the terms.
 
     Raises:
         ValueError: ``batch.advantages`` is None; no entropy while ``spec`` filters or penalises; an off-policy
@@ -101,9 +102,12 @@ def policy_objective(
     terms = sequence_terms(seq_entropy, batch.advantages, spec)
     proximal = policy_logprobs.detach() if batch.old_logprobs is None else batch.old_logprobs
     correction = _correction(proximal, batch, spec)
+    old_logprobs = batch.old_logprobs
+    if correction is not None and old_logprobs is not None:  # an undefined rho's token: ratio 1, weight 0
+        old_logprobs = torch.where(correction.undefined_BT, policy_logprobs.detach(), old_logprobs)
     loss, metrics = policy_loss(
         policy_logprobs=policy_logprobs,
-        old_logprobs=batch.old_logprobs,
+        old_logprobs=old_logprobs,
         advantages=terms.advantages,
         token_weights=token_weights * terms.keep_mask.unsqueeze(-1),
         response_mask=mask,
@@ -117,6 +121,7 @@ def policy_objective(
     if correction is not None:
         metrics["is_weight_sum"] = correction.weights_BT.sum()
         metrics["is_capped_tokens"] = correction.capped_BT.sum(dtype=torch.float32)
+        metrics["is_undefined_tokens"] = correction.undefined_BT.sum(dtype=torch.float32)
     has_tokens_B = mask.any(dim=-1)
     if measured:
         metrics["seq_entropy_sum"] = torch.where(has_tokens_B, terms.seq_entropy, 0.0).sum()

@@ -8,6 +8,9 @@ surrogate by the detached weight ``rho = pi_prox / mu``, bounded by the cap C:
     tis: w = min(rho, C)          (truncated IS)
     mis: w = rho * [rho <= C]     (masked IS: a token whose rho exceeds C leaves the objective)
 
+An undefined rho (NaN: a NaN log-prob on either side, or -inf on both) gets w = 0 under both modes and is counted
+(``undefined_BT``, logged as ``offpolicy/is_undefined_frac``); an overflowing rho (inf) is a large ratio, capped.
+
 Dimension legend: B sequences, T token columns (response tokens under ``response_mask``). Pure torch: no
 collectives, no ``.item()``, inputs never modified, no gradient through the weights.
 """
@@ -27,13 +30,15 @@ class ImportanceWeights:
 
     Attributes:
         weights_BT: ``[B, T]`` fp32 detached multiplier w of each token's surrogate, 0 off the response.
-        ratio_BT: ``[B, T]`` fp32 detached rho = pi_prox / mu before the cap, 0 off the response.
+        ratio_BT: ``[B, T]`` fp32 detached rho = pi_prox / mu before the cap, 0 off the response and where undefined.
         capped_BT: ``[B, T]`` bool, response tokens with rho > C (truncated by ``tis``, dropped by ``mis``).
+        undefined_BT: ``[B, T]`` bool, response tokens whose rho is NaN (weight 0 in both modes).
     """
 
     weights_BT: torch.Tensor
     ratio_BT: torch.Tensor
     capped_BT: torch.Tensor
+    undefined_BT: torch.Tensor
 
 
 @torch.no_grad()
@@ -49,7 +54,7 @@ def importance_weights(
 
     ``proximal_logprobs_BT`` (log pi_prox) and ``behaviour_logprobs_BT`` (log mu, the engine's) are ``[B, T]`` in
     nats; ``response_mask_BT`` ``[B, T]`` bool. An overflowing rho (inf) is capped to C by ``tis`` and dropped
-    by ``mis``; padding may hold anything, even NaN.
+    by ``mis``; an undefined one (NaN) is weighted 0 and flagged; padding may hold anything, even NaN.
 
     Raises:
         ValueError: ``mode`` not ``tis`` / ``mis``, ``cap`` <= 0 (wrong-sized caps below 1 are the caller's
@@ -70,10 +75,12 @@ def importance_weights(
         raise ValueError(f"response_mask_BT must be bool (True = response token); got {response_mask_BT.dtype}")
     zero = torch.zeros((), dtype=torch.float32, device=response_mask_BT.device)
     log_ratio_BT = proximal_logprobs_BT.detach().float() - behaviour_logprobs_BT.float()
-    ratio_BT = torch.where(response_mask_BT, torch.exp(torch.where(response_mask_BT, log_ratio_BT, zero)), zero)
-    capped_BT = response_mask_BT & (ratio_BT > cap)
+    undefined_BT = response_mask_BT & torch.isnan(log_ratio_BT)
+    defined_BT = response_mask_BT & ~undefined_BT
+    ratio_BT = torch.where(defined_BT, torch.exp(torch.where(defined_BT, log_ratio_BT, zero)), zero)
+    capped_BT = defined_BT & (ratio_BT > cap)
     if mode == "tis":
         weights_BT = torch.clamp(ratio_BT, max=cap)
     else:
         weights_BT = torch.where(capped_BT, zero, ratio_BT)
-    return ImportanceWeights(weights_BT=weights_BT, ratio_BT=ratio_BT, capped_BT=capped_BT)
+    return ImportanceWeights(weights_BT=weights_BT, ratio_BT=ratio_BT, capped_BT=capped_BT, undefined_BT=undefined_BT)

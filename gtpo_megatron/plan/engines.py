@@ -30,7 +30,7 @@ Placement = Literal["colocated", "separate"]
 class EnginePlacement:
     """One engine's place: ``ranks`` whose GPUs it shares (``(leader_rank,)`` if separate), node-local ``devices``.
 
-    ``devices`` is its workers' ``CUDA_VISIBLE_DEVICES``, empty on CPU.
+    ``devices``: node-local indices of its workers' GPUs (:func:`visible_devices`), empty on CPU.
     """
 
     index: int
@@ -171,6 +171,27 @@ def _separate(num_engines: int, engine_tp: int, world: int, ranks_per_node: int,
             EnginePlacement(index=i, num_engines=num_engines, leader_rank=leader, ranks=(leader,), devices=devices)
         )
     return placements
+
+
+def visible_devices(devices: tuple[int, ...], inherited: str | None) -> str:
+    """``CUDA_VISIBLE_DEVICES`` of an engine on the node-local ``devices``, read through the node's own list.
+
+    ``inherited``: the rank's ``CUDA_VISIBLE_DEVICES`` (Slurm sets it, e.g. ``"4,5,6,7"`` for half a node): local
+    device ``d`` is its ``d``-th entry (an index or a UUID); None or empty: ``d`` itself.
+
+    Raises:
+        ValueError: a device past the end of the inherited list (names both and the fix).
+    """
+    if not inherited:
+        return ",".join(str(d) for d in devices)
+    visible = [entry.strip() for entry in inherited.split(",")]
+    if max(devices) >= len(visible):
+        raise ValueError(
+            f"an engine needs the node's GPUs {list(devices)}, but CUDA_VISIBLE_DEVICES={inherited} shows "
+            f"{len(visible)}; give each node at least {max(devices) + 1} GPUs (sbatch --gpus-per-node) or lower "
+            "rollout.num_engine_gpus"
+        )
+    return ",".join(visible[d] for d in devices)
 
 
 def relay_workers(

@@ -9,6 +9,7 @@ returns its problems (empty when it holds); ``check_layout`` (``gtpo-plan``) and
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -85,12 +86,33 @@ def engine_problems(arch: Architecture, *, engine_tp_size: int) -> list[str]:
     return []
 
 
+def smallest_world_size(*, tp_size: int, pp_size: int, ep_size: int = 1) -> int:
+    """The fewest training ranks ``world_problems`` accepts: a multiple of ``tp * pp`` and of ``ep * pp``."""
+    return pp_size * math.lcm(tp_size, ep_size)
+
+
+def ep_sizes(stage_ranks: int, num_experts: int = 0) -> list[int]:
+    """The ``parallel.ep_size`` values both EP rules accept: divisors of ``stage_ranks`` and of ``num_experts``.
+
+    ``stage_ranks``: a pipeline stage's ranks; ``num_experts``: the model's experts (0: not known here).
+    """
+    return [d for d in _divisors(stage_ranks) if not num_experts or num_experts % d == 0]
+
+
 def world_problems(
-    train_world_size: int, *, tp_size: int, pp_size: int, described: str, launch: str, ep_size: int = 1
+    train_world_size: int,
+    *,
+    tp_size: int,
+    pp_size: int,
+    described: str,
+    launch: str,
+    ep_size: int = 1,
+    num_experts: int = 0,
 ) -> list[str]:
     """Reasons ``train_world_size`` ranks do not split into ``tp * pp`` replicas, or a stage's ranks into EP groups.
 
-    ``ep_size``: the EP group size; ``described``/``launch``: the message's wording.
+    ``ep_size``: the EP group size; ``num_experts``: the model's (0: unknown), so that a suggested ``ep_size``
+    passes :func:`expert_problems` too; ``described``/``launch``: the message's wording.
     """
     if min(tp_size, pp_size, ep_size) < 1:
         return [f"parallel.tp_size/pp_size/ep_size={tp_size}/{pp_size}/{ep_size} must each be >= 1; use 1"]
@@ -103,13 +125,18 @@ def world_problems(
         stage = train_world_size // pp_size
         return [
             f"parallel.ep_size={ep_size} must divide the {stage} ranks of a pipeline stage ({described}, "
-            f"parallel.pp_size={pp_size}); use one of {_divisors(stage)}"
+            f"parallel.pp_size={pp_size}); use one of {ep_sizes(stage, num_experts)}"
         ]
     return []
 
 
-def expert_problems(arch: Architecture, *, ep_size: int, tp_size: int, sequence_parallel: bool) -> list[str]:
-    """Reasons Megatron cannot lay out the experts of ``arch`` (none for a dense model at ``ep_size`` 1)."""
+def expert_problems(
+    arch: Architecture, *, ep_size: int, tp_size: int, sequence_parallel: bool, stage_ranks: int | None = None
+) -> list[str]:
+    """Reasons Megatron cannot lay out the experts of ``arch`` (none for a dense model at ``ep_size`` 1).
+
+    ``stage_ranks``: a pipeline stage's ranks, when known: a suggested ``ep_size`` divides them too (:func:`ep_sizes`).
+    """
     experts = arch.num_experts
     if not experts:
         if ep_size == 1:
@@ -119,7 +146,7 @@ def expert_problems(arch: Architecture, *, ep_size: int, tp_size: int, sequence_
     if experts % ep_size:
         problems.append(
             f"parallel.ep_size={ep_size} must divide the {experts} experts of {arch.name}; use one of "
-            f"{_divisors(experts)}"
+            f"{_divisors(experts) if stage_ranks is None else ep_sizes(stage_ranks, experts)}"
         )
     if tp_size > 1 and not sequence_parallel:
         problems.append(
@@ -185,12 +212,16 @@ def check_layout(
     need = f"{model_parallel}*k" + (f" + {pool}" if placement == "separate" else "")
     problems = model_problems(arch, tp_size=tp_size, pp_size=pp_size, pad_attention_heads=pad_attention_heads)
     problems += engine_problems(arch, engine_tp_size=engine_tp_size)
-    problems += expert_problems(arch, ep_size=ep_size, tp_size=tp_size, sequence_parallel=sequence_parallel)
+    stage = train_world // pp_size if train_world > 0 and train_world % (tp_size * pp_size) == 0 else None
+    problems += expert_problems(
+        arch, ep_size=ep_size, tp_size=tp_size, sequence_parallel=sequence_parallel, stage_ranks=stage
+    )
     problems += world_problems(
         train_world,
         tp_size=tp_size,
         pp_size=pp_size,
         ep_size=ep_size,
+        num_experts=arch.num_experts,
         launch=f"{need} GPUs",
         described=f"--gpus={world_size} leaves {train_world} training ranks",
     )

@@ -32,6 +32,12 @@ _DIGIT_GROUPS_RE = re.compile(r"-?[1-9]\d{0,2}(?: \d{3})+(?:\.\d+)?")
 _DECIMAL_COMMA_RE = re.compile(r"-?\d+,\d+")
 _COMMA_GROUPS_RE = re.compile(r"-?[1-9]\d{0,2}(?:,\d{3})+")
 _VALUE_TYPES = (sympy.Basic, sympy.MatrixBase)
+# \mathrm{e}, \text{i}, \operatorname{sin}, ...: a text-mode command around letters; after \mathrm{d} the spaces
+# before the variable go (\mathrm{d} x -> dx, the differential math-verify reads).
+_UPRIGHT_RE = re.compile(r"\\(?:mathrm|textrm|text|mathit|operatorname)\{([A-Za-z]+)\}(?:(?<=\{d\})\s+(?=[A-Za-z]))?")
+_FUNCTIONS = frozenset(
+    "sin cos tan cot sec csc arcsin arccos arctan sinh cosh tanh log ln exp max min gcd lcm".split()
+)  # math-verify reads \sin(1) but not \operatorname{sin}(1) or \mathrm{sin}(1)
 
 
 class _DropDisabledTimeoutWarning(logging.Filter):
@@ -45,8 +51,28 @@ for _name in ("math_verify.parser", "math_verify.grader"):
     logging.getLogger(_name).addFilter(_DropDisabledTimeoutWarning())
 
 
+def upright_symbols(latex: str) -> str:
+    r"""``latex`` with upright letters and function names written as math-verify reads them.
+
+    A text-mode command (``\mathrm``, ``\text``, ``\textrm``, ``\mathit``, ``\operatorname``) around one letter
+    becomes the letter, after a space unless a digit precedes it (``\frac{1}{\mathrm{e}}`` -> ``\frac{1}{ e}``,
+    Euler's number; ``2\mathrm{i}`` -> ``2i``; ``5\,\mathrm{m}`` -> ``5\, m``, a unit; ``\mathrm{d} x`` -> `` dx``);
+    around a function name it becomes the function's command (``\operatorname{sin}`` -> ``\sin ``). Words (units,
+    prose) stay for math-verify's own text handling.
+    """
+
+    def rewrite(match: re.Match) -> str:
+        name, before = match.group(1), latex[match.start() - 1 : match.start()]
+        if len(name) == 1:
+            return name if before.isdigit() else f" {name}"
+        return f"\\{name} " if name in _FUNCTIONS else match.group(0)
+
+    return _UPRIGHT_RE.sub(rewrite, latex)
+
+
 def _parse(text: str, configs) -> list:
-    return _number_readings(parse(text, list(configs), parsing_timeout=None, raise_on_error=True))
+    parsed = parse(upright_symbols(text), list(configs), parsing_timeout=None, raise_on_error=True)
+    return _number_readings(parsed)
 
 
 def _number_readings(parsed: list) -> list:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gtpo_megatron.rewards.answer_text import STRICT, explicit_answer, markup_free, reference_span, visible_text
+from gtpo_megatron.rewards.choice import grade_choice, read_choice_reference
 from gtpo_megatron.rewards.equivalence import answer_string, equivalent, parse_span, parse_text
 
 
@@ -31,9 +32,14 @@ def grade(
 ) -> Verdict:
     """Grades ``completion`` against ``reference`` (``decimal_abs_tol``: for two plain decimals, the paper's 1e-2).
 
+    A multiple-choice reference (``choice.choice_reference``) is graded by the stated letter (:mod:`.choice`).
+
     Raises:
         ValueError: unknown ``extraction`` or an unreadable reference; math-verify / SymPy errors propagate.
     """
+    choices = read_choice_reference(reference)
+    if choices is not None:
+        return Verdict(*grade_choice(completion, choices))
     pred = extract(completion, extraction)
     if not pred:
         return Verdict(correct=False, extracted=None)

@@ -16,12 +16,15 @@ from __future__ import annotations
 
 import functools
 import multiprocessing as mp
+import os
+import signal
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+from gtpo_megatron.preemption import WAIT_SLICE_S, init_helper_process, wait_until
 from gtpo_megatron.rewards.answer_text import STRICT, check_extraction
 from gtpo_megatron.rewards.deadline import GradingTimeout, grading_deadline
 from gtpo_megatron.rewards.registry import RewardFn, RewardResult, decimal_tolerance, get_reward
@@ -32,8 +35,12 @@ _MAX_MESSAGES = 5
 _FAILED = RewardResult(score=0.0, correct=False, format_ok=False, extracted=None)
 
 
-def _worker_main(conn: Connection, reward: str | RewardFn, timeout_s: float) -> None:
-    """Worker loop: resolve the reward once, say ready, then answer ``(index, job, kwargs)`` messages."""
+def _worker_main(conn: Connection, reward: str | RewardFn, timeout_s: float, parent_pid: int) -> None:
+    """Worker loop: resolve the reward once, say ready, then answer ``(index, job, kwargs)`` messages.
+
+    Ignores SIGINT (Ctrl-C reaches the process group; the trainer closes the pool) and ends with the trainer.
+    """
+    init_helper_process(parent_pid, ignored=(signal.SIGINT,))
     from gtpo_megatron.rewards.math_answer import same_answer  # math-verify: imported by the workers only
 
     jobs = {
@@ -102,14 +109,14 @@ class _Worker:
 
     def __init__(self, ctx: Any, reward: str | RewardFn, timeout_s: float) -> None:
         self.conn, child_conn = ctx.Pipe()
-        self.process = ctx.Process(target=_worker_main, args=(child_conn, reward, timeout_s), daemon=True)
+        self.process = ctx.Process(target=_worker_main, args=(child_conn, reward, timeout_s, os.getpid()), daemon=True)
         self.process.start()
         child_conn.close()
 
     def wait_ready(self) -> None:
         """Blocks until the worker has imported its reward; ``RuntimeError`` if it dies or is silent too long."""
         try:
-            ready = self.conn.poll(_STARTUP_TIMEOUT_S) and self.conn.recv() == "ready"
+            ready = wait_until(self.conn.poll, _STARTUP_TIMEOUT_S) and self.conn.recv() == "ready"
         except EOFError:
             ready = False
         if not ready:
@@ -244,7 +251,8 @@ class RewardPool:
         next_deadline = min(deadline for _, deadline in busy.values())
         conns = {self._workers[slot].conn: slot for slot in busy}  # type: ignore[union-attr]
         finished = []
-        for conn in wait(list(conns), timeout=max(0.0, next_deadline - time.monotonic())):
+        timeout_s = min(WAIT_SLICE_S, max(0.0, next_deadline - time.monotonic()))  # handlers run between slices
+        for conn in wait(list(conns), timeout=timeout_s):
             slot = conns[conn]
             index, _ = busy.pop(slot)
             try:

@@ -282,7 +282,8 @@ def _sample_interruptibly(
     except (StepInterrupted, Exception) as err:
         if not stop.abort_requested:
             raise
-        logger.warning("SIGTERM during the rollout of step %d: rollout abandoned (%s)", step, type(err).__name__)
+        logger.warning("%s during the rollout of step %d: rollout abandoned (%s)", stop.describe(), step,
+                       type(err).__name__)  # fmt: skip
         tally.aborted = 1.0
         return {}
 

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from gtpo_megatron.plan.engines import EnginePlacement
+from gtpo_megatron.preemption import wait_until
 from gtpo_megatron.rollout.engine import NamedTensor, RolloutEngine, SamplingConfig
 from gtpo_megatron.rollout.types import PromptCompletions
 
@@ -45,8 +46,11 @@ class EngineCall:
             self._done.set()
 
     def result(self, timeout_s: float) -> Any:
-        """The call's value; ``TimeoutError`` after ``timeout_s`` (the daemon is left behind), or the call's error."""
-        if not self._done.wait(timeout_s):
+        """The call's value; ``TimeoutError`` after ``timeout_s`` (the daemon is left behind), or the call's error.
+
+        Waits in slices (``preemption.wait_until``): an abort signal inside ``StopRequests.interruptible`` leaves it.
+        """
+        if not wait_until(self._done.wait, timeout_s):
             raise TimeoutError(f"{self.what} did not finish within {timeout_s:g} s")
         if self._error is not None:
             raise self._error

@@ -3,7 +3,7 @@
 With k = ``rollout.max_staleness`` and s steps completed at the start, every rank follows one schedule:
 
     start     submit batches s+1 .. s+1+k                  (the engines hold the weights after step s)
-    step t    take(t) -> train -> drain -> push the weights after step t, submit batch t+1+k
+    step t    take(t) -> train -> drain -> push the weights after step t, submit batch t+1+k (while t+1+k <= max)
 
 so batch j is sampled with the weights after step v_j = max(s, j-1-k) and trains the policy after step j-1: its
 staleness (j-1) - v_j is k from step s+k+1 on (k = 1: 0 at the first step, then 1). The schedule decides every
@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from gtpo_megatron.preemption import StepInterrupted
+from gtpo_megatron.preemption import StepInterrupted, wait_until
 from gtpo_megatron.rollout.collector import StepRollout, share_step
 from gtpo_megatron.rollout.exchange import EngineTally, RoutingLayout
 
@@ -193,8 +193,11 @@ class AsyncRollouts:
     def push(self, step: int, push: Callable[[], dict[str, float]]) -> dict[str, float]:
         """After :meth:`drain`: ``push`` the weights after ``step`` and submit batch step+1+k; ``push``'s metrics.
 
-        ``async/weight_wait_s``: the engines' idle time from their last batch to the next one (after this push).
+        ``async/weight_wait_s``: the engines' idle time from their last batch to the next one (after this push); no
+        push and 0 when no batch is left to sample with these weights (step + 1 + k > ``trainer.max_steps``).
         """
+        if step + 1 + self.max_staleness > self.cfg.trainer.max_steps:
+            return {"async/weight_wait_s": 0.0}
         finished_s = [b.finished_at_s for b in self._batches.values()]
         metrics = push()
         self._version = step
@@ -203,13 +206,9 @@ class AsyncRollouts:
         return {**metrics, "async/weight_wait_s": idle_s}
 
     def _wait(self, batch: _Batch, stop: StopRequests | None) -> None:
-        """Wait for ``batch`` (``rollout.timeout_s``; interruptible by SIGTERM with ``stop``) and raise its error."""
+        """Wait for ``batch`` (``rollout.timeout_s``; ``stop``'s abort signals leave it) and raise its error."""
         timeout_s = self.cfg.rollout.timeout_s
-        if stop is None:
-            finished = batch.done.wait(timeout_s)
-        else:
-            with stop.interruptible():
-                finished = batch.done.wait(timeout_s)
+        finished = wait_until(batch.done.wait, timeout_s, stop)
         name = getattr(self.collector.engine, "name", "the rollout engine")
         if not finished:
             raise RuntimeError(

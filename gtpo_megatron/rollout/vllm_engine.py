@@ -4,10 +4,11 @@ Completions carry token ids, text, finish reasons and ``processed_logprobs``. Ev
 own ``n=1`` request seeded by :func:`request_seed` of the call's seed, the prompt's global index and the sample
 (vLLM's ``n > 1`` would share streams between neighbouring prompts). A weight update ends in one ``reload_weights``
 walk per worker (``rollout/vllm_worker.py``) and a prefix-cache reset; ``files`` stages safetensors shards
-(``/dev/shm`` when available) and reloads them at ``finish_weight_update``.
+(``/dev/shm`` or ``$GTPO_STAGING_DIR``: ``node_local``) and reloads them at ``finish_weight_update``.
 
 CPU: the KV cache is ``VLLM_CPU_KVCACHE_SPACE``; attention needs head_dim >= 32; the in-process engine starts in
-~3 s but hangs inside a multi-rank torch.distributed job (use the multiprocess one there); no sleep mode.
+~3 s but hangs inside a multi-rank torch.distributed job (use the multiprocess one there); no sleep mode; the
+engine's own process preloads Intel OpenMP and tcmalloc (``rollout/cpu_preload.py``).
 
 Routed experts (``routing_replay``, docs/moe.md): each completion carries ``[P + R - 1, L, K]`` int16, the experts
 of every fed token in every MoE layer. GPU: vLLM's ``enable_return_routed_experts`` (its V2 model runner), the
@@ -24,16 +25,15 @@ import dataclasses
 import logging
 import math
 import os
-import shutil
 import tempfile
-import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import torch
 
 from gtpo_megatron.builtin_models import resolve_model_path
-from gtpo_megatron.rollout import vllm_logging
+from gtpo_megatron.node_local import socket_dir
+from gtpo_megatron.rollout import cpu_preload, vllm_logging
 from gtpo_megatron.rollout.engine import (
     NamedTensor,
     SamplingConfig,
@@ -41,6 +41,7 @@ from gtpo_megatron.rollout.engine import (
     request_seed,
     validate_prompt_ids,
 )
+from gtpo_megatron.rollout.staging import open_staging_dir
 from gtpo_megatron.rollout.types import Completion, PromptCompletions
 from gtpo_megatron.rollout.vllm_worker import WeightReloadExtension, check_fused_groups_complete
 
@@ -48,6 +49,7 @@ logger = logging.getLogger(__name__)
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _FINISH_REASONS = ("stop", "length")
+_MULTIPROCESSING = "VLLM_ENABLE_V1_MULTIPROCESSING"  # "0": the engine core runs in the caller's process
 
 
 @contextlib.contextmanager
@@ -64,8 +66,10 @@ def _engine_environment(
     ``quiet_logs``: keyword arguments of ``vllm_logging.child_log_environment``, or None for vLLM's own logging.
     """
     wanted = {"VLLM_CPU_KVCACHE_SPACE": str(math.ceil(cpu_kvcache_space_gib)), **extra}  # vLLM parses whole GiB
+    if "VLLM_RPC_BASE_PATH" not in os.environ:  # its IPC sockets: a long TMPDIR would not fit AF_UNIX
+        wanted["VLLM_RPC_BASE_PATH"] = socket_dir()
     if in_process is not None:
-        wanted["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
+        wanted[_MULTIPROCESSING] = "0" if in_process else "1"
     if Path(model_path).is_dir() and "HF_HUB_OFFLINE" not in os.environ:
         wanted["HF_HUB_OFFLINE"] = "1"
     log_folder = tempfile.TemporaryDirectory(prefix="gtpo-vllm-logging-") if quiet_logs is not None else None
@@ -114,11 +118,6 @@ class WorkerExtension(WeightReloadExtension):
         return list(experts.shape), experts.numpy().tobytes()
 
 
-def _default_staging_root() -> str | None:
-    shm = Path("/dev/shm")
-    return str(shm) if shm.is_dir() and os.access(shm, os.W_OK) else None
-
-
 class VLLMEngine:
     """A ``RolloutEngine`` backed by ``vllm.LLM``.
 
@@ -131,7 +130,7 @@ class VLLMEngine:
         tensor_parallel_size, seed, enforce_eager, max_num_seqs: vLLM's own.
         enable_sleep_mode: allow ``sleep``/``wake_up`` to free GPU memory (ignored with a warning on CPU).
         in_process: True runs the engine core in this process, False in a child; None keeps the environment's.
-        staging_dir: parent of the weight staging folder; default ``/dev/shm`` if writable, else the temp folder.
+        staging_dir: parent of the weight staging folder; default ``node_local.staging_root``.
         environment: extra variables for the engine's processes while it starts (``plan/engines.py``).
         verbose: vLLM's full logging; False: WARNING without the records this project makes harmless.
         load_format: ``"auto"`` loads ``model_path``'s weights; ``"dummy"`` random ones, replaced by a weight
@@ -186,6 +185,11 @@ class VLLMEngine:
         self._capture_by_prefill = routing_replay and current_platform.is_cpu()
         routing = _routing_kwargs(routing_replay, cpu=current_platform.is_cpu())
         routing_environment = routing.pop("environment", {})
+        in_child = in_process is False or (in_process is None and os.environ.get(_MULTIPROCESSING, "1") != "0")
+        preload = {}
+        if current_platform.is_cpu() and in_child:
+            preload = cpu_preload.engine_environment(os.environ, cpu_preload.preload_libraries())
+            logger.info("the engine's process preloads %s", preload.get("LD_PRELOAD", "nothing more"))
         self._sleep_enabled = enable_sleep_mode and not current_platform.is_cpu()
         if enable_sleep_mode and not self._sleep_enabled:
             logger.warning("enable_sleep_mode=True has no effect on CPU: vLLM's CPU worker cannot sleep")
@@ -200,7 +204,7 @@ class VLLMEngine:
             cpu_kvcache_space_gib=cpu_kvcache_space_gib,
             in_process=in_process,
             model_path=self.model_path,
-            extra={**(environment or {}), **routing_environment},
+            extra={**preload, **(environment or {}), **routing_environment},
             quiet_logs=quiet_logs,
         )
         with env:
@@ -231,8 +235,7 @@ class VLLMEngine:
                 self._llm.collective_rpc("gtpo_bind_routing_capture")
         self._dtype: torch.dtype = self._llm.llm_engine.model_config.dtype
         self._packed_modules = self._llm.collective_rpc("gtpo_packed_modules")[0]
-        self._staging = Path(tempfile.mkdtemp(prefix="gtpo-weights-", dir=staging_dir or _default_staging_root()))
-        weakref.finalize(self, shutil.rmtree, self._staging, ignore_errors=True)  # also when close() is skipped
+        self._staging, self._remove_staging = open_staging_dir(self, staging_dir)  # also removed at exit
         self._bucket_names: set[str] | None = None
         self._num_buckets = 0
 
@@ -416,7 +419,7 @@ class VLLMEngine:
         llm, self._llm = getattr(self, "_llm", None), None
         if llm is not None:
             llm.llm_engine.engine_core.shutdown()
-        shutil.rmtree(self._staging, ignore_errors=True)
+        self._remove_staging()
 
     def __enter__(self) -> VLLMEngine:
         return self

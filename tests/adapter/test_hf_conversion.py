@@ -7,6 +7,9 @@ reshapes; the round trip HF -> shards -> HF must be ``torch.equal``.
 
 from __future__ import annotations
 
+import os
+import stat
+
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -206,3 +209,21 @@ def test_sharded_export_reads_back(tmp_path):
     reader = hc.HFCheckpointReader(out)
     assert all(torch.equal(reader.read(name), tensor) for name, tensor in tensors.items())
     assert torch.equal(reader.read("lm_head.weight", 0, 2, 5), tensors["lm_head.weight"][2:5])
+
+
+@pytest.mark.parametrize(("umask", "folder_mode", "file_mode"), [(0o022, 0o755, 0o644), (0o077, 0o700, 0o600)])
+def test_export_takes_the_umasks_modes(tmp_path, umask, folder_mode, file_mode):
+    """mkdtemp's 0700 and safetensors' 0600 are replaced by 0777 / 0666 less the umask before the rename."""
+    from transformers import LlamaConfig
+
+    from gtpo_megatron.megatron_adapter.hf_export import write_hf_folder
+
+    out, previous = tmp_path / "export", os.umask(umask)
+    try:
+        write_hf_folder(iter(_hf_tensors(tied=False).items()), out, hf_config=LlamaConfig(), tokenizer_source=None,
+                        write=True, max_shard_bytes=400)  # fmt: skip
+    finally:
+        os.umask(previous)
+    modes = {path.name: stat.S_IMODE(path.stat().st_mode) for path in [out, *out.iterdir()]}
+    assert modes.pop("export") == folder_mode and "model.safetensors.index.json" in modes
+    assert set(modes.values()) == {file_mode}

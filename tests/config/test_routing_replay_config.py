@@ -49,3 +49,27 @@ def test_load_time_check_refuses_a_dense_model_and_a_megatron_without_the_replay
     monkeypatch.setattr(moe_utils, "topk_routing_with_score_function", without_hook)
     with pytest.raises(RuntimeError, match=r"install megatron-core>=0.16.1 or set rollout.routing_replay=off"):
         check_replay_supported(moe)
+
+
+ASYNC_TIS = ["rollout.placement=separate", "rollout.mode=async", "algorithm.off_policy_correction=tis",
+             "algorithm.loss_temperature=sampling", "rollout.routing_replay=rollout"]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "changed",
+    [[], ["algorithm.off_policy_correction=mis"], ["rollout.mode=sync"], ["algorithm.off_policy_correction=none"],
+     ["rollout.routing_replay=off"]],
+)  # fmt: skip
+def test_routing_replay_with_async_importance_weights_warns(changed: list[str], caplog):
+    from gtpo_megatron.megatron_adapter.validation import validate_config
+
+    cfg = load_config(None, ["model=builtin:tiny-qwen3-moe", *BASE, *ASYNC_TIS, *changed])
+    with caplog.at_level("WARNING", logger="gtpo_megatron.megatron_adapter.validation"):
+        validate_config(cfg, 1, check_registries=False)
+    warned = [r.getMessage() for r in caplog.records if "routing drift" in r.getMessage()]
+    if changed in ([], ["algorithm.off_policy_correction=mis"]):
+        correction = cfg.algorithm.off_policy_correction
+        assert len(warned) == 1 and f"algorithm.off_policy_correction={correction!r}" in warned[0], warned
+        assert "rollout.routing_replay='rollout' with rollout.mode='async'" in warned[0]
+    else:
+        assert not warned

@@ -15,8 +15,6 @@ BASE = ["model=builtin:tiny-qwen2", "output_dir=/tmp/run", "rollout.max_prompt_l
 @pytest.mark.parametrize(
     "override, fragment, fix",
     [
-        ("optim.packing=true", "optim.packing=True: packs sequences up to optim.max_tokens_per_micro_batch, which is",
-         "set optim.max_tokens_per_micro_batch"),
         ("optim.max_tokens_per_micro_batch=0", "optim.max_tokens_per_micro_batch=0: must be >= 1 or null",
          "use at least rollout.max_prompt_len + rollout.max_tokens"),
         ("parallel.cp_size=2", "parallel.cp_size=2: context parallelism needs Transformer Engine's attention",
@@ -51,6 +49,18 @@ def test_token_budget_config_frees_the_micro_batch_size_rule():
     cfg = load_config(None, [*BASE, *rows, "optim.max_tokens_per_micro_batch=1000", "optim.packing=true"])
     validate_config(cfg, 2, check_registries=False)
     assert policy_settings(cfg).token_budget == TokenBudget(max_tokens=1000, packing=True)
+
+
+def test_token_budget_config_packing_alone_takes_micro_batch_size_full_length_rows():
+    # 3 rows x (prompt 100 + response 400) = 1500 tokens; an explicit budget wins; without packing: rows
+    cfg = load_config(None, [*BASE, "optim.micro_batch_size=3", "optim.packing=true"])
+    validate_config(cfg, 1, check_registries=False)
+    assert cfg.optim.max_tokens_per_micro_batch is None and cfg.max_tokens_per_micro_batch == 1500
+    assert policy_settings(cfg).token_budget == TokenBudget(max_tokens=1500, packing=True)
+    explicit = load_config(None, [*BASE, "optim.micro_batch_size=3", "optim.packing=true",
+                                  "optim.max_tokens_per_micro_batch=700"])  # fmt: skip
+    assert explicit.max_tokens_per_micro_batch == 700
+    assert load_config(None, [*BASE, "optim.micro_batch_size=3"]).max_tokens_per_micro_batch is None
 
 
 def test_token_budget_config_packing_refuses_sliding_windows():

@@ -13,6 +13,7 @@ import pytest
 from gtpo_megatron.data import datasets as data_sets
 from gtpo_megatron.data import load_problems
 from gtpo_megatron.data.download import DEFAULT_SOURCES, main
+from gtpo_megatron.rewards.choice import read_choice_reference
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -111,7 +112,8 @@ def test_gtpo_data_writes_mmlu_and_openr1_math_with_their_fields(hub, tmp_path, 
     written = json.loads((tmp_path / "openr1-math" / "train.jsonl").read_text().splitlines()[1])
     assert sorted(written) == sorted(["id", "uuid", "problem", "answer", "question_type", "correctness_math_verify",
                                       "correctness_llama"])  # fmt: skip
-    assert [p.answer for p in load_problems("mmlu/elementary_mathematics", data_dir=str(tmp_path))] == ["B"]
+    problems = load_problems("mmlu/elementary_mathematics", data_dir=str(tmp_path))
+    assert [read_choice_reference(p.answer).letter for p in problems] == ["B"]
     assert [p.id for p in load_problems("openr1-math", data_dir=str(tmp_path))] == ["r1-a", "r1-b"]
     assert f"{tmp_path}/openr1-math/train.jsonl: 2 problems" in capsys.readouterr().out
     assert "dropped 2 rows (no_final_answer 1, unverified 1); kept 2 problems" in caplog.text

@@ -10,13 +10,15 @@ import pytest
 from gtpo_megatron.data import load_problems
 from gtpo_megatron.data.datasets import check_source
 from gtpo_megatron.data.mmlu import SUBJECTS
+from gtpo_megatron.rewards.choice import read_choice_reference
 
 FIXTURES = str(Path(__file__).parent / "fixtures")
 
 
 def test_rows_become_lettered_questions_with_letter_answers():
     problems = load_problems("mmlu", data_dir=FIXTURES)
-    assert [p.answer for p in problems] == ["C", "D", "A", "D", "B", "C", "B"]
+    assert [read_choice_reference(p.answer).letter for p in problems] == ["C", "D", "A", "D", "B", "C", "B"]
+    assert read_choice_reference(problems[0].answer).options == ("10", "11", "12", "13")
     assert [p.source for p in problems[2:4]] == ["mmlu/elementary_mathematics", "mmlu/high_school_geography"]
     assert problems[0].id == "mmlu-test-0"
     assert problems[0].question == (
@@ -39,6 +41,10 @@ def test_unknown_subject_lists_the_closest_names():
     with pytest.raises(ValueError, match=r"^data.source='mmlu/geography': .*closest: high_school_geography"):
         check_source("mmlu/geography", data_dir=FIXTURES, prefix="data.")
     check_source("mmlu/astronomy", data_dir=FIXTURES)  # a real subject with its file: fine
+    with pytest.raises(
+        ValueError, match=r"does not exist; .* and set GTPO_DATA_DIR=DIR, or give data.path=FILE.jsonl$"
+    ):
+        check_source("mmlu", data_dir="/nonexistent", prefix="data.")
     with pytest.raises(ValueError, match="holds no question of the MMLU subject 'virology'"):
         load_problems("mmlu/virology", data_dir=FIXTURES)  # a real subject the file does not hold
 
@@ -68,4 +74,4 @@ def test_letter_answers_and_missing_fields(tmp_path):
     (tmp_path / "mmlu" / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     with pytest.raises(ValueError, match=r"test.jsonl:2: MMLU rows need .*; missing \['choices', 'answer', 'subj"):
         load_problems("mmlu", data_dir=str(tmp_path))
-    assert load_problems("mmlu", data_dir=str(tmp_path), limit=1)[0].answer == "B"
+    assert load_problems("mmlu", data_dir=str(tmp_path), limit=1)[0].answer == '{"letter": "B", "options": ["a", "b"]}'

@@ -37,12 +37,10 @@ def test_passing_ranks_output_is_flushed(capfd):
 def _forked_manager_and_daemon(rank, world_size):
     import multiprocessing
     import time
-    from multiprocessing.managers import SyncManager
 
-    from gtpo_megatron.preemption import ignore_stop_signals
+    from gtpo_megatron.preemption import start_helper_manager
 
-    manager = SyncManager(ctx=multiprocessing.get_context("fork"))
-    manager.start(ignore_stop_signals)
+    manager = start_helper_manager()
     daemon = multiprocessing.get_context("fork").Process(target=time.sleep, args=(3600,), daemon=True)
     daemon.start()
     _STARTED.append((manager.Queue(), daemon))  # kept alive, as the checkpoint keeps its queue's proxy

@@ -1,5 +1,5 @@
-"""MMLU in the evaluator with a scripted engine: hand-written letter answers graded by the math reward, exact
-accuracy / pass@k / maj@k per subject and pooled, answers no checker reads counted."""
+"""MMLU in the evaluator with a scripted engine: hand-written letter answers graded by the choice reward, exact
+accuracy / pass@k / maj@k per subject and pooled, answers that state no single letter counted."""
 
 from __future__ import annotations
 
@@ -17,15 +17,15 @@ FIXTURES = str(Path(__file__).parents[1] / "data" / "fixtures")
 SCRIPTS = [  # one engine call per subject, in file order; two completions per question
     [  # elementary_mathematics, gold C, D, A
         ["<answer>C</answer>", "<answer>(C)</answer>"],
-        ["<answer>\\text{D}</answer>", "The answer is (D)."],  # no anchor math-verify accepts: no answer
+        ["<answer>\\text{D}</answer>", "The answer is (D)."],
         ["<answer>\\textbf{(B)}</answer>", "\\boxed{A}"],
     ],
     [  # high_school_geography, gold D, B
         ["<reasoning>the Pacific</reasoning>\n<answer>D</answer>", "<answer>Pacific</answer>"],
-        ["The final answer is B", "<answer>C) Paris</answer>"],  # a letter with prose: no answer
+        ["The final answer is B", "<answer>C) Paris</answer>"],  # Paris is B, but the stated letter wins
     ],
     [  # astronomy, gold C, B
-        ["<answer>A</answer>", "<answer>A</answer>"],
+        ["<answer>A</answer>", "<answer>A or C</answer>"],  # two letters: no answer
         ["<answer>B</answer>", "<answer>**B.**</answer>"],
     ],
 ]
@@ -63,22 +63,22 @@ def test_letters_are_scored_per_subject_and_pooled(tmp_path):
     assert got == {
         # C and (C) are one class; \textbf{(B)} (wrong) and \boxed{A} (right) tie: maj@2 0.5
         "mmlu/elementary_mathematics": (
-            round(4 / 6, 6),
-            round(2 / 3, 6),
-            1.0,
-            round(2 / 3, 6),
+            round(5 / 6, 6),
             round(2.5 / 3, 6),
-            1,
+            1.0,
+            round(2 / 3, 6),  # maj@1: the first sample of each question
+            round(2.5 / 3, 6),
+            0,
             3,
         ),
-        "mmlu/high_school_geography": (0.5, 0.5, 1.0, 1.0, 0.75, 1, 2),
-        "mmlu/astronomy": (0.5, 0.5, 0.5, 0.5, 0.5, 0, 2),
-        "mmlu": (round(8 / 14, 6), round(4 / 7, 6), round(6 / 7, 6), round(5 / 7, 6), round(5 / 7, 6), 2, 7),
+        "mmlu/high_school_geography": (0.75, 0.75, 1.0, 1.0, 0.75, 0, 2),  # Pacific: option D's text
+        "mmlu/astronomy": (0.5, 0.5, 0.5, 0.5, 0.5, 1, 2),
+        "mmlu": (round(10 / 14, 6), round(5 / 7, 6), round(6 / 7, 6), round(5 / 7, 6), round(5 / 7, 6), 1, 7),
     }
     assert payload["extraction"]["mmlu/astronomy"] == "strict"
     records = [json.loads(x) for x in (tmp_path / "out/records/mmlu/astronomy.jsonl").read_text().splitlines()]
     assert [c["extracted"] for c in records[1]["completions"]] == ["B", "B"]
-    assert records[0]["reference"] == "C"
+    assert json.loads(records[0]["reference"]) == {"letter": "C", "options": ["Venus", "Earth", "Mercury", "Mars"]}
     report = (tmp_path / "out" / "results.md").read_text().splitlines()
     assert report[0] == "| model | MMLU p@1 | MMLU p@2 | MMLU maj@2 |"
     assert "| mmlu/astronomy | 2 | 50.0 | 50.0 | 50.0 | 50.0 |" in report
@@ -99,6 +99,20 @@ def test_unknown_subject_is_a_usage_error_before_the_model_loads(tmp_path, capsy
         main(_flags(tmp_path, "mmlu/astronmy"))
     assert exit_info.value.code == 2
     assert "MMLU has no subject 'astronmy'; closest: astronomy, anatomy" in capsys.readouterr().err
+
+
+def test_missing_mmlu_file_names_the_option_gtpo_eval_accepts(tmp_path, capsys):
+    from gtpo_megatron.evaluation.cli import main
+
+    flags = _flags(tmp_path)
+    flags[flags.index("--data-dir") + 1] = str(tmp_path / "empty")
+    with pytest.raises(SystemExit) as exit_info:
+        main(flags)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2
+    assert "mmlu/test.jsonl does not exist; download the benchmarks once with `gtpo-data --out DIR mmlu`" in err
+    assert err.rstrip().endswith("and pass --data-dir DIR or set GTPO_DATA_DIR=DIR")
+    assert "path=" not in err  # gtpo-eval has no file option
 
 
 def test_pooling_weights_by_problems_and_adds_counts():

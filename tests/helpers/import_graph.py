@@ -24,7 +24,13 @@ LAYERS: list[tuple[str, tuple[str, ...], str]] = [
     ("ops", ("gtpo_megatron.ops",), "torch; the log-prob op's TP all-reduces go through `parallel.collectives`"),
     (
         "torch-free helpers",
-        ("gtpo_megatron.builtin_models", "gtpo_megatron.run_dir", "gtpo_megatron.preemption", "gtpo_megatron.plan"),
+        (
+            "gtpo_megatron.builtin_models",
+            "gtpo_megatron.node_local",
+            "gtpo_megatron.run_dir",
+            "gtpo_megatron.preemption",
+            "gtpo_megatron.plan",
+        ),
         "stdlib (transformers lazily, to build a built-in)",
     ),
     ("parallel", ("gtpo_megatron.parallel",), "torch.distributed; megatron only in `groups.py`"),

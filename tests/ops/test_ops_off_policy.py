@@ -145,3 +145,38 @@ def test_policy_loss_weights_only_the_surrogate_not_the_kl():
         LossSpec(
             loss_name="gtpo", aggregation="token-mean", clip_eps_low=0.2, clip_eps_high=0.2, off_policy_correction="is"
         )
+
+
+@pytest.mark.parametrize("mode", ["tis", "mis"])
+def test_an_undefined_ratio_weighs_zero_and_is_flagged(mode):
+    # NaN proximal, NaN behaviour, -inf on both sides: undefined; -inf behaviour alone: rho = inf, capped (tis: C)
+    inf, nan = float("inf"), float("nan")
+    prox, mu = torch.tensor([[nan, -0.5, -inf, 0.0, -1.0]]), torch.tensor([[-1.0, nan, -inf, -inf, -1.0]])
+    out = importance_weights(prox, mu, torch.ones(1, 5, dtype=torch.bool), mode=mode, cap=2.0)
+    assert out.undefined_BT.tolist() == [[True, True, True, False, False]]
+    assert out.capped_BT.tolist() == [[False, False, False, True, False]]
+    assert out.ratio_BT.tolist() == [[0.0, 0.0, 0.0, inf, 1.0]]
+    assert out.weights_BT.tolist() == [[0.0, 0.0, 0.0, 2.0 if mode == "tis" else 0.0, 1.0]]
+
+
+def test_an_undefined_proximal_token_leaves_the_objective_and_is_counted():
+    """A NaN pi_old on a response token: its surrogate at ratio 1 with weight 0, so loss and gradient stay finite
+    and equal the float64 loss without that token's weight; counted in ``is_undefined_tokens``."""
+    old = torch.tensor([[float("nan"), -0.9, -2.5, 0.0], [-0.2, -2.5, 0.0, 0.0]])
+    loss, metrics, grad = _objective(_spec("tis", cap=1.5), old=old)
+    weights = importance_weights(old, BEHAVIOUR, MASK, mode="tis", cap=1.5).weights_BT
+    assert weights[0, 0].item() == 0.0 and metrics["is_undefined_tokens"].item() == 1.0
+    policy64 = torch.tensor([[-1.0, -0.5, -2.0, 0.0], [-0.1, -3.0, 0.0, 0.0]], dtype=torch.float64)
+    policy64.requires_grad_(True)
+    old64 = old.double().clone()
+    old64[0, 0] = -1.0  # ratio 1 (any finite value: its weight is 0)
+    expected = ref_policy_loss(
+        policy64, old64, torch.tensor([1.0, -2.0], dtype=torch.float64),
+        torch.tensor([[2.0, 1.0, 1.0, 0.0], [1.0, 0.0, 0.0, 0.0]], dtype=torch.float64), [3, 2],
+        aggregation="seq-mean-token-mean", normalizer=float(compute_normalizer(MASK, "seq-mean-token-mean")),
+        clip_low=0.2, clip_high=0.2, is_weights=weights.double(),
+    )  # fmt: skip
+    expected.backward()
+    torch.testing.assert_close(loss.double(), expected, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(grad.double(), policy64.grad, atol=1e-6, rtol=1e-6)
+    assert grad[0, 0].item() == 0.0

@@ -10,6 +10,7 @@ from gtpo_megatron.plan.engines import (
     engine_placements,
     engine_prompt_range,
     resolve_num_engines,
+    visible_devices,
 )
 
 
@@ -161,3 +162,12 @@ def test_the_worker_on_rank_0s_gpu_is_fed_by_a_relay_only_when_colocated_on_gpus
     one = _placements(num_engines=1, engine_tp_size=1, train_world_size=1, ranks_per_node=1)
     with pytest.raises(ValueError, match="use rollout.weight_sync=files"):
         relay_workers(one, placement="colocated", engine_tp_size=1, accelerator=True)
+
+
+def test_engine_devices_are_read_through_the_nodes_visible_list():
+    """Slurm gives a job half of a node (CUDA_VISIBLE_DEVICES=4,5,6,7): local GPU 2 is the physical GPU 6."""
+    assert visible_devices((2, 3), None) == "2,3" and visible_devices((2, 3), "") == "2,3"
+    assert visible_devices((2, 3), "4,5,6,7") == "6,7"
+    assert visible_devices((0,), "GPU-aa, GPU-bb") == "GPU-aa"  # UUIDs pass through
+    with pytest.raises(ValueError, match=r"GPUs \[2, 3\], but CUDA_VISIBLE_DEVICES=4,5 shows 2.*at least 4 GPUs"):
+        visible_devices((2, 3), "4,5")

@@ -72,20 +72,16 @@ def test_run_local_knobs(tmp_path: Path) -> None:
     assert call[-3:] == ["gtpo_megatron.train", "--config", "configs/x.yaml"]
 
 
-def test_run_local_preloads_intel_openmp_on_cpu(tmp_path: Path) -> None:
-    """Without GPUs, the venv's libiomp5.so (next to torchrun: ``bin/../lib``) is preloaded; PRELOAD_IOMP=0 not."""
+def test_run_local_leaves_ld_preload_to_the_engine(tmp_path: Path) -> None:
+    """The launcher sets no LD_PRELOAD: the CPU engine's process gets its own (``rollout/cpu_preload.py``)."""
     env = _fake_bin(tmp_path)
     (tmp_path / "bin" / "torchrun").write_text('#!/usr/bin/env bash\necho "${LD_PRELOAD:-}" >> "$RECORD"\n')
     (tmp_path / "lib").mkdir()
     (tmp_path / "lib" / "libiomp5.so").write_text("")
-    env = {**env, "LOG_DIR": str(tmp_path / "l"), "LD_PRELOAD": "/x/libother.so"}
-    for preload in ("", "0"):
-        run_env = {**env, "PRELOAD_IOMP": preload} if preload else env
+    for preload in ("", "/x/libother.so"):
+        run_env = {**env, "LOG_DIR": str(tmp_path / "l"), "LD_PRELOAD": preload}
         subprocess.run(["bash", "launch/run_local.sh"], cwd=REPO, env=run_env, check=True, capture_output=True)
-    assert (tmp_path / "calls.txt").read_text().splitlines() == [
-        f"{tmp_path}/bin/../lib/libiomp5.so:/x/libother.so",
-        "/x/libother.so",
-    ]
+    assert (tmp_path / "calls.txt").read_text().splitlines() == ["", "/x/libother.so"]
 
 
 def test_submit_sbatch_one_torchrun_per_node_at_the_head_node(tmp_path: Path) -> None:

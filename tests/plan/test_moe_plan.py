@@ -107,3 +107,16 @@ def test_experts_of_an_unbuilt_type_are_refused_by_name(config, model_type):
                     "vocab_size": 10, "num_experts_per_tok": 8}  # fmt: skip
     with pytest.raises(ValueError, match=rf"model_type='{model_type}' is a mixture of experts .*'qwen3_moe'"):
         architecture_from_hf_config({**dense_fields, **config, "model_type": model_type}, name="m")
+
+
+@pytest.mark.parametrize("bad", [5, 8])
+def test_suggested_ep_sizes_pass_both_expert_parallel_rules(bad):
+    """12 ranks (tp 2: dp 6) and 128 experts: the suggestions are [1, 2, 4], and each of them is accepted."""
+    recipe = str(CONFIGS / "qwen3-30b-a3b_math_gtpo_8gpu.yaml")
+    fixed = ["--config", recipe, "--gpus", "12", "--gpu-mem", "80", "rollout.num_prompts=12"]
+    status, text = run([*fixed, f"parallel.ep_size={bad}"])
+    lines = [line for line in text.splitlines() if f"parallel.ep_size={bad} must divide" in line]
+    assert status == 2 and lines and all(line.endswith("use one of [1, 2, 4]") for line in lines), text
+    for ep in (1, 2, 4):
+        status, text = run([*fixed, f"parallel.ep_size={ep}"])
+        assert "layout does not divide" not in text and f"ep {ep}:" in text, text

@@ -172,3 +172,22 @@ def test_pool_argument_errors_and_close() -> None:
     pool.close()
     with pytest.raises(RuntimeError, match="after close"):
         pool.score(["a"], ["1"])
+
+
+def _ignored_signals(pid: int) -> int:
+    """The ``SigIgn`` mask of process ``pid`` (bit n - 1 set: signal n ignored)."""
+    status = dict(line.split(":\t", 1) for line in open(f"/proc/{pid}/status").read().splitlines() if ":\t" in line)
+    return int(status["SigIgn"], 16)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads /proc (Linux)")
+def test_workers_ignore_ctrl_c_and_keep_scoring(math_pool) -> None:
+    """Ctrl-C reaches the whole process group; the trainer stops its pool, so a worker ignores SIGINT (only)."""
+    pids = [worker.process.pid for worker in math_pool._workers]
+    masks = [_ignored_signals(pid) for pid in pids]
+    assert all(mask >> (signal.SIGINT - 1) & 1 and not mask >> (signal.SIGTERM - 1) & 1 for mask in masks)
+    for pid in pids:
+        os.kill(pid, signal.SIGINT)
+    results, stats = math_pool.score(["\\boxed{1}", "\\boxed{2}"], ["1", "2"])
+    assert [r.correct for r in results] == [True, True] and stats["num_errors"] == 0
+    assert [worker.process.pid for worker in math_pool._workers] == pids

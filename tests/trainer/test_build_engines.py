@@ -17,6 +17,7 @@ def _cfg(*overrides):
 def test_separate_engine_processes_see_only_the_gpus_training_leaves(monkeypatch):
     """Separate placement: 6 training ranks on an 8-GPU node, engine TP 2 -> CUDA_VISIBLE_DEVICES=6,7."""
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "6")
     cfg = _cfg("rollout.placement=separate", "rollout.engine_tp_size=2", "parallel.tp_size=2")
     (only,) = build_placements(cfg, 6)
@@ -50,3 +51,24 @@ def test_the_files_path_refuses_several_engines(monkeypatch):
                                          " gives 8 here"):  # fmt: skip
         build_placements(cfg, 8)
     assert len(build_placements(_cfg("rollout.weight_sync=files", "rollout.num_engines=1"), 8)) == 1
+
+
+def test_engine_gpus_follow_the_nodes_visible_devices(monkeypatch):
+    """A node whose job was given GPUs 8-15 of 16: the engine on local GPUs 6 and 7 gets the physical 14 and 15."""
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", ",".join(str(g) for g in range(8, 16)))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "6")
+    cfg = _cfg("rollout.placement=separate", "rollout.engine_tp_size=2", "parallel.tp_size=2")
+    (only,) = build_placements(cfg, 6)
+    assert engine_environment(only, [only], cfg, 6) == {"CUDA_VISIBLE_DEVICES": "14,15"}
+
+
+def test_cpu_engines_on_two_nodes_keep_their_nodes_cores(monkeypatch):
+    """Two nodes of one rank each (``LOCAL_WORLD_SIZE=1``): one engine per node, alone there, so no binding."""
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    cfg = _cfg("rollout.num_engines=2")
+    placements = build_placements(cfg, 2)
+    assert [p.leader_rank for p in placements] == [0, 1]
+    assert [engine_environment(p, placements, cfg, 2) for p in placements] == [{}, {}]

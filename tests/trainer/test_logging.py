@@ -8,7 +8,7 @@ import math
 import pytest
 
 from gtpo_megatron.config import LoggingConfig
-from gtpo_megatron.logging import MetricSink, format_step_line, plot_curves
+from gtpo_megatron.logging import MetricSink, format_step_line, plot_curves, progress_label
 
 
 def _sink(tmp_path, mode="disabled", start_step=0, enabled=True):
@@ -122,3 +122,11 @@ def test_startup_line_lists_the_phases():
     assert format_startup_line(seconds, 12.34) == (
         "start-up 12.3 s before step 1: imports 6.0, policy 4.0 (rollout_side overlaps policy)"
     )
+
+
+def test_progress_bar_is_labelled_by_the_configured_algorithm(tmp_path, capsys):
+    assert [progress_label(n) for n in ("gtpo", "grpo", "dapo", "dr_grpo")] == ["GTPO", "GRPO", "DAPO", "Dr. GRPO"]
+    cfg = LoggingConfig(wandb_mode="disabled", progress=True)
+    sink = MetricSink(tmp_path, cfg=cfg, run_config={"algorithm": {"name": "dapo"}}, max_steps=2)
+    sink.close()
+    assert "DAPO:" in capsys.readouterr().err

@@ -1,9 +1,11 @@
-"""Stop signals in the loop (``preemption``, ``Trainer.run``): where SIGTERM and SIGUSR1 land decides what is saved.
+"""Stop signals in the loop (``preemption``, ``Trainer.run``): where SIGTERM, SIGINT and SIGUSR1 land decides what is
+saved.
 
-SIGTERM aborts the step in flight at its next safe point and saves the last completed step; SIGUSR1 finishes the
-step and saves it. Each case sends the signal to this process from inside one phase of step 3 (4 steps, no periodic
-save), then checks the saved step, what the policy trained and the engine synced, and that a resumed run continues
-with exactly the prompts of an uninterrupted one. The torchrun version (2 ranks, real policy) is
+SIGTERM and SIGINT (Ctrl-C) abort the step in flight at its next wait or safe point and save the last completed
+step (a step whose update began is finished, without its sync); SIGUSR1 finishes the step and saves it. Each case
+sends the signal to this process from inside one phase of step 3 (4 steps, no periodic save), then checks the
+saved step, what the policy trained and the engine synced, and that a resumed run continues with exactly the
+prompts of an uninterrupted one. The torchrun version (2 ranks, real policy) is
 ``tests/distributed/test_preemption_torchrun.py``.
 """
 
@@ -13,11 +15,19 @@ import json
 import logging
 import os
 import signal
+import threading
 import time
 
 import pytest
 
-from gtpo_megatron.preemption import StepInterrupted, StopRequests, hold_stop_signals, release_stop_signals
+from gtpo_megatron.preemption import (
+    ABORT_SIGNALS,
+    StepInterrupted,
+    StopRequests,
+    hold_stop_signals,
+    release_stop_signals,
+    wait_until,
+)
 from gtpo_megatron.run_dir import list_checkpoints
 from tests.trainer.fakes import FakeEngine, FakePolicy, make_trainer, one_rank_process_group
 
@@ -35,8 +45,8 @@ class _SignalEngine(FakeEngine):
         if len(self.calls) + 1 == self.at:
             start = time.perf_counter()
             os.kill(os.getpid(), self.signum)
-            if self.signum == signal.SIGTERM:
-                time.sleep(30)  # a long generation: SIGTERM must leave it at once
+            if self.signum in ABORT_SIGNALS:
+                time.sleep(30)  # a long generation: SIGTERM or SIGINT must leave it at once
             self.seconds = time.perf_counter() - start
         return super().generate(prompt_ids, n, sampling, prompt_indices)
 
@@ -76,19 +86,23 @@ def _steps_logged(run_dir):
     return [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-# (phase, its call that belongs to step 3, signal) -> (saved step, optimizer updates done, weight syncs done);
-# compute_logprobs runs once a step (log-probs at T = 0.9 and entropy at T_H = 1 from one forward).
+# (phase, its call that belongs to step 3) -> (saved step, optimizer updates done, weight syncs done);
+# compute_logprobs runs once a step (log-probs at T = 0.9 and entropy at T_H = 1 from one forward). SIGINT (Ctrl-C)
+# is handled as SIGTERM.
 CASES = {
-    "SIGTERM in the rollout": ("generate", 3, signal.SIGTERM, 2, 2, 2),
-    "SIGTERM in the old-logprob pass": ("compute_logprobs", 3, signal.SIGTERM, 2, 2, 2),
-    "SIGTERM in the update": ("train_step", 3, signal.SIGTERM, 3, 3, 2),  # update done: save it, skip the sync
-    "SIGUSR1 in the rollout": ("generate", 3, signal.SIGUSR1, 3, 3, 3),  # the step finishes, then saves
+    "abort in the rollout": ("generate", 3, 2, 2, 2),
+    "abort in the old-logprob pass": ("compute_logprobs", 3, 2, 2, 2),
+    "abort in the update": ("train_step", 3, 3, 3, 2),  # the update began: finish and save it, skip the sync
+    "SIGUSR1 in the rollout": ("generate", 3, 3, 3, 3),  # the step finishes, then saves
 }
+SIGNALS = {case: ABORT_SIGNALS if case.startswith("abort") else (signal.SIGUSR1,) for case in CASES}
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_stop_signals_save_the_last_completed_step(tmp_path, case, caplog):
-    phase, at, signum, saved, updates, syncs = CASES[case]
+@pytest.mark.parametrize(
+    ("case", "signum"), [(c, s) for c in sorted(CASES) for s in SIGNALS[c]], ids=lambda v: getattr(v, "name", v)
+)
+def test_stop_signals_save_the_last_completed_step(tmp_path, case, signum, caplog):
+    phase, at, saved, updates, syncs = CASES[case]
     engine = _SignalEngine(at if phase == "generate" else None, signum)
     policy = _SignalPolicy(phase, at, signum)
     with caplog.at_level(logging.INFO, logger="gtpo_megatron"):
@@ -96,9 +110,9 @@ def test_stop_signals_save_the_last_completed_step(tmp_path, case, caplog):
     assert [p.name for p in list_checkpoints(tmp_path / "cut" / "checkpoints")] == [f"step_{saved:06d}"]
     assert len(policy.train_batches) == updates and engine.events.count("synced") == syncs
     assert _steps_logged(tmp_path / "cut") == list(range(1, saved + 1))
-    assert engine.seconds < 5, "SIGTERM did not interrupt the generation"
+    assert engine.seconds < 5, "the signal did not interrupt the generation"
     if saved == 2:
-        assert "SIGTERM: step 3 aborted; step 2 saved; resume with resume=true" in caplog.text
+        assert f"{signal.Signals(signum).name}: step 3 aborted; step 2 saved; resume with resume=true" in caplog.text
     else:
         assert f"{signal.Signals(signum).name}: saved step 3 and stopped" in caplog.text
     full = _run(tmp_path / "full")
@@ -125,7 +139,7 @@ def test_signals_are_off_when_disabled_and_handlers_are_restored(tmp_path):
     before = signal.getsignal(signal.SIGUSR1)
     requests = StopRequests(on_sigterm=False, on_sigusr1=True)
     with requests.installed():
-        assert signal.getsignal(signal.SIGTERM) is not requests._on_sigterm
+        assert signal.getsignal(signal.SIGTERM) != requests._on_abort
         os.kill(os.getpid(), signal.SIGUSR1)
         assert requests.save_requested and not requests.abort_requested and requests.describe() == "SIGUSR1"
     assert signal.getsignal(signal.SIGUSR1) is before
@@ -133,6 +147,32 @@ def test_signals_are_off_when_disabled_and_handlers_are_restored(tmp_path):
     requests.abort_requested = True  # a SIGTERM arrived before the interruptible block started
     with pytest.raises(StepInterrupted), requests.interruptible():
         pytest.fail("the block must not start")
+
+
+@pytest.mark.parametrize("signum", ABORT_SIGNALS, ids=lambda s: s.name)
+def test_a_signal_on_another_thread_or_before_a_wait_ends_the_wait(signum):
+    """The race of a lost stop request: a signal handled by another thread (the main thread sleeps on, its handler
+    pending) or one that lands before the wait starts. A 60 s wait that is not left fails the test."""
+    requests, never, waiting = StopRequests(on_sigterm=True, on_sigusr1=False), threading.Event(), threading.Event()
+
+    def wait_slice(seconds):
+        waiting.set()
+        return never.wait(seconds)
+
+    def signal_this_thread():
+        waiting.wait()
+        signal.pthread_kill(threading.get_ident(), signum)
+
+    with requests.installed():
+        sender = threading.Thread(target=signal_this_thread)
+        sender.start()
+        with pytest.raises(StepInterrupted):
+            wait_until(wait_slice, 60.0, requests)
+        sender.join()
+        assert requests.describe() == signum.name
+        never.set()
+        with pytest.raises(StepInterrupted):  # the request stays: the next wait is not entered
+            wait_until(never.wait, 60.0, requests)
 
 
 class _SignalWhileLoading(FakePolicy):

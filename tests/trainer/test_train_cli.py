@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from gtpo_megatron.train import main, parse_args
 
-DEMO = str(Path(__file__).resolve().parents[2] / "configs" / "cpu_demo.yaml")
+ROOT = Path(__file__).resolve().parents[2]
+DEMO = str(ROOT / "configs" / "cpu_demo.yaml")
 
 
 def test_parse_args_splits_config_and_overrides():
@@ -69,3 +73,39 @@ def test_policy_settings_errors_exit_2_before_any_process_group(override, fragme
         monkeypatch.setenv(key, value)
     assert main(["--config", DEMO, override, "output_dir=/tmp/gtpo-unused"]) == 2
     assert fragment in capsys.readouterr().err
+
+
+def _entry_point(launcher: list[str], *args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    command = [*launcher, "-m", "gtpo_megatron.train", "--config", DEMO, *args, "output_dir=/tmp/gtpo-unused"]
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, check=False)
+
+
+def test_config_error_alone_is_one_line_exit_2_no_traceback():
+    run = _entry_point([sys.executable], "trainer.max_steps=0")
+    assert run.returncode == 2 and "Traceback" not in run.stderr
+    assert run.stderr.strip().splitlines() == [
+        "gtpo-train: config error: trainer.max_steps=0: must be >= 1; use e.g. 20"
+    ]
+
+
+def test_gtpo_train_alone_names_the_torchrun_line_for_a_layout_of_several_ranks():
+    run = _entry_point([sys.executable], "trainer.max_steps=3")
+    assert run.returncode == 2
+    assert run.stderr.strip().splitlines() == [
+        "gtpo-train: config error: parallel.tp_size/pp_size/ep_size=2/1/1 needs 2 ranks and gtpo-train alone is one "
+        f"process; run torchrun --nproc_per_node=2 -m gtpo_megatron.train --config {DEMO} trainer.max_steps=3 "
+        "output_dir=/tmp/gtpo-unused"
+    ]
+
+
+@pytest.mark.slow
+def test_config_error_under_torchrun_is_said_once_as_the_root_cause():
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master-port=0"]
+    run = _entry_point(torchrun, "trainer.max_steps=0")
+    output = run.stdout + run.stderr
+    assert run.returncode != 0 and output.count("trainer.max_steps=0: must be >= 1") == 1
+    root_cause = output.split("Root Cause (first observed failure):")[1]
+    assert "exitcode  : 2" in root_cause
+    assert "traceback : gtpo-train: config error: trainer.max_steps=0: must be >= 1; use e.g. 20" in root_cause

@@ -88,6 +88,13 @@ def test_run_writes_metrics_curves_and_prunes_checkpoints(tmp_path):
     assert len(trainer.policy.saved) == 2  # steps 2 and 4
 
 
+def test_no_weight_push_after_the_last_step(tmp_path):
+    trainer = make_trainer(tmp_path)  # 4 steps: pushes after steps 1-3, none after step 4 (no rollout follows)
+    trainer.run()
+    assert len(trainer.policy.train_batches) == 4
+    assert trainer.collector.engine.events == ["sleep", "wake_up", "synced"] * 3 + ["sleep"]
+
+
 def test_resume_continues_with_the_same_prompts(tmp_path):
     full = make_trainer(tmp_path / "full")
     full.run()
@@ -324,5 +331,5 @@ def test_off_policy_correction_reaches_the_loss_and_metrics(tmp_path):
     _, loss, _ = trainer.policy.train_batches[0]
     assert (loss.off_policy_correction, loss.off_policy_cap) == ("tis", 1.5)
     assert metrics["offpolicy/is_weight_mean"] == pytest.approx((1 + math.exp(-0.5)) / 2)
-    assert metrics["offpolicy/is_capped_frac"] == 0.0
+    assert metrics["offpolicy/is_capped_frac"] == 0.0 and metrics["offpolicy/is_undefined_frac"] == 0.0
     assert "offpolicy/is_weight_mean" not in make_trainer(tmp_path / "none").step(1)

@@ -11,8 +11,8 @@ stage) and divided by a uniform load ``tokens * k / E``:
 
 Megatron's router records its load-balancing and z-losses (when ``model.moe_aux_loss_coeff`` / ``moe_z_loss_coeff``
 are > 0) in its layer-wise tracker, summed over micro-batches: ``moe_aux_loss`` / ``moe_z_loss`` are their means over
-layers, micro-batches and ranks. Their gradients enter as Megatron adds them (per micro-batch, divided by the number
-of micro-batches, outside the GTPO loss and its normaliser: docs/moe.md).
+layers, micro-batches and ranks. Their gradients enter outside the GTPO loss and its normaliser, each micro-batch's
+weighted by its share of the step's tokens (``router_losses``; docs/moe.md).
 """
 
 from __future__ import annotations
