@@ -22,6 +22,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from gtpo_megatron.megatron_adapter.head_padding import resume_padding_error
 from gtpo_megatron.megatron_adapter.optimizer import restore_schedule
 from gtpo_megatron.parallel.collectives import barrier
 from gtpo_megatron.run_dir import (
@@ -209,7 +210,39 @@ def _open(path: str | Path, policy) -> tuple[Path, dict]:
     folder = resolve_checkpoint_dir(path)
     common = dist_checkpointing.load_common_state_dict(str(folder))
     _check_experts(common, policy, folder)
+    _check_shapes(folder, common["layout"]["tp_size"], policy)
     return folder, common
+
+
+def _check_shapes(folder: Path, saved_tp_size: int, policy) -> None:
+    """Refuse a checkpoint whose model tensors' global shapes (its metadata file) are not ``policy``'s.
+
+    The padded heads (``head_padding.resume_padding_error``) or vocabulary of another TP size.
+    """
+    from megatron.core.dist_checkpointing import ShardedTensor, load_tensors_metadata
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+
+    saved = load_tensors_metadata(str(folder))
+    for tensor in nested_values(policy.model.sharded_state_dict()):
+        if not isinstance(tensor, ShardedTensor) or tensor.key not in saved:
+            continue
+        was, now = tuple(saved[tensor.key].global_shape), tuple(tensor.global_shape)
+        if was == now:
+            continue
+        geometry, tp_size = policy.geometry, policy.groups.tp_size
+        error = resume_padding_error(
+            str(folder),
+            saved_tp_size=saved_tp_size,
+            tp_size=tp_size,
+            num_heads=geometry.num_heads,
+            num_query_groups=geometry.num_query_groups,
+            padded_groups=geometry.padded_num_query_groups,
+        )
+        raise error or ValueError(
+            f"checkpoint {str(folder)!r}: {tensor.key} is {was} there, {now} in this model (written at "
+            f"parallel.tp_size={saved_tp_size}, now {tp_size}: the padded vocabulary differs); resume with the "
+            "checkpoint's parallel.tp_size and model section"
+        )
 
 
 def load_model_weights(path: str | Path, policy) -> None:

@@ -50,3 +50,26 @@ def padded_num_query_groups(
         f"{padded} KV groups ({padded * (num_heads // num_query_groups)} heads), or use a tp_size in "
         f"{valid_tp_sizes(num_query_groups)}"
     )
+
+
+def resume_padding_error(
+    checkpoint: str, *, saved_tp_size: int, tp_size: int, num_heads: int, num_query_groups: int, padded_groups: int
+) -> ValueError | None:
+    """Why ``checkpoint`` (written at ``saved_tp_size``) cannot load into ``padded_groups`` KV groups at ``tp_size``.
+
+    None when it holds as many (checkpoints keep the padded layout).
+    """
+    saved = padded_num_query_groups(
+        num_heads=num_heads, num_query_groups=num_query_groups, tp_size=saved_tp_size, pad_attention_heads=True
+    )  # a run that needed no padding saved G groups, which this returns then
+    if saved == padded_groups:
+        return None
+    per_group = num_heads // num_query_groups
+    return ValueError(
+        f"checkpoint {checkpoint!r} was written at parallel.tp_size={saved_tp_size}, whose attention heads are padded "
+        f"to {saved} KV groups ({saved * per_group} heads); at parallel.tp_size={tp_size} this model has "
+        f"{padded_groups} ({padded_groups * per_group} heads), and checkpoints keep the padded layout "
+        f"(model.pad_attention_heads, docs/models.md); resume with parallel.tp_size={saved_tp_size}, or export the "
+        f"checkpoint to Hugging Face (`python -m gtpo_megatron.evaluation.checkpoint_export {checkpoint}` drops the "
+        f"padding) and start a new run with model.name_or_path={checkpoint}/hf"
+    )

@@ -2,8 +2,9 @@
 
 ``validate_config`` runs in ``gtpo-train`` and ``gtpo-plan`` before any process group, engine or model exists: the
 model is found (a local folder, a built-in, materialised, or a hub name, whose ``config.json`` alone is fetched),
-then the config's own rules, the model's load-time refusals (``model.check_hf_model``), Megatron's field names for
-``model.megatron_overrides`` and the registries' names; it warns of :func:`routing_replay_caveat`.
+then the config's own rules, the model's load-time refusals (``model.check_hf_model``), a resumed checkpoint's
+padded heads, Megatron's field names for ``model.megatron_overrides`` and the registries' names; it warns of
+:func:`routing_replay_caveat`.
 """
 
 from __future__ import annotations
@@ -16,7 +17,10 @@ from typing import TYPE_CHECKING
 
 from gtpo_megatron.builtin_models import BUILTIN_PREFIX, check_model, local_model_folder, resolve_model_path
 from gtpo_megatron.config.checks import require
+from gtpo_megatron.megatron_adapter.head_padding import padded_num_query_groups, resume_padding_error
 from gtpo_megatron.megatron_adapter.settings import policy_settings
+from gtpo_megatron.plan.architectures import architecture_from_hf_config
+from gtpo_megatron.run_dir import checkpoints_dir, newest_checkpoint
 
 if TYPE_CHECKING:
     from gtpo_megatron.config import GTPOConfig
@@ -100,8 +104,9 @@ def validate_config(cfg: GTPOConfig, world_size: int, *, check_registries: bool 
 
     ``check_registries`` (``gtpo-train``) finds the model (``find_hf_config`` with ``fetch``), imports torch,
     megatron and the rewards, and runs the model's load-time refusals (``model.check_hf_model``: HF fields
-    Megatron cannot build, packing with sliding windows); without it (``gtpo-plan``) only a config.json on disk is
-    read. Where none is read the model's checks wait for its load: one warning line says which.
+    Megatron cannot build, packing with sliding windows) and, with ``resume``, compares the newest checkpoint's
+    padded heads with this ``tp_size``'s; without it (``gtpo-plan``) only a config.json on disk is read. Where none
+    is read the model's checks wait for its load: one warning line says which.
 
     Raises:
         ValueError: naming the fields, the values, the rule and a fix.
@@ -120,6 +125,7 @@ def validate_config(cfg: GTPOConfig, world_size: int, *, check_registries: bool 
         from gtpo_megatron.megatron_adapter.model import check_hf_model
 
         check_hf_model(AutoConfig.from_pretrained(path.parent), policy_settings(cfg))
+        _check_resume_padding(cfg, hf)
     from megatron.core.transformer import TransformerConfig
 
     from gtpo_megatron.ops import advantages
@@ -151,3 +157,32 @@ def routing_replay_caveat(cfg: GTPOConfig) -> str | None:
         "differently (routing drift); the update trains under the stale routing. Use rollout.mode=sync or "
         "rollout.routing_replay=off where routing drift matters (docs/moe.md, routing replay with async rollouts)"
     )
+
+
+def _check_resume_padding(cfg: GTPOConfig, hf: dict) -> None:
+    """With ``resume``, refuse the newest checkpoint if its padded heads are not this ``tp_size``'s.
+
+    Before the run folder's config.yaml is replaced; the load checks every shape again.
+    """
+    from megatron.core import dist_checkpointing
+
+    folder = newest_checkpoint(checkpoints_dir(cfg.output_dir)) if cfg.resume else None
+    if folder is None:
+        return
+    arch = architecture_from_hf_config(hf, name=cfg.model.name_or_path)
+    heads, groups = arch.num_attention_heads, arch.num_query_groups
+    error = resume_padding_error(
+        str(folder),
+        saved_tp_size=dist_checkpointing.load_common_state_dict(str(folder))["layout"]["tp_size"],
+        tp_size=cfg.parallel.tp_size,
+        num_heads=heads,
+        num_query_groups=groups,
+        padded_groups=padded_num_query_groups(
+            num_heads=heads,
+            num_query_groups=groups,
+            tp_size=cfg.parallel.tp_size,
+            pad_attention_heads=cfg.model.pad_attention_heads,
+        ),
+    )
+    if error is not None:
+        raise error

@@ -179,3 +179,36 @@ def test_smollm2_tp2_with_head_padding_matches_transformers():
 
 def test_padded_heads_stay_zero_and_training_matches_tp1(tmp_path):
     run_distributed(_tiny_worker, 2, str(tmp_path))
+
+
+def _resume_worker(rank: int, world_size: int, root: str) -> None:
+    path, folder = f"{root}/hf", f"{root}/run/checkpoints/step_000001"
+    padded = _build(path, 2, pad_attention_heads=True)
+    padded.train_step(make_batch(rows=ROWS, seed=5), LOSS)  # the optimizer's state exists from the first step on
+    padded.save_checkpoint(folder, {"step": 1})
+    with pytest.raises(ValueError) as error:
+        _build(path, 1, pad_attention_heads=True).load_checkpoint(folder)
+    _check_refusal(str(error.value), folder)
+    assert _build(path, 2, pad_attention_heads=True).load_checkpoint(folder) == {"step": 1}  # the fix
+
+
+def _check_refusal(message: str, folder: str) -> None:
+    for part in ("parallel.tp_size=2, whose attention heads are padded to 4 KV groups (8 heads)",
+                 "at parallel.tp_size=1 this model has 3 (6 heads)", "resume with parallel.tp_size=2",
+                 f"checkpoint_export {folder}` drops the padding", f"model.name_or_path={folder}/hf"):  # fmt: skip
+        assert part in message, message
+
+
+def test_a_resume_at_a_tp_size_of_other_padding_is_refused_before_loading(tmp_path):
+    """Checkpoints keep the padded layout: TP=2 pads 3 KV groups to 4, TP=1 has 3. The job's first check and the
+    load refuse it naming both and the fixes, instead of Megatron's global-shape mismatch."""
+    from gtpo_megatron.config import load_config
+    from gtpo_megatron.megatron_adapter.validation import validate_config
+
+    _save_three_group_llama(str(tmp_path / "hf"))
+    run_distributed(_resume_worker, 2, str(tmp_path))
+    run = [f"model={tmp_path}/hf", f"output_dir={tmp_path}/run", "resume=true", "model.pad_attention_heads=true"]
+    with pytest.raises(ValueError) as error:
+        validate_config(load_config(None, [*run, "rollout.max_tokens=64"]), 2)
+    _check_refusal(str(error.value), f"{tmp_path}/run/checkpoints/step_000001")
+    validate_config(load_config(None, [*run, "rollout.max_tokens=64", "parallel.tp_size=2"]), 2)
