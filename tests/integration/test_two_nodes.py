@@ -122,7 +122,7 @@ def test_each_node_writes_its_own_files_and_both_share_the_run_folder(jobs):
         assert list((home / "shm").iterdir()) == []  # the engine's staging folder, removed at close
         assert (two_nodes / "logs" / f"node_{node}").is_dir()
     checkpoints = sorted(p.name for p in (two_nodes / "run" / "checkpoints").iterdir())
-    assert checkpoints == ["latest", "step_000002"]
+    assert checkpoints == ["latest", "step_000002", "step_000003"]  # step 2 by the first job, 3 at the resumed end
     assert "submit.sbatch: 2 nodes x 1 ranks" in log and "resumed from" in log and "(step 2)" in log
 
 
