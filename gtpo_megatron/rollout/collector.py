@@ -39,6 +39,7 @@ from gtpo_megatron.rollout.exchange import (
     attach_routed_experts,
     pack_routed_experts,
     pack_rows,
+    raise_leader_failures,
     unpack_rows,
 )
 
@@ -164,7 +165,7 @@ def collect_step(
     :func:`share_step`'s, on ``group``.
 
     Raises:
-        RuntimeError: whatever the engine or the reward pool raise on a leader.
+        RuntimeError: on every rank when the engine or the reward pool raised on a leader (naming the engine).
     """
     sampled, varied, tally = _sample_rounds(
         collector, loader, step, algorithm_cfg, rollout_cfg.num_prompts, group, stop
@@ -203,7 +204,10 @@ def share_step(
     experts' layout with routing replay (the completions then carry them), else None.
 
     Collectives: one SUM all-reduce of the packed rows and counters on ``group``; with ``routing`` a second one of
-    the routed experts (``exchange.pack_routed_experts``).
+    the routed experts (``exchange.pack_routed_experts``); after a leader's failure ``raise_leader_failures``'.
+
+    Raises:
+        RuntimeError: on every rank when a leader's rollout failed (``tally.failed``), naming its engine.
     """
     num_prompts, group_size = rollout_cfg.num_prompts, algorithm_cfg.group_size
     chosen = choose_groups(varied, num_prompts) if algorithm_cfg.dynamic_sampling else list(range(num_prompts))
@@ -219,6 +223,8 @@ def share_step(
         counters[engine_index] = tally.as_tensor()
     summed = all_reduce_sum(torch.cat([rows.reshape(-1), counters.reshape(-1)]), group=group)
     counters = summed[rows.numel() :].reshape(counters.shape)
+    if counters[:, ENGINE_COUNTERS.index("failed")].sum() > 0:
+        raise_leader_failures(tally.error, group=group)
     if counters[:, ENGINE_COUNTERS.index("aborted")].sum() > 0:
         return None
     gathered = unpack_rows(summed[: rows.numel()].reshape(rows.shape), group_size=group_size, layout=layout)
@@ -251,8 +257,11 @@ def _sample_rounds(
     for round_index in range(rounds):
         problems = loader.next_batch()
         scored = {}
-        if collector is not None and not tally.aborted:
-            scored = _sample_interruptibly(collector, step, round_index, problems, tally, stop)
+        if collector is not None and not (tally.aborted or tally.failed):
+            try:
+                scored = _sample_interruptibly(collector, step, round_index, problems, tally, stop)
+            except Exception as err:  # shared at the exchange: the other ranks wait there for this batch
+                tally.fail(err)
         sampled.append(scored)
         if not algorithm_cfg.dynamic_sampling:
             break
