@@ -208,8 +208,10 @@ def build_loader(cfg: GTPOConfig, tokenizer):
     return PromptLoader(fitting, batch_size=rollout.num_prompts, seed=data.shuffle_seed, shuffle=True)
 
 
-def build_collector(cfg: GTPOConfig, model_path: str, tokenizer, placement: EnginePlacement, environment: dict):
-    """An engine leader's ``RolloutCollector``: its guarded vLLM engine and reward pool."""
+def build_collector(
+    cfg: GTPOConfig, model_path: str, tokenizer, placement: EnginePlacement, environment: dict, cores=None
+):
+    """An engine leader's ``RolloutCollector``: its guarded vLLM engine and reward pool (``cores``: the collector's)."""
     from gtpo_megatron.data.prompts import SYSTEM_PROMPTS
     from gtpo_megatron.rewards import RewardPool, default_extraction
     from gtpo_megatron.rollout.collector import RolloutCollector
@@ -246,6 +248,7 @@ def build_collector(cfg: GTPOConfig, model_path: str, tokenizer, placement: Engi
         system_prompt=SYSTEM_PROMPTS[cfg.data.system_prompt],
         engine_index=placement.index,
         num_engines=placement.num_engines,
+        cores=cores,
     )
 
 
@@ -306,9 +309,10 @@ def build_trainer(cfg: GTPOConfig, groups: ParallelGroups, *, timer: PhaseTimer 
         environment = engine_environment(mine, placements, cfg, groups.world_size)  # before the rank's binding
     bound = bind_training_rank(cfg, placements, groups.rank, groups.world_size)
     if mine is not None:
+        engine_cores = None if bound is None else bound[1]
         rollout_side = _in_background(
             timer, "startup/rollout_side", build_collector, cfg, model_path, tokenizer, mine, environment,
-            cores=None if bound is None else bound[1],
+            engine_cores, cores=engine_cores,
         )  # fmt: skip
     sink = None
     try:

@@ -64,7 +64,8 @@ class RolloutCollector:
     """An engine leader's engine, reward pool and tokenizer, and its share of every round.
 
     ``reward_pool``: a ``rewards.RewardPool``; ``extraction``: ``reward.extraction`` resolved for ``data.source``;
-    ``engine_index``: ``plan.engines.EnginePlacement.index``; ``num_engines``: engines sharing each round.
+    ``engine_index``: ``plan.engines.EnginePlacement.index``; ``num_engines``: engines sharing each round;
+    ``cores``: the CPU cores of the rollout side (its engine's, ``build.bind_training_rank``), else None.
     """
 
     def __init__(
@@ -80,6 +81,7 @@ class RolloutCollector:
         system_prompt: str = SYSTEM_PROMPT,
         engine_index: int = 0,
         num_engines: int = 1,
+        cores: tuple[int, ...] | None = None,
     ) -> None:
         self.engine = engine
         self.reward_pool = reward_pool
@@ -91,6 +93,7 @@ class RolloutCollector:
         self.system_prompt = system_prompt
         self.engine_index = engine_index
         self.num_engines = num_engines
+        self.cores = cores
 
     def _sampling(self, step: int, round_index: int) -> SamplingConfig:
         cfg = self.rollout_cfg

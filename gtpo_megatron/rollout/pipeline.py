@@ -21,6 +21,7 @@ reaches every rank at the next collective (the take's exchange, the drain's), wh
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
@@ -59,7 +60,7 @@ class _Batch:
 
 
 class _Worker:
-    """A daemon thread that samples and scores the submitted batches in order on a leader's collector."""
+    """A daemon thread that samples and scores the submitted batches in order on a leader's collector (on its cores)."""
 
     def __init__(self, collector: RolloutCollector) -> None:
         self._queue: queue.Queue[_Batch | None] = queue.Queue()
@@ -74,6 +75,8 @@ class _Worker:
         self._queue.put(None)
 
     def _run(self, collector: RolloutCollector) -> None:
+        if collector.cores is not None:  # this thread only: the training rank keeps its cores
+            os.sched_setaffinity(0, collector.cores)
         while (batch := self._queue.get()) is not None:
             try:
                 batch.scored = collector.sample_round(batch.step, 0, batch.problems, batch.tally)
