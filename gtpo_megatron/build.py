@@ -123,10 +123,9 @@ def build_placements(cfg: GTPOConfig, world_size: int) -> list[EnginePlacement]:
 
 
 def cpu_core_split(cfg: GTPOConfig, placements: list[EnginePlacement], world_size: int, node: int) -> CoreSplit | None:
-    """How CPU ``node``'s cores are split (``plan.engines.split_cores``); None with GPUs or one colocated engine.
+    """CPU ``node``'s ``split_cores`` (separate engines apart from its ranks); None with GPUs or one colocated engine.
 
-    Separate engines get cores apart from the node's training ranks; colocated ones (the training ranks wait while
-    they generate) split the cores among themselves when several share the node, else keep vLLM's own binding.
+    Several colocated engines split the cores among themselves; one keeps vLLM's binding (the ranks wait meanwhile).
     """
     if torch.cuda.is_available():
         return None
@@ -158,10 +157,9 @@ def engine_environment(
 
 
 def bind_training_rank(cfg: GTPOConfig, placements: list[EnginePlacement], rank: int, world_size: int):
-    """Separate engines on CPU: pin every thread of this training rank to its cores, torch's thread count to match.
+    """Separate engines on CPU: pin every thread of this rank to its cores, torch's thread count to match.
 
-    Returns ``(training cores, this rank's engine's cores or None)`` (the engine's processes must start on theirs),
-    or None where nothing is bound (``cpu_core_split``). Threads started later inherit the training cores.
+    Returns ``(its cores, its engine's cores or None)``, or None where nothing is bound (``cpu_core_split``).
     """
     per_node = ranks_per_node(world_size)
     split = cpu_core_split(cfg, placements, world_size, rank // per_node)

@@ -100,10 +100,7 @@ class GTPOConfig:
 
     @property
     def longest_wait_s(self) -> float:
-        """The longest a rank waits in a world collective for an engine leader, as the settings allow (seconds).
-
-        ``plan.waits.longest_wait_s`` of the ``rollout``, ``algorithm.group_size`` and ``reward`` values.
-        """
+        """The longest a rank waits in a world collective for an engine leader (``plan.waits.longest_wait_s``)."""
         rollout, reward = self.rollout, self.reward
         return waits.longest_wait_s(
             mode=rollout.mode,

@@ -1,10 +1,6 @@
-"""How long a rank may wait for an engine leader, from the settings that bound each wait (torch-free arithmetic).
+"""The longest wait for an engine leader the settings allow, and the world group's timeout over it (arithmetic).
 
-A rank that does not lead an engine waits in a world collective while the leaders generate and grade a round
-(sync), drain up to ``rollout.max_staleness`` batches (async) or update their engines' weights; a setting bounds
-each. The world group's timeout (``GTPOConfig.world_timeout_s``) is the longest of them plus
-:data:`WORLD_TIMEOUT_MARGIN_S`, so it never ends a wait the settings allow; past a setting, the leader itself stops
-every rank with an error naming its engine (``rollout.exchange.raise_leader_failures``).
+Past a setting the leader itself stops every rank, naming its engine (``rollout.exchange.raise_leader_failures``).
 """
 
 from __future__ import annotations
@@ -34,11 +30,10 @@ def longest_wait_s(
     reward_workers: int,
     reward_timeout_s: float,
 ) -> float:
-    """The longest wait for the engine leaders the settings allow (seconds); the ``rollout.*`` and ``reward.*`` values.
+    """Seconds, from the ``rollout.*`` and ``reward.*`` values; a weight update's ``timeout_s`` is shorter.
 
-    Sync: one round's generation (``timeout_s``) and the grading of the step's ``num_answers`` (P*G); async: the
-    drain, ``max_staleness`` batches of up to ``timeout_s`` each (grading included). A weight update's
-    ``timeout_s`` is within both.
+    Sync: a round's generation and the grading of its P*G ``num_answers``; async: the drain of ``max_staleness``
+    batches (grading included).
     """
     if mode == "async":
         return max_staleness * timeout_s

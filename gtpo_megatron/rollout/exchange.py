@@ -195,11 +195,9 @@ def attach_routed_experts(wire: torch.Tensor, groups: list[PromptCompletions]) -
 
 
 def raise_leader_failures(error: BaseException | None, *, group) -> None:
-    """Raise on every rank of ``group`` the failures of the engine leaders (call it on every rank once any failed).
+    """On every rank once any leader failed: raise the leaders' messages (each names its engine and setting).
 
-    ``error``: this rank's failure (``EngineTally.error``), else None. Each leader's message names its engine and the
-    setting that bounded it (``rollout.engine_guard``, ``rollout.pipeline``), so a rank that only waited for the
-    batch says which engine it waited for. Collectives: one ``all_gather_object`` of the messages on ``group``.
+    ``error``: this rank's failure, else None. Collectives: one ``all_gather_object`` on ``group``.
 
     Raises:
         RuntimeError: always, with every failed leader's rank and message (chained to ``error`` on a leader).
