@@ -172,8 +172,10 @@ def bind_training_rank(cfg: GTPOConfig, placements: list[EnginePlacement], rank:
         with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
             os.sched_setaffinity(int(task), cores)
     torch.set_num_threads(len(cores))
-    logger.info("training rank %d on cores %s (%d torch threads); its node's engines on others", rank, list(cores),
-                len(cores))  # fmt: skip
+    shared = sorted(set(cores) & {c for worker in split.engine_workers for c in worker})
+    logger.log(logging.WARNING if shared else logging.INFO, "training rank %d on cores %s (%d torch threads); "
+               "cores shared with the node's engines (fewer cores than ranks and engine workers): %s", rank,
+               list(cores), len(cores), shared or "none")  # fmt: skip
     return cores, engine
 
 
