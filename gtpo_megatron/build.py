@@ -10,6 +10,7 @@ prompt loader and gets the step's completions from the rollout exchange. With
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import logging
 import math
@@ -24,12 +25,13 @@ from gtpo_megatron.builtin_models import resolve_model_path
 from gtpo_megatron.config import GTPOConfig, config_to_dict
 from gtpo_megatron.logging import MetricSink, PhaseTimer
 from gtpo_megatron.plan.engines import (
+    CoreSplit,
     EnginePlacement,
-    cpu_thread_binding,
     engine_placements,
     engine_pool_gpus,
     relay_workers,
     resolve_num_engines,
+    split_cores,
     visible_devices,
 )
 from gtpo_megatron.trainer import Trainer
@@ -120,21 +122,61 @@ def build_placements(cfg: GTPOConfig, world_size: int) -> list[EnginePlacement]:
     )
 
 
+def cpu_core_split(cfg: GTPOConfig, placements: list[EnginePlacement], world_size: int, node: int) -> CoreSplit | None:
+    """CPU ``node``'s ``split_cores`` (separate engines apart from its ranks); None with GPUs or one colocated engine.
+
+    Several colocated engines split the cores among themselves; one keeps vLLM's binding (the ranks wait meanwhile).
+    """
+    if torch.cuda.is_available():
+        return None
+    per_node = ranks_per_node(world_size)
+    engines = [p for p in placements if p.leader_rank // per_node == node]
+    separate = cfg.rollout.placement == "separate"
+    if not engines or (not separate and len(engines) == 1):
+        return None
+    return split_cores(sorted(os.sched_getaffinity(0)), num_trainer_ranks=per_node if separate else 0,
+                       num_engines=len(engines), engine_tp_size=cfg.rollout.engine_tp_size)  # fmt: skip
+
+
+def _node_slot(placement: EnginePlacement, placements: list[EnginePlacement], world_size: int) -> tuple[int, int]:
+    """``(node, slot)``: the node of ``placement``'s leader and its index among the engines led there."""
+    per_node = ranks_per_node(world_size)
+    node = placement.leader_rank // per_node
+    return node, [p.index for p in placements if p.leader_rank // per_node == node].index(placement.index)
+
+
 def engine_environment(
     placement: EnginePlacement, placements: list[EnginePlacement], cfg: GTPOConfig, world_size: int
 ) -> dict[str, str]:
-    """Environment of one engine's processes: its GPUs (``visible_devices``), or its CPU cores beside a neighbour."""
+    """Environment of one engine's processes: its GPUs (``visible_devices``), or its CPU cores (``cpu_core_split``)."""
     if placement.devices:
         return {"CUDA_VISIBLE_DEVICES": visible_devices(placement.devices, os.environ.get("CUDA_VISIBLE_DEVICES"))}
+    node, slot = _node_slot(placement, placements, world_size)
+    split = cpu_core_split(cfg, placements, world_size, node)
+    return {} if split is None else {"VLLM_CPU_OMP_THREADS_BIND": split.engine_binding(slot)}
+
+
+def bind_training_rank(cfg: GTPOConfig, placements: list[EnginePlacement], rank: int, world_size: int):
+    """Separate engines on CPU: pin every thread of this rank to its cores, torch's thread count to match.
+
+    Returns ``(its cores, its engine's cores or None)``, or None where nothing is bound (``cpu_core_split``).
+    """
     per_node = ranks_per_node(world_size)
-    node = placement.leader_rank // per_node
-    neighbours = [p.index for p in placements if p.leader_rank // per_node == node]
-    if len(neighbours) == 1:
-        return {}
-    cores = sorted(os.sched_getaffinity(0))
-    binding = cpu_thread_binding(cores, slot=neighbours.index(placement.index), engines_on_node=len(neighbours),
-                                 engine_tp_size=cfg.rollout.engine_tp_size)  # fmt: skip
-    return {"VLLM_CPU_OMP_THREADS_BIND": binding}
+    split = cpu_core_split(cfg, placements, world_size, rank // per_node)
+    if split is None or not split.trainers:
+        return None
+    mine = next((p for p in placements if p.leader_rank == rank), None)
+    engine = None if mine is None else split.engine_cores(_node_slot(mine, placements, world_size)[1])
+    cores = split.trainers[rank % per_node]
+    for task in os.listdir("/proc/self/task"):
+        with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+            os.sched_setaffinity(int(task), cores)
+    torch.set_num_threads(len(cores))
+    shared = sorted(set(cores) & {c for worker in split.engine_workers for c in worker})
+    logger.log(logging.WARNING if shared else logging.INFO, "training rank %d on cores %s (%d torch threads); "
+               "cores shared with the node's engines (fewer cores than ranks and engine workers): %s", rank,
+               list(cores), len(cores), shared or "none")  # fmt: skip
+    return cores, engine
 
 
 def build_loader(cfg: GTPOConfig, tokenizer):
@@ -166,8 +208,10 @@ def build_loader(cfg: GTPOConfig, tokenizer):
     return PromptLoader(fitting, batch_size=rollout.num_prompts, seed=data.shuffle_seed, shuffle=True)
 
 
-def build_collector(cfg: GTPOConfig, model_path: str, tokenizer, placement: EnginePlacement, environment: dict):
-    """An engine leader's ``RolloutCollector``: its guarded vLLM engine and reward pool."""
+def build_collector(
+    cfg: GTPOConfig, model_path: str, tokenizer, placement: EnginePlacement, environment: dict, cores=None
+):
+    """An engine leader's ``RolloutCollector``: its guarded vLLM engine and reward pool (``cores``: the collector's)."""
     from gtpo_megatron.data.prompts import SYSTEM_PROMPTS
     from gtpo_megatron.rewards import RewardPool, default_extraction
     from gtpo_megatron.rollout.collector import RolloutCollector
@@ -204,6 +248,7 @@ def build_collector(cfg: GTPOConfig, model_path: str, tokenizer, placement: Engi
         system_prompt=SYSTEM_PROMPTS[cfg.data.system_prompt],
         engine_index=placement.index,
         num_engines=placement.num_engines,
+        cores=cores,
     )
 
 
@@ -246,8 +291,9 @@ def build_trainer(cfg: GTPOConfig, groups: ParallelGroups, *, timer: PhaseTimer 
     thread while the policy (and the KL reference) load and the metric sink starts: the engine's start is mostly its
     own processes starting, so it overlaps the model build instead of following it. The engine's environment
     variables (its devices or CPU cores) are set while it starts; CUDA is initialised by ``init_distributed`` before,
-    so the policy's devices do not change. Then every rank joins the weight sync (collective). ``timer`` records the
-    start-up phases (``time/startup/<phase>_s``).
+    so the policy's devices do not change. With separate engines on CPU the rank is bound to its own cores first
+    and the rollout side's thread to its engine's (``bind_training_rank``). Then every rank joins the weight sync
+    (collective). ``timer`` records the start-up phases (``time/startup/<phase>_s``).
     """
     from transformers import AutoTokenizer
 
@@ -258,12 +304,16 @@ def build_trainer(cfg: GTPOConfig, groups: ParallelGroups, *, timer: PhaseTimer 
     pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     placements = build_placements(cfg, groups.world_size)
     mine = next((p for p in placements if p.leader_rank == groups.rank), None)
-    rollout_side = None
+    rollout_side, environment = None, None
     if mine is not None:
-        environment = engine_environment(mine, placements, cfg, groups.world_size)
+        environment = engine_environment(mine, placements, cfg, groups.world_size)  # before the rank's binding
+    bound = bind_training_rank(cfg, placements, groups.rank, groups.world_size)
+    if mine is not None:
+        engine_cores = None if bound is None else bound[1]
         rollout_side = _in_background(
-            timer, "startup/rollout_side", build_collector, cfg, model_path, tokenizer, mine, environment
-        )
+            timer, "startup/rollout_side", build_collector, cfg, model_path, tokenizer, mine, environment,
+            engine_cores, cores=engine_cores,
+        )  # fmt: skip
     sink = None
     try:
         with timer.phase("startup/policy"):
@@ -306,13 +356,16 @@ def _build_sink(cfg: GTPOConfig, groups: ParallelGroups) -> MetricSink:
     )
 
 
-def _in_background(timer: PhaseTimer, phase: str, fn, *args) -> concurrent.futures.Future:
+def _in_background(timer: PhaseTimer, phase: str, fn, *args, cores=None) -> concurrent.futures.Future:
     """``fn(*args)`` started in a thread of its own, timed as ``phase``; ``future.result()`` returns or raises.
 
-    Submitted to a one-worker pool that is shut down at once, so no other job can queue behind it.
+    Submitted to a one-worker pool that is shut down at once, so no other job can queue behind it. ``cores``: the
+    thread runs on these CPU cores (the processes it starts inherit them), else on the rank's.
     """
 
     def timed():
+        if cores is not None:
+            os.sched_setaffinity(0, cores)  # this thread only
         with timer.phase(phase):
             return fn(*args)
 

@@ -145,7 +145,11 @@ def _train(cfg, timer, *, started: float) -> int:
     with timer.phase("startup/distributed_init"):
         backend = None if cfg.parallel.backend == "auto" else cfg.parallel.backend
         groups = init_distributed(
-            tp_size=cfg.parallel.tp_size, pp_size=cfg.parallel.pp_size, ep_size=cfg.parallel.ep_size, backend=backend
+            tp_size=cfg.parallel.tp_size,
+            pp_size=cfg.parallel.pp_size,
+            ep_size=cfg.parallel.ep_size,
+            backend=backend,
+            timeout_s=cfg.world_timeout_s,  # a rank may wait this long for an engine leader's batch
         )
     logger = setup_logging(groups.rank)
     if groups.rank == 0:

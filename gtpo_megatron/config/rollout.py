@@ -79,7 +79,8 @@ class RolloutConfig:
     the trainer's router over those experts; ``off``: the trainer's router chooses its own top-k."""
     timeout_s: float = 1800.0
     """Seconds an engine may take to generate one round or to apply one weight update before the job stops with an
-    error naming the engine and its ranks (also the weight group's collective timeout)."""
+    error naming the engine and its ranks on every rank (also the weight group's collective timeout; the world
+    group's is ``GTPOConfig.world_timeout_s``, which covers ``max_staleness`` of them in async mode)."""
 
     def __post_init__(self) -> None:
         _require(self.num_prompts >= 1, "rollout.num_prompts", self.num_prompts, "must be >= 1", "use 1 or more")

@@ -9,7 +9,7 @@ from gtpo_megatron.config.algorithm import AlgorithmConfig
 from gtpo_megatron.config.checks import require as _require
 from gtpo_megatron.config.model import ModelConfig, OptimConfig, ParallelConfig
 from gtpo_megatron.config.rollout import DataConfig, RewardConfig, RolloutConfig
-from gtpo_megatron.plan import engines, layout
+from gtpo_megatron.plan import engines, layout, waits
 from gtpo_megatron.plan.architectures import architecture_from_hf_config
 
 
@@ -97,6 +97,24 @@ class GTPOConfig:
         if self.optim.max_tokens_per_micro_batch is not None or not self.optim.packing:
             return self.optim.max_tokens_per_micro_batch
         return self.optim.micro_batch_size * (self.rollout.max_prompt_len + self.rollout.max_tokens)
+
+    @property
+    def longest_wait_s(self) -> float:
+        """The longest a rank waits in a world collective for an engine leader (``plan.waits.longest_wait_s``)."""
+        rollout, reward = self.rollout, self.reward
+        return waits.longest_wait_s(
+            mode=rollout.mode,
+            timeout_s=rollout.timeout_s,
+            max_staleness=rollout.max_staleness,
+            num_answers=rollout.num_prompts * self.algorithm.group_size,
+            reward_workers=reward.num_workers,
+            reward_timeout_s=reward.timeout_s,
+        )
+
+    @property
+    def world_timeout_s(self) -> float:
+        """The world group's collective timeout: :attr:`longest_wait_s` + ``plan.waits.WORLD_TIMEOUT_MARGIN_S``."""
+        return self.longest_wait_s + waits.WORLD_TIMEOUT_MARGIN_S
 
     def validate(self, world_size: int, *, hf_config: dict | None = None) -> None:
         """Cross-section checks once the world size is known (``megatron_adapter.validation.validate_config`` wraps it).

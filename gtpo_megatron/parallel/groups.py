@@ -10,6 +10,7 @@ adjacent inside a pipeline stage (at TP=2, EP=2 they are a TP group's two ranks)
 from __future__ import annotations
 
 import datetime
+import math
 import os
 from dataclasses import dataclass
 
@@ -77,11 +78,13 @@ class ParallelGroups:
 
 
 def init_distributed(
-    *, tp_size: int = 1, pp_size: int = 1, ep_size: int = 1, backend: str | None = None, timeout_minutes: int = 30
+    *, tp_size: int = 1, pp_size: int = 1, ep_size: int = 1, backend: str | None = None, timeout_s: float = 1800.0
 ) -> ParallelGroups:
     """Initialise ``torch.distributed`` from torchrun's environment (if needed) and Megatron's groups.
 
-    ``backend=None``: :data:`CUDA_BACKEND` with CUDA (device from ``LOCAL_RANK``), else gloo.
+    ``backend=None``: :data:`CUDA_BACKEND` with CUDA (device from ``LOCAL_RANK``), else gloo. ``timeout_s``: every
+    group's collective timeout (a run passes ``GTPOConfig.world_timeout_s``; Megatron's groups round it up to
+    minutes).
 
     Raises:
         ValueError: a size below 1, or ``tp_size * pp_size`` or ``ep_size * pp_size`` does not divide the world
@@ -92,7 +95,7 @@ def init_distributed(
     if not dist.is_initialized():
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=timeout_minutes))
+        dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
     world_size = dist.get_world_size()
     problems = world_problems(
         world_size,
@@ -113,7 +116,7 @@ def init_distributed(
         pipeline_model_parallel_size=pp_size,
         expert_model_parallel_size=ep_size,
         expert_tensor_parallel_size=1,
-        distributed_timeout_minutes=timeout_minutes,
+        distributed_timeout_minutes=math.ceil(timeout_s / 60),
     )
     return current_groups(backend=dist.get_backend())
 

@@ -10,8 +10,9 @@ training rank, its *leader* (the engine's workers are processes of their own, sp
   nodes (torchrun starts ``ranks_per_node`` training ranks per node, so the engine GPUs of a node are the local
   devices ``ranks_per_node, ranks_per_node + 1, ...``); the k-th engine of a node is led by that node's local
   rank k. Example: 6 training ranks on 8 GPUs with engine TP 2 -> one engine on GPUs 6 and 7, led by rank 0.
-- CPU: ``auto`` is one engine; N engines are led by the ranks ``0, W/N, 2W/N, ...`` and each engine binds its
-  OpenMP threads to its own share of the node's cores (:func:`cpu_thread_binding`).
+- CPU: ``auto`` is one engine; N engines are led by the ranks ``0, W/N, 2W/N, ...``. Colocated engines sharing a
+  node bind their OpenMP threads to shares of its cores of their own; separate engines and the node's training
+  ranks get disjoint shares (:func:`split_cores`), so that generation and training compete for no core.
 
 A step's P prompts are dealt to the engines as whole groups, in contiguous balanced blocks
 (:func:`engine_prompt_range`); request seeds depend on the global prompt index only, so the completions do not
@@ -214,13 +215,43 @@ def relay_workers(
     return (1, 0)
 
 
-def cpu_thread_binding(cores: list[int], *, slot: int, engines_on_node: int, engine_tp_size: int) -> str:
-    """``VLLM_CPU_OMP_THREADS_BIND`` for the ``slot``-th of ``engines_on_node`` CPU engines sharing ``cores``.
+@dataclass(frozen=True, slots=True)
+class CoreSplit:
+    """A CPU node's cores: ``trainers[r]`` of local training rank r, ``engine_workers[e * tp + w]`` of its engines.
 
-    A contiguous share per engine (round-robin when cores run out), split over its workers (``"|"``-separated).
+    Worker w of the node's e-th engine, tp = ``engine_tp_size``; shared only where the node has fewer cores than
+    shares.
     """
-    share = max(len(cores) // engines_on_node, 1)
-    mine = cores[(slot * share) % len(cores) :][:share] or cores[:share]
-    per_worker = max(len(mine) // engine_tp_size, 1)
-    workers = [mine[(w * per_worker) % len(mine) :][:per_worker] for w in range(engine_tp_size)]
-    return "|".join(",".join(str(c) for c in cpus) for cpus in workers)
+
+    trainers: tuple[tuple[int, ...], ...]
+    engine_workers: tuple[tuple[int, ...], ...]
+    engine_tp_size: int
+
+    def engine_cores(self, slot: int) -> tuple[int, ...]:
+        """Every core of the node's ``slot``-th engine, sorted."""
+        tp = self.engine_tp_size
+        return tuple(sorted({c for worker in self.engine_workers[slot * tp : (slot + 1) * tp] for c in worker}))
+
+    def engine_binding(self, slot: int) -> str:
+        """``VLLM_CPU_OMP_THREADS_BIND`` of the node's ``slot``-th engine: one core list per worker, ``|``-separated."""
+        tp = self.engine_tp_size
+        return "|".join(",".join(map(str, worker)) for worker in self.engine_workers[slot * tp : (slot + 1) * tp])
+
+
+def split_cores(cores: list[int], *, num_trainer_ranks: int, num_engines: int, engine_tp_size: int) -> CoreSplit:
+    """Split a CPU node's ``cores`` into contiguous shares: the training ranks' first, then each engine worker's.
+
+    ``num_trainer_ranks``: the node's training ranks that get cores of their own (0: they share the engines' cores,
+    colocated); shares of ``len(cores) // shares`` cores, the first ``len(cores) % shares`` one more; with fewer
+    cores than shares each share is one core, round-robin (shared).
+    """
+    counts = [num_trainer_ranks, num_engines * engine_tp_size]
+    num_shares = sum(counts)
+    base, extra = divmod(len(cores), num_shares)
+    shares, start = [], 0
+    for i in range(num_shares):
+        size = max(base + (i < extra), 1)
+        shares.append(tuple(cores[(start + k) % len(cores)] for k in range(size)))
+        start += size
+    return CoreSplit(trainers=tuple(shares[: counts[0]]), engine_workers=tuple(shares[counts[0] :]),
+                     engine_tp_size=engine_tp_size)  # fmt: skip

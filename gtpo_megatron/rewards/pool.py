@@ -24,12 +24,12 @@ from collections.abc import Callable, Mapping, Sequence
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+from gtpo_megatron.plan.waits import KILL_GRACE_S
 from gtpo_megatron.preemption import WAIT_SLICE_S, init_helper_process, wait_until
 from gtpo_megatron.rewards.answer_text import STRICT, check_extraction
 from gtpo_megatron.rewards.deadline import GradingTimeout, grading_deadline
 from gtpo_megatron.rewards.registry import RewardFn, RewardResult, decimal_tolerance, get_reward
 
-KILL_GRACE_S = 2.0
 _STARTUP_TIMEOUT_S = 120.0
 _MAX_MESSAGES = 5
 _FAILED = RewardResult(score=0.0, correct=False, format_ok=False, extracted=None)

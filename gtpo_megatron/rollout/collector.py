@@ -39,6 +39,7 @@ from gtpo_megatron.rollout.exchange import (
     attach_routed_experts,
     pack_routed_experts,
     pack_rows,
+    raise_leader_failures,
     unpack_rows,
 )
 
@@ -63,7 +64,8 @@ class RolloutCollector:
     """An engine leader's engine, reward pool and tokenizer, and its share of every round.
 
     ``reward_pool``: a ``rewards.RewardPool``; ``extraction``: ``reward.extraction`` resolved for ``data.source``;
-    ``engine_index``: ``plan.engines.EnginePlacement.index``; ``num_engines``: engines sharing each round.
+    ``engine_index``: ``plan.engines.EnginePlacement.index``; ``num_engines``: engines sharing each round;
+    ``cores``: the CPU cores of the rollout side (its engine's, ``build.bind_training_rank``), else None.
     """
 
     def __init__(
@@ -79,6 +81,7 @@ class RolloutCollector:
         system_prompt: str = SYSTEM_PROMPT,
         engine_index: int = 0,
         num_engines: int = 1,
+        cores: tuple[int, ...] | None = None,
     ) -> None:
         self.engine = engine
         self.reward_pool = reward_pool
@@ -90,6 +93,7 @@ class RolloutCollector:
         self.system_prompt = system_prompt
         self.engine_index = engine_index
         self.num_engines = num_engines
+        self.cores = cores
 
     def _sampling(self, step: int, round_index: int) -> SamplingConfig:
         cfg = self.rollout_cfg
@@ -164,7 +168,7 @@ def collect_step(
     :func:`share_step`'s, on ``group``.
 
     Raises:
-        RuntimeError: whatever the engine or the reward pool raise on a leader.
+        RuntimeError: on every rank when the engine or the reward pool raised on a leader (naming the engine).
     """
     sampled, varied, tally = _sample_rounds(
         collector, loader, step, algorithm_cfg, rollout_cfg.num_prompts, group, stop
@@ -203,7 +207,10 @@ def share_step(
     experts' layout with routing replay (the completions then carry them), else None.
 
     Collectives: one SUM all-reduce of the packed rows and counters on ``group``; with ``routing`` a second one of
-    the routed experts (``exchange.pack_routed_experts``).
+    the routed experts (``exchange.pack_routed_experts``); after a leader's failure ``raise_leader_failures``'.
+
+    Raises:
+        RuntimeError: on every rank when a leader's rollout failed (``tally.failed``), naming its engine.
     """
     num_prompts, group_size = rollout_cfg.num_prompts, algorithm_cfg.group_size
     chosen = choose_groups(varied, num_prompts) if algorithm_cfg.dynamic_sampling else list(range(num_prompts))
@@ -219,6 +226,8 @@ def share_step(
         counters[engine_index] = tally.as_tensor()
     summed = all_reduce_sum(torch.cat([rows.reshape(-1), counters.reshape(-1)]), group=group)
     counters = summed[rows.numel() :].reshape(counters.shape)
+    if counters[:, ENGINE_COUNTERS.index("failed")].sum() > 0:
+        raise_leader_failures(tally.error, group=group)
     if counters[:, ENGINE_COUNTERS.index("aborted")].sum() > 0:
         return None
     gathered = unpack_rows(summed[: rows.numel()].reshape(rows.shape), group_size=group_size, layout=layout)
@@ -251,8 +260,11 @@ def _sample_rounds(
     for round_index in range(rounds):
         problems = loader.next_batch()
         scored = {}
-        if collector is not None and not tally.aborted:
-            scored = _sample_interruptibly(collector, step, round_index, problems, tally, stop)
+        if collector is not None and not (tally.aborted or tally.failed):
+            try:
+                scored = _sample_interruptibly(collector, step, round_index, problems, tally, stop)
+            except Exception as err:  # shared at the exchange: the other ranks wait there for this batch
+                tally.fail(err)
         sampled.append(scored)
         if not algorithm_cfg.dynamic_sampling:
             break

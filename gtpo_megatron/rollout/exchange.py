@@ -21,12 +21,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from gtpo_megatron.parallel.collectives import all_gather_object
 from gtpo_megatron.rollout.types import Completion, PromptCompletions
 
 _HEAD = ("prompt_len", "response_len", "score", "correct", "format_ok", "truncated")
-ENGINE_COUNTERS = ("tokens", "generate_s", "reward_s", "num_timeouts", "num_errors", "aborted")
-"""Per-engine counters of a step: generated tokens, seconds generating and scoring, grader timeouts and errors, and
-1 when a SIGTERM made the leader leave its rollout (``preemption``)."""
+ENGINE_COUNTERS = ("tokens", "generate_s", "reward_s", "num_timeouts", "num_errors", "aborted", "failed")
+"""Per-engine counters of a step: generated tokens, seconds generating and scoring, grader timeouts and errors, 1
+when a SIGTERM made the leader leave its rollout (``preemption``), and 1 when its rollout failed
+(:func:`raise_leader_failures`)."""
 
 
 @dataclass
@@ -49,6 +51,13 @@ class EngineTally:
     num_timeouts: float = 0.0
     num_errors: float = 0.0
     aborted: float = 0.0
+    failed: float = 0.0
+    error: BaseException | None = None
+    """Why the rollout failed (``failed``), kept on the leader for :func:`raise_leader_failures`."""
+
+    def fail(self, error: BaseException) -> None:
+        """Record a failed rollout: the exchange still runs, then every rank raises naming ``error``."""
+        self.failed, self.error = 1.0, error
 
     def as_tensor(self) -> torch.Tensor:
         """``[K]`` float64 in ``ENGINE_COUNTERS`` order."""
@@ -183,3 +192,16 @@ def attach_routed_experts(wire: torch.Tensor, groups: list[PromptCompletions]) -
     recorded = (wire[:, :, 0, 0] > 0).sum(dim=1).tolist()
     for completion, row, n in zip(completions, wire, recorded, strict=True):
         completion.routed_experts = (row[:n].to(torch.int32) - 1).to(torch.int16)
+
+
+def raise_leader_failures(error: BaseException | None, *, group) -> None:
+    """On every rank once any leader failed: raise the leaders' messages (each names its engine and setting).
+
+    ``error``: this rank's failure, else None. Collectives: one ``all_gather_object`` on ``group``.
+
+    Raises:
+        RuntimeError: always, with every failed leader's rank and message (chained to ``error`` on a leader).
+    """
+    messages = all_gather_object(None if error is None else f"{type(error).__name__}: {error}", group=group)
+    failed = "; ".join(f"rank {rank}: {message}" for rank, message in enumerate(messages) if message is not None)
+    raise RuntimeError(f"an engine leader's rollout failed, so every rank stops ({failed})") from error

@@ -15,20 +15,23 @@ leader checks), so a checkpoint holds the position of the last trained step and 
 depend on the step only (``RolloutCollector._sampling``). An engine leader's worker thread samples and scores
 (no collective); at take every rank shares the batch (``collector.share_step``: the world's one all-reduce). A wait
 is bounded by ``rollout.timeout_s`` per batch waited for, and SIGTERM leaves it: at take the step aborts, after
-the drain the trainer agrees to skip only the push (the safe points of sync mode).
+the drain the trainer agrees to skip only the push (the safe points of sync mode). A leader's failed or late batch
+reaches every rank at the next collective (the take's exchange, the drain's), which raises naming the engine.
 """
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from gtpo_megatron.parallel.collectives import any_rank
 from gtpo_megatron.preemption import StepInterrupted, wait_until
 from gtpo_megatron.rollout.collector import StepRollout, share_step
-from gtpo_megatron.rollout.exchange import EngineTally, RoutingLayout
+from gtpo_megatron.rollout.exchange import EngineTally, RoutingLayout, raise_leader_failures
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -57,7 +60,7 @@ class _Batch:
 
 
 class _Worker:
-    """A daemon thread that samples and scores the submitted batches in order on a leader's collector."""
+    """A daemon thread that samples and scores the submitted batches in order on a leader's collector (on its cores)."""
 
     def __init__(self, collector: RolloutCollector) -> None:
         self._queue: queue.Queue[_Batch | None] = queue.Queue()
@@ -72,6 +75,8 @@ class _Worker:
         self._queue.put(None)
 
     def _run(self, collector: RolloutCollector) -> None:
+        if collector.cores is not None:  # this thread only: the training rank keeps its cores
+            os.sched_setaffinity(0, collector.cores)
         while (batch := self._queue.get()) is not None:
             try:
                 batch.scored = collector.sample_round(batch.step, 0, batch.problems, batch.tally)
@@ -138,10 +143,11 @@ class AsyncRollouts:
     def take(self, step: int, stop: StopRequests | None) -> StepRollout | None:
         """Step ``step``'s rollout on every rank (None on every rank after a SIGTERM during the wait).
 
-        Adds ``async/staleness_mean`` and ``_max`` to its stats. Collectives: ``share_step``'s all-reduce (world).
+        Adds ``async/staleness_mean`` and ``_max`` to its stats. Collectives: ``share_step``'s (world).
 
         Raises:
-            RuntimeError: the engine or the graders failed on this batch, or it took over ``rollout.timeout_s``.
+            RuntimeError: on every rank, naming the engine, when it or the graders failed on this batch or it took
+                over ``rollout.timeout_s``.
         """
         problems = self.loader.next_batch()
         version = self._versions.pop(step)
@@ -155,6 +161,8 @@ class AsyncRollouts:
                 scored, tally = batch.scored, batch.tally
             except StepInterrupted:
                 tally.aborted = 1.0
+            except RuntimeError as err:  # shared at the exchange: the other ranks wait there for this batch
+                tally.fail(err)
         self._take_wait_s = time.perf_counter() - start
         rollout = share_step(
             [scored],
@@ -177,17 +185,23 @@ class AsyncRollouts:
         """Wait until every submitted batch is sampled (SIGTERM leaves the wait); ``async/rollout_wait_s``.
 
         ``async/rollout_wait_s`` is the trainer's wait for batches in this step (at take and here). Only engine
-        leaders wait; the caller then agrees on a SIGTERM before :meth:`push`.
+        leaders wait (up to ``rollout.max_staleness`` batches); the caller then agrees on a SIGTERM before
+        :meth:`push`. Collectives: one MAX all-reduce of the leaders' failures (world), and after one
+        ``exchange.raise_leader_failures``'.
 
         Raises:
-            RuntimeError: as :meth:`take`, for a batch sampled meanwhile.
+            RuntimeError: on every rank, as :meth:`take`, for a batch sampled meanwhile.
         """
-        start = time.perf_counter()
+        start, error = time.perf_counter(), None
         try:
             for step in sorted(self._batches):
                 self._wait(self._batches[step], stop)
         except StepInterrupted:
             pass
+        except RuntimeError as err:  # the other ranks wait in the next collective for this leader
+            error = err
+        if any_rank(error is not None, group=self.group):
+            raise_leader_failures(error, group=self.group)
         return {"async/rollout_wait_s": self._take_wait_s + time.perf_counter() - start}
 
     def push(self, step: int, push: Callable[[], dict[str, float]]) -> dict[str, float]:

@@ -376,3 +376,18 @@ def test_off_policy_correction_rules():
 def test_router_loss_coefficients_must_be_finite_and_non_negative(field, value):
     with pytest.raises(ValueError, match=rf"model.{field}=(-0.1|inf): must be finite and >= 0"):
         load_config(None, [*BASE, f"model.{field}={value}"])
+
+
+@pytest.mark.parametrize(
+    ("overrides", "longest_s"),
+    [
+        ([], 1800 + 4 * (5 + 2)),  # one round, then P*G = 8 answers on 2 graders, 5 s + 2 s kill grace each
+        (["rollout.timeout_s=7200", "rollout.num_prompts=3", "reward.num_workers=5"], 7200 + 5 * 7),
+        (["rollout.placement=separate", "rollout.mode=async", "rollout.max_staleness=3", "rollout.timeout_s=7200"],
+         3 * 7200),  # the drain: max_staleness batches, grading included
+    ],
+)  # fmt: skip
+def test_the_world_timeout_covers_the_longest_wait_for_an_engine(overrides, longest_s):
+    cfg = load_config(None, ["model=builtin:tiny-qwen2", "output_dir=/tmp/unused", *overrides])
+    assert cfg.longest_wait_s == longest_s
+    assert cfg.world_timeout_s == longest_s + 1800  # the former fixed 30 minutes stay as the margin

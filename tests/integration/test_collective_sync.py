@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from gtpo_megatron.builtin_models import resolve_model_path
 from gtpo_megatron.parallel.weight_group import WeightGroupSpec, join_weight_group, open_weight_store
-from gtpo_megatron.plan.engines import EnginePlacement, cpu_thread_binding
+from gtpo_megatron.plan.engines import EnginePlacement, split_cores
 from gtpo_megatron.rollout.engine import SamplingConfig
 from gtpo_megatron.rollout.engine_guard import GuardedEngine
 from gtpo_megatron.rollout.push import CollectiveWeightSync
@@ -30,10 +30,10 @@ PROMPTS, COMPLETIONS = [[1, 2, 3, 4], [500, 600, 700]], [[5, 6, 7, 8, 9], [11, 1
 
 
 def _engines(path: str) -> list[GuardedEngine]:
-    cores = sorted(os.sched_getaffinity(0))
+    split = split_cores(sorted(os.sched_getaffinity(0)), num_trainer_ranks=0, num_engines=2, engine_tp_size=1)
     engines = []
     for i in range(2):
-        bind = cpu_thread_binding(cores, slot=i, engines_on_node=2, engine_tp_size=1)
+        bind = split.engine_binding(i)
         engine = VLLMEngine(path, dtype="float32", max_model_len=64, max_num_seqs=4, in_process=False,
                             environment={"VLLM_CPU_OMP_THREADS_BIND": bind})  # fmt: skip
         placement = EnginePlacement(index=i, num_engines=2, leader_rank=i, ranks=(i,), devices=())

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 
 from gtpo_megatron.plan.engines import (
-    cpu_thread_binding,
     engine_count_problems,
     engine_placements,
     engine_prompt_range,
     resolve_num_engines,
+    split_cores,
     visible_devices,
 )
 
@@ -139,15 +139,42 @@ def test_prompts_are_dealt_as_contiguous_balanced_blocks(num_prompts, num_engine
 @pytest.mark.parametrize(
     ("cores", "slot", "engines", "tp", "expected"),
     [
-        ([0, 1], 0, 2, 1, "0"),  # two engines on the 2-core machine: one core each
+        ([0, 1], 0, 2, 1, "0"),  # two colocated engines on the 2-core machine: one core each
         ([0, 1], 1, 2, 1, "1"),
         ([0, 1, 2, 3], 1, 2, 2, "2|3"),  # vLLM's format: one list per worker
         ([0, 1, 2, 3, 4, 5], 0, 2, 1, "0,1,2"),
         ([5], 1, 2, 1, "5"),  # more engines than cores: they share
     ],
 )
-def test_cpu_engines_get_their_own_cores(cores, slot, engines, tp, expected):
-    assert cpu_thread_binding(cores, slot=slot, engines_on_node=engines, engine_tp_size=tp) == expected
+def test_colocated_cpu_engines_get_their_own_cores(cores, slot, engines, tp, expected):
+    split = split_cores(cores, num_trainer_ranks=0, num_engines=engines, engine_tp_size=tp)
+    assert split.trainers == () and split.engine_binding(slot) == expected
+
+
+@pytest.mark.parametrize(
+    ("cores", "ranks", "engines", "tp", "trainers", "workers"),
+    [
+        ([0, 1], 1, 1, 1, ((0,),), ((1,),)),  # the CPU demo: one training rank, one separate engine
+        (list(range(8)), 1, 1, 1, ((0, 1, 2, 3),), ((4, 5, 6, 7),)),
+        (list(range(8)), 2, 1, 2, ((0, 1), (2, 3)), ((4, 5), (6, 7))),  # 2 ranks, one engine of 2 workers
+        (list(range(7)), 2, 1, 1, ((0, 1, 2), (3, 4)), ((5, 6),)),  # the first shares take the remainder
+        ([4, 9, 10], 1, 2, 1, ((4,),), ((9,), (10,))),  # the node's own core ids, in order
+        ([0, 1], 2, 1, 1, ((0,), (1,)), ((0,),)),  # fewer cores than shares: round-robin, shared
+    ],
+)
+def test_separate_cpu_engines_and_training_ranks_get_disjoint_cores(cores, ranks, engines, tp, trainers, workers):
+    split = split_cores(cores, num_trainer_ranks=ranks, num_engines=engines, engine_tp_size=tp)
+    assert (split.trainers, split.engine_workers) == (trainers, workers)
+    if len(cores) >= ranks + engines * tp:  # every core in exactly one share
+        assert sorted(c for share in (*trainers, *workers) for c in share) == sorted(cores)
+
+
+def test_an_engines_cores_and_binding_cover_its_workers():
+    split = split_cores(list(range(10)), num_trainer_ranks=2, num_engines=2, engine_tp_size=2)
+    assert split.trainers == ((0, 1), (2, 3))
+    assert split.engine_workers == ((4, 5), (6, 7), (8,), (9,))
+    assert [split.engine_binding(e) for e in (0, 1)] == ["4,5|6,7", "8|9"]
+    assert [split.engine_cores(e) for e in (0, 1)] == [(4, 5, 6, 7), (8, 9)]
 
 
 def test_the_worker_on_rank_0s_gpu_is_fed_by_a_relay_only_when_colocated_on_gpus():

@@ -174,3 +174,28 @@ def test_async_with_dynamic_sampling_is_refused():
     )
     with pytest.raises(ValueError, match=r"rollout.mode/algorithm.dynamic_sampling=\('async', True\)"):
         cfg.validate(1)
+
+
+class _AffinityEngine(SeededFakeEngine):
+    """Records the CPU cores of the thread each generation runs on."""
+
+    def __init__(self):
+        super().__init__()
+        self.cores = []
+
+    def generate(self, prompt_ids, n, sampling, prompt_indices=None):
+        self.cores.append(os.sched_getaffinity(0))
+        return super().generate(prompt_ids, n, sampling, prompt_indices)
+
+
+def test_the_async_worker_samples_on_the_collectors_cores_and_the_trainer_keeps_its_own(tmp_path):
+    cores = os.sched_getaffinity(0)
+    engine = _AffinityEngine()
+    trainer = make_trainer(tmp_path, *ASYNC, "trainer.max_steps=2", engine=engine, policy=FakePolicy())
+    trainer.collector.cores = (max(cores),)  # separate engines on CPU: build.bind_training_rank's engine cores
+    trainer.rollouts.close()
+    trainer.rollouts = type(trainer.rollouts)(trainer.cfg, collector=trainer.collector, loader=trainer.loader,
+                                              num_engines=1, group=trainer.rollouts.group)  # fmt: skip
+    trainer.run()
+    trainer.close()
+    assert engine.cores == [{max(cores)}] * 2 and os.sched_getaffinity(0) == cores

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import threading
+
 import pytest
 
-from gtpo_megatron.build import build_placements, engine_environment
+from gtpo_megatron.build import _in_background, bind_training_rank, build_placements, engine_environment
 from gtpo_megatron.config import load_config
+from gtpo_megatron.logging import PhaseTimer
 
 BASE = ["model=builtin:tiny-qwen2", "output_dir=/tmp/unused"]
 
@@ -72,3 +76,28 @@ def test_cpu_engines_on_two_nodes_keep_their_nodes_cores(monkeypatch):
     placements = build_placements(cfg, 2)
     assert [p.leader_rank for p in placements] == [0, 1]
     assert [engine_environment(p, placements, cfg, 2) for p in placements] == [{}, {}]
+
+
+def test_a_separate_cpu_engine_and_the_training_rank_get_disjoint_cores(monkeypatch):
+    """The CPU demo's layout: one training rank and one separate engine on a 2-core node -> one core each."""
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    bound, threads = [], []
+    monkeypatch.setattr("os.sched_setaffinity", lambda task, cores: bound.append((task, tuple(cores))))
+    monkeypatch.setattr("torch.set_num_threads", threads.append)
+    cfg = _cfg("rollout.placement=separate")
+    placements = build_placements(cfg, 1)
+    assert engine_environment(placements[0], placements, cfg, 1) == {"VLLM_CPU_OMP_THREADS_BIND": "1"}
+    assert bind_training_rank(cfg, placements, 0, 1) == ((0,), (1,))  # (the rank's cores, its engine's)
+    assert threading.get_native_id() in {task for task, _ in bound}  # every thread of the process, this one too
+    assert {cores for _, cores in bound} == {(0,)} and threads == [1]
+    colocated = _cfg()  # one colocated engine: the rank waits while it generates, vLLM binds it
+    assert engine_environment(placements[0], placements, colocated, 1) == {}
+    assert bind_training_rank(colocated, placements, 0, 1) is None
+
+
+def test_the_rollout_side_thread_runs_on_the_engines_cores_and_the_rank_keeps_its_own():
+    cores = sorted(os.sched_getaffinity(0))
+    seen = _in_background(PhaseTimer(), "startup/x", lambda: os.sched_getaffinity(0), cores={cores[-1]}).result()
+    assert seen == {cores[-1]} and sorted(os.sched_getaffinity(0)) == cores

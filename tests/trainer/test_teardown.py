@@ -36,11 +36,13 @@ def test_a_failing_engine_close_runs_the_rest_of_the_teardown(tmp_path, monkeypa
     trainer.sink.close = lambda: (closed.append("sink"), sink_close())
     trainer.run = _failing_run
     monkeypatch.setattr(build, "build_trainer", lambda cfg, groups, timer: trainer)
-    monkeypatch.setattr(groups_module, "init_distributed", lambda **_: single_rank_groups())
+    started = {}
+    monkeypatch.setattr(groups_module, "init_distributed", lambda **kw: started.update(kw) or single_rank_groups())
     monkeypatch.setattr(groups_module, "destroy_distributed", lambda: closed.append("process groups"))
     with pytest.raises(ValueError, match="step 3 failed") as failure:
         train._train(trainer.cfg, PhaseTimer(), started=time.perf_counter())
     assert closed == ["reward pool", "sink", "process groups"]
+    assert started["timeout_s"] == trainer.cfg.world_timeout_s > 1800  # the world outlasts the longest engine wait
     assert failure.value.__notes__ == [f"teardown: {CLOSE_ERROR} (while closing the rollout engine)"]
 
 
