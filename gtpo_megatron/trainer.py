@@ -41,7 +41,6 @@ from gtpo_megatron.resume import RunCheckpoints
 from gtpo_megatron.rollout.batch import collate_completions, rollout_metrics
 from gtpo_megatron.rollout.collector import RolloutCollector, StepRollout, collect_step
 from gtpo_megatron.rollout.engine_guard import close_all
-from gtpo_megatron.rollout.exchange import RoutingLayout
 from gtpo_megatron.rollout.pipeline import AsyncRollouts
 from gtpo_megatron.rollout.push import CollectiveWeightSync, FilesWeightSync
 
@@ -50,6 +49,7 @@ if TYPE_CHECKING:
     from gtpo_megatron.ops import LossSpec
     from gtpo_megatron.parallel.groups import ParallelGroups
     from gtpo_megatron.policy import Policy, ReferencePolicy
+    from gtpo_megatron.rollout.exchange import StepExchange
 
 logger = logging.getLogger(__name__)
 
@@ -62,12 +62,6 @@ class StepAborted(Exception):  # noqa: N818 - a decision, not an error
         self.completed_step = completed_step
 
 
-def routing_layout(policy: Policy) -> RoutingLayout:
-    """The routed experts' exchange layout of an MoE ``policy`` (rollout routing replay, docs/moe.md)."""
-    moe = policy.geometry.moe
-    return RoutingLayout(num_layers=policy.hf_config.num_hidden_layers, top_k=moe.top_k, num_experts=moe.num_experts)
-
-
 class Trainer:
     """Runs ``cfg.trainer.max_steps`` GTPO steps.
 
@@ -77,10 +71,10 @@ class Trainer:
         policy: the trained model (``Policy``; ``MegatronPolicy`` in production).
         collector: this rank's ``RolloutCollector`` when it leads an engine; None on other ranks.
         loader: the prompt loader, built identically on every rank (its position goes into checkpoints).
+        exchange: the step exchange on the world group (``build.build_exchange``).
         pad_token_id: padding id of the batches.
         sink: the metric sink (enabled on rank 0 only).
         reference: the frozen reference policy of the KL term (``algorithm.kl_coef > 0``), else None.
-        num_engines: engines sharing each step (``plan.engines``).
         weight_sync: this rank's part of the weight push (``rollout.push``); default: the ``files`` path into the
             collector's engine.
     """
@@ -93,10 +87,10 @@ class Trainer:
         policy: Policy,
         collector: RolloutCollector | None,
         loader: PromptLoader,
+        exchange: StepExchange,
         pad_token_id: int,
         sink: MetricSink,
         reference: ReferencePolicy | None = None,
-        num_engines: int = 1,
         weight_sync: CollectiveWeightSync | FilesWeightSync | None = None,
     ) -> None:
         self.cfg = cfg
@@ -104,6 +98,7 @@ class Trainer:
         self.policy = policy
         self.collector = collector
         self.loader = loader
+        self.exchange = exchange
         self.pad_token_id = pad_token_id
         self.sink = sink
         self.reference = reference
@@ -115,14 +110,9 @@ class Trainer:
         self.loss_spec = build_loss_spec(cfg.algorithm, cfg.rollout)
         self.initial_entropy = InitialEntropy(cfg.algorithm)
         self._world = dist.group.WORLD
-        self.num_engines = num_engines
-        self.routing = routing_layout(policy) if cfg.rollout.routing_replay == "rollout" else None
         self.rollouts = None  # rollout.mode=async: the engines sample ahead (rollout/pipeline.py)
         if cfg.rollout.mode == "async":
-            self.rollouts = AsyncRollouts(
-                cfg, collector=collector, loader=loader, num_engines=num_engines, group=self._world,
-                routing=self.routing,
-            )  # fmt: skip
+            self.rollouts = AsyncRollouts(cfg, collector=collector, loader=loader, exchange=exchange)
         self.checkpoints = RunCheckpoints(
             cfg, policy, loader, self.initial_entropy, rank=groups.rank, group=dist.group.WORLD,
             in_flight=None if self.rollouts is None else (lambda: self.rollouts.in_flight),
@@ -224,18 +214,7 @@ class Trainer:
             return self.rollouts.take(step, self.stop_requests)
         if self._offload_enabled:
             self.policy.offload_train_state()
-        rollout = collect_step(
-            self.collector,
-            self.loader,
-            step,
-            rollout_cfg=self.cfg.rollout,
-            algorithm_cfg=self.cfg.algorithm,
-            reward_cfg=self.cfg.reward,
-            num_engines=self.num_engines,
-            group=self._world,
-            stop=self.stop_requests,
-            routing=self.routing,
-        )
+        rollout = collect_step(self.collector, self.loader, step, self.exchange, stop=self.stop_requests)
         if self.collector is not None and rollout is not None and self.cfg.rollout.placement == "colocated":
             self.collector.engine.sleep()
         if self._offload_enabled:
