@@ -12,7 +12,6 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import logging
-import math
 import os
 from typing import TYPE_CHECKING
 
@@ -193,29 +192,15 @@ def build_collector(
     from gtpo_megatron.rewards import RewardPool, default_extraction
     from gtpo_megatron.rollout.collector import RolloutCollector
     from gtpo_megatron.rollout.engine_guard import GuardedEngine
+    from gtpo_megatron.rollout.engine_settings import engine_settings
     from gtpo_megatron.rollout.vllm_engine import VLLMEngine
 
-    rollout = cfg.rollout
-    engine = VLLMEngine(
-        model_path,
-        dtype=cfg.engine_dtype,
-        max_model_len=rollout.max_prompt_len + rollout.max_tokens,
-        gpu_memory_utilization=rollout.gpu_memory_utilization,
-        cpu_kvcache_space_gib=max(1, math.ceil(rollout.cpu_kv_cache_gib)),
-        tensor_parallel_size=rollout.engine_tp_size,
-        seed=rollout.seed,
-        enable_sleep_mode=rollout.placement == "colocated" and torch.cuda.is_available(),
-        max_num_seqs=max(16, rollout.num_prompts * cfg.algorithm.group_size),
-        environment=environment,
-        verbose=cfg.logging.verbose,
-        # Started from a Megatron checkpoint: the HF folder may hold no weights; the trainer pushes the policy's.
-        load_format="dummy" if cfg.model.megatron_checkpoint is not None else "auto",
-        routing_replay=rollout.routing_replay == "rollout",
-    )
+    settings = engine_settings(cfg, accelerator=torch.cuda.is_available())
+    engine = VLLMEngine(model_path, settings, environment=environment)
     logger.info("started %s with %s", placement.describe(), environment or "the default environment")
     pool = RewardPool(cfg.reward.name, num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s)
     return RolloutCollector(
-        engine=GuardedEngine(engine, placement=placement, timeout_s=rollout.timeout_s),
+        engine=GuardedEngine(engine, placement=placement, timeout_s=cfg.rollout.timeout_s),
         reward_pool=pool,
         tokenizer=tokenizer,
         exchange=exchange,

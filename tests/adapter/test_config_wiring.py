@@ -36,8 +36,9 @@ from gtpo_megatron.megatron_adapter.optimizer import ddp_config, optimizer_confi
 from gtpo_megatron.megatron_adapter.settings import OWNED_FIELDS, PolicySettings, policy_settings
 from gtpo_megatron.plan.architectures import architecture_from_hf_config
 from gtpo_megatron.plan.layout import check_layout
+from gtpo_megatron.plan.memory import DTYPE_BYTES
 from gtpo_megatron.plan.micro_batches import TokenBudget
-from gtpo_megatron.plan_cli import DTYPE_BYTES, training_shape
+from gtpo_megatron.plan_cli import training_shape
 
 SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "optim": OptimConfig}
 NOT_MEGATRON = {

@@ -60,10 +60,11 @@ def prompt_ids(model_path: str) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def engine(model_path: str):
+    from gtpo_megatron.rollout.engine_settings import EngineSettings
     from gtpo_megatron.rollout.vllm_engine import VLLMEngine
 
-    with VLLMEngine(model_path, dtype="bfloat16", max_model_len=1024, gpu_memory_utilization=0.25,
-                    enforce_eager=True, enable_sleep_mode=True, max_num_seqs=64, seed=0) as eng:  # fmt: skip
+    with VLLMEngine(model_path, EngineSettings(dtype="bfloat16", max_model_len=1024, gpu_memory_utilization=0.25,
+                    enforce_eager=True, enable_sleep_mode=True, max_num_seqs=64, seed=0)) as eng:  # fmt: skip
         yield eng
 
 
