@@ -20,14 +20,7 @@ import torch
 import torch.distributed as dist
 
 from gtpo_megatron import run_dir
-from gtpo_megatron.algorithm import (
-    StepWeights,
-    build_loss_spec,
-    compute_step_weights,
-    conflict_metrics,
-    needs_old_logprob_pass,
-    objective_metrics,
-)
+from gtpo_megatron.algorithm import StepWeights, build_loss_spec, compute_step_weights, needs_old_logprob_pass
 from gtpo_megatron.batch import TrainBatch
 from gtpo_megatron.config import GTPOConfig
 from gtpo_megatron.initial_entropy import InitialEntropy
@@ -38,11 +31,12 @@ from gtpo_megatron.plan.layout import row_shard
 from gtpo_megatron.plan.micro_batches import balanced_row_shards
 from gtpo_megatron.preemption import StopRequests
 from gtpo_megatron.resume import RunCheckpoints
-from gtpo_megatron.rollout.batch import collate_completions, rollout_metrics
+from gtpo_megatron.rollout.batch import collate_completions
 from gtpo_megatron.rollout.collector import RolloutCollector, StepRollout, collect_step
 from gtpo_megatron.rollout.engine_guard import close_all
 from gtpo_megatron.rollout.pipeline import AsyncRollouts
 from gtpo_megatron.rollout.push import CollectiveWeightSync, FilesWeightSync
+from gtpo_megatron.step_metrics import measures_mismatch, step_metrics
 
 if TYPE_CHECKING:
     from gtpo_megatron.data.loader import PromptLoader
@@ -117,15 +111,7 @@ class Trainer:
             cfg, policy, loader, self.initial_entropy, rank=groups.rank, group=dist.group.WORLD,
             in_flight=None if self.rollouts is None else (lambda: self.rollouts.in_flight),
         )  # fmt: skip
-        self._measure_mismatch = self.loss_spec.temperature == cfg.rollout.temperature
-        if not self._measure_mismatch:
-            logger.warning(
-                "algorithm.loss_temperature=%s: the loss log-probs are at T=%s while vLLM's are at the sampling "
-                "temperature %s, so mismatch/* are not reported",
-                cfg.algorithm.loss_temperature,
-                self.loss_spec.temperature,
-                cfg.rollout.temperature,
-            )
+        self._measure_mismatch = measures_mismatch(self.loss_spec, cfg)
         self._dp_group = groups.dp if groups.dp_size > 1 else None
         self.weight_sync = weight_sync or FilesWeightSync(
             engine=collector.engine if collector is not None else None,
@@ -177,32 +163,9 @@ class Trainer:
             aborting = self._agree(self.stop_requests.abort_requested)  # the update is done: skip only the sync
             with timer.phase("sync"):
                 sync_metrics = {} if aborting else self._after_update(step)
-        return self._step_metrics(rollout, batch, weights, train_metrics, {**sync_metrics, **timer.seconds})
-
-    def _step_metrics(
-        self,
-        rollout: StepRollout,
-        batch: TrainBatch,
-        weights: StepWeights,
-        train_metrics: dict[str, float],
-        measured: dict[str, float],
-    ) -> dict[str, float]:
-        """Rollout, conflict and objective metrics, the policy's (``train/*``, ``perf/*`` kept), timings, throughput."""
-        metrics = rollout_metrics(
-            batch, torch.tensor(rollout.scores), torch.tensor(rollout.correct), torch.tensor(rollout.format_ok)
-        )
-        metrics.update(conflict_metrics(weights, batch.response_mask))
-        metrics.update(objective_metrics(train_metrics))
-        if self.initial_entropy.value is not None:
-            metrics["entropy/initial"] = self.initial_entropy.value
-        metrics.update(
-            {k if k.startswith(("perf/", "mismatch/")) else f"train/{k}": v for k, v in train_metrics.items()}
-        )
-        metrics.update({"time/old_logprob_s": 0.0, **({"time/ref_logprob_s": 0.0} if self.reference else {})})
-        metrics.update({**rollout.stats, **measured})
-        metrics["perf/tokens_per_s"] = float(batch.token_mask.sum()) / metrics["time/step_s"]
-        metrics["perf/response_tokens_per_s"] = float(batch.response_mask.sum()) / metrics["time/step_s"]
-        return metrics
+        measured, entropy = {**sync_metrics, **timer.seconds}, self.initial_entropy.value
+        return step_metrics(rollout, batch, weights, train_metrics, measured, initial_entropy=entropy,
+                            with_reference=self.reference is not None)  # fmt: skip
 
     def _rollout(self, step: int) -> StepRollout | None:
         """Engine leaders sample and score; every rank gets the step (None on every rank after a SIGTERM).
