@@ -137,7 +137,7 @@ def training_shape(
         max_tokens_per_micro_batch=None if budget is None else budget.max_tokens,
         param_bytes=DTYPE_BYTES[settings.model.params_dtype],
         sequence_parallel=settings.sequence_parallel,
-        distributed_optimizer=settings.optim.use_distributed_optimizer,
+        distributed_optimizer=settings.parallel.use_distributed_optimizer,
         recompute=settings.model.recompute,
         logprob_chunk_size=settings.logprob_chunk_size,
         fp32_output_layer=settings.model.fp32_output_layer,

@@ -71,12 +71,13 @@ def engine(model_path: str):
 @pytest.fixture(scope="module")
 def policy(model_path: str):
     pytest.importorskip("megatron.core", reason="megatron-core is not installed")
+    from gtpo_megatron.config import OptimConfig
     from gtpo_megatron.megatron_adapter.policy import MegatronPolicy
-    from gtpo_megatron.megatron_adapter.settings import OptimSettings, PolicySettings
+    from gtpo_megatron.megatron_adapter.settings import PolicySettings
 
     # lr 1e-3: one Adam step must move bf16 weights visibly (a 1e-6 step is below bf16 resolution)
     settings = PolicySettings(model=ModelConfig(name_or_path=model_path, params_dtype="bfloat16"),
-                              optim=OptimSettings(lr=1e-3, clip_grad=1.0), micro_batch_size=4,
+                              optim=OptimConfig(lr=1e-3, clip_grad=1.0, micro_batch_size=4),
                               logprob_chunk_size=512)  # fmt: skip
     with single_rank_world() as groups:
         yield MegatronPolicy.from_pretrained(settings, groups=groups)
