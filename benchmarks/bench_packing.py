@@ -61,21 +61,23 @@ def _batch(lengths: list[int]):
 
 def _worker(args) -> dict:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
-    from gtpo_megatron.config import ModelConfig
+    from gtpo_megatron.config import ModelConfig, OptimConfig
     from gtpo_megatron.megatron_adapter.policy import MegatronPolicy
     from gtpo_megatron.megatron_adapter.settings import PolicySettings
     from gtpo_megatron.ops import LossSpec
     from gtpo_megatron.parallel.groups import init_distributed
-    from gtpo_megatron.plan.micro_batches import TokenBudget
 
     lengths = skewed_lengths(args.rows, args.tail)
-    budget = None
+    budget = {}
     if args.worker != "rows":
-        budget = TokenBudget(max_tokens=args.micro_batch_size * max(lengths), packing=args.worker == "packed")
+        budget = {
+            "max_tokens_per_micro_batch": args.micro_batch_size * max(lengths),
+            "packing": args.worker == "packed",
+        }
     groups = init_distributed(tp_size=1)
     settings = PolicySettings(
         model=ModelConfig(name_or_path="builtin:tiny-llama", params_dtype="float32"),
-        micro_batch_size=args.micro_batch_size, token_budget=budget, logprob_chunk_size=1024,
+        optim=OptimConfig(micro_batch_size=args.micro_batch_size, clip_grad=1.0, **budget), logprob_chunk_size=1024,
     )  # fmt: skip
     policy = MegatronPolicy.from_pretrained(settings, groups=groups)
     loss = LossSpec(loss_name="gtpo", aggregation="seq-mean-token-mean", clip_eps_low=0.2, clip_eps_high=0.2)

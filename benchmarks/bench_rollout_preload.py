@@ -35,11 +35,14 @@ def _libraries() -> dict[str, str | None]:
 def _child(model: str, repeats: int) -> None:
     from gtpo_megatron.builtin_models import resolve_model_path
     from gtpo_megatron.rollout.engine import SamplingConfig
+    from gtpo_megatron.rollout.engine_settings import EngineSettings
     from gtpo_megatron.rollout.vllm_engine import VLLMEngine
 
     sampling = SamplingConfig(temperature=0.7, max_tokens=64, seed=0)
     prompts = [[1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14]]
-    with VLLMEngine(resolve_model_path(model), dtype="bfloat16", max_model_len=512, in_process=True) as engine:
+    with VLLMEngine(
+        resolve_model_path(model), EngineSettings(dtype="bfloat16", max_model_len=512, in_process=True)
+    ) as engine:
         engine.generate(prompts, 8, sampling)
         seconds = []
         for _ in range(repeats):

@@ -40,11 +40,12 @@ def _policy(cfg, model_path, groups):
     return build_policy(cfg, model_path, groups)
 
 
-def _placement(cfg) -> tuple:
-    """``build_collector``'s placement arguments for the one engine of a one-process run (its default environment)."""
-    from gtpo_megatron.build import build_placements
+def _placement(cfg, model_path) -> tuple:
+    """``build_collector``'s placement, environment (the default) and exchange for the one engine of a one-process
+    run."""
+    from gtpo_megatron.build import build_exchange, build_placements
 
-    return build_placements(cfg, 1)[0], {}
+    return build_placements(cfg, 1)[0], {}, build_exchange(cfg, model_path, num_engines=1)
 
 
 def _breakdown(cfg, groups, model_path) -> None:
@@ -73,7 +74,7 @@ def _breakdown(cfg, groups, model_path) -> None:
         problems = load_problems(cfg.data.source, limit=cfg.data.limit)
         [build_prompt_ids(tokenizer, p.question) for p in problems]
     with timed("rollout side: prompts + vLLM engine + reward pool (build_collector)"):
-        collector = build_collector(cfg, model_path, tokenizer, *_placement(cfg))
+        collector = build_collector(cfg, model_path, tokenizer, *_placement(cfg, model_path))
     collector.engine.close()
     collector.reward_pool.close()
     with timed("  reward pool alone"):
@@ -94,13 +95,13 @@ def _serial_vs_overlapped(cfg, groups, model_path) -> tuple[float, float]:
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     start = time.perf_counter()
     _policy(cfg, model_path, groups)
-    collector = build_collector(cfg, model_path, tokenizer, *_placement(cfg))
+    collector = build_collector(cfg, model_path, tokenizer, *_placement(cfg, model_path))
     serial = time.perf_counter() - start
     collector.engine.close()
     collector.reward_pool.close()
     start = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
-        future = pool.submit(build_collector, cfg, model_path, tokenizer, *_placement(cfg))
+        future = pool.submit(build_collector, cfg, model_path, tokenizer, *_placement(cfg, model_path))
         _policy(cfg, model_path, groups)
         collector = future.result()
     overlapped = time.perf_counter() - start

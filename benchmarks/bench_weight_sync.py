@@ -33,6 +33,7 @@ from gtpo_megatron.builtin_models import resolve_model_path
 from gtpo_megatron.parallel.weight_group import WeightGroupSpec, join_weight_group, open_weight_store
 from gtpo_megatron.plan.engines import EnginePlacement
 from gtpo_megatron.rollout.engine_guard import GuardedEngine
+from gtpo_megatron.rollout.engine_settings import EngineSettings
 from gtpo_megatron.rollout.push import iter_weight_buckets
 from gtpo_megatron.rollout.vllm_engine import VLLMEngine
 from gtpo_megatron.rollout.weight_wire import send_weights
@@ -70,7 +71,7 @@ def main() -> None:
     weights = {k: v.float().clone() for k, v in load_file(f"{path}/model.safetensors").items()}  # in RAM, as a gather
     megabytes = sum(t.numel() * 4 for t in weights.values()) / 1e6
     bucket_bytes = args.bucket_mb * 2**20
-    engine = VLLMEngine(path, dtype="float32", max_model_len=256, max_num_seqs=4, in_process=False)
+    engine = VLLMEngine(path, EngineSettings(dtype="float32", max_model_len=256, max_num_seqs=4, in_process=False))
     placement = EnginePlacement(index=0, num_engines=1, leader_rank=0, ranks=(0,), devices=())
     guarded = GuardedEngine(engine, placement=placement, timeout_s=600)
     try:

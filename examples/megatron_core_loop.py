@@ -20,6 +20,7 @@ from transformers import AutoConfig, AutoTokenizer
 from gtpo_megatron import plugin
 from gtpo_megatron.rollout.batch import collate_completions
 from gtpo_megatron.rollout.engine import SamplingConfig
+from gtpo_megatron.rollout.engine_settings import EngineSettings
 from gtpo_megatron.rollout.vllm_engine import VLLMEngine
 
 QUESTIONS = ["What is 3 + 4?", "Name a prime number.", "Count to five.", "What is 10 - 7?"]
@@ -81,7 +82,7 @@ def main() -> None:
     groups = plugin.init_distributed(tp_size=1, pp_size=1)
     plugin.install_cpu_compat()  # megatron-core on CPU (no-op with CUDA)
     # The engine starts with dummy weights: the first sync gives it the GPTModel's.
-    engine = VLLMEngine("builtin:tiny-llama", dtype="float32", max_model_len=128, load_format="dummy")
+    engine = VLLMEngine("builtin:tiny-llama", EngineSettings(dtype="float32", max_model_len=128, load_format="dummy"))
     hf, tokenizer = AutoConfig.from_pretrained(engine.model_path), AutoTokenizer.from_pretrained(engine.model_path)
     torch.manual_seed(0)
     with plugin.cuda_to_cpu_mode():

@@ -13,7 +13,6 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import logging
-import math
 import os
 from typing import TYPE_CHECKING
 
@@ -41,6 +40,7 @@ if TYPE_CHECKING:
     from gtpo_megatron.megatron_adapter.reference import FrozenReference
     from gtpo_megatron.parallel.groups import ParallelGroups
     from gtpo_megatron.rollout.engine_guard import GuardedEngine
+    from gtpo_megatron.rollout.exchange import StepExchange
 
 logger = logging.getLogger(__name__)
 
@@ -208,46 +208,54 @@ def build_loader(cfg: GTPOConfig, tokenizer):
     return PromptLoader(fitting, batch_size=rollout.num_prompts, seed=data.shuffle_seed, shuffle=True)
 
 
+def build_exchange(cfg: GTPOConfig, model_path: str, *, num_engines: int) -> StepExchange:
+    """The step exchange of this job on the world group (the same on every rank).
+
+    With ``rollout.routing_replay: rollout`` it carries the routed experts' layout of the MoE model at
+    ``model_path``: every layer, its top-k of ``num_experts`` (a dense model gets none: the policy refuses it).
+    """
+    from gtpo_megatron.plan.model_families import moe_sizes
+    from gtpo_megatron.rollout.exchange import RoutingLayout, StepExchange
+
+    routing = None
+    if cfg.rollout.routing_replay == "rollout":
+        from transformers import AutoConfig
+
+        hf_config = AutoConfig.from_pretrained(model_path)
+        if sizes := moe_sizes(hf_config.to_dict()):
+            routing = RoutingLayout(hf_config.num_hidden_layers, top_k=sizes["top_k"], num_experts=sizes["num_experts"])
+    return StepExchange.from_config(cfg, num_engines=num_engines, group=dist.group.WORLD, routing=routing)
+
+
 def build_collector(
-    cfg: GTPOConfig, model_path: str, tokenizer, placement: EnginePlacement, environment: dict, cores=None
+    cfg: GTPOConfig,
+    model_path: str,
+    tokenizer,
+    placement: EnginePlacement,
+    environment: dict,
+    exchange: StepExchange,
+    cores=None,
 ):
     """An engine leader's ``RolloutCollector``: its guarded vLLM engine and reward pool (``cores``: the collector's)."""
     from gtpo_megatron.data.prompts import SYSTEM_PROMPTS
     from gtpo_megatron.rewards import RewardPool, default_extraction
     from gtpo_megatron.rollout.collector import RolloutCollector
     from gtpo_megatron.rollout.engine_guard import GuardedEngine
+    from gtpo_megatron.rollout.engine_settings import engine_settings
     from gtpo_megatron.rollout.vllm_engine import VLLMEngine
 
-    rollout = cfg.rollout
-    engine = VLLMEngine(
-        model_path,
-        dtype=cfg.engine_dtype,
-        max_model_len=rollout.max_prompt_len + rollout.max_tokens,
-        gpu_memory_utilization=rollout.gpu_memory_utilization,
-        cpu_kvcache_space_gib=max(1, math.ceil(rollout.cpu_kv_cache_gib)),
-        tensor_parallel_size=rollout.engine_tp_size,
-        seed=rollout.seed,
-        enable_sleep_mode=rollout.placement == "colocated" and torch.cuda.is_available(),
-        max_num_seqs=max(16, rollout.num_prompts * cfg.algorithm.group_size),
-        environment=environment,
-        verbose=cfg.logging.verbose,
-        # Started from a Megatron checkpoint: the HF folder may hold no weights; the trainer pushes the policy's.
-        load_format="dummy" if cfg.model.megatron_checkpoint is not None else "auto",
-        routing_replay=rollout.routing_replay == "rollout",
-    )
+    settings = engine_settings(cfg, accelerator=torch.cuda.is_available())
+    engine = VLLMEngine(model_path, settings, environment=environment)
     logger.info("started %s with %s", placement.describe(), environment or "the default environment")
     pool = RewardPool(cfg.reward.name, num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s)
     return RolloutCollector(
-        engine=GuardedEngine(engine, placement=placement, timeout_s=rollout.timeout_s),
+        engine=GuardedEngine(engine, placement=placement, timeout_s=cfg.rollout.timeout_s),
         reward_pool=pool,
         tokenizer=tokenizer,
-        rollout_cfg=rollout,
-        algorithm_cfg=cfg.algorithm,
-        reward_cfg=cfg.reward,
+        exchange=exchange,
         extraction=cfg.reward.extraction or default_extraction(cfg.data.source),
         system_prompt=SYSTEM_PROMPTS[cfg.data.system_prompt],
         engine_index=placement.index,
-        num_engines=placement.num_engines,
         cores=cores,
     )
 
@@ -304,6 +312,7 @@ def build_trainer(cfg: GTPOConfig, groups: ParallelGroups, *, timer: PhaseTimer 
     pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     placements = build_placements(cfg, groups.world_size)
     mine = next((p for p in placements if p.leader_rank == groups.rank), None)
+    exchange = build_exchange(cfg, model_path, num_engines=len(placements))
     rollout_side, environment = None, None
     if mine is not None:
         environment = engine_environment(mine, placements, cfg, groups.world_size)  # before the rank's binding
@@ -311,7 +320,7 @@ def build_trainer(cfg: GTPOConfig, groups: ParallelGroups, *, timer: PhaseTimer 
     if mine is not None:
         engine_cores = None if bound is None else bound[1]
         rollout_side = _in_background(
-            timer, "startup/rollout_side", build_collector, cfg, model_path, tokenizer, mine, environment,
+            timer, "startup/rollout_side", build_collector, cfg, model_path, tokenizer, mine, environment, exchange,
             engine_cores, cores=engine_cores,
         )  # fmt: skip
     sink = None
@@ -335,10 +344,10 @@ def build_trainer(cfg: GTPOConfig, groups: ParallelGroups, *, timer: PhaseTimer 
         policy=policy,
         collector=collector,
         loader=build_loader(cfg, tokenizer),
+        exchange=exchange,
         pad_token_id=pad_token_id,
         sink=sink,
         reference=reference,
-        num_engines=len(placements),
         weight_sync=weight_sync,
     )
 

@@ -31,6 +31,7 @@ from gtpo_megatron.megatron_adapter.validation import validate_config
 from gtpo_megatron.plan.architectures import Architecture, resolve_architecture
 from gtpo_megatron.plan.layout import Layout, check_layout
 from gtpo_megatron.plan.memory import (
+    DTYPE_BYTES,
     StageMemory,
     TrainingShape,
     activation_bytes,
@@ -48,7 +49,6 @@ GIB = 2**30
 FILES_GBPS = 16.0
 """Assumed throughput of one pass of the ``files`` weight sync through ``/dev/shm`` (2 GB/s; measured 0.28 GB/s for
 SmolLM2 on the 2-core CPU machine, write and reload together)."""
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -137,7 +137,7 @@ def training_shape(
         max_tokens_per_micro_batch=None if budget is None else budget.max_tokens,
         param_bytes=DTYPE_BYTES[settings.model.params_dtype],
         sequence_parallel=settings.sequence_parallel,
-        distributed_optimizer=settings.optim.use_distributed_optimizer,
+        distributed_optimizer=settings.parallel.use_distributed_optimizer,
         recompute=settings.model.recompute,
         logprob_chunk_size=settings.logprob_chunk_size,
         fp32_output_layer=settings.model.fp32_output_layer,

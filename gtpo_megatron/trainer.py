@@ -21,14 +21,7 @@ import torch
 import torch.distributed as dist
 
 from gtpo_megatron import run_dir
-from gtpo_megatron.algorithm import (
-    StepWeights,
-    build_loss_spec,
-    compute_step_weights,
-    conflict_metrics,
-    needs_old_logprob_pass,
-    objective_metrics,
-)
+from gtpo_megatron.algorithm import StepWeights, build_loss_spec, compute_step_weights, needs_old_logprob_pass
 from gtpo_megatron.batch import TrainBatch
 from gtpo_megatron.config import GTPOConfig
 from gtpo_megatron.initial_entropy import InitialEntropy
@@ -39,18 +32,19 @@ from gtpo_megatron.plan.layout import row_shard
 from gtpo_megatron.plan.micro_batches import balanced_row_shards
 from gtpo_megatron.preemption import StopRequests
 from gtpo_megatron.resume import RunCheckpoints
-from gtpo_megatron.rollout.batch import collate_completions, rollout_metrics
+from gtpo_megatron.rollout.batch import collate_completions
 from gtpo_megatron.rollout.collector import RolloutCollector, StepRollout, collect_step
 from gtpo_megatron.rollout.engine_guard import close_all
-from gtpo_megatron.rollout.exchange import RoutingLayout
 from gtpo_megatron.rollout.pipeline import AsyncRollouts
 from gtpo_megatron.rollout.push import CollectiveWeightSync, FilesWeightSync
+from gtpo_megatron.step_metrics import measures_mismatch, step_metrics
 
 if TYPE_CHECKING:
     from gtpo_megatron.data.loader import PromptLoader
     from gtpo_megatron.ops import LossSpec
     from gtpo_megatron.parallel.groups import ParallelGroups
     from gtpo_megatron.policy import Policy, ReferencePolicy
+    from gtpo_megatron.rollout.exchange import StepExchange
 
 logger = logging.getLogger(__name__)
 
@@ -63,12 +57,6 @@ class StepAborted(Exception):  # noqa: N818 - a decision, not an error
         self.completed_step = completed_step
 
 
-def routing_layout(policy: Policy) -> RoutingLayout:
-    """The routed experts' exchange layout of an MoE ``policy`` (rollout routing replay, docs/moe.md)."""
-    moe = policy.geometry.moe
-    return RoutingLayout(num_layers=policy.hf_config.num_hidden_layers, top_k=moe.top_k, num_experts=moe.num_experts)
-
-
 class Trainer:
     """Runs ``cfg.trainer.max_steps`` GTPO steps.
 
@@ -78,10 +66,10 @@ class Trainer:
         policy: the trained model (``Policy``; ``MegatronPolicy`` in production).
         collector: this rank's ``RolloutCollector`` when it leads an engine; None on other ranks.
         loader: the prompt loader, built identically on every rank (its position goes into checkpoints).
+        exchange: the step exchange on the world group (``build.build_exchange``).
         pad_token_id: padding id of the batches.
         sink: the metric sink (enabled on rank 0 only).
         reference: the frozen reference policy of the KL term (``algorithm.kl_coef > 0``), else None.
-        num_engines: engines sharing each step (``plan.engines``).
         weight_sync: this rank's part of the weight push (``rollout.push``); default: the ``files`` path into the
             collector's engine.
     """
@@ -94,10 +82,10 @@ class Trainer:
         policy: Policy,
         collector: RolloutCollector | None,
         loader: PromptLoader,
+        exchange: StepExchange,
         pad_token_id: int,
         sink: MetricSink,
         reference: ReferencePolicy | None = None,
-        num_engines: int = 1,
         weight_sync: CollectiveWeightSync | FilesWeightSync | None = None,
     ) -> None:
         self.cfg = cfg
@@ -105,6 +93,7 @@ class Trainer:
         self.policy = policy
         self.collector = collector
         self.loader = loader
+        self.exchange = exchange
         self.pad_token_id = pad_token_id
         self.sink = sink
         self.reference = reference
@@ -116,27 +105,14 @@ class Trainer:
         self.loss_spec = build_loss_spec(cfg.algorithm, cfg.rollout)
         self.initial_entropy = InitialEntropy(cfg.algorithm)
         self._world = dist.group.WORLD
-        self.num_engines = num_engines
-        self.routing = routing_layout(policy) if cfg.rollout.routing_replay == "rollout" else None
         self.rollouts = None  # rollout.mode=async: the engines sample ahead (rollout/pipeline.py)
         if cfg.rollout.mode == "async":
-            self.rollouts = AsyncRollouts(
-                cfg, collector=collector, loader=loader, num_engines=num_engines, group=self._world,
-                routing=self.routing,
-            )  # fmt: skip
+            self.rollouts = AsyncRollouts(cfg, collector=collector, loader=loader, exchange=exchange)
         self.checkpoints = RunCheckpoints(
             cfg, policy, loader, self.initial_entropy, rank=groups.rank, group=dist.group.WORLD,
             in_flight=None if self.rollouts is None else (lambda: self.rollouts.in_flight),
         )  # fmt: skip
-        self._measure_mismatch = self.loss_spec.temperature == cfg.rollout.temperature
-        if not self._measure_mismatch:
-            logger.warning(
-                "algorithm.loss_temperature=%s: the loss log-probs are at T=%s while vLLM's are at the sampling "
-                "temperature %s, so mismatch/* are not reported",
-                cfg.algorithm.loss_temperature,
-                self.loss_spec.temperature,
-                cfg.rollout.temperature,
-            )
+        self._measure_mismatch = measures_mismatch(self.loss_spec, cfg)
         self._dp_group = groups.dp if groups.dp_size > 1 else None
         self.weight_sync = weight_sync or FilesWeightSync(
             engine=collector.engine if collector is not None else None,
@@ -188,32 +164,9 @@ class Trainer:
             aborting = self._agree(self.stop_requests.abort_requested)  # the update is done: skip only the sync
             with timer.phase("sync"):
                 sync_metrics = {} if aborting else self._after_update(step)
-        return self._step_metrics(rollout, batch, weights, train_metrics, {**sync_metrics, **timer.seconds})
-
-    def _step_metrics(
-        self,
-        rollout: StepRollout,
-        batch: TrainBatch,
-        weights: StepWeights,
-        train_metrics: dict[str, float],
-        measured: dict[str, float],
-    ) -> dict[str, float]:
-        """Rollout, conflict and objective metrics, the policy's (``train/*``, ``perf/*`` kept), timings, throughput."""
-        metrics = rollout_metrics(
-            batch, torch.tensor(rollout.scores), torch.tensor(rollout.correct), torch.tensor(rollout.format_ok)
-        )
-        metrics.update(conflict_metrics(weights, batch.response_mask))
-        metrics.update(objective_metrics(train_metrics))
-        if self.initial_entropy.value is not None:
-            metrics["entropy/initial"] = self.initial_entropy.value
-        metrics.update(
-            {k if k.startswith(("perf/", "mismatch/")) else f"train/{k}": v for k, v in train_metrics.items()}
-        )
-        metrics.update({"time/old_logprob_s": 0.0, **({"time/ref_logprob_s": 0.0} if self.reference else {})})
-        metrics.update({**rollout.stats, **measured})
-        metrics["perf/tokens_per_s"] = float(batch.token_mask.sum()) / metrics["time/step_s"]
-        metrics["perf/response_tokens_per_s"] = float(batch.response_mask.sum()) / metrics["time/step_s"]
-        return metrics
+        measured, entropy = {**sync_metrics, **timer.seconds}, self.initial_entropy.value
+        return step_metrics(rollout, batch, weights, train_metrics, measured, initial_entropy=entropy,
+                            with_reference=self.reference is not None)  # fmt: skip
 
     def _rollout(self, step: int) -> StepRollout | None:
         """Engine leaders sample and score; every rank gets the step (None on every rank after an abort signal).
@@ -225,18 +178,7 @@ class Trainer:
             return self.rollouts.take(step, self.stop_requests)
         if self._offload_enabled:
             self.policy.offload_train_state()
-        rollout = collect_step(
-            self.collector,
-            self.loader,
-            step,
-            rollout_cfg=self.cfg.rollout,
-            algorithm_cfg=self.cfg.algorithm,
-            reward_cfg=self.cfg.reward,
-            num_engines=self.num_engines,
-            group=self._world,
-            stop=self.stop_requests,
-            routing=self.routing,
-        )
+        rollout = collect_step(self.collector, self.loader, step, self.exchange, stop=self.stop_requests)
         if self.collector is not None and rollout is not None and self.cfg.rollout.placement == "colocated":
             self.collector.engine.sleep()
         if self._offload_enabled:

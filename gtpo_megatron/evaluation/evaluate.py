@@ -331,12 +331,13 @@ def _load_benchmarks(config: EvalConfig, tokenizer) -> dict[str, tuple[list[Prob
 
 
 def _build_engine(config: EvalConfig, model_path: str, max_prompt_len: int) -> RolloutEngine:
+    from gtpo_megatron.rollout.engine_settings import EngineSettings
     from gtpo_megatron.rollout.vllm_engine import VLLMEngine
 
     max_model_len = config.max_model_len or max_prompt_len + config.max_tokens
-    return VLLMEngine(
-        model_path, dtype=config.dtype, max_model_len=max_model_len, seed=config.seed, in_process=config.in_process
-    )
+    settings = EngineSettings(dtype=config.dtype, max_model_len=max_model_len, seed=config.seed,
+                              in_process=config.in_process)  # fmt: skip
+    return VLLMEngine(model_path, settings)
 
 
 def run_evaluation(config: EvalConfig, *, engine: RolloutEngine | None = None) -> dict[str, Any]:

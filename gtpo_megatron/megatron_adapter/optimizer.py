@@ -1,13 +1,13 @@
-"""Megatron DDP, Megatron Adam(W), the LR schedule and the non-finite-gradient guard, from ``OptimSettings``.
+"""Megatron DDP, Megatron Adam(W), the LR schedule and the non-finite-gradient guard, from ``PolicySettings``.
 
 Precision: fp32 parameters, or bf16 ones with fp32 main weights, gradient reduction and Adam states; no loss
 scaler. The distributed optimizer shards main weights and Adam states over the DP group (both run on CPU).
 
 LR convention (Megatron-LM's): update k (1-based) trains at ``lr(k-1)`` of Megatron's ``OptimizerParamScheduler``;
 the schedule advances after the update. Warm-up over ``W`` steps starts at ``lr / (W + 1)``: update k <= W + 1
-trains at ``lr * k / (W + 1)``, the first after warm-up at the peak; then ``decay_style`` to ``min_lr`` at
-``total_steps`` (the last update trains at ``lr(total_steps - 1)``). A resume applies the config's schedule at the
-checkpoint's position (:func:`restore_schedule`).
+trains at ``lr * k / (W + 1)``, the first after warm-up at the peak; then ``schedule.decay_style`` to ``min_lr``
+at ``schedule.total_steps`` (the last update trains at ``lr(total_steps - 1)``). A resume applies the config's
+schedule at the checkpoint's position (:func:`restore_schedule`).
 """
 
 from __future__ import annotations
@@ -22,59 +22,61 @@ import torch
 from gtpo_megatron.megatron_adapter.cpu_compat import cpu_compat_needed, cuda_to_cpu_mode
 
 if TYPE_CHECKING:
-    from gtpo_megatron.megatron_adapter.settings import OptimSettings
+    from gtpo_megatron.megatron_adapter.settings import PolicySettings
 
 logger = logging.getLogger(__name__)
 
 
-def ddp_config(settings: OptimSettings):
+def ddp_config(settings: PolicySettings):
     """Megatron's DDP config: fp32 grad buffers, no overlap, grads pre-scaled by ``1/dp_size`` (``forward_step``)."""
     from megatron.core.distributed import DistributedDataParallelConfig
 
     return DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=False,
-        use_distributed_optimizer=settings.use_distributed_optimizer,
+        use_distributed_optimizer=settings.parallel.use_distributed_optimizer,
         average_in_collective=False,
     )
 
 
-def optimizer_config(settings: OptimSettings, *, params_dtype: torch.dtype):
-    """Megatron's ``OptimizerConfig`` for Adam(W) with the settings' lr, betas, weight decay and clipping."""
+def optimizer_config(settings: PolicySettings, *, params_dtype: torch.dtype):
+    """Megatron's ``OptimizerConfig`` for Adam(W) with the ``optim`` section's lr, betas, weight decay and clipping."""
     from megatron.core.optimizer import OptimizerConfig
 
+    optim = settings.optim
     return OptimizerConfig(
         optimizer="adam",
-        lr=settings.lr,
-        min_lr=settings.min_lr,
-        weight_decay=settings.weight_decay,
-        adam_beta1=settings.adam_beta1,
-        adam_beta2=settings.adam_beta2,
+        lr=optim.lr,
+        min_lr=optim.min_lr,
+        weight_decay=optim.weight_decay,
+        adam_beta1=optim.adam_beta1,
+        adam_beta2=optim.adam_beta2,
         adam_eps=settings.adam_eps,
-        clip_grad=settings.clip_grad,
+        clip_grad=optim.clip_grad,
         bf16=params_dtype == torch.bfloat16,
         params_dtype=params_dtype,
-        use_distributed_optimizer=settings.use_distributed_optimizer,
+        use_distributed_optimizer=settings.parallel.use_distributed_optimizer,
     )
 
 
-def scheduler_kwargs(settings: OptimSettings) -> dict:
+def scheduler_kwargs(settings: PolicySettings) -> dict:
     """Arguments of Megatron's ``OptimizerParamScheduler`` besides the optimizer (module docstring)."""
+    optim, schedule = settings.optim, settings.schedule
     return dict(
-        init_lr=settings.lr / (settings.warmup_steps + 1),
-        max_lr=settings.lr,
-        min_lr=settings.min_lr,
-        lr_warmup_steps=settings.warmup_steps,
-        lr_decay_steps=settings.total_steps,
-        lr_decay_style=settings.decay_style,
-        start_wd=settings.weight_decay,
-        end_wd=settings.weight_decay,
-        wd_incr_steps=settings.total_steps,
+        init_lr=optim.lr / (optim.warmup_steps + 1),
+        max_lr=optim.lr,
+        min_lr=optim.min_lr,
+        lr_warmup_steps=optim.warmup_steps,
+        lr_decay_steps=schedule.total_steps,
+        lr_decay_style=schedule.decay_style,
+        start_wd=optim.weight_decay,
+        end_wd=optim.weight_decay,
+        wd_incr_steps=schedule.total_steps,
         wd_incr_style="constant",
     )
 
 
-def wrap_ddp(model, transformer_config, *, settings: OptimSettings):
+def wrap_ddp(model, transformer_config, *, settings: PolicySettings):
     """Wrap an unwrapped ``GPTModel`` stage in Megatron's ``DistributedDataParallel`` (:func:`ddp_config`)."""
     from megatron.core.distributed import DistributedDataParallel
 
@@ -82,12 +84,12 @@ def wrap_ddp(model, transformer_config, *, settings: OptimSettings):
         return DistributedDataParallel(config=transformer_config, ddp_config=ddp_config(settings), module=model)
 
 
-def build_optimizer(ddp_model, *, settings: OptimSettings, params_dtype: torch.dtype):
+def build_optimizer(ddp_model, *, settings: PolicySettings, params_dtype: torch.dtype):
     """Megatron Adam(W) over the DDP model and its LR schedule; returns ``(optimizer, lr_scheduler)``."""
     from megatron.core.optimizer import get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    if cpu_compat_needed() and not settings.use_distributed_optimizer:
+    if cpu_compat_needed() and not settings.parallel.use_distributed_optimizer:
         logger.warning("CPU fallback: Megatron's non-distributed Adam (full fp32 optimizer state on every DP rank)")
     with cuda_to_cpu_mode():
         optimizer = get_megatron_optimizer(optimizer_config(settings, params_dtype=params_dtype), [ddp_model])

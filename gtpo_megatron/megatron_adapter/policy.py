@@ -210,10 +210,10 @@ class MegatronPolicy:
             )  # fmt: skip
         optimizer = scheduler = None
         if trainable:
-            gpt_model = wrap_ddp(gpt_model, config, settings=settings.optim)
+            gpt_model = wrap_ddp(gpt_model, config, settings=settings)
             config.finalize_model_grads_func = finalize_model_grads
             config.no_sync_func = gpt_model.no_sync
-            optimizer, scheduler = build_optimizer(gpt_model, settings=settings.optim, params_dtype=config.params_dtype)
+            optimizer, scheduler = build_optimizer(gpt_model, settings=settings, params_dtype=config.params_dtype)
         else:
             gpt_model.requires_grad_(False)
         return cls(

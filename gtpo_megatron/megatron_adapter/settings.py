@@ -8,11 +8,12 @@ reports on the same object (``validation.validate_config`` adds what the config 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, get_args
+from typing import TYPE_CHECKING, Literal, get_args
 
-from gtpo_megatron.config.model import ParamsDtype
+from gtpo_megatron.config.model import OptimConfig, ParallelConfig, ParamsDtype
 from gtpo_megatron.plan.layout import padded_vocab_size
 from gtpo_megatron.plan.micro_batches import TokenBudget
 
@@ -85,58 +86,34 @@ OWNED_FIELDS: dict[str, str] = {
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class OptimSettings:
-    """Adam and LR-schedule settings (plain values; ``policy_settings`` maps the ``optim`` section onto them).
+class LRSchedule:
+    """The LR schedule's span and shape, derived from the run (no config field of their own).
 
-    Linear warm-up to ``lr``, then ``decay_style`` to ``min_lr`` at ``total_steps``; ``clip_grad`` 0: no clipping.
-
-    Raises:
-        ValueError: ``lr <= 0``, ``min_lr`` outside ``[0, lr]``, ``warmup_steps`` outside ``[0, total_steps)`` or an
-            unknown ``decay_style``.
+    Linear warm-up over ``optim.warmup_steps`` to ``optim.lr``, then ``decay_style`` to ``optim.min_lr`` at
+    ``total_steps`` optimizer steps (``megatron_adapter/optimizer.py``).
     """
 
-    lr: float = 1e-6
-    min_lr: float = 0.0
-    warmup_steps: int = 0
     total_steps: int = 1_000_000
-    decay_style: str = "constant"
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0
-    use_distributed_optimizer: bool = False
-    """Megatron's distributed optimizer (fp32 main weights and Adam states sharded over the DP group)."""
-
-    def __post_init__(self) -> None:
-        if self.lr <= 0 or not 0 <= self.min_lr <= self.lr:
-            raise ValueError(f"optim.lr={self.lr} must be > 0 and optim.min_lr={self.min_lr} in [0, lr]")
-        if not 0 <= self.warmup_steps < self.total_steps:
-            raise ValueError(
-                f"optim.warmup_steps={self.warmup_steps} must be in [0, optim.total_steps={self.total_steps})"
-            )
-        if self.decay_style not in ("constant", "linear", "cosine"):
-            raise ValueError(f"optim.decay_style={self.decay_style!r}; choose constant, linear or cosine")
+    decay_style: Literal["constant", "linear", "cosine"] = "constant"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PolicySettings:
-    """Everything ``MegatronPolicy.from_pretrained`` builds from; each field is the config field of its name.
+    """Everything ``MegatronPolicy.from_pretrained`` builds from: the config's sections and what the run derives.
+
+    ``parallel`` and ``optim`` are the config's sections as they are (their rules are theirs, checked when they are
+    built); ``adam_eps`` has no config field.
 
     Raises:
-        ValueError: ``model.params_dtype`` not in :data:`PARAMS_DTYPES`, ``micro_batch_size < 1``, sequence
-            parallelism at ``tp_size == 1``, or an override of an :data:`OWNED_FIELDS` field.
+        ValueError: ``model.params_dtype`` not in :data:`PARAMS_DTYPES` or an override of an :data:`OWNED_FIELDS`
+            field.
     """
 
     model: ModelConfig
-    tp_size: int = 1
-    pp_size: int = 1
-    ep_size: int = 1
-    sequence_parallel: bool = False
-    optim: OptimSettings = field(default_factory=OptimSettings)
-    micro_batch_size: int = 1
-    token_budget: TokenBudget | None = None
-    """Micro-batches by tokens (``optim.max_tokens_per_micro_batch``, ``optim.packing``); None: by rows."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    schedule: LRSchedule = field(default_factory=LRSchedule)
+    adam_eps: float = 1e-8
     logprob_chunk_size: int | None = None
     seed: int = 1234
     routing_replay: bool = False
@@ -148,14 +125,38 @@ class PolicySettings:
                 f"model.params_dtype={self.model.params_dtype!r}: the Megatron policy trains in "
                 f"{list(PARAMS_DTYPES)}; set model.params_dtype=bfloat16 (or float32)"
             )
-        if self.micro_batch_size < 1:
-            raise ValueError(f"optim.micro_batch_size={self.micro_batch_size} must be >= 1")
-        if self.sequence_parallel and self.tp_size < 2:
-            raise ValueError(
-                f"parallel.sequence_parallel=true needs parallel.tp_size > 1 (got {self.tp_size}); "
-                "set parallel.sequence_parallel=false"
-            )
         check_overrides(self.model.megatron_overrides)
+
+    @property
+    def tp_size(self) -> int:
+        """``parallel.tp_size``."""
+        return self.parallel.tp_size
+
+    @property
+    def pp_size(self) -> int:
+        """``parallel.pp_size``."""
+        return self.parallel.pp_size
+
+    @property
+    def ep_size(self) -> int:
+        """``parallel.ep_size``."""
+        return self.parallel.ep_size
+
+    @property
+    def sequence_parallel(self) -> bool:
+        """``parallel.sequence_parallel``."""
+        return self.parallel.sequence_parallel
+
+    @property
+    def micro_batch_size(self) -> int:
+        """``optim.micro_batch_size``."""
+        return self.optim.micro_batch_size
+
+    @property
+    def token_budget(self) -> TokenBudget | None:
+        """Micro-batches by tokens (``optim.max_tokens_per_micro_batch``, ``optim.packing``); None: by rows."""
+        budget = self.optim.max_tokens_per_micro_batch
+        return None if budget is None else TokenBudget(max_tokens=budget, packing=self.optim.packing)
 
     def padded_vocab_size(self, vocab_size: int, *, padding_tp_size: int | None = None) -> int:
         """``V`` of the embedding and output layer, padded at ``lcm(tp_size, padding_tp_size)``."""
@@ -182,34 +183,22 @@ def check_overrides(overrides: dict[str, object]) -> None:
 def policy_settings(cfg: GTPOConfig) -> PolicySettings:
     """The run's ``PolicySettings``: the model, parallel and optim sections, ``trainer.seed``, the chunk size.
 
-    The LR decays over ``trainer.max_steps * algorithm.num_updates_per_batch`` optimizer steps.
+    ``optim`` carries the run's token budget (``GTPOConfig.max_tokens_per_micro_batch``). The LR decays over
+    ``trainer.max_steps * algorithm.num_updates_per_batch`` optimizer steps, by cosine unless ``optim.min_lr ==
+    optim.lr``.
 
     Raises:
         ValueError: see :class:`PolicySettings`.
     """
-    optim = cfg.optim
+    optim = dataclasses.replace(cfg.optim, max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch)  # packing alone
     return PolicySettings(
         model=cfg.model,
-        tp_size=cfg.parallel.tp_size,
-        pp_size=cfg.parallel.pp_size,
-        ep_size=cfg.parallel.ep_size,
-        sequence_parallel=cfg.parallel.sequence_parallel,
-        optim=OptimSettings(
-            lr=optim.lr,
-            min_lr=optim.min_lr,
-            warmup_steps=optim.warmup_steps,
+        parallel=cfg.parallel,
+        optim=optim,
+        schedule=LRSchedule(
             total_steps=max(cfg.trainer.max_steps * cfg.algorithm.num_updates_per_batch, optim.warmup_steps + 1),
             decay_style="constant" if optim.min_lr == optim.lr else "cosine",
-            weight_decay=optim.weight_decay,
-            adam_beta1=optim.adam_beta1,
-            adam_beta2=optim.adam_beta2,
-            clip_grad=optim.clip_grad,
-            use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
         ),
-        micro_batch_size=optim.micro_batch_size,
-        token_budget=None
-        if cfg.max_tokens_per_micro_batch is None
-        else TokenBudget(max_tokens=cfg.max_tokens_per_micro_batch, packing=optim.packing),
         logprob_chunk_size=cfg.algorithm.logprob_chunk_size,
         seed=cfg.trainer.seed,
         routing_replay=cfg.rollout.routing_replay == "rollout",

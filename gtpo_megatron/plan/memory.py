@@ -52,6 +52,9 @@ from gtpo_megatron.plan.architectures import Architecture
 
 Recompute = Literal["none", "selective", "full"]
 """Megatron's activation recomputation (``model.recompute``): what the backward pass recomputes."""
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+"""Bytes per element of each weight and KV-cache dtype the trainer or the engines hold (``model.params_dtype``,
+``GTPOConfig.engine_dtype``): a new engine precision adds its row here."""
 GRAD_BYTES = 4
 """Bytes per gradient element (Megatron's fp32 main-grad buffer)."""
 FP32_OP_BUFFERS = 2

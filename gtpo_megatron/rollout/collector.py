@@ -16,9 +16,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
-from gtpo_megatron.config import AlgorithmConfig, RewardConfig, RolloutConfig
 from gtpo_megatron.data.dynamic_sampling import choose_groups, filter_uniform_groups
 from gtpo_megatron.data.loader import PromptLoader
 from gtpo_megatron.data.overlong import shape_rewards
@@ -33,9 +31,8 @@ from gtpo_megatron.rollout.engine import RolloutEngine, SamplingConfig
 from gtpo_megatron.rollout.exchange import (
     ENGINE_COUNTERS,
     EngineTally,
-    RoutingLayout,
-    RowLayout,
     ScoredGroup,
+    StepExchange,
     attach_routed_experts,
     pack_routed_experts,
     pack_rows,
@@ -63,9 +60,10 @@ class StepRollout:
 class RolloutCollector:
     """An engine leader's engine, reward pool and tokenizer, and its share of every round.
 
-    ``reward_pool``: a ``rewards.RewardPool``; ``extraction``: ``reward.extraction`` resolved for ``data.source``;
-    ``engine_index``: ``plan.engines.EnginePlacement.index``; ``num_engines``: engines sharing each round;
-    ``cores``: the CPU cores of the rollout side (its engine's, ``build.bind_training_rank``), else None.
+    ``reward_pool``: a ``rewards.RewardPool``; ``exchange``: the step exchange (its sections and engine count);
+    ``extraction``: ``reward.extraction`` resolved for ``data.source``; ``engine_index``:
+    ``plan.engines.EnginePlacement.index``; ``cores``: the CPU cores of the rollout side (its engine's,
+    ``build.bind_training_rank``), else None.
     """
 
     def __init__(
@@ -74,29 +72,23 @@ class RolloutCollector:
         engine: RolloutEngine,
         reward_pool,
         tokenizer,
-        rollout_cfg: RolloutConfig,
-        algorithm_cfg: AlgorithmConfig,
-        reward_cfg: RewardConfig,
+        exchange: StepExchange,
         extraction: str,
         system_prompt: str = SYSTEM_PROMPT,
         engine_index: int = 0,
-        num_engines: int = 1,
         cores: tuple[int, ...] | None = None,
     ) -> None:
         self.engine = engine
         self.reward_pool = reward_pool
         self.tokenizer = tokenizer
-        self.rollout_cfg = rollout_cfg
-        self.algorithm_cfg = algorithm_cfg
-        self.reward_cfg = reward_cfg
+        self.exchange = exchange
         self.extraction = extraction
         self.system_prompt = system_prompt
         self.engine_index = engine_index
-        self.num_engines = num_engines
         self.cores = cores
 
     def _sampling(self, step: int, round_index: int) -> SamplingConfig:
-        cfg = self.rollout_cfg
+        cfg = self.exchange.rollout
         return SamplingConfig(
             temperature=cfg.temperature,
             top_p=cfg.top_p,
@@ -108,8 +100,8 @@ class RolloutCollector:
 
     def share(self) -> range:
         """Global indices (within a round) of the prompts this leader's engine samples."""
-        num_prompts = self.rollout_cfg.num_prompts
-        return engine_prompt_range(num_prompts, num_engines=self.num_engines, index=self.engine_index)
+        num_prompts = self.exchange.rollout.num_prompts
+        return engine_prompt_range(num_prompts, num_engines=self.exchange.num_engines, index=self.engine_index)
 
     def sample_round(
         self, step: int, round_index: int, problems: list[Problem], tally: EngineTally
@@ -119,7 +111,7 @@ class RolloutCollector:
         Raises:
             RuntimeError: the graders failed on more than ``reward.max_error_frac`` of the answers.
         """
-        share, group_size = self.share(), self.algorithm_cfg.group_size
+        share, group_size = self.share(), self.exchange.algorithm.group_size
         if len(share) == 0:
             return {}
         prompt_ids = [
@@ -131,7 +123,7 @@ class RolloutCollector:
         texts = [c.text for g in groups for c in g.completions]
         references = [problems[i].answer for i in share for _ in range(group_size)]
         results, reward_stats = self.reward_pool.score(texts, references, extraction=self.extraction)
-        check_grader_failures(reward_stats, max_error_frac=self.reward_cfg.max_error_frac)
+        check_grader_failures(reward_stats, max_error_frac=self.exchange.reward.max_error_frac)
         tally.tokens += sum(len(c.token_ids) for g in groups for c in g.completions)
         tally.reward_s += reward_stats["seconds"]
         tally.num_timeouts += reward_stats["num_timeouts"]
@@ -148,80 +140,60 @@ def collect_step(
     collector: RolloutCollector | None,
     loader: PromptLoader,
     step: int,
+    exchange: StepExchange,
     *,
-    rollout_cfg: RolloutConfig,
-    algorithm_cfg: AlgorithmConfig,
-    reward_cfg: RewardConfig,
-    num_engines: int,
-    group: dist.ProcessGroup | None,
     stop: StopRequests | None = None,
-    routing: RoutingLayout | None = None,
 ) -> StepRollout | None:
     """Sample, score, select and share this step's ``num_prompts`` groups (module docstring); every rank calls.
 
-    ``collector``: this rank's when it leads an engine, else None; ``loader`` is advanced on every rank; ``group``:
-    the world group; ``stop``: a SIGTERM interrupts a leader's sampling; ``routing``: see :func:`share_step`.
+    ``collector``: this rank's when it leads an engine, else None; ``loader`` is advanced on every rank; ``stop``: a
+    SIGTERM interrupts a leader's sampling.
     Returns the same ``StepRollout`` on every rank, or None on every rank when a SIGTERM made any leader leave its
     rollout.
 
     Collectives: with dynamic sampling one SUM all-reduce of ``[P]`` varied flags per round; then
-    :func:`share_step`'s, on ``group``.
+    :func:`share_step`'s, on ``exchange.group``.
 
     Raises:
         RuntimeError: on every rank when the engine or the reward pool raised on a leader (naming the engine).
     """
-    sampled, varied, tally = _sample_rounds(
-        collector, loader, step, algorithm_cfg, rollout_cfg.num_prompts, group, stop
-    )
-    return share_step(
-        sampled,
-        varied,
-        tally,
-        engine_index=None if collector is None else collector.engine_index,
-        rollout_cfg=rollout_cfg,
-        algorithm_cfg=algorithm_cfg,
-        reward_cfg=reward_cfg,
-        num_engines=num_engines,
-        group=group,
-        routing=routing,
-    )
+    sampled, varied, tally = _sample_rounds(collector, loader, step, exchange, stop)
+    engine_index = None if collector is None else collector.engine_index
+    return share_step(sampled, varied, tally, exchange, engine_index=engine_index)
 
 
 def share_step(
     sampled: list[dict[int, ScoredGroup]],
     varied: list[bool],
     tally: EngineTally,
+    exchange: StepExchange,
     *,
     engine_index: int | None,
-    rollout_cfg: RolloutConfig,
-    algorithm_cfg: AlgorithmConfig,
-    reward_cfg: RewardConfig,
-    num_engines: int,
-    group: dist.ProcessGroup | None,
-    routing: RoutingLayout | None = None,
 ) -> StepRollout | None:
     """Select and share a step's groups; the same ``StepRollout`` on every rank (None on all when a leader aborted).
 
     ``sampled``: this rank's scored groups per round; ``varied``: the rounds' global varied flags (dynamic sampling,
-    else empty); ``tally``: this leader's counters (``engine_index`` None off the leaders); ``routing``: the routed
-    experts' layout with routing replay (the completions then carry them), else None.
+    else empty); ``tally``: this leader's counters (``engine_index`` None off the leaders); with ``exchange.routing``
+    the completions carry their routed experts.
 
-    Collectives: one SUM all-reduce of the packed rows and counters on ``group``; with ``routing`` a second one of
-    the routed experts (``exchange.pack_routed_experts``); after a leader's failure ``raise_leader_failures``'.
+    Collectives: one SUM all-reduce of the packed rows and counters on ``exchange.group``; with ``exchange.routing``
+    a second one of the routed experts (``exchange.pack_routed_experts``); after a leader's failure
+    ``raise_leader_failures``'.
 
     Raises:
         RuntimeError: on every rank when a leader's rollout failed (``tally.failed``), naming its engine.
     """
-    num_prompts, group_size = rollout_cfg.num_prompts, algorithm_cfg.group_size
+    algorithm_cfg, group, routing = exchange.algorithm, exchange.group, exchange.routing
+    num_prompts, group_size = exchange.rollout.num_prompts, algorithm_cfg.group_size
     chosen = choose_groups(varied, num_prompts) if algorithm_cfg.dynamic_sampling else list(range(num_prompts))
     slots = {}
     for slot, flat in enumerate(chosen):
         scored_group = sampled[flat // num_prompts].get(flat % num_prompts)
         if scored_group is not None:
             slots[slot] = scored_group
-    layout = RowLayout(rollout_cfg.max_prompt_len, rollout_cfg.max_tokens)
+    layout = exchange.layout
     rows = pack_rows(slots, num_groups=num_prompts, group_size=group_size, layout=layout)
-    counters = torch.zeros(num_engines, len(ENGINE_COUNTERS), dtype=torch.float64)
+    counters = torch.zeros(exchange.num_engines, len(ENGINE_COUNTERS), dtype=torch.float64)
     if engine_index is not None:
         counters[engine_index] = tally.as_tensor()
     summed = all_reduce_sum(torch.cat([rows.reshape(-1), counters.reshape(-1)]), group=group)
@@ -235,8 +207,8 @@ def share_step(
         wire = pack_routed_experts(slots, num_groups=num_prompts, group_size=group_size, layout=layout, routing=routing)
         attach_routed_experts(all_reduce_sum(wire, group=group), gathered.groups)
     scores = torch.tensor(gathered.scores, dtype=torch.float32)
-    rewards = shape_rewards(scores, torch.tensor(gathered.lengths), algorithm_cfg, max_tokens=rollout_cfg.max_tokens,
-                            reward_span=reward_span(reward_cfg.name))  # fmt: skip
+    rewards = shape_rewards(scores, torch.tensor(gathered.lengths), algorithm_cfg, max_tokens=layout.max_tokens,
+                            reward_span=reward_span(exchange.reward.name))  # fmt: skip
     varied_frac = torch.tensor(varied).float().mean() if varied else filter_uniform_groups(scores, group_size).float()
     stats = _engine_stats(counters)
     stats["rollout/num_rounds"] = float(len(sampled))
@@ -249,12 +221,11 @@ def _sample_rounds(
     collector: RolloutCollector | None,
     loader: PromptLoader,
     step: int,
-    algorithm_cfg: AlgorithmConfig,
-    num_prompts: int,
-    group: dist.ProcessGroup | None,
+    exchange: StepExchange,
     stop: StopRequests | None,
 ) -> tuple[list[dict[int, ScoredGroup]], list[bool], EngineTally]:
     """This rank's scored groups per round, the global varied flags and this leader's counters (``aborted``)."""
+    algorithm_cfg, num_prompts = exchange.algorithm, exchange.rollout.num_prompts
     rounds = algorithm_cfg.dynamic_sampling_max_rounds if algorithm_cfg.dynamic_sampling else 1
     tally, sampled, varied = EngineTally(), [], []
     for round_index in range(rounds):
@@ -271,7 +242,7 @@ def _sample_rounds(
         local = torch.zeros(num_prompts, dtype=torch.float64)
         for index, scored_group in scored.items():
             local[index] = float(filter_uniform_groups(scored_group.scores, algorithm_cfg.group_size)[0])
-        varied += (all_reduce_sum(local, group=group) > 0.5).tolist()
+        varied += (all_reduce_sum(local, group=exchange.group) > 0.5).tolist()
         if sum(varied) >= num_prompts:
             break
     return sampled, varied, tally

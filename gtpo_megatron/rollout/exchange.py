@@ -18,11 +18,17 @@ like the rows (one writer per entry). int16 is not summable by gloo's all-reduce
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from gtpo_megatron.parallel.collectives import all_gather_object
 from gtpo_megatron.rollout.types import Completion, PromptCompletions
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+    from gtpo_megatron.config import AlgorithmConfig, GTPOConfig, RewardConfig, RolloutConfig
 
 _HEAD = ("prompt_len", "response_len", "score", "correct", "format_ok", "truncated")
 ENGINE_COUNTERS = ("tokens", "generate_s", "reward_s", "num_timeouts", "num_errors", "aborted", "failed")
@@ -89,6 +95,35 @@ class RoutingLayout:
     def dtype(self) -> torch.dtype:
         """uint8 when every id + 1 fits (at most 254 experts), else int32; both sum exactly on gloo and NCCL."""
         return torch.uint8 if self.num_experts < 255 else torch.int32
+
+
+@dataclass(frozen=True, slots=True)
+class StepExchange:
+    """What every rank needs to sample, select and share a step: built once (``build.build_exchange``).
+
+    ``rollout``, ``algorithm``, ``reward``: the run's sections; ``num_engines``: engines sharing each round;
+    ``group``: the world group the step crosses (None: one process); ``routing``: the routed experts' layout with
+    rollout routing replay, else None.
+    """
+
+    rollout: RolloutConfig
+    algorithm: AlgorithmConfig
+    reward: RewardConfig
+    num_engines: int
+    group: dist.ProcessGroup | None
+    routing: RoutingLayout | None = None
+
+    @classmethod
+    def from_config(
+        cls, cfg: GTPOConfig, *, num_engines: int, group: dist.ProcessGroup | None, routing: RoutingLayout | None = None
+    ) -> StepExchange:
+        """The exchange of ``cfg``'s rollout, algorithm and reward sections."""
+        return cls(cfg.rollout, cfg.algorithm, cfg.reward, num_engines, group, routing)
+
+    @property
+    def layout(self) -> RowLayout:
+        """The packed rows' columns (``rollout.max_prompt_len``, ``rollout.max_tokens``)."""
+        return RowLayout(self.rollout.max_prompt_len, self.rollout.max_tokens)
 
 
 @dataclass

@@ -31,19 +31,17 @@ from typing import TYPE_CHECKING
 from gtpo_megatron.parallel.collectives import any_rank
 from gtpo_megatron.preemption import StepInterrupted, wait_until
 from gtpo_megatron.rollout.collector import StepRollout, share_step
-from gtpo_megatron.rollout.exchange import EngineTally, RoutingLayout, raise_leader_failures
+from gtpo_megatron.rollout.exchange import EngineTally, raise_leader_failures
 
 if TYPE_CHECKING:
     from collections.abc import Callable
-
-    import torch.distributed as dist
 
     from gtpo_megatron.config import GTPOConfig
     from gtpo_megatron.data.loader import PromptLoader
     from gtpo_megatron.data.types import Problem
     from gtpo_megatron.preemption import StopRequests
     from gtpo_megatron.rollout.collector import RolloutCollector
-    from gtpo_megatron.rollout.exchange import ScoredGroup
+    from gtpo_megatron.rollout.exchange import ScoredGroup, StepExchange
 
 
 @dataclass
@@ -91,12 +89,10 @@ class AsyncRollouts:
     """The schedule of the module docstring on one rank; ``collector`` is this rank's when it leads an engine.
 
     Args:
-        cfg: the run config (``rollout``, ``algorithm``, ``reward`` sections; ``trainer.max_steps``).
+        cfg: the run config (``rollout.max_staleness``, ``rollout.timeout_s``, ``trainer.max_steps``).
         collector: this rank's engine leader's collector, else None.
         loader: the trainer's prompt loader (advanced at take, so checkpoints hold the trained position).
-        num_engines: engines sharing each step.
-        group: the world group of the exchange.
-        routing: the routed experts' layout with routing replay (``collector.share_step``), else None.
+        exchange: the step exchange every batch crosses at take (``collector.share_step``).
     """
 
     def __init__(
@@ -105,12 +101,9 @@ class AsyncRollouts:
         *,
         collector: RolloutCollector | None,
         loader: PromptLoader,
-        num_engines: int,
-        group: dist.ProcessGroup | None,
-        routing: RoutingLayout | None = None,
+        exchange: StepExchange,
     ) -> None:
-        self.cfg, self.collector, self.loader = cfg, collector, loader
-        self.num_engines, self.group, self.routing = num_engines, group, routing
+        self.cfg, self.collector, self.loader, self.exchange = cfg, collector, loader, exchange
         self.max_staleness = cfg.rollout.max_staleness
         self._versions: dict[int, int] = {}  # submitted, not yet taken: step -> the weights' completed steps
         self._batches: dict[int, _Batch] = {}  # the leader's batches of those steps
@@ -164,18 +157,8 @@ class AsyncRollouts:
             except RuntimeError as err:  # shared at the exchange: the other ranks wait there for this batch
                 tally.fail(err)
         self._take_wait_s = time.perf_counter() - start
-        rollout = share_step(
-            [scored],
-            [],
-            tally,
-            engine_index=None if self.collector is None else self.collector.engine_index,
-            rollout_cfg=self.cfg.rollout,
-            algorithm_cfg=self.cfg.algorithm,
-            reward_cfg=self.cfg.reward,
-            num_engines=self.num_engines,
-            group=self.group,
-            routing=self.routing,
-        )
+        engine_index = None if self.collector is None else self.collector.engine_index
+        rollout = share_step([scored], [], tally, self.exchange, engine_index=engine_index)
         if rollout is not None:
             staleness = float(step - 1 - version)
             rollout.stats.update({"async/staleness_mean": staleness, "async/staleness_max": staleness})
@@ -200,8 +183,8 @@ class AsyncRollouts:
             pass
         except RuntimeError as err:  # the other ranks wait in the next collective for this leader
             error = err
-        if any_rank(error is not None, group=self.group):
-            raise_leader_failures(error, group=self.group)
+        if any_rank(error is not None, group=self.exchange.group):
+            raise_leader_failures(error, group=self.exchange.group)
         return {"async/rollout_wait_s": self._take_wait_s + time.perf_counter() - start}
 
     def push(self, step: int, push: Callable[[], dict[str, float]]) -> dict[str, float]:

@@ -41,13 +41,13 @@ from gtpo_megatron.rollout.engine import (
     request_seed,
     validate_prompt_ids,
 )
+from gtpo_megatron.rollout.engine_settings import EngineSettings
 from gtpo_megatron.rollout.staging import open_staging_dir
 from gtpo_megatron.rollout.types import Completion, PromptCompletions
 from gtpo_megatron.rollout.vllm_worker import WeightReloadExtension, check_fused_groups_complete
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = ("auto", "float32", "bfloat16", "float16")
 _FINISH_REASONS = ("stop", "length")
 _MULTIPROCESSING = "VLLM_ENABLE_V1_MULTIPROCESSING"  # "0": the engine core runs in the caller's process
 
@@ -123,54 +123,27 @@ class VLLMEngine:
 
     Args:
         model_path: HF folder, hub name, or ``builtin:`` name (``builtin_models.resolve_model_path``).
-        dtype: ``"auto"`` (the checkpoint's), ``"float32"``, ``"bfloat16"`` or ``"float16"``; pushed weights are cast.
-        max_model_len: prompt + completion token limit per sequence.
-        gpu_memory_utilization: fraction of GPU memory vLLM may take (GPU only).
-        cpu_kvcache_space_gib: KV-cache GiB on CPU (``VLLM_CPU_KVCACHE_SPACE``, rounded up to whole GiB).
-        tensor_parallel_size, seed, enforce_eager, max_num_seqs: vLLM's own.
-        enable_sleep_mode: allow ``sleep``/``wake_up`` to free GPU memory (ignored with a warning on CPU).
-        in_process: True runs the engine core in this process, False in a child; None keeps the environment's.
-        staging_dir: parent of the weight staging folder; default ``node_local.staging_root``.
-        environment: extra variables for the engine's processes while it starts (``plan/engines.py``).
-        verbose: vLLM's full logging; False: WARNING without the records this project makes harmless.
-        load_format: ``"auto"`` loads ``model_path``'s weights; ``"dummy"`` random ones, replaced by a weight
-            update before the first ``generate``.
-        routing_replay: completions carry their routed experts (module docstring).
+        settings: how it starts (``rollout/engine_settings.py``; default ``EngineSettings()``); without
+            ``settings.verbose`` vLLM logs at WARNING without the records this project makes harmless.
+        environment: extra variables for the engine's processes while it starts (``plan/engines.py``: one engine's
+            devices or CPU cores, not a setting of the run).
 
     Raises:
-        ValueError: unknown ``dtype`` or ``load_format``, or ``cpu_kvcache_space_gib <= 0``.
         RuntimeError: vLLM is not installed or not importable, or (``routing_replay``) lacks routed-experts capture.
     """
 
     def __init__(
         self,
         model_path: str,
+        settings: EngineSettings | None = None,
         *,
-        dtype: str = "float32",
-        max_model_len: int = 2048,
-        gpu_memory_utilization: float = 0.5,
-        cpu_kvcache_space_gib: float = 1.0,
-        tensor_parallel_size: int = 1,
-        seed: int = 0,
-        enforce_eager: bool = True,
-        enable_sleep_mode: bool = False,
-        max_num_seqs: int = 64,
-        in_process: bool | None = None,
-        staging_dir: str | None = None,
         environment: Mapping[str, str] | None = None,
-        verbose: bool = False,
-        load_format: str = "auto",
-        routing_replay: bool = False,
     ) -> None:
-        if dtype not in _DTYPES:
-            raise ValueError(f"dtype={dtype!r} is not supported; choose one of {list(_DTYPES)}")
-        if load_format not in ("auto", "dummy"):
-            raise ValueError(f"load_format={load_format!r} is not supported; choose 'auto' or 'dummy'")
-        if cpu_kvcache_space_gib <= 0:
-            raise ValueError(f"cpu_kvcache_space_gib={cpu_kvcache_space_gib} must be > 0 GiB; use 1")
+        settings = settings or EngineSettings()
+        max_model_len, routing_replay = settings.max_model_len, settings.routing_replay
         self.model_path = resolve_model_path(model_path)
         self.max_model_len = max_model_len
-        quiet_logs = None if verbose else {"tied_embeddings": vllm_logging.ties_embeddings(self.model_path)}
+        quiet_logs = None if settings.verbose else {"tied_embeddings": vllm_logging.ties_embeddings(self.model_path)}
         if quiet_logs is not None:
             vllm_logging.quiet_this_process(**quiet_logs)
         try:
@@ -185,13 +158,14 @@ class VLLMEngine:
         self._capture_by_prefill = routing_replay and current_platform.is_cpu()
         routing = _routing_kwargs(routing_replay, cpu=current_platform.is_cpu())
         routing_environment = routing.pop("environment", {})
+        in_process = settings.in_process
         in_child = in_process is False or (in_process is None and os.environ.get(_MULTIPROCESSING, "1") != "0")
         preload = {}
         if current_platform.is_cpu() and in_child:
             preload = cpu_preload.engine_environment(os.environ, cpu_preload.preload_libraries())
             logger.info("the engine's process preloads %s", preload.get("LD_PRELOAD", "nothing more"))
-        self._sleep_enabled = enable_sleep_mode and not current_platform.is_cpu()
-        if enable_sleep_mode and not self._sleep_enabled:
+        self._sleep_enabled = settings.enable_sleep_mode and not current_platform.is_cpu()
+        if settings.enable_sleep_mode and not self._sleep_enabled:
             logger.warning("enable_sleep_mode=True has no effect on CPU: vLLM's CPU worker cannot sleep")
         if quiet_logs is not None:
             vllm_logging.quiet_this_process(**quiet_logs)
@@ -201,8 +175,8 @@ class VLLMEngine:
                     "to load weights' at each weight sync is expected and hidden (logging.verbose=true shows it)"
                 )
         env = _engine_environment(
-            cpu_kvcache_space_gib=cpu_kvcache_space_gib,
-            in_process=in_process,
+            cpu_kvcache_space_gib=settings.cpu_kvcache_space_gib,
+            in_process=settings.in_process,
             model_path=self.model_path,
             extra={**preload, **(environment or {}), **routing_environment},
             quiet_logs=quiet_logs,
@@ -210,14 +184,14 @@ class VLLMEngine:
         with env:
             self._llm = LLM(
                 model=self.model_path,
-                dtype=dtype,
+                dtype=settings.dtype,
                 max_model_len=max_model_len,
-                gpu_memory_utilization=gpu_memory_utilization,
-                tensor_parallel_size=tensor_parallel_size,
-                seed=seed,
-                enforce_eager=enforce_eager,
+                gpu_memory_utilization=settings.gpu_memory_utilization,
+                tensor_parallel_size=settings.tensor_parallel_size,
+                seed=settings.seed,
+                enforce_eager=settings.enforce_eager,
                 enable_sleep_mode=self._sleep_enabled,
-                max_num_seqs=max_num_seqs,
+                max_num_seqs=settings.max_num_seqs,
                 # vLLM's CPU sampler cannot resume a seeded request whose prompt was split across scheduler
                 # steps ("CPU Generator does not use offset"), so on CPU no prompt is ever chunked.
                 **(
@@ -226,7 +200,7 @@ class VLLMEngine:
                     else {}
                 ),
                 logprobs_mode="processed_logprobs",
-                load_format=load_format,
+                load_format=settings.load_format,
                 use_tqdm_on_load=False,
                 worker_extension_cls=f"{WorkerExtension.__module__}.WorkerExtension",
                 **routing,
@@ -235,7 +209,7 @@ class VLLMEngine:
                 self._llm.collective_rpc("gtpo_bind_routing_capture")
         self._dtype: torch.dtype = self._llm.llm_engine.model_config.dtype
         self._packed_modules = self._llm.collective_rpc("gtpo_packed_modules")[0]
-        self._staging, self._remove_staging = open_staging_dir(self, staging_dir)  # also removed at exit
+        self._staging, self._remove_staging = open_staging_dir(self, settings.staging_dir)  # also removed at exit
         self._bucket_names: set[str] | None = None
         self._num_buckets = 0
 

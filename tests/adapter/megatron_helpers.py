@@ -8,11 +8,14 @@ The reference never touches Megatron: it runs the HF model in fp32 and computes 
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from gtpo_megatron.batch import TrainBatch
-from gtpo_megatron.config import ModelConfig
+from gtpo_megatron.config import ModelConfig, OptimConfig, ParallelConfig
 from gtpo_megatron.megatron_adapter.settings import PolicySettings
+from gtpo_megatron.plan.micro_batches import TokenBudget
 from tests.helpers.references import ref_logprobs_entropy
 
 TINY_QWEN2 = "builtin:tiny-qwen2"
@@ -26,10 +29,34 @@ def model_section(path: str, **fields) -> ModelConfig:
     return ModelConfig(**{"name_or_path": path, "params_dtype": "float32", **fields})
 
 
-def settings_at(groups, model: ModelConfig, **fields) -> PolicySettings:
-    """``PolicySettings`` of a test policy of ``model`` at the TP/PP layout of ``groups`` (``fields``: ``optim``,
-    ``micro_batch_size``, ``sequence_parallel``, ...)."""
-    return PolicySettings(model=model, tp_size=groups.tp_size, pp_size=groups.pp_size, ep_size=groups.ep_size, **fields)
+TEST_OPTIM = OptimConfig(clip_grad=1.0)
+"""The optim section of a test policy unless it names one: lr 1e-6, gradients clipped at norm 1."""
+
+
+def settings_at(
+    groups,
+    model: ModelConfig,
+    *,
+    optim: OptimConfig = TEST_OPTIM,
+    micro_batch_size: int = 1,
+    token_budget: TokenBudget | None = None,
+    sequence_parallel: bool = False,
+    use_distributed_optimizer: bool = False,
+    **fields,
+) -> PolicySettings:
+    """``PolicySettings`` of a test policy of ``model`` at the TP/PP/EP layout of ``groups``; ``optim`` with
+    ``micro_batch_size`` rows or ``token_budget``; ``fields``: ``schedule``, ``adam_eps``, ``seed``, ..."""
+    parallel = ParallelConfig(
+        tp_size=groups.tp_size,
+        pp_size=groups.pp_size,
+        ep_size=groups.ep_size,
+        sequence_parallel=sequence_parallel,
+        use_distributed_optimizer=use_distributed_optimizer,
+    )
+    budget = {} if token_budget is None else {"max_tokens_per_micro_batch": token_budget.max_tokens,
+                                               "packing": token_budget.packing}  # fmt: skip
+    optim = dataclasses.replace(optim, micro_batch_size=micro_batch_size, **budget)
+    return PolicySettings(model=model, parallel=parallel, optim=optim, **fields)
 
 
 def make_batch(

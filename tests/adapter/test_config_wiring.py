@@ -36,8 +36,8 @@ from gtpo_megatron.megatron_adapter.optimizer import ddp_config, optimizer_confi
 from gtpo_megatron.megatron_adapter.settings import OWNED_FIELDS, PolicySettings, policy_settings
 from gtpo_megatron.plan.architectures import architecture_from_hf_config
 from gtpo_megatron.plan.layout import check_layout
-from gtpo_megatron.plan.micro_batches import TokenBudget
-from gtpo_megatron.plan_cli import DTYPE_BYTES, training_shape
+from gtpo_megatron.plan.memory import DTYPE_BYTES
+from gtpo_megatron.plan_cli import training_shape
 
 SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "optim": OptimConfig}
 NOT_MEGATRON = {
@@ -102,9 +102,9 @@ def built(cfg: GTPOConfig) -> SimpleNamespace:
     return SimpleNamespace(
         settings=settings,
         transformer=transformer,
-        ddp=ddp_config(settings.optim),
-        optimizer=optimizer_config(settings.optim, params_dtype=transformer.params_dtype),
-        scheduler=scheduler_kwargs(settings.optim),
+        ddp=ddp_config(settings),
+        optimizer=optimizer_config(settings, params_dtype=transformer.params_dtype),
+        scheduler=scheduler_kwargs(settings),
         padded_vocab_size=settings.padded_vocab_size(HF_CONFIG.vocab_size),
     )
 
@@ -209,17 +209,17 @@ def test_config_wiring_plan_reports_what_megatron_is_built_with(cfg: GTPOConfig,
 
 
 def test_config_wiring_owned_fields_are_exactly_what_the_builders_set():
-    settings = PolicySettings(
-        model=ModelConfig(name_or_path="x"), tp_size=2, pp_size=2, token_budget=TokenBudget(max_tokens=64)
-    )
+    settings = PolicySettings(model=ModelConfig(name_or_path="x"), parallel=ParallelConfig(tp_size=2, pp_size=2),
+                              optim=OptimConfig(max_tokens_per_micro_batch=64))  # fmt: skip
     sizes = {k: getattr(HF_CONFIG, k) for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers")}
     # layers 2 and 3 windowed, a shared expert with its gate
     windowed = Qwen2MoeConfig(**sizes, num_attention_heads=6, num_key_value_heads=3, use_sliding_window=True,
                               sliding_window=16, max_window_layers=2, num_experts=4, moe_intermediate_size=32,
                               shared_expert_intermediate_size=64)  # fmt: skip
     derived = set(settings_transformer_fields(settings))
+    one_tp = dataclasses.replace(settings, parallel=ParallelConfig(tp_size=1, pp_size=2))
     for hf in (HF_CONFIG, windowed):
-        derived |= set(hf_transformer_fields(hf, dataclasses.replace(settings, tp_size=1)))
+        derived |= set(hf_transformer_fields(hf, one_tp))
     assert derived == set(OWNED_FIELDS)
 
 
@@ -244,5 +244,5 @@ def test_config_wiring_overrides_of_owned_fields_are_refused(cfg: GTPOConfig, ov
 def test_config_wiring_policy_settings_refusals(cfg: GTPOConfig):
     with pytest.raises(ValueError, match=r"model.params_dtype='float16'.*set model.params_dtype=bfloat16"):
         policy_settings(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, params_dtype="float16")))
-    with pytest.raises(ValueError, match="parallel.sequence_parallel=true needs parallel.tp_size > 1"):
-        PolicySettings(model=cfg.model, tp_size=1, pp_size=2, sequence_parallel=True)
+    with pytest.raises(ValueError, match=r"parallel.sequence_parallel=True: needs parallel.tp_size > 1"):
+        ParallelConfig(tp_size=1, pp_size=2, sequence_parallel=True)  # the section's rule, not re-checked here

@@ -19,6 +19,7 @@ from transformers import (
     Qwen3MoeConfig,
 )
 
+from gtpo_megatron.config import ParallelConfig
 from gtpo_megatron.megatron_adapter.hf_features import (
     LinearBiases,
     check_hf_config,
@@ -85,7 +86,9 @@ def test_sliding_window_settings():
 
 def test_transformer_config_carries_biases_and_windows():
     def build(hf):
-        return transformer_config_from_hf(hf, PolicySettings(model=model_section("x"), tp_size=2, pp_size=2))
+        return transformer_config_from_hf(
+            hf, PolicySettings(model=model_section("x"), parallel=ParallelConfig(tp_size=2, pp_size=2))
+        )
 
     llama = build(LlamaConfig(**SMALL, attention_bias=True, mlp_bias=True))
     # q/k/v through add_qkv_bias; o_proj and MLP biases through per-module classes, never add_bias_linear

@@ -11,8 +11,9 @@ import warnings
 
 import pytest
 
+from gtpo_megatron.config import ModelConfig, OptimConfig
 from gtpo_megatron.megatron_adapter.optimizer import optimizer_step, restore_schedule, scheduler_kwargs
-from gtpo_megatron.megatron_adapter.settings import OptimSettings
+from gtpo_megatron.megatron_adapter.settings import LRSchedule, PolicySettings
 
 
 class _Optimizer:
@@ -39,11 +40,13 @@ class _Optimizer:
         pass
 
 
-def _scheduler(**optim):
+def _scheduler(*, total_steps: int, decay_style: str, **optim):
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    settings = OptimSettings(**{"lr": 1e-3, **optim})
-    return OptimizerParamScheduler(_Optimizer(settings.lr, settings.min_lr), **scheduler_kwargs(settings))
+    settings = PolicySettings(model=ModelConfig(name_or_path="x"), optim=OptimConfig(**{"lr": 1e-3, **optim}),
+                              schedule=LRSchedule(total_steps=total_steps, decay_style=decay_style))  # fmt: skip
+    optimizer = _Optimizer(settings.optim.lr, settings.optim.min_lr)
+    return OptimizerParamScheduler(optimizer, **scheduler_kwargs(settings))
 
 
 def _train(scheduler, updates: int) -> list[float]:

@@ -6,6 +6,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
+from gtpo_megatron.config import ParallelConfig
 from gtpo_megatron.megatron_adapter import cpu_compat
 from gtpo_megatron.megatron_adapter.hf_features import rope_settings
 from gtpo_megatron.megatron_adapter.model import transformer_config_from_hf
@@ -15,7 +16,7 @@ from tests.helpers.tiny_configs import SMALL
 
 
 def _settings(tp: int = 1, pp: int = 1, **model_fields) -> PolicySettings:
-    return PolicySettings(model=model_section("x", **model_fields), tp_size=tp, pp_size=pp)
+    return PolicySettings(model=model_section("x", **model_fields), parallel=ParallelConfig(tp_size=tp, pp_size=pp))
 
 
 def test_architecture_flags():

@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 from transformers import LlamaConfig, MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
-from gtpo_megatron.config import load_config
+from gtpo_megatron.config import ParallelConfig, load_config
 from gtpo_megatron.megatron_adapter import hf_conversion as hc
 from gtpo_megatron.megatron_adapter.hf_features import check_hf_config
 from gtpo_megatron.megatron_adapter.model import hf_transformer_fields
@@ -21,7 +21,9 @@ EXPERTS = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48)
 
 
 def _fields(hf_config, **settings) -> dict:
-    return hf_transformer_fields(hf_config, PolicySettings(model=model_section("x"), **settings))
+    return hf_transformer_fields(
+        hf_config, PolicySettings(model=model_section("x"), parallel=ParallelConfig(**settings))
+    )
 
 
 @pytest.mark.parametrize(

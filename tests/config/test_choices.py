@@ -19,7 +19,7 @@ from gtpo_megatron.megatron_adapter.model import _DTYPES as TRAIN_DTYPES
 from gtpo_megatron.ops import LossSpec
 from gtpo_megatron.plan.memory import Recompute
 from gtpo_megatron.rewards import EXTRACTION_MODES
-from gtpo_megatron.rollout.vllm_engine import _DTYPES as ENGINE_DTYPES
+from gtpo_megatron.rollout.engine_settings import ENGINE_DTYPES
 
 OWNERS = [
     (AlgorithmConfig, "name", choices.LOSS_NAMES),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gtpo_megatron.config import ModelConfig, load_config
+from gtpo_megatron.config import ModelConfig, OptimConfig, load_config
 from gtpo_megatron.megatron_adapter.settings import PolicySettings, policy_settings
 from gtpo_megatron.megatron_adapter.validation import validate_config
 from gtpo_megatron.plan.micro_batches import TokenBudget
@@ -73,9 +73,9 @@ def test_token_budget_config_packing_refuses_sliding_windows():
         num_key_value_heads=2, use_sliding_window=True, sliding_window=16, max_window_layers=1,
     )  # fmt: skip
     model = ModelConfig(name_or_path="unused", params_dtype="float32")
-    padded = PolicySettings(model=model, token_budget=TokenBudget(max_tokens=64))
+    padded = PolicySettings(model=model, optim=OptimConfig(max_tokens_per_micro_batch=64))
     assert transformer_config_from_hf(windowed, padded).window_size == (15, 0)
     with pytest.raises(ValueError, match=r"optim.packing=true with a sliding-window model \(window_size=\(15, 0\)\)"):
         transformer_config_from_hf(
-            windowed, PolicySettings(model=model, token_budget=TokenBudget(max_tokens=64, packing=True))
+            windowed, PolicySettings(model=model, optim=OptimConfig(max_tokens_per_micro_batch=64, packing=True))
         )

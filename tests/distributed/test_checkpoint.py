@@ -33,15 +33,18 @@ RESHARD_ATOL = 1e-5  # same math, different TP/PP split: fp32 summation-order no
 
 
 def _policy(tp: int, pp: int, distributed_optimizer: bool):
+    from gtpo_megatron.config import OptimConfig
     from gtpo_megatron.megatron_adapter.policy import MegatronPolicy
-    from gtpo_megatron.megatron_adapter.settings import OptimSettings
+    from gtpo_megatron.megatron_adapter.settings import LRSchedule
     from gtpo_megatron.parallel.groups import init_distributed
 
     groups = init_distributed(tp_size=tp, pp_size=pp)
-    optim = OptimSettings(
-        lr=1e-3, warmup_steps=1, total_steps=10, decay_style="cosine", use_distributed_optimizer=distributed_optimizer
+    optim, schedule = (
+        OptimConfig(lr=1e-3, warmup_steps=1, clip_grad=1.0),
+        LRSchedule(total_steps=10, decay_style="cosine"),
     )
-    settings = settings_at(groups, model_section(TINY_QWEN2), optim=optim, micro_batch_size=2, seed=7)
+    settings = settings_at(groups, model_section(TINY_QWEN2), optim=optim, schedule=schedule, micro_batch_size=2,
+                           seed=7, use_distributed_optimizer=distributed_optimizer)  # fmt: skip
     return MegatronPolicy.from_pretrained(settings, groups=groups)
 
 
@@ -125,13 +128,15 @@ def test_checkpoint_resume_is_exact_and_reshards(tmp_path):
 
 
 def _bf16_round_trip(rank: int, world_size: int, root: str) -> None:
+    from gtpo_megatron.config import OptimConfig
     from gtpo_megatron.megatron_adapter.policy import MegatronPolicy
-    from gtpo_megatron.megatron_adapter.settings import OptimSettings
+    from gtpo_megatron.megatron_adapter.settings import LRSchedule
     from gtpo_megatron.parallel.groups import init_distributed
 
     groups = init_distributed(tp_size=1, pp_size=1)
     model = model_section(TINY_QWEN2, params_dtype="bfloat16")
-    settings = settings_at(groups, model, optim=OptimSettings(lr=1e-3, total_steps=10), micro_batch_size=2, seed=7)
+    optim, schedule = OptimConfig(lr=1e-3, clip_grad=1.0), LRSchedule(total_steps=10)
+    settings = settings_at(groups, model, optim=optim, schedule=schedule, micro_batch_size=2, seed=7)
     policy = MegatronPolicy.from_pretrained(settings, groups=groups)
     assert {p.dtype for p in policy.model.parameters()} == {torch.bfloat16}  # the local spec's RMSNorms included
     policy.train_step(_batch(), LOSS)

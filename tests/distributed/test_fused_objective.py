@@ -36,11 +36,11 @@ ATOL = 1e-6
 
 
 def _policy(groups, *, micro_batch_size=2):
+    from gtpo_megatron.config import OptimConfig
     from gtpo_megatron.megatron_adapter.policy import MegatronPolicy
-    from gtpo_megatron.megatron_adapter.settings import OptimSettings
 
     settings = settings_at(
-        groups, model_section(TINY_QWEN2), optim=OptimSettings(lr=1e-3), micro_batch_size=micro_batch_size
+        groups, model_section(TINY_QWEN2), optim=OptimConfig(lr=1e-3, clip_grad=1.0), micro_batch_size=micro_batch_size
     )
     return MegatronPolicy.from_pretrained(settings, groups=groups)
 

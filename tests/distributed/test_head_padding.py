@@ -44,12 +44,15 @@ OPTIM = dict(lr=1e-3, weight_decay=0.1, adam_eps=1e-4)
 
 
 def _build(path: str, tp: int, *, optim: dict | None = None, **model_fields):
+    from gtpo_megatron.config import OptimConfig
     from gtpo_megatron.megatron_adapter.policy import MegatronPolicy
-    from gtpo_megatron.megatron_adapter.settings import OptimSettings
     from gtpo_megatron.parallel.groups import init_distributed
 
     groups = init_distributed(tp_size=tp, pp_size=1)
-    settings = settings_at(groups, model_section(path, **model_fields), optim=OptimSettings(**(optim or {})))
+    optim = dict(optim or {})
+    adam_eps = optim.pop("adam_eps", 1e-8)  # no config field: a PolicySettings one
+    settings = settings_at(groups, model_section(path, **model_fields), optim=OptimConfig(**optim, clip_grad=1.0),
+                           adam_eps=adam_eps)  # fmt: skip
     return MegatronPolicy.from_pretrained(settings, groups=groups)
 
 

@@ -23,11 +23,13 @@ UNINTERRUPTED = [1e-3, 8.535533905932737e-4, 5e-4, 1.4644660940672627e-4]
 
 
 def _policy(groups, *, lr: float, total_steps: int):
+    from gtpo_megatron.config import OptimConfig
     from gtpo_megatron.megatron_adapter.policy import MegatronPolicy
-    from gtpo_megatron.megatron_adapter.settings import OptimSettings
+    from gtpo_megatron.megatron_adapter.settings import LRSchedule
 
-    optim = OptimSettings(lr=lr, total_steps=total_steps, decay_style="cosine")
-    return MegatronPolicy.from_pretrained(settings_at(groups, model_section(TINY_QWEN2), optim=optim), groups=groups)
+    optim, schedule = OptimConfig(lr=lr, clip_grad=1.0), LRSchedule(total_steps=total_steps, decay_style="cosine")
+    settings = settings_at(groups, model_section(TINY_QWEN2), optim=optim, schedule=schedule)
+    return MegatronPolicy.from_pretrained(settings, groups=groups)
 
 
 def _lrs(policy, steps: int) -> list[float]:

@@ -64,9 +64,9 @@ def _local_rows(batch, groups):
 
 
 def _run_layout(path: str, tp: int, pp: int, aggregation: str) -> None:
+    from gtpo_megatron.config import OptimConfig
     from gtpo_megatron.megatron_adapter.optimizer import global_grad_norm
     from gtpo_megatron.megatron_adapter.policy import MegatronPolicy
-    from gtpo_megatron.megatron_adapter.settings import OptimSettings
     from gtpo_megatron.parallel.groups import init_distributed
 
     groups = init_distributed(tp_size=tp, pp_size=pp)
@@ -80,7 +80,9 @@ def _run_layout(path: str, tp: int, pp: int, aggregation: str) -> None:
     local = _local_rows(batch, groups)
     label = f"{path} tp={tp} pp={pp} dp={groups.dp_size}"
     model = model_section(path, make_vocab_size_divisible_by=1000)
-    policy = MegatronPolicy.from_pretrained(settings_at(groups, model, optim=OptimSettings(lr=1e-3)), groups=groups)
+    policy = MegatronPolicy.from_pretrained(
+        settings_at(groups, model, optim=OptimConfig(lr=1e-3, clip_grad=1.0)), groups=groups
+    )
     for micro_batch_size in (len(local.input_ids), len(local.input_ids) // 4):  # 1 vs 4 micro-batches
         policy.micro_batch_size = micro_batch_size
         policy.zero_grad()
@@ -184,13 +186,14 @@ def _check_recompute_and_bf16(path, groups, local) -> None:
 
 def _check_distributed_optimizer(path, groups, local) -> None:
     """Megatron's distributed optimizer (GPU default; sharded over DP) takes the same steps as the plain one."""
+    from gtpo_megatron.config import OptimConfig
     from gtpo_megatron.megatron_adapter.policy import MegatronPolicy
-    from gtpo_megatron.megatron_adapter.settings import OptimSettings
 
     runs = []
     for distributed in (False, True):
-        optim = OptimSettings(lr=1e-3, use_distributed_optimizer=distributed)
-        settings = settings_at(groups, model_section(TINY_QWEN2), optim=optim, micro_batch_size=2)
+        optim = OptimConfig(lr=1e-3, clip_grad=1.0)
+        settings = settings_at(groups, model_section(TINY_QWEN2), optim=optim, micro_batch_size=2,
+                               use_distributed_optimizer=distributed)  # fmt: skip
         policy = MegatronPolicy.from_pretrained(settings, groups=groups)
         steps = [policy.train_step(local, _loss("seq-mean-token-mean")) for _ in range(2)]
         runs.append([(m["loss"], m["grad_norm"]) for m in steps])

@@ -24,13 +24,15 @@ RESHARD_ATOL = 1e-6
 
 
 def _policy(path: str, ep: int):
+    from gtpo_megatron.config import OptimConfig
     from gtpo_megatron.megatron_adapter.policy import MegatronPolicy
-    from gtpo_megatron.megatron_adapter.settings import OptimSettings
+    from gtpo_megatron.megatron_adapter.settings import LRSchedule
     from gtpo_megatron.parallel.groups import init_distributed
 
     groups = init_distributed(tp_size=1, pp_size=1, ep_size=ep)
-    optim = OptimSettings(lr=1e-3, total_steps=10)
-    return MegatronPolicy.from_pretrained(settings_at(groups, model_section(path), optim=optim, seed=7), groups=groups)
+    optim, schedule = OptimConfig(lr=1e-3, clip_grad=1.0), LRSchedule(total_steps=10)
+    settings = settings_at(groups, model_section(path), optim=optim, schedule=schedule, seed=7)
+    return MegatronPolicy.from_pretrained(settings, groups=groups)
 
 
 def _batch(rank: int):

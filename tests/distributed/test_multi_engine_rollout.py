@@ -16,6 +16,7 @@ from gtpo_megatron.data.datasets import load_problems
 from gtpo_megatron.data.loader import PromptLoader
 from gtpo_megatron.parallel import broadcast_object
 from gtpo_megatron.rollout.collector import collect_step
+from gtpo_megatron.rollout.exchange import StepExchange
 from tests.helpers.dist_harness import run_distributed
 from tests.trainer.fakes import SeededFakeEngine, fake_collector
 
@@ -36,11 +37,11 @@ OVERRIDES = {
 def _step(rank: int, num_engines: int, overrides: list[str]):
     cfg = load_config(None, ["model=builtin:tiny-qwen2", "output_dir=/tmp/unused", *overrides])
     collector, engine = None, SeededFakeEngine()
+    exchange = StepExchange.from_config(cfg, num_engines=num_engines, group=dist.group.WORLD)
     if rank < num_engines:  # world 2: leaders 0 (and 1)
-        collector = fake_collector(cfg, engine, engine_index=rank, num_engines=num_engines)
+        collector = fake_collector(cfg, engine, exchange=exchange, engine_index=rank)
     loader = PromptLoader(load_problems("synthetic", limit=40), batch_size=cfg.rollout.num_prompts, seed=0)
-    rollout = collect_step(collector, loader, 3, rollout_cfg=cfg.rollout, algorithm_cfg=cfg.algorithm,
-                           reward_cfg=cfg.reward, num_engines=num_engines, group=dist.group.WORLD)  # fmt: skip
+    rollout = collect_step(collector, loader, 3, exchange)
     return rollout, engine, loader.state_dict()
 
 

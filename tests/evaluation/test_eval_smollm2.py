@@ -14,6 +14,7 @@ from gtpo_megatron.data.datasets import default_data_dir
 from gtpo_megatron.evaluation.cli import build_parser, config_from_args
 from gtpo_megatron.evaluation.evaluate import run_evaluation
 from gtpo_megatron.rollout.engine import SamplingConfig
+from gtpo_megatron.rollout.engine_settings import EngineSettings
 from gtpo_megatron.rollout.vllm_engine import VLLMEngine
 from tests.helpers.data import needs_benchmark_data
 from tests.integration.test_vllm_engine import check_structure, max_abs_diff
@@ -25,7 +26,9 @@ SMOL_ATOL = 2e-3  # fp32 both sides; 30 layers of differently ordered CPU reduct
 
 @pytest.fixture(scope="module")
 def engine():
-    with VLLMEngine(MODEL, dtype="float32", max_model_len=512, in_process=True, max_num_seqs=20) as engine:
+    with VLLMEngine(
+        MODEL, EngineSettings(dtype="float32", max_model_len=512, in_process=True, max_num_seqs=20)
+    ) as engine:
         yield engine
 
 

@@ -63,12 +63,12 @@ def single_rank_world(backend: str | None = None):
 def build_policy(groups, path: str, params_dtype: str, *, lr: float = 1e-6, **model_fields):
     """A ``MegatronPolicy`` of ``path`` in ``params_dtype`` on ``groups``: micro-batches of 2 rows, Adam at ``lr``
     with gradient clipping 1.0."""
-    from gtpo_megatron.config import ModelConfig
+    from gtpo_megatron.config import ModelConfig, OptimConfig
     from gtpo_megatron.megatron_adapter.policy import MegatronPolicy
-    from gtpo_megatron.megatron_adapter.settings import OptimSettings, PolicySettings
+    from gtpo_megatron.megatron_adapter.settings import PolicySettings
 
     model = ModelConfig(name_or_path=path, params_dtype=params_dtype, **model_fields)
-    settings = PolicySettings(model=model, micro_batch_size=2, optim=OptimSettings(lr=lr, clip_grad=1.0))
+    settings = PolicySettings(model=model, optim=OptimConfig(lr=lr, clip_grad=1.0, micro_batch_size=2))
     return MegatronPolicy.from_pretrained(settings, groups=groups)
 
 

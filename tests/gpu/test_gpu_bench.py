@@ -145,12 +145,12 @@ def _config_folder(arch: Architecture, folder) -> str:
 
 @pytest.fixture(scope="module")
 def policy(groups, tmp_path_factory):
-    from gtpo_megatron.config import ModelConfig
+    from gtpo_megatron.config import ModelConfig, OptimConfig
     from gtpo_megatron.megatron_adapter import policy as policy_module
-    from gtpo_megatron.megatron_adapter.settings import OptimSettings, PolicySettings
+    from gtpo_megatron.megatron_adapter.settings import PolicySettings
 
     model = ModelConfig(name_or_path=_config_folder(ARCH, tmp_path_factory.mktemp("arch")), params_dtype="bfloat16")
-    settings = PolicySettings(model=model, micro_batch_size=1, logprob_chunk_size=CHUNK, optim=OptimSettings(lr=1e-6))
+    settings = PolicySettings(model=model, logprob_chunk_size=CHUNK, optim=OptimConfig(lr=1e-6, clip_grad=1.0))
     with mock.patch.object(policy_module, "_load_initial_weights", lambda *args, **kwargs: None):
         return policy_module.MegatronPolicy.from_pretrained(settings, groups=groups)
 

@@ -60,22 +60,24 @@ def prompt_ids(model_path: str) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def engine(model_path: str):
+    from gtpo_megatron.rollout.engine_settings import EngineSettings
     from gtpo_megatron.rollout.vllm_engine import VLLMEngine
 
-    with VLLMEngine(model_path, dtype="bfloat16", max_model_len=1024, gpu_memory_utilization=0.25,
-                    enforce_eager=True, enable_sleep_mode=True, max_num_seqs=64, seed=0) as eng:  # fmt: skip
+    with VLLMEngine(model_path, EngineSettings(dtype="bfloat16", max_model_len=1024, gpu_memory_utilization=0.25,
+                    enforce_eager=True, enable_sleep_mode=True, max_num_seqs=64, seed=0)) as eng:  # fmt: skip
         yield eng
 
 
 @pytest.fixture(scope="module")
 def policy(model_path: str):
     pytest.importorskip("megatron.core", reason="megatron-core is not installed")
+    from gtpo_megatron.config import OptimConfig
     from gtpo_megatron.megatron_adapter.policy import MegatronPolicy
-    from gtpo_megatron.megatron_adapter.settings import OptimSettings, PolicySettings
+    from gtpo_megatron.megatron_adapter.settings import PolicySettings
 
     # lr 1e-3: one Adam step must move bf16 weights visibly (a 1e-6 step is below bf16 resolution)
     settings = PolicySettings(model=ModelConfig(name_or_path=model_path, params_dtype="bfloat16"),
-                              optim=OptimSettings(lr=1e-3, clip_grad=1.0), micro_batch_size=4,
+                              optim=OptimConfig(lr=1e-3, clip_grad=1.0, micro_batch_size=4),
                               logprob_chunk_size=512)  # fmt: skip
     with single_rank_world() as groups:
         yield MegatronPolicy.from_pretrained(settings, groups=groups)

@@ -20,6 +20,7 @@ from gtpo_megatron.parallel.weight_group import WeightGroupSpec, join_weight_gro
 from gtpo_megatron.plan.engines import EnginePlacement, split_cores
 from gtpo_megatron.rollout.engine import SamplingConfig
 from gtpo_megatron.rollout.engine_guard import GuardedEngine
+from gtpo_megatron.rollout.engine_settings import EngineSettings
 from gtpo_megatron.rollout.push import CollectiveWeightSync
 from gtpo_megatron.rollout.vllm_engine import VLLMEngine
 from tests.integration.test_vllm_engine import TINY_ATOL, hf_logprobs, perturb
@@ -34,7 +35,7 @@ def _engines(path: str) -> list[GuardedEngine]:
     engines = []
     for i in range(2):
         bind = split.engine_binding(i)
-        engine = VLLMEngine(path, dtype="float32", max_model_len=64, max_num_seqs=4, in_process=False,
+        engine = VLLMEngine(path, EngineSettings(dtype="float32", max_model_len=64, max_num_seqs=4, in_process=False),
                             environment={"VLLM_CPU_OMP_THREADS_BIND": bind})  # fmt: skip
         placement = EnginePlacement(index=i, num_engines=2, leader_rank=i, ranks=(i,), devices=())
         engines.append(GuardedEngine(engine, placement=placement, timeout_s=300))

@@ -25,13 +25,15 @@ import logging, sys
 from gtpo_megatron.builtin_models import resolve_model_path
 from gtpo_megatron.rollout.engine import SamplingConfig
 from gtpo_megatron.rollout.push import push_weights
+from gtpo_megatron.rollout.engine_settings import EngineSettings
 from gtpo_megatron.rollout.vllm_engine import VLLMEngine
 from safetensors.torch import load_file
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="OURS %(message)s")
     path = resolve_model_path("builtin:tiny-llama")
-    with VLLMEngine(path, dtype="bfloat16", max_model_len=64, max_num_seqs=4, verbose=sys.argv[1] == "1") as engine:
+    settings = EngineSettings(dtype="bfloat16", max_model_len=64, max_num_seqs=4, verbose=sys.argv[1] == "1")
+    with VLLMEngine(path, settings) as engine:
         push_weights(engine, load_file(f"{path}/model.safetensors").items(), bucket_bytes=2**22)
         engine.generate([[1, 2, 3]], 2, SamplingConfig(temperature=1.0, max_tokens=4, seed=0))
     print("SCRIPT DONE")

@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from gtpo_megatron.builtin_models import resolve_model_path
 from gtpo_megatron.rollout.engine import SamplingConfig
+from gtpo_megatron.rollout.engine_settings import EngineSettings
 from gtpo_megatron.rollout.push import push_weights
 from gtpo_megatron.rollout.vllm_engine import VLLMEngine
 
@@ -72,7 +73,9 @@ class TestTinyQwen2:
         hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         hf_model.load_state_dict(perturbed, strict=True)
         prompts, completions = [[1, 2, 3], [7] * 5], [[4, 5, 6, 7], [8, 9]]
-        with VLLMEngine(path, dtype="float32", max_model_len=64, in_process=True, max_num_seqs=4) as engine:
+        with VLLMEngine(
+            path, EngineSettings(dtype="float32", max_model_len=64, in_process=True, max_num_seqs=4)
+        ) as engine:
             before = engine.score(prompts, completions)
             push_weights(engine, perturbed.items(), bucket_bytes=2**16)
             after = engine.score(prompts, completions)
@@ -93,7 +96,9 @@ class TestTinyQwen3Moe:
         shutil.copy(f"{path}/config.json", tmp_path)
         original = load_file(f"{path}/model.safetensors")
         prompts, completions = [[1, 2, 3], [7] * 5], [[4, 5, 6, 7], [8, 9]]
-        with VLLMEngine(path, dtype="float32", max_model_len=64, in_process=True, max_num_seqs=4) as engine:
+        with VLLMEngine(
+            path, EngineSettings(dtype="float32", max_model_len=64, in_process=True, max_num_seqs=4)
+        ) as engine:
             for update in (perturb(original), original):  # per-expert HF names, as the trainer streams them
                 save_file(update, f"{tmp_path}/model.safetensors")  # transformers fuses the experts on load
                 hf_model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
@@ -112,7 +117,7 @@ class TestTinyLlama:
 
     @pytest.fixture(scope="class")
     def engine(self, path):
-        engine = VLLMEngine(path, dtype="float32", max_model_len=128, in_process=True, max_num_seqs=16)
+        engine = VLLMEngine(path, EngineSettings(dtype="float32", max_model_len=128, in_process=True, max_num_seqs=16))
         yield engine
         engine.close()
 

@@ -1,4 +1,4 @@
-"""vLLM on CPU returns each completion's routed experts (``VLLMEngine(routing_replay=True)``, docs/moe.md).
+"""vLLM on CPU returns each completion's routed experts (``EngineSettings(routing_replay=True)``, docs/moe.md).
 
 ``builtin:tiny-qwen3-moe`` (2 layers, 8 experts, top-2), fp32, in-process engine. The reference is transformers'
 fp32 router: the top-2 of ``softmax(router_logits)`` of every fed token (prompt and completion but the last token).
@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from gtpo_megatron.builtin_models import resolve_model_path
 from gtpo_megatron.rollout.engine import SamplingConfig
+from gtpo_megatron.rollout.engine_settings import EngineSettings
 from gtpo_megatron.rollout.vllm_engine import VLLMEngine
 
 pytestmark = pytest.mark.integration
@@ -35,8 +36,8 @@ def test_cpu_engine_returns_routed_experts_equal_to_transformers_top_k():
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     config = model.config
     sampling = SamplingConfig(temperature=1.0, max_tokens=12, seed=3)
-    with VLLMEngine(path, dtype="float32", max_model_len=64, in_process=True, max_num_seqs=4,
-                    routing_replay=True) as engine:  # fmt: skip
+    with VLLMEngine(path, EngineSettings(dtype="float32", max_model_len=64, in_process=True, max_num_seqs=4,
+                                          routing_replay=True)) as engine:  # fmt: skip
         engine.generate(PROMPTS, n=1, sampling=sampling)  # warm-up (the first generate compiles kernels)
         start = time.perf_counter()
         groups = engine.generate(PROMPTS, n=2, sampling=sampling)

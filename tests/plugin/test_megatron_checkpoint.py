@@ -147,6 +147,7 @@ def _start_run(rank: int, world_size: int, root: str, output_dir: str) -> None:
     from gtpo_megatron.parallel.groups import init_distributed
     from gtpo_megatron.rollout.batch import collate_completions
     from gtpo_megatron.rollout.collector import RolloutCollector
+    from gtpo_megatron.rollout.exchange import StepExchange
     from gtpo_megatron.trainer import Trainer
 
     cfg = load_config(None, [
@@ -165,16 +166,15 @@ def _start_run(rank: int, world_size: int, root: str, output_dir: str) -> None:
     diff = (logprobs.double() - expected["logprobs"]).abs().max().item()
     assert diff <= LOGPROB_ATOL, f"loaded policy's log-probs differ from the saved weights' by {diff}"
     engine = _ReplayEngine(expected["logprobs"], batch.response_mask) if rank == 0 else None
-    collector = None
+    collector, exchange = None, StepExchange.from_config(cfg, num_engines=1, group=torch.distributed.group.WORLD)
     if rank == 0:
-        collector = RolloutCollector(
-            engine=engine, reward_pool=FakeRewardPool(), tokenizer=FakeTokenizer(), rollout_cfg=cfg.rollout,
-            algorithm_cfg=cfg.algorithm, reward_cfg=cfg.reward, extraction="lenient",
-        )  # fmt: skip
+        collector = RolloutCollector(engine=engine, reward_pool=FakeRewardPool(), tokenizer=FakeTokenizer(),
+                                     exchange=exchange, extraction="lenient")  # fmt: skip
     sink = MetricSink(output_dir, cfg=cfg.logging, run_config=config_to_dict(cfg), max_steps=1, start_step=0,
                       enabled=rank == 0)  # fmt: skip
     loader = PromptLoader(load_problems("synthetic", limit=8), batch_size=1, seed=0)
-    trainer = Trainer(cfg, groups=groups, policy=policy, collector=collector, loader=loader, pad_token_id=2, sink=sink)
+    trainer = Trainer(cfg, groups=groups, policy=policy, collector=collector, loader=loader, exchange=exchange,
+                      pad_token_id=2, sink=sink)  # fmt: skip
     trainer.run()
     trainer.close()
     if rank == 0:

@@ -57,7 +57,7 @@ def _caller_model(path: str, groups, *, per_token: bool):
         )  # fmt: skip
     geometry = model_geometry(gpt, hf_config, tp_size=groups.tp_size)
     hf_conversion.load_hf_weights(gpt, resolve_model_path(path), geometry, tp_rank=groups.tp_rank)
-    ddp = wrap_ddp(gpt, config, settings=settings.optim)
+    ddp = wrap_ddp(gpt, config, settings=settings)
     config.finalize_model_grads_func = finalize_model_grads
     config.no_sync_func = ddp.no_sync
     return ddp, geometry, hf_config

@@ -9,6 +9,7 @@ from gtpo_megatron.data.datasets import load_problems
 from gtpo_megatron.data.loader import PromptLoader
 from gtpo_megatron.preemption import StopRequests
 from gtpo_megatron.rollout.collector import collect_step
+from gtpo_megatron.rollout.exchange import StepExchange
 from gtpo_megatron.rollout.types import Completion, PromptCompletions
 from tests.trainer.fakes import EOS, FakeEngine, SeededFakeEngine, fake_collector
 
@@ -25,10 +26,10 @@ class _LengthsOnly(FakeEngine):
 
 def _collect(engine, *overrides, step=1, stop=None):
     cfg = load_config(None, ["model=builtin:tiny-qwen2", "output_dir=/tmp/unused", *overrides])
-    collector = fake_collector(cfg, engine)
+    exchange = StepExchange.from_config(cfg, num_engines=1, group=None)
+    collector = fake_collector(cfg, engine, exchange=exchange)
     loader = PromptLoader(load_problems("synthetic", limit=40), batch_size=cfg.rollout.num_prompts, seed=0)
-    rollout = collect_step(collector, loader, step, rollout_cfg=cfg.rollout, algorithm_cfg=cfg.algorithm,
-                           reward_cfg=cfg.reward, num_engines=1, group=None, stop=stop)  # fmt: skip
+    rollout = collect_step(collector, loader, step, exchange, stop=stop)
     return loader, rollout
 
 

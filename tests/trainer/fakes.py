@@ -20,6 +20,7 @@ from gtpo_megatron.logging import MetricSink
 from gtpo_megatron.ops import compute_normalizer, policy_objective
 from gtpo_megatron.rewards.registry import RewardResult
 from gtpo_megatron.rollout.collector import RolloutCollector
+from gtpo_megatron.rollout.exchange import StepExchange
 from gtpo_megatron.rollout.types import Completion, PromptCompletions
 from gtpo_megatron.run_dir import list_checkpoints, mark_complete
 from gtpo_megatron.trainer import Trainer
@@ -203,16 +204,16 @@ def make_trainer(tmp_path, *overrides, engine=None, policy=None, reference=None)
     )
 
 
-def fake_collector(cfg: GTPOConfig, engine, *, extraction: str = "lenient", **fields) -> RolloutCollector:
-    """A ``RolloutCollector`` of ``engine`` with ``FakeRewardPool`` and ``FakeTokenizer`` and ``cfg``'s sections;
-    ``fields``: further constructor arguments (``engine_index``, ``num_engines``, ...)."""
+def fake_collector(
+    cfg: GTPOConfig, engine, *, extraction: str = "lenient", exchange: StepExchange | None = None, **fields
+) -> RolloutCollector:
+    """A ``RolloutCollector`` of ``engine`` with ``FakeRewardPool`` and ``FakeTokenizer`` and ``exchange`` (default:
+    ``cfg``'s sections, one engine, one process); ``fields``: further constructor arguments (``engine_index``, ...)."""
     return RolloutCollector(
         engine=engine,
         reward_pool=FakeRewardPool(),
         tokenizer=FakeTokenizer(),
-        rollout_cfg=cfg.rollout,
-        algorithm_cfg=cfg.algorithm,
-        reward_cfg=cfg.reward,
+        exchange=exchange or StepExchange.from_config(cfg, num_engines=1, group=None),
         extraction=extraction,
         **fields,
     )
@@ -227,8 +228,9 @@ def fake_rollout_trainer(
     ``reference``: the KL reference policy, if any."""
     collector = None
     loader = PromptLoader(load_problems("synthetic", limit=50), batch_size=cfg.rollout.num_prompts, seed=0)
+    exchange = StepExchange.from_config(cfg, num_engines=1, group=dist.group.WORLD)
     if groups.rank == 0:
-        collector = fake_collector(cfg, engine or FakeEngine(), extraction="strict")
+        collector = fake_collector(cfg, engine or FakeEngine(), extraction="strict", exchange=exchange)
     sink = MetricSink(
         cfg.output_dir,
         cfg=LoggingConfig(wandb_mode="disabled", progress=False),
@@ -243,6 +245,7 @@ def fake_rollout_trainer(
         policy=policy,
         collector=collector,
         loader=loader,
+        exchange=exchange,
         pad_token_id=0,
         sink=sink,
         reference=reference,

@@ -30,7 +30,7 @@ def test_the_rollout_side_starts_while_the_policy_loads(tmp_path, monkeypatch):
     both_running = threading.Barrier(2, timeout=30)  # each side waits for the other: they must overlap
     collector = SimpleNamespace(engine=FakeEngine(), reward_pool=_Pool())
 
-    def build_collector(cfg, model_path, tokenizer, placement, environment):
+    def build_collector(cfg, model_path, tokenizer, placement, environment, exchange):
         both_running.wait()
         return collector
 
@@ -60,3 +60,25 @@ def test_a_failed_policy_build_closes_the_rollout_side(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="bad checkpoint"):
         build.build_trainer(_cfg(tmp_path), single_rank_groups())
     assert collector.engine.events == ["close"] and collector.reward_pool.closed
+
+
+def test_the_exchange_carries_the_routed_experts_layout_of_an_moe_model_with_routing_replay(tmp_path):
+    from transformers import Qwen2Config, Qwen3MoeConfig
+
+    from gtpo_megatron.rollout.exchange import RoutingLayout
+
+    moe, dense = tmp_path / "moe", tmp_path / "dense"
+    Qwen3MoeConfig(num_hidden_layers=3, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=8).save_pretrained(
+        moe
+    )
+    Qwen2Config(num_hidden_layers=2).save_pretrained(dense)
+    model = ["model=builtin:tiny-qwen3-moe", f"output_dir={tmp_path}"]
+    cfg = load_config(None, [*model, "rollout.routing_replay=rollout"])
+    exchange = build.build_exchange(cfg, str(moe), num_engines=2)
+    assert exchange.routing == RoutingLayout(num_layers=3, top_k=2, num_experts=8)
+    assert (exchange.num_engines, exchange.rollout, exchange.algorithm, exchange.reward) == (
+        2, cfg.rollout, cfg.algorithm, cfg.reward
+    )  # fmt: skip
+    assert build.build_exchange(cfg, str(dense), num_engines=1).routing is None  # the policy refuses a dense model
+    off = load_config(None, model)
+    assert build.build_exchange(off, str(tmp_path / "absent"), num_engines=1).routing is None  # nothing read

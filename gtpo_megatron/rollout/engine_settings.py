@@ -1,0 +1,83 @@
+"""How a vLLM engine starts: ``EngineSettings``, built once from the config (torch- and vLLM-free).
+
+``engine_settings(cfg)`` is the one reader of the config for the training engines (``build.py``); ``gtpo-eval``
+builds its engine's from its own flags (``evaluation/evaluate.py``). ``rollout/vllm_engine.py:VLLMEngine`` starts
+from one record. A new engine setting (a LoRA adapter, an FP8 weight or KV-cache dtype) is a field here.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from gtpo_megatron.config import GTPOConfig
+
+ENGINE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+"""Weight dtypes an engine starts in (``auto``: the checkpoint's); pushed weights are cast to it."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EngineSettings:
+    """One engine's vLLM settings.
+
+    ``dtype``: one of :data:`ENGINE_DTYPES`; ``max_model_len``: prompt + completion token limit per sequence;
+    ``gpu_memory_utilization``: the fraction of GPU memory vLLM may take (GPU only); ``cpu_kvcache_space_gib``: the
+    KV cache on CPU (``VLLM_CPU_KVCACHE_SPACE``, rounded up to whole GiB); ``tensor_parallel_size``, ``seed``,
+    ``enforce_eager``, ``max_num_seqs``: vLLM's own; ``enable_sleep_mode``: allow ``sleep``/``wake_up`` (ignored
+    with a warning on CPU); ``in_process``: True runs the engine core in this process, False in a child, None keeps
+    the environment's; ``staging_dir``: parent of the weight staging folder (default ``node_local.staging_root``);
+    ``verbose``: vLLM's full logging; ``load_format``: ``auto`` loads the model's weights, ``dummy`` random ones (a
+    weight update comes before the first ``generate``); ``routing_replay``: completions carry their routed experts
+    (docs/moe.md).
+
+    Raises:
+        ValueError: unknown ``dtype`` or ``load_format``, or ``cpu_kvcache_space_gib <= 0``.
+    """
+
+    dtype: str = "float32"
+    max_model_len: int = 2048
+    gpu_memory_utilization: float = 0.5
+    cpu_kvcache_space_gib: float = 1.0
+    tensor_parallel_size: int = 1
+    seed: int = 0
+    enforce_eager: bool = True
+    enable_sleep_mode: bool = False
+    max_num_seqs: int = 64
+    in_process: bool | None = None
+    staging_dir: str | None = None
+    verbose: bool = False
+    load_format: str = "auto"
+    routing_replay: bool = False
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ENGINE_DTYPES:
+            raise ValueError(f"dtype={self.dtype!r} is not supported; choose one of {list(ENGINE_DTYPES)}")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format={self.load_format!r} is not supported; choose 'auto' or 'dummy'")
+        if self.cpu_kvcache_space_gib <= 0:
+            raise ValueError(f"cpu_kvcache_space_gib={self.cpu_kvcache_space_gib} must be > 0 GiB; use 1")
+
+
+def engine_settings(cfg: GTPOConfig, *, accelerator: bool) -> EngineSettings:
+    """The training engines' settings: ``GTPOConfig.engine_dtype``, the ``rollout`` section, ``logging.verbose``.
+
+    ``accelerator``: CUDA is available (a colocated engine then sleeps while the policy trains). Started from a
+    Megatron checkpoint (``model.megatron_checkpoint``) the HF folder may hold no weights: ``load_format=dummy``,
+    the trainer pushes the policy's.
+    """
+    rollout = cfg.rollout
+    return EngineSettings(
+        dtype=cfg.engine_dtype,
+        max_model_len=rollout.max_prompt_len + rollout.max_tokens,
+        gpu_memory_utilization=rollout.gpu_memory_utilization,
+        cpu_kvcache_space_gib=max(1, math.ceil(rollout.cpu_kv_cache_gib)),
+        tensor_parallel_size=rollout.engine_tp_size,
+        seed=rollout.seed,
+        enable_sleep_mode=rollout.placement == "colocated" and accelerator,
+        max_num_seqs=max(16, rollout.num_prompts * cfg.algorithm.group_size),
+        verbose=cfg.logging.verbose,
+        load_format="dummy" if cfg.model.megatron_checkpoint is not None else "auto",
+        routing_replay=rollout.routing_replay == "rollout",
+    )
