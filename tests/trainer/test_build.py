@@ -30,7 +30,7 @@ def test_the_rollout_side_starts_while_the_policy_loads(tmp_path, monkeypatch):
     both_running = threading.Barrier(2, timeout=30)  # each side waits for the other: they must overlap
     collector = SimpleNamespace(engine=FakeEngine(), reward_pool=_Pool())
 
-    def build_collector(cfg, model_path, tokenizer, placement, environment, exchange):
+    def build_collector(cfg, model_path, tokenizer, placement, environment, exchange, cores=None):
         both_running.wait()
         return collector
 
