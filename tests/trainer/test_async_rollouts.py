@@ -195,7 +195,7 @@ def test_the_async_worker_samples_on_the_collectors_cores_and_the_trainer_keeps_
     trainer.collector.cores = (max(cores),)  # separate engines on CPU: build.bind_training_rank's engine cores
     trainer.rollouts.close()
     trainer.rollouts = type(trainer.rollouts)(trainer.cfg, collector=trainer.collector, loader=trainer.loader,
-                                              num_engines=1, group=trainer.rollouts.exchange.group)  # fmt: skip
+                                              exchange=trainer.rollouts.exchange)  # fmt: skip
     trainer.run()
     trainer.close()
     assert engine.cores == [{max(cores)}] * 2 and os.sched_getaffinity(0) == cores
