@@ -1,10 +1,8 @@
 """Folders each node writes for itself, never shared between nodes (torch-free; the run folder is ``run_dir``'s).
 
-- Built-in models: ``builtin_models.cache_dir`` (``$GTPO_CACHE_DIR``), built once per node under a file lock by
-  whichever of the node's ranks asks first.
-- Weight staging (``rollout.weight_sync=files``): :func:`staging_root`, ``$GTPO_STAGING_DIR`` or ``/dev/shm``.
-- Unix sockets (vLLM's engine IPC, the checkpoint writer's queue manager): :func:`socket_dir`. A socket path holds
-  at most 107 bytes (``sockaddr_un``), and a Slurm job's ``TMPDIR`` can be longer than that leaves room for.
+Built-in models: ``builtin_models.cache_dir``, built once per node under a file lock. Weight staging:
+:func:`staging_root`. Unix sockets (vLLM's IPC, the checkpoint queue manager): :func:`socket_dir`, as a socket path
+holds at most 107 bytes and a Slurm job's ``TMPDIR`` can leave too little room.
 """
 
 from __future__ import annotations

@@ -4,9 +4,8 @@
 - ``SIGTERM`` (preemption; SIGKILL ~30 s later) and ``SIGINT`` (Ctrl-C): abort the step in flight at its next wait
   or safe point and save the last completed step; a step whose update began is finished, unsynced, and saved.
 
-SIGUSR1 is held from start-up (:func:`hold_stop_signals`); helper processes inherit it blocked. Handlers set flags;
-inside :meth:`StopRequests.interruptible` an abort signal raises :class:`StepInterrupted`. Every wait of a step is a
-:func:`wait_until`. The trainer decides at its safe points with one ``parallel.collectives.any_rank``.
+SIGUSR1 is held from start-up (:func:`hold_stop_signals`). Handlers set flags; every wait of a step is a
+:func:`wait_until`; the trainer decides at its safe points with one ``parallel.collectives.any_rank``.
 """
 
 from __future__ import annotations
@@ -111,13 +110,8 @@ class StepInterrupted(BaseException):  # noqa: N818 - like KeyboardInterrupt: li
 class StopRequests:
     """The run's stop flags, set by signal handlers while :meth:`installed` is active.
 
-    Args:
-        on_sigterm: handle SIGTERM and SIGINT (``checkpoint.save_on_sigterm``); otherwise they keep their handlers.
-        on_sigusr1: handle SIGUSR1 (``checkpoint.save_on_sigusr1``).
-
-    Attributes:
-        abort_requested: SIGTERM or SIGINT arrived: abort the step in flight at the next wait or safe point.
-        save_requested: a SIGUSR1 arrived: save at the next step boundary and stop.
+    ``on_sigterm``: handle SIGTERM and SIGINT (``checkpoint.save_on_sigterm``), which set ``abort_requested``;
+    ``on_sigusr1``: handle SIGUSR1 (``checkpoint.save_on_sigusr1``), which sets ``save_requested``.
     """
 
     def __init__(self, *, on_sigterm: bool, on_sigusr1: bool) -> None:

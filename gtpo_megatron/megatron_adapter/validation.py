@@ -35,14 +35,11 @@ DEFERRED = (
 def find_hf_config(name_or_path: str, *, fetch: bool) -> Path | None:
     """The model's ``config.json``: a local folder's, a built-in's, or a hub name's from the hub cache or the hub.
 
-    Without ``fetch`` only what is on disk (a built-in once materialised). With it a built-in is materialised and a
-    hub name's ``config.json`` (that file only) is read from the hub cache, else downloaded after one request
-    without retries. None: not on disk (without ``fetch``), or the hub answered with a server error.
+    Without ``fetch`` only what is on disk; with it a built-in is materialised and a hub name's ``config.json`` alone
+    is read from the hub cache or fetched (one request, no retries). None: not found, or a hub server error.
 
     Raises:
-        ValueError: (``fetch``) naming ``model.name_or_path``, its value and a fix: an unknown built-in, a missing
-            path, a folder without ``config.json``, a hub name the hub does not know or that neither the hub cache
-            nor the hub can give.
+        ValueError: (``fetch``) naming ``model.name_or_path``, its value and a fix, for a model found nowhere.
     """
     if not fetch:
         path = local_model_folder(name_or_path) / "config.json"
@@ -102,11 +99,8 @@ def _hub_config_file(repo_id: str) -> Path | None:
 def validate_config(cfg: GTPOConfig, world_size: int, *, check_registries: bool = True) -> None:
     """``cfg.validate(world_size)`` with the model's ``config.json``, then Megatron's and the registries' names.
 
-    ``check_registries`` (``gtpo-train``) finds the model (``find_hf_config`` with ``fetch``), imports torch,
-    megatron and the rewards, and runs the model's load-time refusals (``model.check_hf_model``: HF fields
-    Megatron cannot build, packing with sliding windows) and, with ``resume``, compares the newest checkpoint's
-    padded heads with this ``tp_size``'s; without it (``gtpo-plan``) only a config.json on disk is read. Where none
-    is read the model's checks wait for its load: one warning line says which.
+    ``check_registries`` (``gtpo-train``): find the model (``find_hf_config``), run its load-time refusals and, with
+    ``resume``, the checkpoint's head padding check; without it (``gtpo-plan``) only a config.json on disk is read.
 
     Raises:
         ValueError: naming the fields, the values, the rule and a fix.

@@ -1,46 +1,7 @@
 """Per-GPU memory and weight-sync estimates for a GTPO run (pure arithmetic on plain inputs).
 
-All sizes are bytes on one GPU; "GiB" in the CLI is 2**30 bytes. Notation: ``L`` layers, ``h`` hidden, ``f`` SwiGLU
-width, ``q = a*d`` query width, ``k = g*d`` key (= value) width, ``b`` micro-batch size, ``s`` sequence length
-(prompt + completion), ``V`` padded vocabulary, ``t`` tp_size, ``p`` pp_size, ``D`` dp_size, ``M`` micro-batches
-per optimizer step on one data-parallel rank. Every per-micro-batch term is linear in its tokens ``b*s``; under
-``optim.max_tokens_per_micro_batch`` that product is the budget (forward tokens, padding included).
-
-Model (the numbers the tests check by hand):
-- Parameters of a stage: ``L/p`` layers with every matrix and the qkv bias sharded by ``t`` and the RMSNorm /
-  qk-norm vectors replicated; stage 0 adds the input embedding ``V*h/t``; the last stage adds the final norm and the
-  output layer ``V*h/t`` (also when embeddings are tied and ``p > 1``: Megatron keeps a copy there).
-- Mixture of experts (``e`` = ep_size, ``E`` experts of width ``f_e``, ``k`` a token): each rank holds ``E/e`` whole
-  experts of each of its layers (expert TP 1); the router ``[E, h]`` and the shared expert's gate are replicated,
-  the shared expert is sharded by ``t`` like a dense MLP. The distributed optimizer shards the experts' states over
-  their expert-data-parallel group, ``t*D/e`` ranks. Each token's MLP activations are the router input ``h`` and, for
-  each of its ``k`` experts, the expert's input, gate and up outputs and fc2 input, ``k(h + 3 f_e)``, plus a shared
-  expert's ``3 f_s`` (balanced routing: every rank computes ``k`` expert rows a token on average).
-- Weights ``param_bytes``/param; gradients 4 bytes/param (Megatron accumulates and all-reduces 16-bit models' grads
-  in an fp32 main-grad buffer); Adam states 8 bytes/param (m, v) plus 4 bytes of fp32 master weights when the
-  parameters are 16-bit, divided by ``D`` with the distributed optimizer. This is Megatron's table in
-  ``docs/source/api-guide/dist_optimizer.md`` (bf16 params, fp32 grads: 6 + 12/D bytes per parameter).
-- Activations kept for backward by one layer for one micro-batch, in the parameter dtype (2 bytes for bf16), with
-  flash attention (no ``s*s`` score matrix) and no dropout, after Korthikanti et al. 2022 ("Reducing Activation
-  Recomputation in Large Transformer Models", section 4) redone for RMSNorm + GQA + SwiGLU:
-  attention block ``2sb(h + h + q + 2k + q)`` (norm input, qkv-linear input, q/k/v for the attention kernel,
-  projection input); MLP block ``2sb(h + h + 2f + f)`` (norm input, fc1 input, gate and up outputs, fc2 input).
-  Sequence parallel divides everything by ``t``; without it the four ``h`` terms are replicated. ``recompute=
-  "full"`` keeps each layer's input (``2sbh``) plus one layer's full set; ``"selective"`` keeps the same bytes as
-  ``"none"`` (flash attention stores no scores; Transformer Engine assumed). With 1F1B stage ``i`` holds
-  ``min(p - i, M)`` micro-batches in flight.
-- Log-prob/entropy working set (last stage only): the logits ``[b, s, V/t]`` and their gradient (parameter dtype),
-  plus the two fp32 ``[n, V/t]`` buffers ``ops.vocab_parallel_logprobs_entropy`` holds at a time (the shifted fp32
-  copy and its exp; it saves only the logits and recomputes in backward), where ``n = b*s`` unchunked or
-  ``min(chunk, b*s)`` with ``algorithm.logprob_chunk_size``. With ``model.fp32_output_layer`` and 16-bit
-  parameters the logits are fp32 and the peak is the larger of that op phase (``param_bytes = 4``) and the output
-  layer's backward, ``4*b*s*V/t + 10*V/t*h`` (fp32 logits gradient; fp32 weight cast, fp32 weight gradient and
-  its 16-bit cast): :func:`logprob_working_set_bytes`, which ``benchmarks/bench_fp32_output_layer.py`` checks.
-- KL reference policy (``algorithm.kl_coef > 0``): a frozen copy of the stage's weights, ``params * param_bytes``,
-  resident in both phases unless ``algorithm.kl_reference_offload`` keeps it in host memory between its passes.
-- vLLM KV cache: ``2 (K and V) * L * max(1, g/t_e) * d * kv_bytes`` per token per GPU for engine TP ``t_e``
-  (vLLM replicates KV heads when ``t_e > g``); engine weights ``total_params * param_bytes / t_e``.
-- One weight sync moves every parameter once in ``param_bytes`` over a link of the given bandwidth.
+All sizes are bytes on one GPU. The model (notation, parameters, MoE, optimizer states, activations, the log-prob
+working set, the KL reference, the KV cache, the sync) is derived once in docs/scaling.md, "The memory model".
 """
 
 from __future__ import annotations

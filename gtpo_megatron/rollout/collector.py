@@ -144,18 +144,11 @@ def collect_step(
     *,
     stop: StopRequests | None = None,
 ) -> StepRollout | None:
-    """Sample, score, select and share this step's ``num_prompts`` groups (module docstring); every rank calls.
+    """Sample, score, select and share this step's groups; every rank calls (``collector``: a leader's, else None).
 
-    ``collector``: this rank's when it leads an engine, else None; ``loader`` is advanced on every rank; ``stop``: a
-    SIGTERM interrupts a leader's sampling.
-    Returns the same ``StepRollout`` on every rank, or None on every rank when a SIGTERM made any leader leave its
-    rollout.
-
-    Collectives: with dynamic sampling one SUM all-reduce of ``[P]`` varied flags per round; then
-    :func:`share_step`'s, on ``exchange.group``.
-
-    Raises:
-        RuntimeError: on every rank when the engine or the reward pool raised on a leader (naming the engine).
+    The same ``StepRollout`` on every rank, or None on all when a stop signal made a leader leave its rollout.
+    Collectives: a SUM of ``[P]`` varied flags per dynamic-sampling round, then :func:`share_step`'s. Raises
+    RuntimeError on every rank when a leader's engine or reward pool failed, naming the engine.
     """
     sampled, varied, tally = _sample_rounds(collector, loader, step, exchange, stop)
     engine_index = None if collector is None else collector.engine_index
@@ -172,16 +165,10 @@ def share_step(
 ) -> StepRollout | None:
     """Select and share a step's groups; the same ``StepRollout`` on every rank (None on all when a leader aborted).
 
-    ``sampled``: this rank's scored groups per round; ``varied``: the rounds' global varied flags (dynamic sampling,
-    else empty); ``tally``: this leader's counters (``engine_index`` None off the leaders); with ``exchange.routing``
-    the completions carry their routed experts.
-
-    Collectives: one SUM all-reduce of the packed rows and counters on ``exchange.group``; with ``exchange.routing``
-    a second one of the routed experts (``exchange.pack_routed_experts``); after a leader's failure
-    ``raise_leader_failures``'.
-
-    Raises:
-        RuntimeError: on every rank when a leader's rollout failed (``tally.failed``), naming its engine.
+    ``sampled``: this rank's scored groups per round; ``varied``: the rounds' varied flags (dynamic sampling, else
+    empty); ``tally``: this leader's counters (``engine_index`` None off the leaders). Collectives: a SUM of the rows
+    and counters, a second of the routed experts with ``exchange.routing``, ``raise_leader_failures``' after a
+    failure, which raises RuntimeError on every rank naming the engine.
     """
     algorithm_cfg, group, routing = exchange.algorithm, exchange.group, exchange.routing
     num_prompts, group_size = exchange.rollout.num_prompts, algorithm_cfg.group_size

@@ -1,10 +1,7 @@
 """The libraries vLLM on CPU asks to find preloaded: Intel OpenMP and tcmalloc, for the engine's process only.
 
-vLLM's CPU worker warns at each start when ``libiomp`` or ``libtcmalloc`` is not in ``LD_PRELOAD``; with Intel
-OpenMP preloaded a CPU rollout of the demo ran 3.24x faster (``benchmarks/bench_rollout_preload.py``).
-``LD_PRELOAD`` acts when a process starts, so it is given to the engine's own process (started with ``spawn``: a
-fresh interpreter), not to the training ranks. Stdlib only; the one owner of this rule (the launchers set nothing).
-``GTPO_CPU_PRELOAD=0`` in the environment turns it off.
+Intel OpenMP preloaded made a CPU rollout 3.24x faster (``benchmarks/bench_rollout_preload.py``). ``LD_PRELOAD``
+acts when a process starts, so only the engine's spawned process gets it. ``GTPO_CPU_PRELOAD=0`` turns it off.
 """
 
 from __future__ import annotations

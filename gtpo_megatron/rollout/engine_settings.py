@@ -20,17 +20,12 @@ ENGINE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class EngineSettings:
-    """One engine's vLLM settings.
+    """One engine's vLLM settings (the fields as ``VLLMEngine`` and vLLM name them).
 
-    ``dtype``: one of :data:`ENGINE_DTYPES`; ``max_model_len``: prompt + completion token limit per sequence;
-    ``gpu_memory_utilization``: the fraction of GPU memory vLLM may take (GPU only); ``cpu_kvcache_space_gib``: the
-    KV cache on CPU (``VLLM_CPU_KVCACHE_SPACE``, rounded up to whole GiB); ``tensor_parallel_size``, ``seed``,
-    ``enforce_eager``, ``max_num_seqs``: vLLM's own; ``enable_sleep_mode``: allow ``sleep``/``wake_up`` (ignored
-    with a warning on CPU); ``in_process``: True runs the engine core in this process, False in a child, None keeps
-    the environment's; ``staging_dir``: parent of the weight staging folder (default ``node_local.staging_root``);
-    ``verbose``: vLLM's full logging; ``load_format``: ``auto`` loads the model's weights, ``dummy`` random ones (a
-    weight update comes before the first ``generate``); ``routing_replay``: completions carry their routed experts
-    (docs/moe.md).
+    ``max_model_len``: prompt + completion tokens; ``cpu_kvcache_space_gib``: ``VLLM_CPU_KVCACHE_SPACE`` (whole GiB);
+    ``in_process``: the engine core in this process (None: the environment's); ``staging_dir``: default
+    ``node_local.staging_root``; ``load_format``: ``auto`` or ``dummy`` (random until the first weight update);
+    ``routing_replay``: completions carry their routed experts (docs/moe.md).
 
     Raises:
         ValueError: unknown ``dtype`` or ``load_format``, or ``cpu_kvcache_space_gib <= 0``.

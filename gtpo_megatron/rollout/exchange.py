@@ -8,11 +8,9 @@ token ids and fp32 log-probs exactly; each entry has one writer). Row layout (``
     [prompt_len, response_len, score, correct, format_ok, truncated, prompt ids (Lp), response ids (Lr),
      rollout log-probs (Lr)]
 
-With rollout routing replay a second tensor follows (:class:`RoutingLayout`): ``[B, Lp + Lr, L, K]`` in
-``RoutingLayout.dtype``, row ``b`` holding completion ``b``'s routed experts (the experts of prompt + response token
-``t`` in MoE layer ``l``) as expert id + 1 and 0 where the engine recorded nothing (the last token, padding), summed
-like the rows (one writer per entry). int16 is not summable by gloo's all-reduce, so ids + 1 travel as uint8 (up to
-254 experts) or int32; ``TrainBatch.routed_experts`` keeps the same + 1 encoding (``rollout.batch``).
+With routing replay a second tensor follows (:class:`RoutingLayout`): ``[B, Lp + Lr, L, K]``, completion ``b``'s
+experts of token ``t`` in MoE layer ``l`` as id + 1 (0: not recorded), summed like the rows; ids + 1 travel as uint8
+(<= 254 experts) or int32 (gloo cannot sum int16), the encoding ``TrainBatch.routed_experts`` keeps.
 """
 
 from __future__ import annotations

@@ -9,14 +9,11 @@ so batch j is sampled with the weights after step v_j = max(s, j-1-k) and trains
 staleness (j-1) - v_j is k from step s+k+1 on (k = 1: 0 at the first step, then 1). The schedule decides every
 batch's weights, never the timing. Weights reach the engines between their batches: the drain waits until every
 submitted batch is sampled, so no generation runs during a push. Prompts are drawn in the main thread, at
-submission, from a fork of the loader that runs ahead; the trainer's own loader draws the same batch at take (the
-leader checks), so a checkpoint holds the position of the last trained step and lists the batches in flight
-(:attr:`AsyncRollouts.in_flight`), which a resumed run samples again: no prompt is lost or used twice. Request seeds
-depend on the step only (``RolloutCollector._sampling``). An engine leader's worker thread samples and scores
-(no collective); at take every rank shares the batch (``collector.share_step``: the world's one all-reduce). A wait
-is bounded by ``rollout.timeout_s`` per batch waited for, and SIGTERM leaves it: at take the step aborts, after
-the drain the trainer agrees to skip only the push (the safe points of sync mode). A leader's failed or late batch
-reaches every rank at the next collective (the take's exchange, the drain's), which raises naming the engine.
+submission, from a loader fork that runs ahead; the trainer's loader draws the same batch at take, so a checkpoint
+holds the last trained step and the batches in flight (:attr:`AsyncRollouts.in_flight`), sampled again on resume.
+A leader's worker thread samples and scores; at take every rank shares the batch (``collector.share_step``). A wait
+is bounded by ``rollout.timeout_s`` per batch; a stop signal aborts the step at take and skips only the push after
+the drain; a leader's failure reaches every rank at the next collective, naming the engine.
 """
 
 from __future__ import annotations
@@ -165,15 +162,10 @@ class AsyncRollouts:
         return rollout
 
     def drain(self, stop: StopRequests | None) -> dict[str, float]:
-        """Wait until every submitted batch is sampled (SIGTERM leaves the wait); ``async/rollout_wait_s``.
+        """Wait until every submitted batch is sampled (a stop signal leaves the wait); ``async/rollout_wait_s``.
 
-        ``async/rollout_wait_s`` is the trainer's wait for batches in this step (at take and here). Only engine
-        leaders wait (up to ``rollout.max_staleness`` batches); the caller then agrees on a SIGTERM before
-        :meth:`push`. Collectives: one MAX all-reduce of the leaders' failures (world), and after one
-        ``exchange.raise_leader_failures``'.
-
-        Raises:
-            RuntimeError: on every rank, as :meth:`take`, for a batch sampled meanwhile.
+        Only leaders wait; the caller agrees on a stop before :meth:`push`. Collectives: a MAX of the leaders'
+        failures (world), then ``raise_leader_failures``', which raises RuntimeError on every rank as :meth:`take`.
         """
         start, error = time.perf_counter(), None
         try:

@@ -1,14 +1,10 @@
 """The routers' load-balancing and z-losses weighed per micro-batch by its share of the step's tokens (docs/moe.md).
 
-Megatron's router attaches each micro-batch's losses ``l_m`` (token means) with ``MoEAuxLossAutoScaler``, whose
-backward scales their gradient by a process-wide scale the schedule sets after each forward to ``s / M`` (``s``: fp16
-loss scale times ``cp_size``, ``M``: this rank's micro-batches); DDP then averages over ``D`` ranks, so ``l_m`` of
-rank ``d`` weighs ``1 / (D M_d)``: the mean over micro-batches when cut evenly, else dependent on the cut. Here it
-weighs ``r_m / R`` (``r_m``: its real tokens, ``R``: their sum over the step and the DP ranks), which is ``1 / (D M)``
-when cut evenly, sums to 1 however cut and is 0 for an idle micro-batch: after DDP's ``1 / D`` the scale is
-``s D r_m / R``. Each router's training forward hooks its output probabilities (every router loss lies behind them)
-to set its own micro-batch's scale just before the losses' backward, whatever the schedule runs in between; with
-recompute the no-grad first forward queues the weight and the recompute takes the oldest.
+Megatron scales a micro-batch's router losses ``l_m`` by ``s / M`` (``MoEAuxLossAutoScaler``; ``s``: fp16 loss scale
+times ``cp_size``, ``M``: this rank's micro-batches) and DDP averages over ``D`` ranks: ``l_m`` weighs ``1 / (D M_d)``,
+which depends on the cut. Here it weighs ``r_m / R`` (its real tokens over the step's, all DP ranks): ``1 / (D M)``
+when cut evenly, a sum of 1 however cut, 0 when idle; the scale is ``s D r_m / R``. A hook on each router's output
+probabilities sets its micro-batch's scale just before their backward; recompute takes the oldest queued weight.
 """
 
 from __future__ import annotations
