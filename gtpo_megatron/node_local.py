@@ -33,10 +33,7 @@ def socket_dir(candidates: tuple[str, ...] | None = None) -> str:
     """A writable folder whose socket paths fit ``AF_UNIX``: the temporary folder if short enough, else ``/tmp``...
 
     ``candidates``: folders tried in order (default: ``tempfile.gettempdir()``, then :data:`SHORT_FOLDERS`).
-
-    Raises:
-        RuntimeError: none is writable and at most ``MAX_SOCKET_PATH - SOCKET_NAME_ROOM`` bytes long (names TMPDIR
-            and the fix).
+    Raises RuntimeError naming TMPDIR and the fix when none is writable and short enough.
     """
     candidates = candidates or (tempfile.gettempdir(), *SHORT_FOLDERS)
     limit = MAX_SOCKET_PATH - SOCKET_NAME_ROOM

@@ -29,6 +29,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 WAIT_SLICE_S = 0.05
 """Longest a wait blocks before it looks at the stop flags again (the main thread also runs handlers then)."""
+KILL_GRACE_S = 2.0
+"""Seconds a helper (a reward worker) gets past its own timeout before it is killed (``rewards.pool``)."""
 ABORT_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 """Signals that abort the step in flight (``checkpoint.save_on_sigterm``)."""
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
@@ -88,9 +90,7 @@ def wait_until(done: Callable[[float], bool], timeout_s: float | None, stop: Sto
     Arm before check: ``stop``'s abort flag is read before each ``WAIT_SLICE_S`` slice (the main thread runs the
     handlers of signals taken by other threads between slices), so no request before or during the wait is lost.
 
-    Raises:
-        StepInterrupted: ``stop`` holds an abort request (SIGTERM/SIGINT), or one arrives inside an
-            :meth:`StopRequests.interruptible` block.
+    Raises StepInterrupted when ``stop`` holds an abort request (SIGTERM/SIGINT).
     """
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while True:

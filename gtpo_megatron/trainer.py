@@ -70,8 +70,7 @@ class Trainer:
         pad_token_id: padding id of the batches.
         sink: the metric sink (enabled on rank 0 only).
         reference: the frozen reference policy of the KL term (``algorithm.kl_coef > 0``), else None.
-        weight_sync: this rank's part of the weight push (``rollout.push``); default: the ``files`` path into the
-            collector's engine.
+        weight_sync: this rank's part of the weight push (``rollout.push``); default: the ``files`` path.
     """
 
     def __init__(

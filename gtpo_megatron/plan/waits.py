@@ -8,8 +8,7 @@ from __future__ import annotations
 import math
 from typing import Literal
 
-KILL_GRACE_S = 2.0
-"""Seconds a reward worker gets past ``reward.timeout_s`` before it is killed (``rewards.pool``)."""
+from gtpo_megatron.preemption import KILL_GRACE_S
 
 WORLD_TIMEOUT_MARGIN_S = 1800.0
 """What the world group's timeout adds to :func:`longest_wait_s` (seconds): the work between two world collectives

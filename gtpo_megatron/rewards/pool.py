@@ -24,8 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from gtpo_megatron.plan.waits import KILL_GRACE_S
-from gtpo_megatron.preemption import WAIT_SLICE_S, init_helper_process, wait_until
+from gtpo_megatron.preemption import KILL_GRACE_S, WAIT_SLICE_S, init_helper_process, wait_until
 from gtpo_megatron.rewards.answer_text import STRICT, check_extraction
 from gtpo_megatron.rewards.deadline import GradingTimeout, grading_deadline
 from gtpo_megatron.rewards.registry import RewardFn, RewardResult, decimal_tolerance, get_reward
