@@ -12,8 +12,8 @@ from collections.abc import Mapping
 from pathlib import Path
 
 SWITCH = "GTPO_CPU_PRELOAD"
-MARKERS = ("libiomp", "libtcmalloc")
-"""What an ``LD_PRELOAD`` entry naming either library contains (vLLM's own test)."""
+OPENMP = ("libiomp", "libomp", "libgomp")
+"""OpenMP runtimes as vLLM recognises them in ``LD_PRELOAD``: it refuses two (``vllm.utils.ompmultiprocessing``)."""
 
 
 def preload_libraries(prefix: str = sys.prefix) -> list[str]:
@@ -32,12 +32,19 @@ def engine_environment(environ: Mapping[str, str], libraries: list[str]) -> dict
     """The variables that start a CPU engine's process with ``libraries`` preloaded (empty: nothing to add).
 
     Args:
-        environ: the caller's environment; its ``LD_PRELOAD`` is kept, a library it already names is not added
-            again, and ``GTPO_CPU_PRELOAD=0`` adds nothing.
+        environ: the caller's environment; its ``LD_PRELOAD`` is kept, and ``GTPO_CPU_PRELOAD=0`` adds nothing. No
+            OpenMP is added when it names one (vLLM itself puts torch's libgomp there), no tcmalloc when it has one.
         libraries: paths or sonames, e.g. :func:`preload_libraries`.
     """
     current = [entry for entry in environ.get("LD_PRELOAD", "").split(":") if entry]
-    added = [lib for lib in libraries if not any(m in lib and any(m in entry for entry in current) for m in MARKERS)]
+    added = [lib for lib in libraries if not any(_kind(lib) == _kind(entry) for entry in current)]
     if environ.get(SWITCH, "1") == "0" or not added:
         return {}
     return {"LD_PRELOAD": ":".join([*added, *current]), "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
+
+
+def _kind(library: str) -> str | None:
+    """``openmp``, ``tcmalloc`` or None for another library."""
+    if any(marker in library for marker in OPENMP):
+        return "openmp"
+    return "tcmalloc" if "libtcmalloc" in library else None

@@ -22,6 +22,7 @@ from gtpo_megatron.plan import waits
 from gtpo_megatron.plan.engines import EnginePlacement
 from gtpo_megatron.rollout.collector import collect_step
 from gtpo_megatron.rollout.engine_guard import GuardedEngine
+from gtpo_megatron.rollout.exchange import StepExchange
 from gtpo_megatron.rollout.pipeline import AsyncRollouts
 from tests.helpers.dist_harness import run_distributed
 from tests.trainer.fakes import FakeEngine, fake_collector
@@ -58,11 +59,15 @@ def _world(cfg) -> dist.ProcessGroup:
     return dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.world_timeout_s))
 
 
-def _collector(cfg, rank: int, hang_at: int | None):
+def _exchange(cfg) -> StepExchange:
+    return StepExchange.from_config(cfg, num_engines=1, group=_world(cfg))
+
+
+def _collector(cfg, rank: int, hang_at: int | None, exchange: StepExchange):
     if rank != 0:
         return None
     engine = GuardedEngine(_TimedEngine(hang_at), placement=PLACEMENT, timeout_s=cfg.rollout.timeout_s)
-    return fake_collector(cfg, engine)
+    return fake_collector(cfg, engine, exchange=exchange)
 
 
 def _loader(cfg) -> PromptLoader:
@@ -70,13 +75,14 @@ def _loader(cfg) -> PromptLoader:
 
 
 def _sync_round(cfg, rank: int, hang_at: int | None):
-    sections = {"rollout_cfg": cfg.rollout, "algorithm_cfg": cfg.algorithm, "reward_cfg": cfg.reward}
-    return collect_step(_collector(cfg, rank, hang_at), _loader(cfg), 1, **sections, num_engines=1, group=_world(cfg))
+    exchange = _exchange(cfg)
+    return collect_step(_collector(cfg, rank, hang_at, exchange), _loader(cfg), 1, exchange)
 
 
 def _async_step(cfg, rank: int, hang_at: int | None) -> list[str]:
-    rollouts = AsyncRollouts(cfg, collector=_collector(cfg, rank, hang_at), loader=_loader(cfg), num_engines=1,
-                             group=_world(cfg))  # fmt: skip
+    exchange = _exchange(cfg)
+    rollouts = AsyncRollouts(cfg, collector=_collector(cfg, rank, hang_at, exchange), loader=_loader(cfg),
+                             exchange=exchange)  # fmt: skip
     done = []
     try:
         rollouts.start(0)

@@ -32,6 +32,13 @@ def test_preload_libraries_prefers_the_environments_intel_openmp(tmp_path: Path,
         ({"LD_PRELOAD": "/opt/libiomp5.so"},
          {"LD_PRELOAD": f"{TCMALLOC}:/opt/libiomp5.so", "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}),
         ({"LD_PRELOAD": f"/opt/libiomp5.so:/opt/{TCMALLOC}"}, {}),
+        # another OpenMP already preloaded (vLLM puts torch's libgomp there in its own process): none added, as
+        # vLLM refuses two OpenMP runtimes
+        ({"LD_PRELOAD": "/torch.libs/libgomp-a34b3233.so.1"},
+         {"LD_PRELOAD": f"{TCMALLOC}:/torch.libs/libgomp-a34b3233.so.1", "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}),
+        ({"LD_PRELOAD": "/usr/lib/libomp.so"},
+         {"LD_PRELOAD": f"{TCMALLOC}:/usr/lib/libomp.so", "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}),
+        ({"LD_PRELOAD": f"/torch.libs/libgomp.so.1:/opt/{TCMALLOC}"}, {}),
         ({"GTPO_CPU_PRELOAD": "0"}, {}),
     ],
 )  # fmt: skip
