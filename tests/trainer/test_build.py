@@ -40,7 +40,7 @@ def test_the_rollout_side_starts_while_the_policy_loads(tmp_path, monkeypatch):
 
     monkeypatch.setattr(build, "build_collector", build_collector)
     monkeypatch.setattr(build, "build_policy", build_policy)
-    monkeypatch.setattr(build, "build_weight_sync", lambda cfg, groups, engine, placements: None)
+    monkeypatch.setattr(build, "build_weight_sync", lambda cfg, groups, engine, placements, policy: None)
     timer = build.PhaseTimer()
     trainer = build.build_trainer(_cfg(tmp_path), single_rank_groups(), timer=timer)
     assert trainer.collector is collector
