@@ -54,7 +54,8 @@ class RolloutConfig:
     """KV-cache size on CPU (VLLM_CPU_KVCACHE_SPACE, GiB)."""
     weight_sync_bucket_mb: int = 512
     """Bound on the weight bytes in flight during a sync, per process (MiB): one bucket on the ``files`` path, two
-    pipelined buckets of half this size on the ``collective`` path (``rollout/weight_wire.py``)."""
+    pipelined buckets of half this size on the ``collective`` and ``sharded`` paths (``rollout/weight_wire.py``,
+    ``rollout/sharded_wire.py``)."""
     offload_train_state: bool = False
     """Colocated runs on GPU: free the gradient buffers and move the optimizer states (fp32 main weights and Adam
     moments) to host memory while vLLM generates, then bring them back (megatron-core's

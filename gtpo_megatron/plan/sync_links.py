@@ -1,17 +1,7 @@
-"""The weight sync as the bytes its busiest link carries: ``collective`` against ``sharded`` (pure arithmetic).
+"""The weight sync as the bytes its busiest link carries: ``collective``, ``sharded`` and ``sliced`` (not built).
 
-With ``M`` the model's bytes in the engines' dtype, ``W = num_engines * engine_tp_size`` engine workers and ``T``
-training ranks (every rank holds ``M / T`` of the pieces once data-parallel copies share the sending, as
-``rollout/shard_plan.py`` assigns them), a link of ``B`` bit/s and the time ``max(sender, receiver) * 8 / B``:
-
-* ``collective``: rank 0 broadcasts everything, pipelined: its link and each worker's carry ``M``;
-* ``sharded`` (as built: every worker gets full tensors, vLLM slices them): the busiest sender carries ``M W / T``,
-  each worker ``M``;
-* ``sliced`` (not built: each worker of an engine at TP ``t`` would receive only its slice): the busiest sender
-  carries ``M * num_engines / T``, each worker ``M / t``.
-
-Piece granularity (a rank's share is whole tensor slices) and the gathers the collective path runs first are left
-out; the measured figures are ``benchmarks/bench_sharded_sync.py``'s.
+The model (``M`` bytes, ``T`` training ranks, ``W`` workers; time = busiest link's bytes * 8 / bandwidth) is derived
+in docs/scaling.md ("Weight sync"); the measured figures are ``benchmarks/bench_sharded_sync.py``'s.
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
 """Who sends which piece of which Hugging Face tensor in a ``rollout.weight_sync: sharded`` update (pure Python).
 
-Every training rank offers the pieces its own parameters hold (``megatron_adapter/shard_stream.py``): one
-:class:`Offer` per ``(hf_name, part)``, where part ``p`` of a tensor split along ``dim`` is TP rank ``p``'s rows
-(``dim`` 0) or columns (``dim`` 1) and a ``WHOLE`` tensor (a norm, the router, an expert) has the one part 0. Data-
-parallel replicas (and TP ranks, for replicated tensors) offer the same piece; :func:`build_shard_plan` gives each
-piece to the holder with the fewest bytes so far (ties: lowest global rank), so the load spreads over every rank
-holding a copy. The plan is a pure function of the offers: every rank computes the same one.
-
-Senders are the global ranks that own a piece (rank 0 always, first): sender ``i`` is member ``i`` of the weight
-group. Tensors are in (pipeline stage, parameter, name) order and cut into buckets of at most ``bucket_bytes``
-(a tensor larger than that travels alone); each sender sends its parts of a bucket as one message to each worker.
+Every rank offers its pieces (one :class:`Offer` per ``(hf_name, part)``: part ``p`` is TP rank ``p``'s rows
+(``dim`` 0) or columns (``dim`` 1); a ``WHOLE`` tensor has the one part 0). Each piece goes to its holder with the
+fewest bytes so far (ties: lowest global rank), so data-parallel copies share the sending; every rank computes the
+same plan. Senders (rank 0 always first) are members ``0 .. S-1`` of the weight group.
 """
 
 from __future__ import annotations

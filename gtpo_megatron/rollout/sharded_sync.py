@@ -1,15 +1,8 @@
 """``rollout.weight_sync: sharded``: every training rank sends the pieces it owns straight to every engine worker.
 
-No gather: each rank offers its own parameters' pieces (``megatron_adapter/shard_stream.py``), the plan
-(``rollout/shard_plan.py``) spreads them over all their holders (data-parallel replicas included), and the owners
-send at once over the weight group (``rollout/sharded_wire.py``); each worker joins the parts of each tensor and
-reloads, as the collective path does (``rollout/vllm_worker.py``). A worker needs full tensors, so this path takes
-engines at ``engine_tp_size`` 1 (``config/rollout.py`` refuses the rest). The busiest sender's link carries its share
-of the model once per worker; the derivation and the planner's model are in docs/scaling.md.
-
-No engine serves a mix of old and new weights: each engine leader's ``GuardedEngine`` waits for its workers' one
-``reload_weights`` pass; if any sender, worker or load fails half-way the error names the sender, its trainer
-rank and the tensors, and the guard refuses to generate with that engine again (the collective path's rule).
+No gather (docs/scaling.md, "Weight sync"). No engine serves a mix of old and new weights: each leader's
+``GuardedEngine`` waits for its workers' one ``reload_weights`` pass, and any sender, worker or load failing
+half-way raises (naming the sender, its trainer rank and the tensors) and leaves that engine unusable.
 """
 
 from __future__ import annotations

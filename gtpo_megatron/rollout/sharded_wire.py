@@ -1,19 +1,10 @@
-"""The message protocol of the sharded weight sync (``rollout.weight_sync: sharded``): senders' and workers' sides.
+"""The sharded weight sync's messages (members ``0 .. S-1``: the plan's senders; ``S + g``: engine worker ``g``).
 
-Members ``0 .. S-1`` of the weight group are the plan's senders (``rollout/shard_plan.py``), ``S + g`` engine
-worker ``g``. One update:
-
-1. sender 0 sends each worker the plan: int64 ``[1]`` (bytes), then uint8 UTF-8 JSON ``{"dtype", "plan"}`` (tag 0);
-2. per bucket ``b`` (tag ``b + 1``) every sender with parts in it sends each worker one uint8 message: an int64
-   status (1; -1 aborts the update, the rest of the message then carries the error text) and its parts, cast
-   to the engines' dtype, back to back. All senders send at once; a worker posts its receives of bucket
-   ``b + 1`` before it joins bucket ``b``'s parts into full tensors (``torch.cat`` along the plan's ``dim``, the
-   inverse of ``hf_conversion.hf_pieces``) and hands them to vLLM one at a time.
-
-Memory: a sender holds its parts of two buckets at most (one packing, one in flight) and never another rank's
-weights; a worker holds two buckets of received parts (``bucket_bytes``: the plan cuts at half of it) plus the
-one joined tensor being loaded. A failure names the sender, its trainer rank and the bucket's tensors: a sender
-that raises while packing aborts at once; a sender or worker that dies fails its peers within ``timeout_s``.
+Per update sender 0 sends each worker the plan (int64 length, then JSON; tag 0); per bucket ``b`` (tag ``b + 1``)
+every sender with parts in it sends each worker one uint8 message: an int64 status (1; -1 aborts, the error text
+follows) and its parts cast to the engines' dtype, back to back. All senders send at once; a worker posts bucket
+``b + 1``'s receives before it joins bucket ``b``'s parts (``torch.cat`` along the plan's ``dim``). Memory peaks are
+in docs/scaling.md ("Weight sync"). A failure names the sender, its trainer rank and the bucket's tensors.
 """
 
 from __future__ import annotations

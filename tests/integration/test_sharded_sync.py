@@ -30,7 +30,7 @@ from gtpo_megatron.rollout.sharded_wire import send_shards
 from gtpo_megatron.rollout.vllm_engine import VLLMEngine
 from gtpo_megatron.rollout.weight_wire import send_weights
 from tests.distributed.test_sharded_sync import STAGES
-from tests.integration.test_collective_sync import COMPLETIONS, PROMPTS, _gap
+from tests.integration.test_collective_sync import PROMPTS, _gap
 from tests.integration.test_vllm_engine import TINY_ATOL, perturb
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]  # two multiprocess engine starts
