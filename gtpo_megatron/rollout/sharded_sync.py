@@ -84,7 +84,7 @@ class ShardedWeightSync:
         receiving = self.engine.start_receive() if self.engine is not None else None
         try:
             if self.group is not None:
-                send_shards(self.plan, self.pieces()[1], group=self.group, num_workers=self.num_workers,
+                send_shards(self.plan, self._own_pieces(), group=self.group, num_workers=self.num_workers,
                             dtype=self.dtype)  # fmt: skip
         finally:
             if receiving is not None:
@@ -93,6 +93,24 @@ class ShardedWeightSync:
         if self.group is None or self.group.rank != 0:
             return {}
         return sync_metrics(self.plan, num_workers=self.num_workers, dtype=self.dtype, seconds=seconds)
+
+    def _own_pieces(self) -> Mapping[tuple[str, int], torch.Tensor]:
+        """This rank's pieces; if listing them fails, a mapping that raises it, so the workers get an abort."""
+        try:
+            return self.pieces()[1]
+        except Exception as err:  # noqa: BLE001 - re-raised by send_shards after the abort
+            return _Failed(err)
+
+
+class _Failed(dict):
+    """Pieces that could not be listed: every lookup raises the original error."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__()
+        self.error = error
+
+    def __getitem__(self, key):
+        raise self.error
 
 
 def connect_sharded_sync(

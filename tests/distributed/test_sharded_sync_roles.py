@@ -7,6 +7,8 @@ must leave the engine unusable (no generation with a half-new model), naming the
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -88,5 +90,30 @@ def test_one_rank_updates_an_engine_and_a_failed_update_leaves_it_unusable(tmp_p
         RuntimeError, match=r"engine 0 of 1 .*failed \(ValueError: vLLM could not load model\.layers\.0"
     ):
         sync.sync()
+    with pytest.raises(RuntimeError, match="engine 0 of 1 .* is unusable since a weight update failed half-way"):
+        guarded.generate([[1]], 1, None)
+
+
+def test_a_rank_that_cannot_list_its_pieces_aborts_the_update(tmp_path):
+    _checkpoint(tmp_path)
+    engine = _Engine()
+    placement = EnginePlacement(index=0, num_engines=1, leader_rank=0, ranks=(0,), devices=())
+    guarded = GuardedEngine(engine, placement=placement, timeout_s=30.0)
+    good = _pieces(tmp_path, [1.0])
+    calls = []
+
+    def pieces():
+        calls.append(1)
+        if len(calls) > 1:  # the plan at start-up lists them; the update's listing fails
+            raise OSError("parameters unavailable")
+        return good()
+
+    sync = connect_sharded_sync(engine=guarded, pieces=pieces, rank=0, worker_offset=0, num_workers=1,
+                                bucket_bytes=4096, dtype=torch.float32, timeout_s=20.0, world=None)  # fmt: skip
+    start = time.perf_counter()
+    with pytest.raises(RuntimeError, match=r"engine 0 of 1 .*sender 0 \(trainer rank 0; bucket 0: .*aborted the update "
+                                           r"half-way: OSError\('parameters unavailable'\)"):  # fmt: skip
+        sync.sync()
+    assert time.perf_counter() - start < 10  # an abort, not the group's 20 s timeout
     with pytest.raises(RuntimeError, match="engine 0 of 1 .* is unusable since a weight update failed half-way"):
         guarded.generate([[1]], 1, None)
