@@ -74,13 +74,14 @@ class ShardedWeightSync:
     def sync(self, stream: Callable[[], Iterable] | None = None) -> dict[str, float]:
         """One update (``stream``, the gathered one, is not used); ``sync/*`` metrics on global rank 0, else ``{}``.
 
-        Collectives: :func:`sharded_wire.send_shards` on a sender, then one MAX all-reduce of the seconds on
-        ``world`` (the sync takes as long as its slowest rank).
+        ``sync/engine_pause_s``: the longest reload pass of any worker (its engine generates nothing meanwhile).
+        Collectives: :func:`sharded_wire.send_shards` on a sender, then one MAX all-reduce of ``[seconds, pause]``
+        on ``world`` (the sync takes as long as its slowest rank).
 
         Raises:
             RuntimeError: a transfer or an engine failed or timed out (naming the sender, rank and tensors).
         """
-        start = time.perf_counter()
+        start, workers = time.perf_counter(), []
         receiving = self.engine.start_receive() if self.engine is not None else None
         try:
             if self.group is not None:
@@ -88,11 +89,13 @@ class ShardedWeightSync:
                             dtype=self.dtype)  # fmt: skip
         finally:
             if receiving is not None:
-                self.engine.wait(receiving)
-        seconds = all_reduce_(torch.tensor([time.perf_counter() - start]), op="max", group=self.world).item()
+                workers = self.engine.wait(receiving)
+        pause = max((w["seconds"] for w in workers), default=0.0)
+        slowest = all_reduce_(torch.tensor([time.perf_counter() - start, pause]), op="max", group=self.world)
         if self.group is None or self.group.rank != 0:
             return {}
-        return sync_metrics(self.plan, num_workers=self.num_workers, dtype=self.dtype, seconds=seconds)
+        metrics = sync_metrics(self.plan, num_workers=self.num_workers, dtype=self.dtype, seconds=slowest[0].item())
+        return {**metrics, "sync/engine_pause_s": slowest[1].item()}
 
     def _own_pieces(self) -> Mapping[tuple[str, int], torch.Tensor]:
         """This rank's pieces; if listing them fails, a mapping that raises it, so the workers get an abort."""
