@@ -56,9 +56,15 @@ def _send_plan(plan: ShardPlan, dtype: torch.dtype, workers: range, group: Weigh
     text = json.dumps({"dtype": str(dtype).removeprefix("torch."), "plan": plan.to_json()}).encode()
     body = torch.frombuffer(bytearray(text), dtype=torch.uint8).to(group.device)
     size = torch.tensor([len(text)], dtype=torch.int64, device=group.device)
-    works = [start_send(m, dst=w, tag=0, group=group) for w in workers for m in (size, body)]
-    for work in works:
-        wait_work(work, group=group)
+    for worker in workers:
+        try:
+            for message in (size, body):
+                wait_work(start_send(message, dst=worker, tag=0, group=group), group=group)
+        except RuntimeError as err:
+            raise RuntimeError(
+                f"weight update (sharded): sender 0 (trainer rank {plan.senders[0]}) could not deliver the plan to "
+                f"engine worker {worker - len(plan.senders)} within {group.timeout_s:g} s: {err}"
+            ) from err
 
 
 def _wait_all(sends: list, plan: ShardPlan, bucket: int, group: WeightGroup, stats: WireStats) -> None:

@@ -173,3 +173,20 @@ def test_a_silent_sender_fails_the_workers_within_the_timeout(tmp_path):
         error = _outcome(worker)
     assert isinstance(error, RuntimeError)
     assert f"nothing from sender {num_senders - 1} (trainer rank {plan.senders[-1]}; bucket 0: " in str(error)
+
+
+def test_a_worker_that_takes_nothing_fails_the_senders_naming_it(tmp_path):
+    """An engine worker that died after joining: every sender's send to it fails within the timeout, naming it."""
+    _checkpoint(tmp_path)
+    ranks, _, _ = _trainer(tmp_path)
+    plan = build_shard_plan([offers for offers, _ in ranks], bucket_bytes=1 << 20, element_size=2)
+    num_senders = len(plan.senders)
+    members = _groups(num_senders + 1, timeout_s=1.0)
+    with ThreadPoolExecutor(num_senders) as pool:
+        sends = [pool.submit(send_shards, plan, ranks[plan.senders[i]][1], group=members[i], num_workers=1,
+                             dtype=DTYPE) for i in range(num_senders)]  # fmt: skip
+        errors = [_outcome(f) for f in sends]
+    assert all(isinstance(e, RuntimeError) for e in errors), errors
+    assert f"sender 1 (trainer rank {plan.senders[1]}) could not deliver bucket 0 (" in str(errors[1])
+    assert "to engine worker 0 within 1 s" in str(errors[1])
+    assert "sender 0 (trainer rank 0) could not deliver the plan to engine worker 0 within 1 s" in str(errors[0])
