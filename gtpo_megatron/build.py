@@ -261,11 +261,19 @@ def build_collector(
 
 
 def build_weight_sync(
-    cfg: GTPOConfig, groups: ParallelGroups, engine: GuardedEngine | None, placements: list[EnginePlacement]
+    cfg: GTPOConfig,
+    groups: ParallelGroups,
+    engine: GuardedEngine | None,
+    placements: list[EnginePlacement],
+    policy: MegatronPolicy,
 ):
-    """This rank's part of the weight push (``rollout.push``); collective: joins the weight group (all ranks).
+    """This rank's part of the weight push (``rollout.push``, ``rollout.sharded_sync``); joins the weight group.
 
-    ``engine`` is this rank's engine when it leads one (``placements`` says which).
+    Collective and sharded: every rank takes part. ``engine`` is this rank's engine when it leads one
+    (``placements`` says which).
+
+    Raises:
+        ValueError: ``rollout.weight_sync=sharded`` with GPUs (its wire is gloo, tested on CPU only).
     """
     from gtpo_megatron.rollout.push import CollectiveWeightSync, FilesWeightSync, connect_weight_group
 
@@ -275,6 +283,8 @@ def build_weight_sync(
         return FilesWeightSync(engine=engine, exporting=exporting, bucket_bytes=bucket_bytes)
     mine = next((p for p in placements if p.leader_rank == groups.rank), None)
     accelerator = torch.cuda.is_available()
+    if rollout.weight_sync == "sharded":
+        return _sharded_sync(cfg, groups, engine, mine, len(placements), policy, accelerator=accelerator)
     relay = relay_workers(
         placements, placement=rollout.placement, engine_tp_size=rollout.engine_tp_size, accelerator=accelerator
     )
@@ -290,6 +300,29 @@ def build_weight_sync(
     )
     return CollectiveWeightSync(engine=engine, group=group, exporting=exporting, bucket_bytes=bucket_bytes,
                                 dtype=getattr(torch, cfg.engine_dtype))  # fmt: skip
+
+
+def _sharded_sync(cfg, groups, engine, mine, num_engines: int, policy, *, accelerator: bool):
+    """``rollout.weight_sync: sharded``: plan and join (``rollout.sharded_sync.connect_sharded_sync``)."""
+    from gtpo_megatron.rollout.sharded_sync import connect_sharded_sync
+
+    if accelerator:
+        raise ValueError(
+            "rollout.weight_sync='sharded': its wire is gloo over TCP, tested with CPU engines only (no NCCL "
+            "path yet); on GPUs use rollout.weight_sync=collective"
+        )
+    rollout = cfg.rollout
+    return connect_sharded_sync(
+        engine=engine,
+        pieces=policy.shard_pieces,
+        rank=groups.rank,
+        worker_offset=mine.index * rollout.engine_tp_size if mine is not None else 0,
+        num_workers=num_engines * rollout.engine_tp_size,
+        bucket_bytes=rollout.weight_sync_bucket_mb * 2**20,
+        dtype=getattr(torch, cfg.engine_dtype),
+        timeout_s=rollout.timeout_s,
+        world=dist.group.WORLD if groups.world_size > 1 else None,
+    )
 
 
 def build_trainer(cfg: GTPOConfig, groups: ParallelGroups, *, timer: PhaseTimer | None = None) -> Trainer:
@@ -334,7 +367,7 @@ def build_trainer(cfg: GTPOConfig, groups: ParallelGroups, *, timer: PhaseTimer 
             collector = rollout_side.result() if rollout_side is not None else None
         with timer.phase("startup/weight_sync"):
             engine = collector.engine if collector is not None else None
-            weight_sync = build_weight_sync(cfg, groups, engine, placements)
+            weight_sync = build_weight_sync(cfg, groups, engine, placements, policy)
     except BaseException:
         _discard(rollout_side, sink)
         raise

@@ -44,6 +44,7 @@ from gtpo_megatron.plan.memory import (
 )
 from gtpo_megatron.plan.micro_batches import micro_batches_at_full_length
 from gtpo_megatron.plan.overlap import Hardware, StepWork, best_split, sync_step
+from gtpo_megatron.plan.sync_links import sync_links
 
 GIB = 2**30
 FILES_GBPS = 16.0
@@ -314,7 +315,8 @@ def run(argv: list[str] | None = None) -> tuple[int, str]:
     problems = fit_problems(cfg, shape, stages, engine, gpu_mem=gpu_mem, usable=usable)
     text = "\n".join([_summary(cfg, arch, layout, shape, args), format_table(cfg, stages, engine, unchunked=unchunked),
                       _rollout_summary(engine, layout, shape, arch, args),
-                      _sync_summary(cfg, arch, layout, args), _overlap_summary(cfg, arch, layout, args)])  # fmt: skip
+                      _sync_summary(cfg, arch, layout, args), _links_summary(cfg, arch, layout, args),
+                      _overlap_summary(cfg, arch, layout, args)])  # fmt: skip
     if problems:
         return 2, text + "\n\ngtpo-plan: does not fit:\n  - " + "\n  - ".join(problems)
     return 0, text + f"\n\nfits: every phase is within {usable / GIB:.1f} GiB usable of {args.gpu_mem:g} GiB per GPU"
@@ -387,12 +389,38 @@ def _rollout_summary(
     )
 
 
-def _sync_seconds(cfg: GTPOConfig, arch: Architecture, args: argparse.Namespace) -> float:
+def _links(cfg: GTPOConfig, arch: Architecture, layout: Layout, args: argparse.Namespace):
+    """``plan.sync_links`` of this layout at ``--sync-bandwidth-gbps``."""
+    return sync_links(
+        arch.total_params() * DTYPE_BYTES[cfg.engine_dtype], train_ranks=layout.train_world_size,
+        num_engines=layout.num_engines, engine_tp_size=layout.engine_tp_size, bandwidth_gbps=args.sync_bandwidth_gbps,
+    )  # fmt: skip
+
+
+def _sync_seconds(cfg: GTPOConfig, arch: Architecture, layout: Layout, args: argparse.Namespace) -> float:
     """Seconds of one weight sync of ``rollout.weight_sync`` (the ``files`` path: write, then re-read)."""
     nbytes = DTYPE_BYTES[cfg.engine_dtype]
     if cfg.rollout.weight_sync == "files":
         return 2 * weight_sync_seconds(arch, param_bytes=nbytes, bandwidth_gbps=FILES_GBPS)
+    if cfg.rollout.weight_sync == "sharded":
+        return _links(cfg, arch, layout, args)["sharded"].seconds
     return weight_sync_seconds(arch, param_bytes=nbytes, bandwidth_gbps=args.sync_bandwidth_gbps)
+
+
+def _links_summary(cfg: GTPOConfig, arch: Architecture, layout: Layout, args: argparse.Namespace) -> str:
+    """The busiest link of each weight-sync path side by side (``plan/sync_links.py``)."""
+    links = _links(cfg, arch, layout, args)
+    parts = [
+        f"{name} {link.sender_bytes / 1e9:.1f} GB out of the busiest sender, {link.receiver_bytes / 1e9:.1f} GB into "
+        f"each worker, {link.seconds:.2f} s"
+        for name, link in links.items()
+    ]
+    return (
+        f"weight sync links at {args.sync_bandwidth_gbps:g} Gbit/s ({layout.train_world_size} training ranks, "
+        f"{layout.num_engines} engines x TP {layout.engine_tp_size}): "
+        + "; ".join(parts)
+        + " (sliced: each worker receiving only its engine-TP slice, not built; sharded runs at engine_tp_size=1)"
+    )
 
 
 def _overlap_summary(cfg: GTPOConfig, arch: Architecture, layout: Layout, args: argparse.Namespace) -> str:
@@ -405,7 +433,7 @@ def _overlap_summary(cfg: GTPOConfig, arch: Architecture, layout: Layout, args: 
         kv_bytes_per_token=kv_cache_bytes_per_token(arch, engine_tp_size=1, kv_bytes=DTYPE_BYTES[dtype]),
         engine_tp_size=layout.engine_tp_size,
     )  # fmt: skip
-    sync_s = _sync_seconds(cfg, arch, args)
+    sync_s = _sync_seconds(cfg, arch, layout, args)
     sync = sync_step(arch, work, hw, gpus=args.gpus, sync_s=sync_s)
     best = best_split(arch, work, hw, gpus=args.gpus, train_multiple=layout.tp_size * layout.pp_size, sync_s=sync_s)
     text = (
@@ -430,13 +458,19 @@ def _sync_summary(cfg: GTPOConfig, arch: Architecture, layout: Layout, args: arg
     nbytes = DTYPE_BYTES[dtype]
     volume = f"{arch.total_params() * nbytes / 1e9:.1f} GB ({dtype}) per sync"
     if cfg.rollout.weight_sync == "files":
-        seconds = _sync_seconds(cfg, arch, args)
+        seconds = _sync_seconds(cfg, arch, layout, args)
         return (
             f"weight sync (files: safetensors written to /dev/shm, then re-read by the engine): {volume}, "
             f"{seconds:.2f} s assuming {FILES_GBPS:g} Gbit/s for each pass"
         )
-    seconds = _sync_seconds(cfg, arch, args)
+    seconds = _sync_seconds(cfg, arch, layout, args)
     workers = layout.num_engines * layout.engine_tp_size
+    if cfg.rollout.weight_sync == "sharded":
+        return (
+            f"weight sync (sharded: every training rank sends its own pieces to the {workers} engine workers over "
+            f"gloo; the busiest link sets the time): {volume}, {seconds:.2f} s at {args.sync_bandwidth_gbps:g} "
+            "Gbit/s (--sync-bandwidth-gbps)"
+        )
     relay = ", the one on rank 0's GPU through a relay" if cfg.rollout.placement == "colocated" else ""
     return (
         f"weight sync (collective: NCCL broadcast of buckets from rank 0 to the {workers} engine workers{relay}; "

@@ -54,7 +54,8 @@ class RolloutConfig:
     """KV-cache size on CPU (VLLM_CPU_KVCACHE_SPACE, GiB)."""
     weight_sync_bucket_mb: int = 512
     """Bound on the weight bytes in flight during a sync, per process (MiB): one bucket on the ``files`` path, two
-    pipelined buckets of half this size on the ``collective`` path (``rollout/weight_wire.py``)."""
+    pipelined buckets of half this size on the ``collective`` and ``sharded`` paths (``rollout/weight_wire.py``,
+    ``rollout/sharded_wire.py``)."""
     offload_train_state: bool = False
     """Colocated runs on GPU: free the gradient buffers and move the optimizer states (fp32 main weights and Adam
     moments) to host memory while vLLM generates, then bring them back (megatron-core's
@@ -68,11 +69,12 @@ class RolloutConfig:
     num_engine_gpus: int | None = None
     """``placement: separate`` only: GPUs the engines take outside the training world, spread evenly over the
     nodes (null: ``engine_tp_size``, one engine)."""
-    weight_sync: Literal["collective", "files"] = "collective"
+    weight_sync: Literal["collective", "sharded", "files"] = "collective"
     """How new weights reach the engines after each step: ``collective`` broadcasts bucketed tensors from global
     rank 0 to every engine worker over a process group of their own (gloo on CPU, NCCL on GPU), each worker
-    loading them in one reload pass; ``files`` stages safetensors shards in ``/dev/shm`` for one engine (fallback,
-    ``num_engines`` must be 1)."""
+    loading them in one reload pass; ``sharded`` has every training rank send the pieces it holds straight to
+    every worker, many senders at once and no gather (gloo, engines at ``engine_tp_size`` 1; docs/scaling.md);
+    ``files`` stages safetensors shards in ``/dev/shm`` for one engine (fallback, ``num_engines`` must be 1)."""
     routing_replay: Literal["off", "rollout"] = "off"
     """Mixture-of-experts policies: ``rollout`` replays the engine's expert choices in the training forwards (rollout
     routing replay, R3, arXiv 2510.11370; docs/moe.md): each token goes to the experts vLLM routed it to, weighted by
@@ -150,11 +152,19 @@ class RolloutConfig:
             "set it to k * engine_tp_size with placement=separate, or null",
         )
         _require(
-            self.weight_sync == "collective" or self.num_engines in ("auto", 1),
+            self.weight_sync != "files" or self.num_engines in ("auto", 1),
             "rollout.weight_sync",
             self.weight_sync,
             f"the files path feeds one engine, not rollout.num_engines={self.num_engines}",
             "use rollout.weight_sync=collective or rollout.num_engines=1",
+        )
+        _require(
+            self.weight_sync != "sharded" or self.engine_tp_size == 1,
+            "rollout.weight_sync",
+            self.weight_sync,
+            f"the sharded path sends each worker full tensors (vLLM's loaders slice them themselves), so an engine at "
+            f"rollout.engine_tp_size={self.engine_tp_size} would receive the whole model on every worker",
+            "use rollout.weight_sync=collective, or rollout.engine_tp_size=1",
         )
         _require(self.timeout_s > 0, "rollout.timeout_s", self.timeout_s, "must be > 0 seconds", "use 1800")
 

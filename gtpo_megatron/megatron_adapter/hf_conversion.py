@@ -331,31 +331,56 @@ def shard_from_hf(
     return reader.read(mapping.hf_names[0], 1, tp_rank * cols, (tp_rank + 1) * cols)
 
 
+WHOLE = -1
+"""The ``dim`` of an HF piece that is the whole tensor (a replicated parameter or an expert, from one owner)."""
+
+
+def hf_pieces(
+    mapping: ParamMapping, shard: torch.Tensor, geometry: ModelGeometry, tp_rank: int
+) -> list[tuple[str, int, torch.Tensor]]:
+    """TP rank ``tp_rank``'s piece of each HF tensor of one parameter: ``(hf_name, dim, view of shard)``.
+
+    The inverse of ``shard_from_hf`` one rank at a time: fusions split, head padding and padded vocabulary rows
+    dropped (a rank holding padding only gives an empty piece). The HF tensor is the concatenation along ``dim``
+    (0 rows, 1 columns) of its pieces in TP-rank order, or the one ``WHOLE`` piece. Views, no copies.
+    """
+    names = mapping.hf_names
+    if mapping.kind in (REPLICATED, EXPERT):
+        return [(names[0], WHOLE, shard)]
+    if mapping.kind == EXPERT_FC1:
+        return [(name, WHOLE, half) for name, half in zip(names, shard.chunk(2))]
+    if mapping.kind == VOCAB:
+        rows = shard.shape[0]
+        return [(names[0], 0, shard[: max(0, min(rows, geometry.vocab_size - tp_rank * rows))])]
+    if mapping.kind == ROW:
+        return [(names[0], 1, shard)]
+    if mapping.kind == PROJ:
+        cols, width = shard.shape[1], geometry.num_heads * geometry.head_dim
+        return [(names[0], 1, shard[:, : max(0, min(cols, width - tp_rank * cols))])]
+    if mapping.kind == FC1:
+        return [(name, 0, half) for name, half in zip(names, shard.chunk(2))]
+    per_group, d = geometry.heads_per_group, geometry.head_dim
+    groups = geometry.padded_num_query_groups // geometry.tp_size
+    real = max(0, min(groups, geometry.num_query_groups - tp_rank * groups))
+    tail = shard.shape[1:]
+    q, k, v = shard.reshape(groups, (per_group + 2) * d, *tail)[:real].split([per_group * d, d, d], dim=1)
+    return [(name, 0, part.reshape(-1, *tail)) for name, part in zip(names, (q, k, v))]
+
+
 def hf_from_shards(
     mapping: ParamMapping, shards: list[torch.Tensor], geometry: ModelGeometry
 ) -> list[tuple[str, torch.Tensor]]:
-    """Inverse of ``shard_from_hf``: TP shards (rank order) -> full HF tensors, padding dropped, fusions split."""
-    if mapping.kind in (REPLICATED, EXPERT):
-        return [(mapping.hf_names[0], shards[0].clone())]
-    if mapping.kind == EXPERT_FC1:
-        gate, up = shards[0].chunk(2)
-        return [(mapping.hf_names[0], gate.clone()), (mapping.hf_names[1], up.clone())]
-    if mapping.kind == VOCAB:
-        return [(mapping.hf_names[0], torch.cat(shards)[: geometry.vocab_size].clone())]
-    if mapping.kind == ROW:
-        return [(mapping.hf_names[0], torch.cat(shards, dim=1))]
-    if mapping.kind == PROJ:
-        width = geometry.num_heads * geometry.head_dim
-        return [(mapping.hf_names[0], torch.cat(shards, dim=1)[:, :width].contiguous())]
-    if mapping.kind == FC1:
-        gates, ups = zip(*(shard.chunk(2) for shard in shards))
-        return [(mapping.hf_names[0], torch.cat(gates)), (mapping.hf_names[1], torch.cat(ups))]
-    per_group, d = geometry.heads_per_group, geometry.head_dim
-    fused = torch.cat(shards)
-    tail = fused.shape[1:]
-    grouped = fused.reshape(geometry.padded_num_query_groups, (per_group + 2) * d, *tail)
-    q, k, v = grouped[: geometry.num_query_groups].split([per_group * d, d, d], dim=1)
-    return [(name, part.reshape(-1, *tail).contiguous()) for name, part in zip(mapping.hf_names, (q, k, v))]
+    """Inverse of ``shard_from_hf``: TP shards (rank order) -> fresh full HF tensors (the ``hf_pieces`` joined)."""
+    joined: dict[str, list[torch.Tensor]] = {}
+    dims: dict[str, int] = {}
+    for rank, shard in enumerate(shards):
+        for name, dim, piece in hf_pieces(mapping, shard, geometry, rank):
+            joined.setdefault(name, []).append(piece)
+            dims[name] = dim
+    return [
+        (name, pieces[0].clone() if dims[name] == WHOLE else torch.cat(pieces, dim=dims[name]))
+        for name, pieces in joined.items()
+    ]
 
 
 @torch.no_grad()

@@ -415,6 +415,12 @@ class MegatronPolicy:
 
         return iter_hf_weights(self.model, self.geometry, self.groups)
 
+    def shard_pieces(self):
+        """``shard_stream.local_shard_pieces`` of this rank: ``(offers, (hf_name, part) -> view)``; no collectives."""
+        from gtpo_megatron.megatron_adapter.shard_stream import local_shard_pieces
+
+        return local_shard_pieces(self.model, self.geometry, self.groups)
+
     def export_hf(self, out_dir: str) -> None:
         """Write an HF folder (safetensors, config, tokenizer) that ``transformers`` and vLLM load.
 

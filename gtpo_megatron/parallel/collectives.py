@@ -160,3 +160,26 @@ def broadcast_buffer(buffer: torch.Tensor, *, root: int, group: BroadcastGroup) 
         RuntimeError: a member died or did not take part within ``group.timeout_s`` (the group is then unusable).
     """
     start_broadcast(buffer, root=root, group=group).wait()
+
+
+def start_send(buffer: torch.Tensor, *, dst: int, tag: int, group: BroadcastGroup) -> dist.Work:
+    """Start sending ``buffer`` (contiguous, on the group's device) to member ``dst`` of a weight group.
+
+    Messages between two members with one ``tag`` arrive in the order sent. Collectives: one point-to-point send on
+    ``group.pg``; :func:`wait_work` for it.
+    """
+    return group.pg.send([buffer], dst, tag)
+
+
+def start_recv(buffer: torch.Tensor, *, src: int, tag: int, group: BroadcastGroup) -> dist.Work:
+    """Start receiving member ``src``'s message of ``tag`` into ``buffer`` (its size); :func:`wait_work` for it."""
+    return group.pg.recv([buffer], src, tag)
+
+
+def wait_work(work: dist.Work, *, group: BroadcastGroup) -> None:
+    """Wait for a :func:`start_send` / :func:`start_recv` at most ``group.timeout``.
+
+    Raises:
+        RuntimeError: the peer died or did not take part within the timeout.
+    """
+    work.wait(group.timeout)

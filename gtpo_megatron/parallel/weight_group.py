@@ -8,7 +8,9 @@ they live in ``parallel/collectives.py``.
 Ranks: the sender (trainer rank 0, which hosts the store) is 0; engine worker ``g = i * engine_tp_size + w`` is
 ``1 + g``. Relay (``plan.engines.relay_workers``): NCCL refuses two members on one GPU, so the colocated worker on
 the sender's GPU (the *target*) leaves the main group (later workers' ranks close up) and is fed by another worker
-(the *relay*) through a two-member relay group. Tested on gloo; the NCCL path is not run on CPU.
+(the *relay*) through a two-member relay group. Sharded (``num_senders`` > 0, ``rollout/sharded_wire.py``): members
+``0 .. num_senders-1`` are training ranks, worker ``g`` is ``num_senders + g``, no relay. Tested on gloo; the NCCL
+path is not run on CPU.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class WeightGroupSpec:
     backend: Literal["gloo", "nccl"]
     timeout_s: float
     relay: tuple[int, int] | None = None
+    num_senders: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         """Plain values, for RPC arguments (:meth:`from_dict` reads them back)."""
@@ -79,10 +82,14 @@ def open_weight_store(host: str, *, world_size: int, timeout_s: float) -> dist.T
 
 @dataclass(frozen=True, slots=True)
 class WorkerLink:
-    """An engine worker's groups: ``source`` sends it buckets; ``forward`` (the relay only) is where it passes them."""
+    """An engine worker's groups: ``source`` sends it buckets; ``forward`` (the relay only) is where it passes them.
+
+    ``sharded``: ``source`` speaks the sharded protocol (many senders) instead of the collective one.
+    """
 
     source: WeightGroup
     forward: WeightGroup | None = None
+    sharded: bool = False
 
 
 def join_weight_group(
@@ -116,6 +123,8 @@ def join_weight_group(
 
 def join_as_worker(spec: WeightGroupSpec, *, worker_index: int) -> WorkerLink:
     """Join as engine worker ``worker_index`` (``i * engine_tp_size + w``): main group, relay group or both."""
+    if spec.num_senders:
+        return WorkerLink(join_weight_group(spec, rank=spec.num_senders + worker_index), sharded=True)
     if spec.relay is None:
         return WorkerLink(join_weight_group(spec, rank=1 + worker_index))
     relay, target = spec.relay

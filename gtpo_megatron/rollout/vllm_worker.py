@@ -4,7 +4,8 @@ vLLM mixes :class:`WeightReloadExtension` into each worker (as the base of ``vll
 the routed-experts capture); ``LLM.collective_rpc`` calls its methods by name.
 Both weight paths end in one ``reload_weights`` pass, which re-runs ``process_weights_after_loading`` (the CPU
 backend pre-packs linear weights): ``files`` reads staged safetensors shards, ``collective`` feeds the sender's
-broadcast buckets (``rollout/weight_wire.py``) as they arrive. Two layers a reload leaves in the wrong layout are
+broadcast buckets (``rollout/weight_wire.py``) as they arrive, ``sharded`` the tensors joined from every sender's
+parts (``rollout/sharded_wire.py``). Two layers a reload leaves in the wrong layout are
 re-packed after it: a tied LM head (it loads nothing) and the CPU backend's MoE experts (vLLM re-packs experts for
 its GPU kernels on an update but skips the CPU grouped-GEMM pre-pack, which leaves the experts scrambled: logits
 off by 0.05-0.08 nats on a tiny Qwen3-MoE). This module does not import vLLM.
@@ -19,6 +20,7 @@ from typing import Any
 
 from gtpo_megatron.parallel.weight_group import WeightGroupSpec, join_as_worker
 from gtpo_megatron.rollout.engine import NamedTensor
+from gtpo_megatron.rollout.sharded_wire import receive_shards
 from gtpo_megatron.rollout.weight_wire import WireStats, receive_weights
 
 
@@ -70,7 +72,7 @@ class WeightReloadExtension:
         self._gtpo_weight_link = join_as_worker(spec, worker_index=worker_offset + self.rank)
 
     def gtpo_receive_weights(self) -> dict[str, float]:
-        """Receive one broadcast update into one ``reload_weights`` pass; returns this worker's ``WireStats`` figures.
+        """Receive one update (broadcast or sharded) into one ``reload_weights`` pass; returns its ``WireStats``.
 
         Raises:
             RuntimeError: not joined, or the sender failed half-way (the model is then partly updated).
@@ -79,7 +81,10 @@ class WeightReloadExtension:
         if link is None:
             raise RuntimeError("gtpo_receive_weights called before gtpo_join_weight_group")
         start, stats = time.perf_counter(), WireStats()
-        updates = receive_weights(link.source, stats, forward=link.forward)
+        if link.sharded:
+            updates = receive_shards(link.source, stats)
+        else:
+            updates = receive_weights(link.source, stats, forward=link.forward)
         try:
             self.reload_weights(weights_iterator=updates)
         finally:  # a failed load: drop the rest now (its traceback would keep the iterator open)

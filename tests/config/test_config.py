@@ -326,6 +326,7 @@ def test_engine_fields_take_a_number_or_auto():
     cfg = load_config(None, [*BASE, "rollout.num_engines=2", "rollout.timeout_s=60"])
     assert cfg.rollout.num_engines == 2 and isinstance(cfg.rollout.num_engines, int)
     assert cfg.rollout.weight_sync == "collective" and cfg.rollout.timeout_s == 60.0
+    assert load_config(None, [*BASE, "rollout.num_engines=2", "rollout.weight_sync=sharded"]).rollout.num_engines == 2
     with pytest.raises(ValueError, match=r"rollout.num_engines='two': must be an integer or must be one of \['auto'\]"):
         load_config(None, [*BASE, "rollout.num_engines=two"])
 
@@ -342,6 +343,10 @@ def test_engine_fields_take_a_number_or_auto():
         (
             ["rollout.weight_sync=files", "rollout.num_engines=2"],
             "rollout.weight_sync='files': the files path feeds one engine, not rollout.num_engines=2",
+        ),
+        (
+            ["rollout.weight_sync=sharded", "rollout.engine_tp_size=2"],
+            "rollout.weight_sync='sharded': the sharded path sends each worker full tensors",
         ),
         (["rollout.timeout_s=0"], "rollout.timeout_s=0.0: must be > 0 seconds"),
     ],

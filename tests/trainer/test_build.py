@@ -40,7 +40,7 @@ def test_the_rollout_side_starts_while_the_policy_loads(tmp_path, monkeypatch):
 
     monkeypatch.setattr(build, "build_collector", build_collector)
     monkeypatch.setattr(build, "build_policy", build_policy)
-    monkeypatch.setattr(build, "build_weight_sync", lambda cfg, groups, engine, placements: None)
+    monkeypatch.setattr(build, "build_weight_sync", lambda cfg, groups, engine, placements, policy: None)
     timer = build.PhaseTimer()
     trainer = build.build_trainer(_cfg(tmp_path), single_rank_groups(), timer=timer)
     assert trainer.collector is collector
@@ -82,3 +82,11 @@ def test_the_exchange_carries_the_routed_experts_layout_of_an_moe_model_with_rou
     assert build.build_exchange(cfg, str(dense), num_engines=1).routing is None  # the policy refuses a dense model
     off = load_config(None, model)
     assert build.build_exchange(off, str(tmp_path / "absent"), num_engines=1).routing is None  # nothing read
+
+
+def test_the_sharded_sync_is_refused_on_gpus(tmp_path, monkeypatch):
+    cfg = load_config(None, ["model=builtin:tiny-llama", f"output_dir={tmp_path}", "rollout.weight_sync=sharded"])
+    monkeypatch.setattr(build.torch.cuda, "is_available", lambda: True)
+    with pytest.raises(ValueError, match=r"rollout.weight_sync='sharded': its wire is gloo .* use "
+                                         r"rollout.weight_sync=collective"):  # fmt: skip
+        build.build_weight_sync(cfg, single_rank_groups(), None, [], FakePolicy())
