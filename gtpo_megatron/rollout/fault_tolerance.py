@@ -125,6 +125,7 @@ class FaultTolerance:
                     scored.update(sample(mine))
                 except EngineFailure as err:
                     failed[self.mine], self._cause = 1.0, err
+                    _kill(self.collector.engine)
                 except Exception as err:  # a grader's failure: shared at the exchange, which stops the job
                     tally.fail(err)
             lost = [e for e, flag in enumerate(all_reduce_sum(failed, group=self.group).tolist()) if flag > 0]
@@ -159,8 +160,10 @@ class FaultTolerance:
                 metrics = self.weight_sync.sync(stream)
             except Exception as err:  # agreed below: the other ranks may have seen nothing
                 failed[-1], error = 1.0, err
-                if self.mine in members and not self._healthy(self._member_engine(members, admitted)):
+                engine = self._member_engine(members, admitted)
+                if engine is not None and not self._healthy(engine):
                     failed[self.mine], self._cause = 1.0, err
+                    _kill(engine)
             failed = all_reduce_sum(failed, group=self.group).tolist()
             if failed[-1] == 0:
                 break
@@ -244,9 +247,7 @@ class FaultTolerance:
         def run() -> GuardedEngine:
             if cores is not None:  # this thread only: the new engine's processes inherit the engine's cores
                 os.sched_setaffinity(0, cores)
-            kill = getattr(old.engine, "kill", None)
-            if kill is not None:
-                kill()
+            _kill(old)
             with contextlib.suppress(Exception):  # its processes are gone already
                 old.close()
             return restart()
@@ -261,3 +262,10 @@ class FaultTolerance:
         if call.finished(CLOSE_TIMEOUT_S):
             with contextlib.suppress(Exception):  # a failed restart has nothing to close
                 call.result(0.0).close()
+
+
+def _kill(engine: GuardedEngine) -> None:
+    """Kill a failed engine's processes now, where it can (a stopped one would hold the weight group's sockets)."""
+    kill = getattr(engine.engine, "kill", None)
+    if kill is not None:
+        kill()
