@@ -176,10 +176,10 @@ class CollectiveWeightSync:
         return metrics
 
     def _send(self, stream: StreamFactory) -> WireStats:
-        """``send_weights`` on the group; a failed send closes the group at once (the sender's last reference).
+        """``send_weights`` on the group; a failed send drops the group (the sender's last reference to it).
 
-        A member that died leaves the group broken; closing its connections makes the other members' receives fail
-        now instead of at the group's timeout (their engines are then unusable until a new group is built).
+        A member that died leaves the group broken; where nothing else holds the group, dropping it closes its
+        connections and the other members' receives fail now instead of at the group's timeout.
         """
         try:
             return send_weights(stream(), group=self.group, bucket_bytes=self.bucket_bytes, dtype=self.dtype)

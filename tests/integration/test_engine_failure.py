@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 STEPS = 24  # enough one-engine steps (about 2 s each on 2 cores) for the restart (about 45 s) to rejoin
 FAULT_TOLERANCE = ["rollout.num_engines=2", "rollout.fault_tolerance=true", f"trainer.max_steps={STEPS}",
                    "rollout.health_check_interval_s=1", "rollout.health_check_timeout_s=5",
-                   "rollout.health_check_first_wait_s=0", "rollout.timeout_s=300"]  # fmt: skip
+                   "rollout.health_check_first_wait_s=0", "rollout.timeout_s=120"]  # fmt: skip
 RECOVERY = ("rollout/engines_alive", "rollout/engine_restarts", "rollout/requests_moved", "rollout/recovery_s")
 
 
