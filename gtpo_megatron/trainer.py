@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     from gtpo_megatron.parallel.groups import ParallelGroups
     from gtpo_megatron.policy import Policy, ReferencePolicy
     from gtpo_megatron.rollout.exchange import StepExchange
+    from gtpo_megatron.rollout.fault_tolerance import FaultTolerance
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +72,7 @@ class Trainer:
         sink: the metric sink (enabled on rank 0 only).
         reference: the frozen reference policy of the KL term (``algorithm.kl_coef > 0``), else None.
         weight_sync: this rank's part of the weight push (``rollout.push``); default: the ``files`` path.
+        fault_tolerance: ``rollout.fault_tolerance``'s engine recovery (it then drives the rollout and the sync).
     """
 
     def __init__(
@@ -86,6 +88,7 @@ class Trainer:
         sink: MetricSink,
         reference: ReferencePolicy | None = None,
         weight_sync: CollectiveWeightSync | FilesWeightSync | None = None,
+        fault_tolerance: FaultTolerance | None = None,
     ) -> None:
         self.cfg = cfg
         self.groups = groups
@@ -96,6 +99,7 @@ class Trainer:
         self.pad_token_id = pad_token_id
         self.sink = sink
         self.reference = reference
+        self.fault_tolerance = fault_tolerance
         if (reference is None) != (cfg.algorithm.kl_coef == 0):
             raise ValueError(
                 f"algorithm.kl_coef={cfg.algorithm.kl_coef} needs a reference policy exactly when it is > 0; got "
@@ -177,7 +181,8 @@ class Trainer:
             return self.rollouts.take(step, self.stop_requests)
         if self._offload_enabled:
             self.policy.offload_train_state()
-        rollout = collect_step(self.collector, self.loader, step, self.exchange, stop=self.stop_requests)
+        rollout = collect_step(self.collector, self.loader, step, self.exchange, stop=self.stop_requests,
+                               recovery=self.fault_tolerance)  # fmt: skip
         if self.collector is not None and rollout is not None and self.cfg.rollout.placement == "colocated":
             self.collector.engine.sleep()
         if self._offload_enabled:
@@ -252,6 +257,8 @@ class Trainer:
         """Stream the new weights into every engine (``rollout.push``); replica 0's ranks drive the gather."""
         if self.collector is not None:
             self.collector.engine.wake_up()
+        if self.fault_tolerance is not None:  # without the failed engines; admits the restarted ones
+            return self.fault_tolerance.sync(self.policy.iter_hf_weights)
         return self.weight_sync.sync(self.policy.iter_hf_weights)
 
     # ------------------------------------------------------------------------------------------------ the loop
@@ -305,6 +312,8 @@ class Trainer:
         steps = [("the metric sink", self.sink.close)]
         if self.rollouts is not None:
             steps[:0] = [("the async rollouts", self.rollouts.close)]
+        if self.fault_tolerance is not None:
+            steps[:0] = [("the restarting engine", self.fault_tolerance.close)]
         if self.collector is not None:
             steps[:0] = [
                 ("the rollout engine", self.collector.engine.close),

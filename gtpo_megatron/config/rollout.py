@@ -83,6 +83,20 @@ class RolloutConfig:
     """Seconds an engine may take to generate one round or to apply one weight update before the job stops with an
     error naming the engine and its ranks on every rank (also the weight group's collective timeout; the world
     group's is ``GTPOConfig.world_timeout_s``, which covers ``max_staleness`` of them in async mode)."""
+    fault_tolerance: bool = False
+    """Keep training when an engine dies or stops answering (``rollout/fault_tolerance.py``, docs/training.md,
+    "Engine failures"): its prompts move to the surviving engines with the same request seeds, it restarts in the
+    background and rejoins with the current weights at a weight sync. Needs ``rollout.num_engines >= 2``,
+    ``weight_sync: collective`` and ``mode: sync``. Off: a failed engine stops the job, naming it."""
+    health_check_interval_s: float = 10.0
+    """Fault tolerance: seconds between two health checks of an engine that is generating or receiving weights."""
+    health_check_timeout_s: float = 5.0
+    """Fault tolerance: seconds a health check may take before the engine counts as hung (<= ``timeout_s``)."""
+    health_check_first_wait_s: float = 300.0
+    """Fault tolerance: seconds after an engine's (re)start during which a slow health check is tolerated (a cold
+    start compiles); a dead process counts at once."""
+    max_restarts: int = 3
+    """Fault tolerance: restarts allowed per engine over the run; the next failure of that engine stops the job."""
 
     def __post_init__(self) -> None:
         _require(self.num_prompts >= 1, "rollout.num_prompts", self.num_prompts, "must be >= 1", "use 1 or more")
@@ -167,6 +181,49 @@ class RolloutConfig:
             "use rollout.weight_sync=collective, or rollout.engine_tp_size=1",
         )
         _require(self.timeout_s > 0, "rollout.timeout_s", self.timeout_s, "must be > 0 seconds", "use 1800")
+        self._check_fault_tolerance()
+
+    def _check_fault_tolerance(self) -> None:
+        _require(self.health_check_interval_s > 0, "rollout.health_check_interval_s", self.health_check_interval_s,
+                 "must be > 0 seconds", "use 10")  # fmt: skip
+        _require(self.health_check_timeout_s > 0, "rollout.health_check_timeout_s", self.health_check_timeout_s,
+                 "must be > 0 seconds", "use 5")  # fmt: skip
+        _require(self.health_check_first_wait_s >= 0, "rollout.health_check_first_wait_s",
+                 self.health_check_first_wait_s, "must be >= 0 seconds", "use 300 (a cold start compiles)")  # fmt: skip
+        _require(self.max_restarts >= 0, "rollout.max_restarts", self.max_restarts,
+                 "must be >= 0 (restarts per engine over the run)", "use 3")  # fmt: skip
+        if not self.fault_tolerance:
+            return
+        _require(
+            self.health_check_timeout_s <= self.timeout_s,
+            "rollout.health_check_timeout_s",
+            self.health_check_timeout_s,
+            f"must be <= rollout.timeout_s={self.timeout_s:g} seconds (a check slower than the step's own bound "
+            "never decides anything)",
+            "use 5",
+        )
+        _require(
+            self.num_engines == "auto" or self.num_engines >= 2,
+            "rollout.fault_tolerance/rollout.num_engines",
+            (self.fault_tolerance, self.num_engines),
+            "fault tolerance continues a step on the surviving engines; one engine leaves none (a restart-and-wait "
+            "costs what a resume from the last checkpoint costs, without its guarantees)",
+            "set rollout.num_engines >= 2, or rollout.fault_tolerance=false",
+        )
+        _require(
+            self.weight_sync == "collective",
+            "rollout.fault_tolerance/rollout.weight_sync",
+            (self.fault_tolerance, self.weight_sync),
+            "a restarted engine rejoins through the collective weight group (the files path feeds one engine)",
+            "set rollout.weight_sync=collective",
+        )
+        _require(
+            self.mode == "sync",
+            "rollout.fault_tolerance/rollout.mode",
+            (self.fault_tolerance, self.mode),
+            "fault tolerance redistributes a step's prompts at the rollout exchange of sync mode only (not yet async)",
+            "set rollout.mode=sync, or rollout.fault_tolerance=false",
+        )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -109,6 +109,7 @@ class GTPOConfig:
             num_answers=rollout.num_prompts * self.algorithm.group_size,
             reward_workers=reward.num_workers,
             reward_timeout_s=reward.timeout_s,
+            fault_tolerance=rollout.fault_tolerance,
         )
 
     @property

@@ -28,12 +28,15 @@ def longest_wait_s(
     num_answers: int,
     reward_workers: int,
     reward_timeout_s: float,
+    fault_tolerance: bool = False,
 ) -> float:
     """Seconds, from the ``rollout.*`` and ``reward.*`` values; a weight update's ``timeout_s`` is shorter.
 
-    Sync: a round's generation and the grading of its P*G ``num_answers``; async: the drain of ``max_staleness``
-    batches (grading included).
+    Sync: a round's generation and the grading of its P*G ``num_answers``; with ``fault_tolerance`` twice (a failed
+    engine's prompts sampled again on another, ``rollout/fault_tolerance.py``); async: the drain of
+    ``max_staleness`` batches (grading included).
     """
     if mode == "async":
         return max_staleness * timeout_s
-    return timeout_s + grading_bound_s(num_answers, num_workers=reward_workers, timeout_s=reward_timeout_s)
+    passes = 2 if fault_tolerance else 1
+    return passes * (timeout_s + grading_bound_s(num_answers, num_workers=reward_workers, timeout_s=reward_timeout_s))

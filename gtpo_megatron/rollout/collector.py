@@ -11,9 +11,12 @@ chosen groups cross ranks once as one packed tensor (``rollout/exchange.py``) an
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -39,6 +42,9 @@ from gtpo_megatron.rollout.exchange import (
     raise_leader_failures,
     unpack_rows,
 )
+
+if TYPE_CHECKING:
+    from gtpo_megatron.rollout.fault_tolerance import FaultTolerance
 
 logger = logging.getLogger(__name__)
 
@@ -104,14 +110,22 @@ class RolloutCollector:
         return engine_prompt_range(num_prompts, num_engines=self.exchange.num_engines, index=self.engine_index)
 
     def sample_round(
-        self, step: int, round_index: int, problems: list[Problem], tally: EngineTally
+        self,
+        step: int,
+        round_index: int,
+        problems: list[Problem],
+        tally: EngineTally,
+        share: Sequence[int] | None = None,
     ) -> dict[int, ScoredGroup]:
         """``{global prompt index: ScoredGroup}`` of this leader's share of a round; adds its counters to ``tally``.
 
+        ``share``: the global prompt indices to sample (fault tolerance moves prompts), else :meth:`share`.
+
         Raises:
             RuntimeError: the graders failed on more than ``reward.max_error_frac`` of the answers.
+            rollout.engine_guard.EngineFailure: the engine failed (naming it).
         """
-        share, group_size = self.share(), self.exchange.algorithm.group_size
+        share, group_size = self.share() if share is None else list(share), self.exchange.algorithm.group_size
         if len(share) == 0:
             return {}
         prompt_ids = [
@@ -143,16 +157,21 @@ def collect_step(
     exchange: StepExchange,
     *,
     stop: StopRequests | None = None,
+    recovery: FaultTolerance | None = None,
 ) -> StepRollout | None:
     """Sample, score, select and share this step's groups; every rank calls (``collector``: a leader's, else None).
 
     The same ``StepRollout`` on every rank, or None on all when a stop signal made a leader leave its rollout.
     Collectives: a SUM of ``[P]`` varied flags per dynamic-sampling round, then :func:`share_step`'s. Raises
-    RuntimeError on every rank when a leader's engine or reward pool failed, naming the engine.
+    RuntimeError on every rank when a leader's engine or reward pool failed, naming the engine. ``recovery``
+    (``rollout.fault_tolerance``) samples each round instead, moving a failed engine's prompts (its collectives).
     """
-    sampled, varied, tally = _sample_rounds(collector, loader, step, exchange, stop)
+    sampled, varied, tally = _sample_rounds(collector, loader, step, exchange, stop, recovery)
     engine_index = None if collector is None else collector.engine_index
-    return share_step(sampled, varied, tally, exchange, engine_index=engine_index)
+    rollout = share_step(sampled, varied, tally, exchange, engine_index=engine_index)
+    if recovery is not None and rollout is not None:
+        rollout.stats.update(recovery.step_stats())
+    return rollout
 
 
 def share_step(
@@ -210,6 +229,7 @@ def _sample_rounds(
     step: int,
     exchange: StepExchange,
     stop: StopRequests | None,
+    recovery: FaultTolerance | None,
 ) -> tuple[list[dict[int, ScoredGroup]], list[bool], EngineTally]:
     """This rank's scored groups per round, the global varied flags and this leader's counters (``aborted``)."""
     algorithm_cfg, num_prompts = exchange.algorithm, exchange.rollout.num_prompts
@@ -218,7 +238,10 @@ def _sample_rounds(
     for round_index in range(rounds):
         problems = loader.next_batch()
         scored = {}
-        if collector is not None and not (tally.aborted or tally.failed):
+        if recovery is not None:
+            sample = functools.partial(_sample_interruptibly, collector, step, round_index, problems, tally, stop)
+            scored = recovery.sample_round(sample, tally)
+        elif collector is not None and not (tally.aborted or tally.failed):
             try:
                 scored = _sample_interruptibly(collector, step, round_index, problems, tally, stop)
             except Exception as err:  # shared at the exchange: the other ranks wait there for this batch
@@ -242,13 +265,14 @@ def _sample_interruptibly(
     problems: list[Problem],
     tally: EngineTally,
     stop: StopRequests | None,
+    share: Sequence[int] | None = None,
 ) -> dict[int, ScoredGroup]:
     """``collector.sample_round``, left on SIGTERM (``tally.aborted = 1``; any failure after one counts as it)."""
     if stop is None:
-        return collector.sample_round(step, round_index, problems, tally)
+        return collector.sample_round(step, round_index, problems, tally, share)
     try:
         with stop.interruptible():
-            return collector.sample_round(step, round_index, problems, tally)
+            return collector.sample_round(step, round_index, problems, tally, share)
     except (StepInterrupted, Exception) as err:
         if not stop.abort_requested:
             raise

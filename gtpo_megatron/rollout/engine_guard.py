@@ -2,7 +2,9 @@
 
 ``GuardedEngine`` wraps a ``RolloutEngine`` for the trainer: every generation and weight update runs under a
 ``rollout.timeout_s`` watchdog (daemon threads), and a hung or dead engine stops the job with a ``RuntimeError``
-naming the engine and its ranks; an update that fails half-way marks the engine unusable. The collective path's
+naming the engine and its ranks (an ``EngineFailure``); an update that fails half-way marks the engine unusable.
+With a ``HealthCheck`` (``rollout.fault_tolerance``) every wait also probes the engine's processes each
+``health_check_interval_s``, so a dead or stopped engine is found before ``timeout_s``. The collective path's
 worker calls run in the background (:meth:`~GuardedEngine.start_receive`) while this process sends. ``close``
 waits ``CLOSE_TIMEOUT_S`` at most; :func:`close_all` runs every teardown step, keeping the job's own error first.
 """
@@ -12,13 +14,18 @@ from __future__ import annotations
 import logging
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from gtpo_megatron.plan.engines import EnginePlacement
 from gtpo_megatron.preemption import StepInterrupted, wait_until
 from gtpo_megatron.rollout.engine import NamedTensor, RolloutEngine, SamplingConfig
 from gtpo_megatron.rollout.types import PromptCompletions
+
+if TYPE_CHECKING:
+    from gtpo_megatron.config import RolloutConfig
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +52,10 @@ class EngineCall:
         finally:
             self._done.set()
 
+    def finished(self, timeout_s: float) -> bool:
+        """Whether the call ended within ``timeout_s`` (returned or raised); leaves on an abort signal as below."""
+        return wait_until(self._done.wait, timeout_s)
+
     def result(self, timeout_s: float) -> Any:
         """The call's value; ``TimeoutError`` after ``timeout_s`` (the daemon is left behind), or the call's error.
 
@@ -57,13 +68,57 @@ class EngineCall:
         return self._value
 
 
-class GuardedEngine:
-    """``engine`` with a ``timeout_s`` watchdog, the name of its ``placement`` in errors and an unusable state."""
+class EngineFailure(RuntimeError):
+    """An engine call failed, timed out or the engine failed its health check (the message names the engine)."""
 
-    def __init__(self, engine: RolloutEngine, *, placement: EnginePlacement, timeout_s: float) -> None:
+
+@dataclass(frozen=True, slots=True)
+class HealthCheck:
+    """Probe an engine (``check_health``) every ``interval_s`` while a call runs; a probe may take ``timeout_s``.
+
+    ``first_wait_s``: from ``started_at_s`` (``time.monotonic``), a probe that does not answer in time is tolerated
+    (a cold start); a probe that raises (a dead or stopped process) counts at once.
+    """
+
+    interval_s: float
+    timeout_s: float
+    first_wait_s: float
+    started_at_s: float
+
+    @classmethod
+    def from_config(cls, rollout: RolloutConfig) -> HealthCheck:
+        """The ``rollout.health_check_*`` settings, the first wait starting now."""
+        return cls(rollout.health_check_interval_s, rollout.health_check_timeout_s,
+                   rollout.health_check_first_wait_s, time.monotonic())  # fmt: skip
+
+    def watch(self, call: EngineCall, probe: Callable[[], None], timeout_s: float) -> Any:
+        """``call.result`` within ``timeout_s``, probing between waits; raises ``TimeoutError`` or the probe's error."""
+        deadline = time.monotonic() + timeout_s
+        while not call.finished(max(min(self.interval_s, deadline - time.monotonic()), 0.0)):
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"{call.what} did not finish within {timeout_s:g} s")
+            check = EngineCall(probe, "health check")
+            if not check.finished(self.timeout_s):
+                if time.monotonic() - self.started_at_s >= self.first_wait_s:
+                    raise TimeoutError(f"the health check did not answer within {self.timeout_s:g} s (hung engine)")
+                continue
+            check.result(0.0)  # a dead or stopped engine raises here
+        return call.result(0.0)
+
+
+class GuardedEngine:
+    """``engine`` with a ``timeout_s`` watchdog, the name of its ``placement`` in errors and an unusable state.
+
+    ``health``: probe the engine while waiting (``rollout.fault_tolerance``), else None.
+    """
+
+    def __init__(
+        self, engine: RolloutEngine, *, placement: EnginePlacement, timeout_s: float, health: HealthCheck | None = None
+    ) -> None:
         self.engine = engine
         self.placement = placement
         self.timeout_s = timeout_s
+        self.health = health
         self.unusable: str | None = None
 
     @property
@@ -76,16 +131,19 @@ class GuardedEngine:
 
     def wait(self, call: EngineCall, *, breaks_weights: bool = True) -> Any:
         """Wait for a call (``timeout_s`` at most); a failure marks the engine unusable and raises, naming it."""
+        probe = getattr(self.engine, "check_health", None)
         try:
-            return call.result(self.timeout_s)
+            if self.health is None or probe is None:
+                return call.result(self.timeout_s)
+            return self.health.watch(call, probe, self.timeout_s)
         except StepInterrupted:  # a stop signal left the wait: not the engine's failure
             raise
         except BaseException as err:
             if breaks_weights:
                 self.unusable = f"{call.what} failed: {err}"
-            raise RuntimeError(
+            raise EngineFailure(
                 f"{self.name}: {call.what} failed ({type(err).__name__}: {err}); rollout.timeout_s={self.timeout_s:g}"
-                " bounds every generation and weight update. Stopping the job."
+                " bounds every generation and weight update." + (" Stopping the job." if self.health is None else "")
             ) from err
 
     def _check_usable(self) -> None:
@@ -124,12 +182,14 @@ class GuardedEngine:
         self._guarded(self.engine.finish_weight_update, "weight update (files)", breaks_weights=True)
 
     def sleep(self) -> None:
-        """``engine.sleep``."""
-        self.engine.sleep()
+        """``engine.sleep`` (skipped on an unusable engine: a lost one may be dead)."""
+        if self.unusable is None:
+            self.engine.sleep()
 
     def wake_up(self) -> None:
-        """``engine.wake_up``."""
-        self.engine.wake_up()
+        """``engine.wake_up`` (skipped on an unusable engine)."""
+        if self.unusable is None:
+            self.engine.wake_up()
 
     def close(self) -> None:
         """``engine.close``, given at most ``CLOSE_TIMEOUT_S`` (a hung engine must not keep the job from exiting).

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import time
+import traceback
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -21,7 +22,7 @@ from typing import TYPE_CHECKING
 from gtpo_megatron.parallel.collectives import broadcast_object
 from gtpo_megatron.parallel.weight_group import WeightGroup, WeightGroupSpec, join_weight_group, open_weight_store
 from gtpo_megatron.rollout.engine import NamedTensor, RolloutEngine
-from gtpo_megatron.rollout.weight_wire import send_weights
+from gtpo_megatron.rollout.weight_wire import WireStats, send_weights
 
 if TYPE_CHECKING:
     import torch
@@ -161,7 +162,7 @@ class CollectiveWeightSync:
         metrics: dict[str, float] = {}
         try:
             if self.group is not None:
-                stats = send_weights(stream(), group=self.group, bucket_bytes=self.bucket_bytes, dtype=self.dtype)
+                stats = self._send(stream)
                 broadcast_s = time.perf_counter() - start
             elif self.exporting:
                 drain(stream())
@@ -173,6 +174,19 @@ class CollectiveWeightSync:
             push = PushStats(stats.num_tensors, stats.num_bytes, stats.num_buckets, stats.max_bucket_bytes, seconds)
             metrics = {**push.as_metrics(), "sync/broadcast_s": broadcast_s}
         return metrics
+
+    def _send(self, stream: StreamFactory) -> WireStats:
+        """``send_weights`` on the group; a failed send drops the group (the sender's last reference to it).
+
+        A member that died leaves the group broken; where nothing else holds the group, dropping it closes its
+        connections and the other members' receives fail now instead of at the group's timeout.
+        """
+        try:
+            return send_weights(stream(), group=self.group, bucket_bytes=self.bucket_bytes, dtype=self.dtype)
+        except BaseException as err:
+            err.add_note("".join(traceback.format_tb(err.__traceback__)))  # the frames keep the group: dropped
+            err.__traceback__, self.group = None, None
+            raise
 
 
 def connect_weight_group(

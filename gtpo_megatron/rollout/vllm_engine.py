@@ -33,7 +33,7 @@ import torch
 
 from gtpo_megatron.builtin_models import resolve_model_path
 from gtpo_megatron.node_local import socket_dir
-from gtpo_megatron.rollout import cpu_preload, vllm_logging
+from gtpo_megatron.rollout import cpu_preload, engine_processes, vllm_logging
 from gtpo_megatron.rollout.engine import (
     NamedTensor,
     SamplingConfig,
@@ -378,6 +378,28 @@ class VLLMEngine:
         return stats
 
     # ------------------------------------------------------------------------------------------------ lifecycle
+    def _process_ids(self) -> list[int]:
+        """The engine core processes' ids (vLLM's multiprocess client; none in process or once closed)."""
+        core = None if self._llm is None else self._llm.llm_engine.engine_core
+        manager = getattr(getattr(core, "resources", None), "engine_manager", None)
+        return [p.pid for p in getattr(manager, "processes", []) if p.pid is not None]
+
+    def check_health(self) -> None:
+        """Raise ``RuntimeError`` when the engine is closed, dead or stopped (``engine_processes.check_processes``)."""
+        if self._llm is None:
+            raise RuntimeError("the engine is closed")
+        resources = getattr(self._llm.llm_engine.engine_core, "resources", None)
+        if resources is None:  # an in-process engine: this process answers for it
+            return
+        if resources.engine_dead:
+            raise RuntimeError("vLLM reports the engine core dead")
+        engine_processes.check_processes(self._process_ids())
+
+    def kill(self) -> None:
+        """SIGKILL the engine's processes (a failed engine, before ``close``; a stopped one ignores SIGTERM)."""
+        if self._llm is not None:
+            engine_processes.kill_processes(self._process_ids())
+
     def sleep(self) -> None:
         """Free GPU weights and KV cache (level 1: weights offloaded to CPU); no-op on CPU."""
         if self._sleep_enabled:

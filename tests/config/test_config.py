@@ -390,6 +390,7 @@ def test_router_loss_coefficients_must_be_finite_and_non_negative(field, value):
         (["rollout.timeout_s=7200", "rollout.num_prompts=3", "reward.num_workers=5"], 7200 + 5 * 7),
         (["rollout.placement=separate", "rollout.mode=async", "rollout.max_staleness=3", "rollout.timeout_s=7200"],
          3 * 7200),  # the drain: max_staleness batches, grading included
+        (["rollout.fault_tolerance=true", "rollout.num_engines=2"], 2 * (1800 + 4 * (5 + 2))),  # a second pass
     ],
 )  # fmt: skip
 def test_the_world_timeout_covers_the_longest_wait_for_an_engine(overrides, longest_s):

@@ -127,3 +127,29 @@ def test_a_failed_vllm_load_releases_the_sender():
     elapsed = done - engine_worker.fault
     print(f"[wire] vLLM load failure -> sender done after {elapsed:.3f} s")
     assert stats.num_buckets == 4 and elapsed < FAST_S and failure.value is not None
+
+
+def test_a_failed_collective_sync_closes_the_group_so_the_workers_fail_at_once(monkeypatch):
+    """The abort message cannot be sent either (a member died): closing the group ends the workers' receive."""
+    from gtpo_megatron.rollout.push import CollectiveWeightSync
+
+    groups = _groups(2, timeout_s=120.0)  # a worker still waiting at this timeout would fail the match below
+    worker = groups.pop()
+    sync = CollectiveWeightSync(engine=None, group=groups.pop(), exporting=True, bucket_bytes=64, dtype=torch.float32)
+
+    def abort(self):
+        raise RuntimeError("injected: Connection closed by peer (the dead member)")
+
+    def stream():
+        yield "a", torch.ones(4)
+        yield "b", torch.ones(4)
+        raise OSError("injected: a member died")
+
+    monkeypatch.setattr(weight_wire._Sender, "abort", abort)
+    with ThreadPoolExecutor(1) as pool:
+        received = pool.submit(_drain, worker)
+        with pytest.raises(OSError, match="a member died"):
+            sync.sync(stream)
+        assert sync.group is None
+        with pytest.raises(RuntimeError, match="Connection closed by peer"):
+            received.result()

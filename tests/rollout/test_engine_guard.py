@@ -11,7 +11,7 @@ import pytest
 from gtpo_megatron.plan.engines import EnginePlacement
 from gtpo_megatron.preemption import StepInterrupted, StopRequests
 from gtpo_megatron.rollout.engine import SamplingConfig
-from gtpo_megatron.rollout.engine_guard import EngineCall, GuardedEngine
+from gtpo_megatron.rollout.engine_guard import EngineCall, EngineFailure, GuardedEngine, HealthCheck
 from tests.trainer.fakes import FakeEngine
 
 PLACEMENT = EnginePlacement(index=1, num_engines=2, leader_rank=2, ranks=(2, 3), devices=(2, 3))
@@ -90,3 +90,49 @@ def test_closing_a_hung_engine_does_not_hang(monkeypatch, caplog):
         GuardedEngine(engine, placement=PLACEMENT, timeout_s=5.0).close()
     assert time.perf_counter() - start < 2 and "did not shut down within 0.1 s" in caplog.text
     engine.release.set()
+
+
+class _Probed(_Stuck):
+    """A hung generation whose health check reports a stopped process, or (``silent``) never answers."""
+
+    def __init__(self, silent: bool = False):
+        super().__init__()
+        self.silent, self.probes = silent, 0
+
+    def check_health(self):
+        self.probes += 1
+        if self.silent:
+            self.release.wait(30)
+        raise RuntimeError("engine process 4242 (VLLM::EngineCore) is stopped")
+
+
+def _health(first_wait_s: float = 0.0) -> HealthCheck:
+    return HealthCheck(interval_s=0.05, timeout_s=0.1, first_wait_s=first_wait_s, started_at_s=time.monotonic())
+
+
+def test_a_health_check_finds_a_stopped_engine_long_before_the_timeout():
+    engine = _Probed()
+    guarded = GuardedEngine(engine, placement=PLACEMENT, timeout_s=30.0, health=_health())
+    with pytest.raises(EngineFailure, match=NAME + r": generation failed \(RuntimeError: .* is stopped\)"):
+        guarded.generate([[1, 2]], 1, SamplingConfig())
+    assert engine.probes == 1
+    engine.release.set()
+
+
+def test_a_silent_health_check_counts_only_after_the_first_wait():
+    engine = _Probed(silent=True)
+    guarded = GuardedEngine(engine, placement=PLACEMENT, timeout_s=0.6, health=_health(first_wait_s=30.0))
+    with pytest.raises(EngineFailure, match=r"generation did not finish within 0.6 s"):  # tolerated: a cold start
+        guarded.generate([[1, 2]], 1, SamplingConfig())
+    assert engine.probes >= 2
+    guarded.health = _health(first_wait_s=0.0)
+    with pytest.raises(EngineFailure, match=r"the health check did not answer within 0.1 s \(hung engine\)"):
+        guarded.generate([[1, 2]], 1, SamplingConfig())
+    engine.release.set()
+
+
+def test_a_healthy_engine_answers_through_the_health_checks():
+    engine = FakeEngine()
+    engine.check_health = lambda: None
+    guarded = GuardedEngine(engine, placement=PLACEMENT, timeout_s=5.0, health=_health())
+    assert len(guarded.generate([[1, 2]], 2, SamplingConfig())[0].completions) == 2

@@ -1,0 +1,99 @@
+"""``rollout.fault_tolerance`` in a real 2-rank job: two vLLM engines (ranks 0 and 1 lead one each, as in
+``test_two_engines.py``), engine 1's engine-core process SIGKILLed (or SIGSTOPped: a hung engine) once step 1 is
+logged. The run must finish its steps on engine 0 and the restarted engine 1, with the metrics of an undisturbed
+run (the same prompts and completions: request seeds follow the global prompt index, never the engine),
+``rollout/engine_restarts`` 1 and the moved requests counted. Slow: three jobs of ``STEPS`` steps and two engine
+restarts (minutes on 2 cores).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.integration.test_two_engines import OVERRIDES, PER_ENGINE, REPO
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+STEPS = 24  # enough one-engine steps (about 2 s each on 2 cores) for the restart (about 45 s) to rejoin
+FAULT_TOLERANCE = ["rollout.num_engines=2", "rollout.fault_tolerance=true", f"trainer.max_steps={STEPS}",
+                   "rollout.health_check_interval_s=1", "rollout.health_check_timeout_s=5",
+                   "rollout.health_check_first_wait_s=0", "rollout.timeout_s=120"]  # fmt: skip
+RECOVERY = ("rollout/engines_alive", "rollout/engine_restarts", "rollout/requests_moved", "rollout/recovery_s")
+
+
+def _records(out: Path) -> list[dict]:
+    path = out / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _engine_core_of_rank(job: psutil.Process, rank: int) -> psutil.Process:
+    """The vLLM engine-core process started by training rank ``rank`` (its ``RANK`` variable says which)."""
+    for child in job.children(recursive=True):
+        try:
+            if child.environ().get("RANK") == str(rank) and "LOCAL_RANK" in child.environ():
+                cores = [p for p in child.children(recursive=True) if "EngineCore" in " ".join(p.cmdline()) + p.name()]
+                if cores:
+                    return cores[0]
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    raise AssertionError(f"no engine-core process under rank {rank}")
+
+
+def _run(out: Path, *, kill_after_step: int | None, sig: int = signal.SIGKILL) -> tuple[list[dict], str]:
+    from tests.helpers.dist_harness import free_port
+
+    torchrun = Path(sys.executable).with_name("torchrun")
+    cmd = [str(torchrun), "--nproc_per_node=2", f"--master_port={free_port()}", "-m", "gtpo_megatron.train",
+           "--config", str(REPO / "configs" / "cpu_demo.yaml"), *OVERRIDES, *FAULT_TOLERANCE,
+           f"output_dir={out}"]  # fmt: skip
+    log = out.with_suffix(".log")
+    with log.open("w") as sink:
+        job = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "WANDB_MODE": "offline"}, stdout=sink, stderr=sink)
+        try:
+            deadline = time.monotonic() + 900
+            while kill_after_step is not None and job.poll() is None and time.monotonic() < deadline:
+                if len(_records(out)) >= kill_after_step:
+                    victim = _engine_core_of_rank(psutil.Process(job.pid), 1)
+                    os.kill(victim.pid, sig)
+                    break
+                time.sleep(0.5)
+            returncode = job.wait(timeout=max(deadline - time.monotonic(), 1))
+        finally:
+            if job.poll() is None:
+                job.kill()
+    text = log.read_text()
+    assert returncode == 0, text[-8000:]
+    return _records(out), text
+
+
+@pytest.fixture(scope="module")
+def undisturbed(tmp_path_factory):
+    records, _ = _run(tmp_path_factory.mktemp("undisturbed"), kill_after_step=None)
+    assert [r["rollout/engine_restarts"] for r in records] == [0] * STEPS
+    return records
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "stopped"])
+def test_a_failed_engine_is_replaced_and_the_run_trains_the_undisturbed_steps(undisturbed, tmp_path, sig):
+    records, log = _run(tmp_path / "disturbed", kill_after_step=1, sig=sig)
+    assert len(records) == len(undisturbed) == STEPS
+    assert "engine 1 of 2 (leader rank 1, ranks [1]) failed" in log
+
+    def untimed(record):
+        return {k: v for k, v in record.items()
+                if not k.startswith(("time/", "perf/", "sync/")) and k not in PER_ENGINE + RECOVERY}  # fmt: skip
+
+    assert [untimed(r) for r in records] == [untimed(r) for r in undisturbed]  # the same prompts and completions
+    assert records[0]["rollout/engines_alive"] == 2 and records[-1]["rollout/engine_restarts"] == 1
+    assert sum(r["rollout/requests_moved"] for r in records) >= 1
+    for record in records:  # reported, not asserted
+        print({k: record.get(k) for k in (*RECOVERY, "time/step_s", "time/rollout_s", "time/sync_s")})
