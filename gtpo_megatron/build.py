@@ -419,7 +419,7 @@ def build_trainer(cfg: GTPOConfig, groups: ParallelGroups, *, timer: PhaseTimer 
         pad_token_id=pad_token_id,
         sink=sink,
         reference=reference,
-        weight_sync=weight_sync,
+        weight_sync=fault_tolerance or weight_sync,  # the recovery syncs the live engines and admits restarted ones
         fault_tolerance=fault_tolerance,
     )
 

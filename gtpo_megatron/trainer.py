@@ -72,7 +72,7 @@ class Trainer:
         sink: the metric sink (enabled on rank 0 only).
         reference: the frozen reference policy of the KL term (``algorithm.kl_coef > 0``), else None.
         weight_sync: this rank's part of the weight push (``rollout.push``); default: the ``files`` path.
-        fault_tolerance: ``rollout.fault_tolerance``'s engine recovery (it then drives the rollout and the sync).
+        fault_tolerance: ``rollout.fault_tolerance``'s engine recovery (its rounds; build passes it as weight_sync too).
     """
 
     def __init__(
@@ -87,7 +87,7 @@ class Trainer:
         pad_token_id: int,
         sink: MetricSink,
         reference: ReferencePolicy | None = None,
-        weight_sync: CollectiveWeightSync | FilesWeightSync | None = None,
+        weight_sync: CollectiveWeightSync | FilesWeightSync | FaultTolerance | None = None,
         fault_tolerance: FaultTolerance | None = None,
     ) -> None:
         self.cfg = cfg
@@ -101,10 +101,8 @@ class Trainer:
         self.reference = reference
         self.fault_tolerance = fault_tolerance
         if (reference is None) != (cfg.algorithm.kl_coef == 0):
-            raise ValueError(
-                f"algorithm.kl_coef={cfg.algorithm.kl_coef} needs a reference policy exactly when it is > 0; got "
-                f"reference={reference!r} (build.build_trainer builds it)"
-            )
+            raise ValueError(f"algorithm.kl_coef={cfg.algorithm.kl_coef} needs a reference policy exactly when it is "
+                             f"> 0; got reference={reference!r} (build.build_trainer builds it)")  # fmt: skip
         self.loss_spec = build_loss_spec(cfg.algorithm, cfg.rollout)
         self.initial_entropy = InitialEntropy(cfg.algorithm)
         self._world = dist.group.WORLD
@@ -128,10 +126,8 @@ class Trainer:
         self._completed_state: dict | None = None  # the trainer state before the step in flight
         self._offload_enabled = cfg.rollout.offload_train_state and _cuda_available()
         if cfg.rollout.offload_train_state and not self._offload_enabled:
-            logger.warning(
-                "rollout.offload_train_state=true has no effect without CUDA: the training state "
-                "already lives in host memory"
-            )
+            logger.warning("rollout.offload_train_state=true has no effect without CUDA: the training state already "
+                           "lives in host memory")  # fmt: skip
 
     # ------------------------------------------------------------------------------------------------ the step
     def step(self, step: int) -> dict[str, float]:
@@ -257,8 +253,6 @@ class Trainer:
         """Stream the new weights into every engine (``rollout.push``); replica 0's ranks drive the gather."""
         if self.collector is not None:
             self.collector.engine.wake_up()
-        if self.fault_tolerance is not None:  # without the failed engines; admits the restarted ones
-            return self.fault_tolerance.sync(self.policy.iter_hf_weights)
         return self.weight_sync.sync(self.policy.iter_hf_weights)
 
     # ------------------------------------------------------------------------------------------------ the loop
@@ -310,10 +304,9 @@ class Trainer:
     def close(self) -> None:
         """Close the engine, the reward pool and the sink (rank 0), each whatever the others do; idempotent."""
         steps = [("the metric sink", self.sink.close)]
-        if self.rollouts is not None:
-            steps[:0] = [("the async rollouts", self.rollouts.close)]
-        if self.fault_tolerance is not None:
-            steps[:0] = [("the restarting engine", self.fault_tolerance.close)]
+        for name, part in (("the async rollouts", self.rollouts), ("the restarting engine", self.fault_tolerance)):
+            if part is not None:
+                steps[:0] = [(name, part.close)]
         if self.collector is not None:
             steps[:0] = [
                 ("the rollout engine", self.collector.engine.close),
