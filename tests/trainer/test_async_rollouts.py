@@ -223,6 +223,15 @@ def test_bad_async_settings_are_refused(overrides, match):
         load_config(None, ["model=builtin:tiny-qwen2", "output_dir=/tmp/x", *overrides])
 
 
+def test_a_lag_above_one_step_without_a_clipped_importance_weight_is_refused():
+    cfg = load_config(None, ["model=builtin:tiny-qwen2", "output_dir=/tmp/x", *ASYNC, "rollout.max_staleness=2"])
+    with pytest.raises(ValueError, match=r"algorithm.off_policy_correction/rollout.max_staleness=\('none', 2\)"):
+        cfg.validate(1)
+    fixed = ["model=builtin:tiny-qwen2", "output_dir=/tmp/x", *ASYNC, "rollout.max_staleness=2"]
+    load_config(None, [*fixed, "algorithm.off_policy_correction=tis"]).validate(1)
+    load_config(None, ["model=builtin:tiny-qwen2", "output_dir=/tmp/x", *ASYNC]).validate(1)  # k = 1: allowed
+
+
 def test_async_with_dynamic_sampling_is_refused():
     cfg = load_config(
         None, ["model=builtin:tiny-qwen2", "output_dir=/tmp/x", *ASYNC, "algorithm.dynamic_sampling=true"]
