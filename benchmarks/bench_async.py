@@ -32,7 +32,7 @@ from gtpo_megatron.evaluation.compare import load_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 PHASES = ("rollout", "old_logprob", "train", "sync", "step")
-WAITS = ("async/rollout_wait_s", "async/weight_wait_s")
+WAITS = ("async/rollout_wait_s", "async/trainer_wait_frac", "async/engine_busy_frac")
 MODES = {"sync": ["rollout.mode=sync"], "async": ["rollout.mode=async", "rollout.max_staleness=1"]}
 
 

@@ -2,12 +2,12 @@
 
 ``Trainer.step`` reads as the algorithm: rollout -> a no-grad pass before the update only where needed -> the
 reference's pass (KL term) -> advantages and conflict weights on the full batch -> train -> weight sync -> metrics.
-``rollout.mode: async`` takes the rollout sampled ahead and syncs between the engines' batches
+``rollout.mode: async`` takes the rollout sampled ahead and queues the weights between the engines' batches
 (``rollout.pipeline.AsyncRollouts``). ``run`` adds resume, logging and checkpoints (``resume.RunCheckpoints``).
 Stop signals (``preemption``): SIGUSR1 saves at the next step boundary; SIGTERM and SIGINT abort the step in flight
-at its next wait or safe point (the rollout, before the update, before the sync, async also after the drain, the
-step's end: one MAX all-reduce on the world each) and save the last completed step; a step whose update began is
-finished without its weight sync and saved.
+at its next wait or safe point (the rollout, before the update, before the sync, after an async drain, the step's
+end: one MAX all-reduce on the world each) and save the last completed step; a step whose update began is finished
+without its weight sync and saved.
 Every collective goes through ``parallel.collectives`` (listed per method).
 """
 
@@ -237,17 +237,14 @@ class Trainer:
         return metrics
 
     def _after_update(self, step: int) -> dict[str, float]:
-        """The weight sync after ``step``'s update; async: between the engines' batches (``AsyncRollouts``).
+        """The weight sync after ``step``'s update; async: queued between the engines' batches (``AsyncRollouts``).
 
-        No push after the last step (no rollout samples its weights). Async: an abort signal during the drain skips
-        the push (safe point: one MAX all-reduce on the world).
+        No push after the last step (no rollout samples its weights). Async with ``collective`` sync: an abort signal
+        during the drain skips the push (safe point: one MAX all-reduce on the world).
         """
         if self.rollouts is None:
             return self._sync_weights() if step < self.cfg.trainer.max_steps else {}
-        waited = self.rollouts.drain(self.stop_requests)
-        if self._agree(self.stop_requests.abort_requested):
-            return waited
-        return {**waited, **self.rollouts.push(step, self._sync_weights)}
+        return self.rollouts.push(step, self.weight_sync, self.policy.iter_hf_weights, self.stop_requests)
 
     def _sync_weights(self) -> dict[str, float]:
         """Stream the new weights into every engine (``rollout.push``); replica 0's ranks drive the gather."""

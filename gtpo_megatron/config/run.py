@@ -136,6 +136,16 @@ class GTPOConfig:
             "dynamic sampling decides its rounds with every engine's scores, which async rollouts do not wait for",
             "set algorithm.dynamic_sampling=false, or rollout.mode=sync",
         )
+        lag = self.rollout.max_staleness if self.rollout.mode == "async" else 0
+        _require(
+            lag <= 1 or self.algorithm.off_policy_correction != "none",
+            "algorithm.off_policy_correction/rollout.max_staleness",
+            (self.algorithm.off_policy_correction, lag),
+            "a lag above one step needs a truncated or masked importance weight (docs/algorithm.md section 11: an "
+            "uncorrected or unclipped one destabilises training there)",
+            "set algorithm.off_policy_correction=tis (or mis) with algorithm.loss_temperature=sampling, or "
+            "rollout.max_staleness=1",
+        )
         tp, pp = self.parallel.tp_size, self.parallel.pp_size
         dp = max(world_size // (tp * pp), 1)
         hf = hf_config

@@ -20,7 +20,14 @@ from gtpo_megatron.ops.logprobs import vocab_parallel_logprobs_entropy
 from gtpo_megatron.ops.loss_metrics import MEANS, means, mismatch_sums, policy_loss_metrics
 from gtpo_megatron.ops.losses import AGGREGATIONS, KL_ESTIMATORS, LOSS_NAMES, LossSpec, compute_normalizer, policy_loss
 from gtpo_megatron.ops.objective import SequenceTerms, policy_objective, sequence_terms
-from gtpo_megatron.ops.off_policy import OFF_POLICY_CORRECTIONS, ImportanceWeights, importance_weights
+from gtpo_megatron.ops.off_policy import (
+    OFF_POLICY_CORRECTIONS,
+    ImportanceWeights,
+    StalenessMask,
+    importance_weights,
+    staleness_mask,
+    staleness_stats,
+)
 from gtpo_megatron.ops.packing import PackedLayout
 
 __all__ = [
@@ -46,6 +53,9 @@ __all__ = [
     "entropy_keep_mask",
     "get_advantage_estimator",
     "importance_weights",
+    "staleness_mask",
+    "staleness_stats",
+    "StalenessMask",
     "means",
     "mismatch_sums",
     "policy_loss",

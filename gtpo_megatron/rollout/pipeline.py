@@ -1,19 +1,24 @@
 """Asynchronous rollouts (``rollout.mode: async``): the engines sample the next steps' batches while the policy trains.
 
-With k = ``rollout.max_staleness`` and s steps completed at the start, every rank follows one schedule:
+With k = ``rollout.max_staleness`` and s steps completed at the start, every rank follows one schedule, and each
+engine leader's worker thread runs its queue strictly in order:
 
-    start     submit batches s+1 .. s+1+k                  (the engines hold the weights after step s)
-    step t    take(t) -> train -> drain -> push the weights after step t, submit batch t+1+k (while t+1+k <= max)
+    start     queue batches s+1 .. s+1+k                   (the engines hold the weights after step s)
+    step t    take(t) -> train -> queue the weights after step t, then batch t+1+k   (while t+1+k <= max_steps)
 
-so batch j is sampled with the weights after step v_j = max(s, j-1-k) and trains the policy after step j-1: its
-staleness (j-1) - v_j is k from step s+k+1 on (k = 1: 0 at the first step, then 1). The schedule decides every
-batch's weights, never the timing. Weights reach the engines between their batches: the drain waits until every
-submitted batch is sampled, so no generation runs during a push. Prompts are drawn in the main thread, at
-submission, from a loader fork that runs ahead; the trainer's loader draws the same batch at take, so a checkpoint
-holds the last trained step and the batches in flight (:attr:`AsyncRollouts.in_flight`), sampled again on resume.
-A leader's worker thread samples and scores; at take every rank shares the batch (``collector.share_step``). A wait
-is bounded by ``rollout.timeout_s`` per batch; a stop signal aborts the step at take and skips only the push after
-the drain; a leader's failure reaches every rank at the next collective, naming the engine.
+The queue then reads ``... batch t+k, weights t, batch t+1+k ...``: batch j is sampled with the weights after step
+v_j = max(s, j-1-k) and trains the policy after step j-1, staleness min(k, j-1-s). The queue order decides every
+batch's weights, never the timing. Nothing drains: the engines run up to k batches ahead of the one being trained
+and the trainer waits at take(t) only when they are behind. With generation g and training tau per step, n steps
+take about n*(g + tau) in sync mode and g + n*max(g, tau) here for every k >= 1; a larger k absorbs slow batches
+(a batch up to k*tau - (k-1)*g late costs nothing). ``weight_sync: files`` copies the gathered weights to host
+memory (one model per queued update, at most k) and the worker loads them between the batches; ``collective``
+broadcasts into the live weights, so its push still waits until every queued batch is sampled (the drain, up to k
+batches within ``rollout.timeout_s`` each). Prompts are drawn in the main thread at queueing, from a loader fork
+that runs ahead; the trainer's loader draws the same batch at take, so a checkpoint holds the last trained step
+and the batches in flight (:attr:`AsyncRollouts.in_flight`), sampled again on resume. At take every rank shares
+the batch (``collector.share_step``); a stop signal aborts the step there (or leaves the drain and skips the push);
+a leader's failure, or a failed queued weight load, reaches every rank at the next take, naming the engine.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from gtpo_megatron.parallel.collectives import any_rank
 from gtpo_megatron.preemption import StepInterrupted, wait_until
 from gtpo_megatron.rollout.collector import StepRollout, share_step
 from gtpo_megatron.rollout.exchange import EngineTally, raise_leader_failures
+from gtpo_megatron.rollout.push import FilesWeightSync
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -39,6 +45,8 @@ if TYPE_CHECKING:
     from gtpo_megatron.preemption import StopRequests
     from gtpo_megatron.rollout.collector import RolloutCollector
     from gtpo_megatron.rollout.exchange import ScoredGroup, StepExchange
+    from gtpo_megatron.rollout.fault_tolerance import FaultTolerance
+    from gtpo_megatron.rollout.push import CollectiveWeightSync, StreamFactory
 
 
 @dataclass
@@ -51,35 +59,51 @@ class _Batch:
     scored: dict[int, ScoredGroup] = field(default_factory=dict)
     tally: EngineTally = field(default_factory=EngineTally)
     error: BaseException | None = None
-    finished_at_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class _Weights:
+    """The weights after ``step``, queued between two batches: ``load`` puts them into the engine."""
+
+    step: int
+    load: Callable[[], object]
 
 
 class _Worker:
-    """A daemon thread that samples and scores the submitted batches in order on a leader's collector (on its cores)."""
+    """A daemon thread that runs a leader's queue of batches and weight loads in order (on the collector's cores)."""
 
     def __init__(self, collector: RolloutCollector) -> None:
-        self._queue: queue.Queue[_Batch | None] = queue.Queue()
+        self._queue: queue.Queue[_Batch | _Weights | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, args=(collector,), name="gtpo-async-rollout", daemon=True)
         self._thread.start()
 
-    def submit(self, batch: _Batch) -> None:
-        self._queue.put(batch)
+    def submit(self, item: _Batch | _Weights) -> None:
+        self._queue.put(item)
 
     def close(self) -> None:
-        """Stop after the batch in progress (the engine's close ends a hung one)."""
+        """Stop after the item in progress (the engine's close ends a hung one)."""
         self._queue.put(None)
 
     def _run(self, collector: RolloutCollector) -> None:
         if collector.cores is not None:  # this thread only: the training rank keeps its cores
             os.sched_setaffinity(0, collector.cores)
-        while (batch := self._queue.get()) is not None:
+        failed_load: tuple[int, BaseException] | None = None  # every later batch fails: its weights are wrong
+        while (item := self._queue.get()) is not None:
+            if isinstance(item, _Weights):
+                try:
+                    item.load()
+                except BaseException as err:  # reported with the next batch, at its take
+                    failed_load = failed_load or (item.step, err)
+                continue
             try:
-                batch.scored = collector.sample_round(batch.step, 0, batch.problems, batch.tally)
+                if failed_load is not None:
+                    step, err = failed_load
+                    raise RuntimeError(f"loading the weights after step {step} failed ({type(err).__name__}: {err})")
+                item.scored = collector.sample_round(item.step, 0, item.problems, item.tally)
             except BaseException as err:  # handed to the main thread at take or drain
-                batch.error = err
+                item.error = err
             finally:
-                batch.finished_at_s = time.perf_counter()
-                batch.done.set()
+                item.done.set()
 
 
 class AsyncRollouts:
@@ -102,22 +126,23 @@ class AsyncRollouts:
     ) -> None:
         self.cfg, self.collector, self.loader, self.exchange = cfg, collector, loader, exchange
         self.max_staleness = cfg.rollout.max_staleness
-        self._versions: dict[int, int] = {}  # submitted, not yet taken: step -> the weights' completed steps
+        self._versions: dict[int, int] = {}  # queued, not yet taken: step -> the weights' completed steps
         self._batches: dict[int, _Batch] = {}  # the leader's batches of those steps
         self._ahead: PromptLoader | None = None
         self._version = 0
-        self._take_wait_s = 0.0
+        self._last_take_s = 0.0
         self._worker = _Worker(collector) if collector is not None else None
 
     @property
     def in_flight(self) -> list[int]:
-        """Steps whose batches are submitted and not trained yet (a resumed run samples them again)."""
+        """Steps whose batches are queued and not trained yet (a resumed run samples them again)."""
         return sorted(self._versions)
 
     def start(self, completed_steps: int) -> None:
-        """Submit the first k+1 batches after ``completed_steps`` (the engines must hold that step's weights)."""
+        """Queue the first k+1 batches after ``completed_steps`` (the engines must hold that step's weights)."""
         self._version = completed_steps
         self._ahead = self.loader.fork()
+        self._last_take_s = time.perf_counter()
         for step in range(completed_steps + 1, completed_steps + 2 + self.max_staleness):
             self._submit(step)
 
@@ -133,11 +158,11 @@ class AsyncRollouts:
     def take(self, step: int, stop: StopRequests | None) -> StepRollout | None:
         """Step ``step``'s rollout on every rank (None on every rank after a SIGTERM during the wait).
 
-        Adds ``async/staleness_mean`` and ``_max`` to its stats. Collectives: ``share_step``'s (world).
+        Adds the ``async/*`` metrics of docs/metrics.md to its stats. Collectives: ``share_step``'s (world).
 
         Raises:
-            RuntimeError: on every rank, naming the engine, when it or the graders failed on this batch or it took
-                over ``rollout.timeout_s``.
+            RuntimeError: on every rank, naming the engine, when it or the graders failed on this batch (or on a
+                queued weight load before it) or it took over ``rollout.timeout_s``.
         """
         problems = self.loader.next_batch()
         version = self._versions.pop(step)
@@ -153,20 +178,61 @@ class AsyncRollouts:
                 tally.aborted = 1.0
             except RuntimeError as err:  # shared at the exchange: the other ranks wait there for this batch
                 tally.fail(err)
-        self._take_wait_s = time.perf_counter() - start
+        wait_s = time.perf_counter() - start
         engine_index = None if self.collector is None else self.collector.engine_index
         rollout = share_step([scored], [], tally, self.exchange, engine_index=engine_index)
         if rollout is not None:
-            staleness = float(step - 1 - version)
-            rollout.stats.update({"async/staleness_mean": staleness, "async/staleness_max": staleness})
+            rollout.stats.update(self._take_stats(step - 1 - version, wait_s, rollout.stats))
         return rollout
 
-    def drain(self, stop: StopRequests | None) -> dict[str, float]:
-        """Wait until every submitted batch is sampled (a stop signal leaves the wait); ``async/rollout_wait_s``.
+    def _take_stats(self, staleness: int, wait_s: float, stats: dict[str, float]) -> dict[str, float]:
+        """Staleness, waits and occupancy of a take; the fractions are of the seconds since the previous take."""
+        now = time.perf_counter()
+        interval_s, self._last_take_s = max(now - self._last_take_s, 1e-9), now
+        engine_s = stats.get("time/generate_s", 0.0) + stats.get("time/reward_s", 0.0)
+        rollout_cfg, group_size = self.cfg.rollout, self.cfg.algorithm.group_size
+        return {
+            "async/staleness_mean": float(staleness),
+            "async/staleness_max": float(staleness),
+            "async/rollout_wait_s": wait_s,
+            "async/trainer_wait_frac": min(wait_s / interval_s, 1.0),
+            "async/engine_busy_frac": min(engine_s / interval_s, 1.0),
+            "async/requests_in_flight": float(len(self._versions) * rollout_cfg.num_prompts * group_size),
+        }
 
-        Only leaders wait; the caller agrees on a stop before :meth:`push`. Collectives: a MAX of the leaders'
-        failures (world), then ``raise_leader_failures``', which raises RuntimeError on every rank as :meth:`take`.
+    def push(
+        self,
+        step: int,
+        sync: FilesWeightSync | CollectiveWeightSync | FaultTolerance,
+        stream: StreamFactory,
+        stop: StopRequests | None,
+    ) -> dict[str, float]:
+        """After ``step``'s update: queue its weights and batch step+1+k; the sync's metrics.
+
+        ``files`` queues the gathered weights; any other ``sync`` drains, then pushes. Nothing when no batch is left for
+        these weights (step+1+k > ``trainer.max_steps``).
+
+        Collectives: the weight gather of ``stream`` (exporting ranks); ``collective`` also a MAX of the leaders'
+        drain failures and one of the abort flags (world): an abort signal during the drain skips the push, and a
+        leader's failure raises RuntimeError on every rank, naming the engine.
         """
+        if step + 1 + self.max_staleness > self.cfg.trainer.max_steps:
+            return {}
+        if isinstance(sync, FilesWeightSync):
+            load, metrics = sync.stage(stream)
+            if self._worker is not None:
+                self._worker.submit(_Weights(step=step, load=load))
+        else:
+            metrics = self.drain(stop)
+            if any_rank(stop is not None and stop.abort_requested, group=self.exchange.group):
+                return metrics
+            metrics |= sync.sync(stream)
+        self._version = step
+        self._submit(step + 1 + self.max_staleness)
+        return metrics
+
+    def drain(self, stop: StopRequests | None) -> dict[str, float]:
+        """Wait until every queued batch is sampled (a stop signal leaves the wait); ``async/drain_wait_s``."""
         start, error = time.perf_counter(), None
         try:
             for step in sorted(self._batches):
@@ -177,22 +243,7 @@ class AsyncRollouts:
             error = err
         if any_rank(error is not None, group=self.exchange.group):
             raise_leader_failures(error, group=self.exchange.group)
-        return {"async/rollout_wait_s": self._take_wait_s + time.perf_counter() - start}
-
-    def push(self, step: int, push: Callable[[], dict[str, float]]) -> dict[str, float]:
-        """After :meth:`drain`: ``push`` the weights after ``step`` and submit batch step+1+k; ``push``'s metrics.
-
-        ``async/weight_wait_s``: the engines' idle time from their last batch to the next one (after this push); no
-        push and 0 when no batch is left to sample with these weights (step + 1 + k > ``trainer.max_steps``).
-        """
-        if step + 1 + self.max_staleness > self.cfg.trainer.max_steps:
-            return {"async/weight_wait_s": 0.0}
-        finished_s = [b.finished_at_s for b in self._batches.values()]
-        metrics = push()
-        self._version = step
-        self._submit(step + 1 + self.max_staleness)
-        idle_s = time.perf_counter() - max(finished_s) if finished_s else 0.0
-        return {**metrics, "async/weight_wait_s": idle_s}
+        return {"async/drain_wait_s": time.perf_counter() - start}
 
     def _wait(self, batch: _Batch, stop: StopRequests | None) -> None:
         """Wait for ``batch`` (``rollout.timeout_s``; ``stop``'s abort signals leave it) and raise its error."""

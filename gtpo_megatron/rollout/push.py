@@ -125,6 +125,24 @@ class FilesWeightSync:
             drain(stream())
         return {}
 
+    def stage(self, stream: StreamFactory) -> tuple[Callable[[], dict[str, float]], dict[str, float]]:
+        """Gather one update now and load it later (``rollout/pipeline.py``: the weights queued between batches).
+
+        Rank 0 keeps a host copy of every tensor until the load (one model's bytes); other exporting ranks drain.
+        Returns the load (``push_weights``' metrics; a no-op off rank 0) and the gather's ``sync/megabytes`` and
+        ``time/sync_s`` on rank 0 (``{}`` elsewhere).
+        """
+        if self.engine is None:
+            if self.exporting:
+                drain(stream())
+            return dict, {}
+        start = time.perf_counter()
+        named = [(name, tensor.detach().to("cpu", copy=True)) for name, tensor in stream()]
+        engine, bucket_bytes = self.engine, self.bucket_bytes
+        metrics = {"sync/megabytes": sum(tensor_bytes(t) for _, t in named) / 2**20,
+                   "time/sync_s": time.perf_counter() - start}  # fmt: skip
+        return lambda: push_weights(engine, named, bucket_bytes=bucket_bytes).as_metrics(), metrics
+
 
 class CollectiveWeightSync:
     """``rollout.weight_sync: collective``: each rank's part of one update.

@@ -78,37 +78,92 @@ def test_schedule_staleness_and_the_prompt_stream_of_a_sync_run(tmp_path, k, sta
     for mine, theirs in zip(_trained(run), _trained(sync), strict=True):
         assert all(torch.equal(a, b) for a, b in zip(mine, theirs))
     assert [r["reward/mean"] for r in records] == [r["reward/mean"] for r in sync_records]
-    assert all(r["async/rollout_wait_s"] >= 0 and r["async/weight_wait_s"] >= 0 for r in records)
+    assert all(r["async/rollout_wait_s"] >= 0 and 0 <= r["async/engine_busy_frac"] <= 1 for r in records)
+    assert [r["async/requests_in_flight"] for r in records] == [2 * 4 * min(k, 4 - s) for s in range(1, 5)]
+
+
+class _LoggingPolicy(FakePolicy):
+    """Logs ``train<step>`` and ``trained<step>`` around each update into ``log``; update ``hold_at`` lasts until
+    ``until`` is set (bounded: a run that never sets it fails its order assertions instead of hanging)."""
+
+    def __init__(self, log, *, hold_at=None, until=None):
+        super().__init__()
+        self.log, self.hold_at, self.until, self.started = log, hold_at, until, threading.Event()
+
+    def train_step(self, batch, loss):
+        step = len(self.train_batches) + 1
+        self.log.append(f"train{step}")
+        if step == self.hold_at:
+            self.started.set()
+            self.until.wait(30)
+        metrics = super().train_step(batch, loss)
+        self.log.append(f"trained{step}")
+        return metrics
+
+
+class _HeldEngine(_LoggingEngine):
+    """Generation ``held`` starts only once ``policy.started`` is set; ``done`` is set after generation ``last``."""
+
+    def __init__(self, *, held, last):
+        super().__init__()
+        self.held, self.last, self.done, self.policy = held, last, threading.Event(), None
+
+    def generate(self, prompt_ids, n, sampling, prompt_indices=None):
+        if sampling.seed // 1000 == self.held:
+            self.policy.started.wait(30)
+        out = super().generate(prompt_ids, n, sampling, prompt_indices)
+        if sampling.seed // 1000 == self.last:
+            self.done.set()
+        return out
+
+
+def test_k2_engines_sample_two_batches_and_load_weights_within_one_training_step(tmp_path):
+    # k = 2: the queue is gen1 gen2 gen3 | weights 1 | gen4. Batch 3 is held until update 2 starts, and update 2
+    # lasts until batch 4 is sampled: only a pipeline that queues the weights (no drain after update 1) gets there.
+    engine = _HeldEngine(held=3, last=4)
+    policy = engine.policy = _LoggingPolicy(engine.log, hold_at=2, until=engine.done)
+    trainer = make_trainer(tmp_path, *ASYNC, "rollout.max_staleness=2", engine=engine, policy=policy)
+    trainer.run()
+    trainer.close()
+    log = engine.log
+    assert log.index("trained1") < log.index("train2") < log.index("gen3") < log.index("push") < log.index("gen4")
+    assert log.index("gen4") < log.index("trained2")
+    assert log.count("push") == 1 and log[-2:] == ["train4", "trained4"]
 
 
 class _SignalAfterUpdate(FakePolicy):
-    """Sets ``trained`` when update ``at`` is done (the engine then sends SIGTERM: after the update, at the drain)."""
+    """Sends SIGTERM at the end of update ``at`` (the step then skips its weight push and saves)."""
 
     def __init__(self, at: int):
         super().__init__()
-        self.at, self.trained = at, threading.Event()
+        self.at = at
 
     def train_step(self, batch, loss):
         metrics = super().train_step(batch, loss)
         if len(self.train_batches) == self.at:
-            self.trained.set()
+            os.kill(os.getpid(), signal.SIGTERM)
         return metrics
 
 
-class _SignalEngine(_LoggingEngine):
-    """SIGTERM at the start of generation ``step`` (after ``after.wait()``); that generation then lasts until
-    ``release`` is set (its ``gen<step>`` is logged after it), so a trainer that waited for it cannot finish first."""
+class _SlowEngine(_LoggingEngine):
+    """Generation ``step`` lasts until ``release`` is set (its ``gen<step>`` is logged after it)."""
 
-    def __init__(self, step: int, after: threading.Event | None = None):
+    def __init__(self, step: int):
         super().__init__()
-        self.signal_step, self.after, self.release = step, after, threading.Event()
+        self.slow_step, self.release = step, threading.Event()
 
     def generate(self, prompt_ids, n, sampling, prompt_indices=None):
-        if sampling.seed // 1000 == self.signal_step:
-            if self.after is not None:
-                self.after.wait(300)
+        if sampling.seed // 1000 == self.slow_step:
+            self.release.wait(300)
+        return super().generate(prompt_ids, n, sampling, prompt_indices)
+
+
+class _SignalEngine(_SlowEngine):
+    """SIGTERM at the start of the slow generation, so a trainer that waited for it cannot finish first."""
+
+    def generate(self, prompt_ids, n, sampling, prompt_indices=None):
+        if sampling.seed // 1000 == self.slow_step:
             os.kill(os.getpid(), signal.SIGTERM)
-            self.release.wait(300)  # a long generation: the trainer must not wait for it
         return super().generate(prompt_ids, n, sampling, prompt_indices)
 
 
@@ -125,9 +180,9 @@ def test_sigterm_while_waiting_for_the_first_batch_aborts_step_1(tmp_path, caplo
 def test_sigterm_after_an_update_saves_the_step_with_its_batches_in_flight_and_a_resume_samples_them(tmp_path):
     full, _ = _run(tmp_path / "full", *ASYNC)
     policy = _SignalAfterUpdate(at=2)
-    trainer = make_trainer(tmp_path / "cut", *ASYNC, engine=_SignalEngine(3, after=policy.trained), policy=policy)
+    trainer = make_trainer(tmp_path / "cut", *ASYNC, engine=_SlowEngine(3), policy=policy)
     trainer.run()
-    assert "gen3" not in trainer.collector.engine.log, "SIGTERM did not leave the drain"  # still generating
+    assert "gen3" not in trainer.collector.engine.log, "the trainer waited for a batch it does not train"
     trainer.collector.engine.release.set()
     trainer.close()
     assert [p.name for p in list_checkpoints(tmp_path / "cut" / "checkpoints")] == ["step_000002"]
@@ -166,6 +221,15 @@ def test_an_engine_that_dies_or_hangs_stops_the_job_with_a_clear_error(tmp_path,
 def test_bad_async_settings_are_refused(overrides, match):
     with pytest.raises(ValueError, match=match):
         load_config(None, ["model=builtin:tiny-qwen2", "output_dir=/tmp/x", *overrides])
+
+
+def test_a_lag_above_one_step_without_a_clipped_importance_weight_is_refused():
+    cfg = load_config(None, ["model=builtin:tiny-qwen2", "output_dir=/tmp/x", *ASYNC, "rollout.max_staleness=2"])
+    with pytest.raises(ValueError, match=r"algorithm.off_policy_correction/rollout.max_staleness=\('none', 2\)"):
+        cfg.validate(1)
+    fixed = ["model=builtin:tiny-qwen2", "output_dir=/tmp/x", *ASYNC, "rollout.max_staleness=2"]
+    load_config(None, [*fixed, "algorithm.off_policy_correction=tis"]).validate(1)
+    load_config(None, ["model=builtin:tiny-qwen2", "output_dir=/tmp/x", *ASYNC]).validate(1)  # k = 1: allowed
 
 
 def test_async_with_dynamic_sampling_is_refused():
