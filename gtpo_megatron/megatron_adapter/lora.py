@@ -226,3 +226,42 @@ def _param(tensor: torch.Tensor, like: torch.Tensor, *, split_dim: int | None) -
     if split_dim is not None:
         set_tensor_model_parallel_attributes(param, True, split_dim, 1)
     return param
+
+
+def adapter_signature(model) -> dict | None:
+    """``{"rank", "scale", "projections"}`` of this stage's adapters (a checkpoint's record), None without any."""
+    adapters = [module for module in model.modules() if isinstance(module, LinearLoRA)]
+    if not adapters:
+        return None
+    projections = sorted({proj for adapter in adapters for proj in adapter.lora_A})
+    rank = next(iter(adapters[0].lora_A.values())).shape[0]
+    return {"rank": rank, "scale": adapters[0].scale, "projections": projections}
+
+
+def checkpointed_model_state(sharded_state: dict, model) -> dict:
+    """The model tensors a checkpoint holds: only the adapters when ``model`` has some (the base is re-read)."""
+    if adapter_signature(model) is None:
+        return sharded_state
+    return {key: value for key, value in sharded_state.items() if f"{SUFFIX}." in key}
+
+
+def check_adapter_signature(saved: dict | None, model, folder: str) -> None:
+    """Refuse a checkpoint whose adapters (``saved``, None: full fine-tuning) are not ``model``'s, before loading.
+
+    Raises:
+        ValueError: naming both and the ``model.lora`` setting to resume with.
+    """
+    current = adapter_signature(model)
+    if saved == current:
+        return
+
+    def describe(signature):
+        return "full fine-tuning (no adapters)" if signature is None else f"LoRA {signature}"
+
+    fix = "model.lora.rank=null" if saved is None else (
+        f"model.lora.rank={saved['rank']}, alpha={saved['scale'] * saved['rank']:g}, "
+        f"target_modules={saved['projections']}"
+    )  # fmt: skip
+    raise ValueError(
+        f"checkpoint {folder!r} was written with {describe(saved)}, this run has {describe(current)}; resume with {fix}"
+    )
