@@ -144,6 +144,8 @@ def training_shape(
         fp32_output_layer=settings.model.fp32_output_layer,
         reference_weights=reference_weights,
         ep_size=settings.ep_size,
+        lora_rank=settings.model.lora.rank,
+        lora_projections=settings.model.lora.projections,
     )
 
 

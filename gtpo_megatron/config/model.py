@@ -81,11 +81,6 @@ class ModelConfig:
             "a Megatron checkpoint is loaded as written (unpadded heads) and must not be empty",
             "set model.pad_attention_heads=false and give the checkpoint folder, or model.megatron_checkpoint=null",
         )
-        _require(
-            not (self.lora.enabled and self.pad_attention_heads), "model.lora.rank/model.pad_attention_heads",
-            (self.lora.rank, self.pad_attention_heads), "adapters on zero-padded attention heads are not built",
-            "set model.pad_attention_heads=false and a parallel.tp_size that divides the KV heads",
-        )  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -141,8 +141,15 @@ def attach_lora(model, lora: LoRAConfig, geometry, *, seed: int) -> int:
 
     Raises:
         ValueError: Transformer Engine layer specs (their linear_qkv/linear_fc1 fuse the norm the adapter must see),
-            or a targeted linear the layer lacks (an MoE layer's experts).
+            zero-padded KV groups (``model.pad_attention_heads``), or a targeted linear the layer lacks (an MoE
+            layer's experts).
     """
+    if geometry.num_pad_groups:
+        raise ValueError(
+            f"model.lora.rank={lora.rank} with model.pad_attention_heads=true padding {geometry.num_query_groups} KV "
+            f"groups to {geometry.padded_num_query_groups}: adapters on padded heads are not built; choose a "
+            "parallel.tp_size that divides the KV heads"
+        )
     if getattr(model, "layer_spec_backend", "local") != "local":
         raise ValueError(
             f"model.lora.rank={lora.rank} with Transformer Engine layer specs: their linear_qkv and linear_fc1 fuse "

@@ -16,6 +16,8 @@ import torch
 
 from gtpo_megatron.config import LoRAConfig
 from gtpo_megatron.ops import LossSpec, compute_normalizer, policy_loss
+from gtpo_megatron.plan.architectures import architecture_from_hf_config
+from gtpo_megatron.plan.memory import stage_lora_params
 from tests.adapter.megatron_helpers import (
     LOGITS_ATOL,
     TINY_LLAMA,
@@ -120,6 +122,11 @@ def _check_grads(policy, params, grads, label) -> None:
     assert trainable == local and local, f"{label}: trainable {sorted(trainable ^ local)}"
     in_optimizer = sum(p.numel() for group in policy.optimizer.param_groups for p in group["params"])
     assert in_optimizer == sum(params[name].numel() for name in local), f"{label}: optimizer holds base weights"
+    arch = architecture_from_hf_config(policy.hf_config.to_dict(), name=label)
+    projections = tuple(sorted({proj for _, proj in grads}))
+    planned = stage_lora_params(arch, rank=RANK, projections=projections, tp_size=groups.tp_size,
+                                pp_size=groups.pp_size)  # fmt: skip
+    assert in_optimizer == planned, f"{label}: {in_optimizer} adapter parameters, the planner counts {planned}"
     for (layer, proj), pair in grads.items():
         for which, grad in zip("AB", pair):
             name = _name(layer, proj, which)
