@@ -302,7 +302,9 @@ def run(argv: list[str] | None = None) -> tuple[int, str]:
         settings,
         layout,
         seq_length=cfg.rollout.max_prompt_len + cfg.rollout.max_tokens,
-        reference_weights=cfg.algorithm.kl_coef > 0 and not cfg.algorithm.kl_reference_offload,
+        reference_weights=cfg.algorithm.kl_coef > 0
+        and not cfg.algorithm.kl_reference_offload
+        and not cfg.model.lora.enabled,  # LoRA's reference is the policy's base, adapters off
     )
     gpu_mem = int(args.gpu_mem * GIB)
     stages = [estimate_stage(arch, shape, padded_vocab_size=layout.padded_vocab_size, stage=s)

@@ -21,6 +21,7 @@ layout starts from the same adapters.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import zlib
 from dataclasses import dataclass
@@ -61,6 +62,7 @@ class LinearLoRA(torch.nn.Module):
         self.sequence_parallel = bool(linear.sequence_parallel)
         self.row_parallel, self.qkv, self.out_sizes = row_parallel, qkv, out_sizes
         self.scale, self.dropout = lora.scale, lora.dropout
+        self.enabled = True  # False inside adapters_off: the base model's forward
         weight = linear.weight
         in_local = weight.shape[1]
         in_full = in_local * self.tp_size if row_parallel else in_local
@@ -199,10 +201,25 @@ def _adding(adapter: LinearLoRA):
     """A forward hook adding ``adapter``'s rows to a Megatron linear's ``(output, bias)``."""
 
     def hook(module, args, output):
+        if not adapter.enabled:
+            return output
         out, bias = output
         return out + adapter(args[0]).to(out.dtype), bias
 
     return hook
+
+
+@contextlib.contextmanager
+def adapters_off(model):
+    """Within the block ``model``'s forwards are the base model's (every adapter skipped); no collectives."""
+    adapters = [module for module in model.modules() if isinstance(module, LinearLoRA)]
+    for adapter in adapters:
+        adapter.enabled = False
+    try:
+        yield
+    finally:
+        for adapter in adapters:
+            adapter.enabled = True
 
 
 def adapters_by_weight(model) -> dict[str, LinearLoRA]:
