@@ -249,6 +249,11 @@ class GTPOConfig:
             "set rollout.lora_sync=merged (the adapters are folded into the weights each engine receives)",
         )  # fmt: skip
         _require(
+            not lora.enabled or self.rollout.weight_sync != "sharded", "rollout.weight_sync", self.rollout.weight_sync,
+            "sends each rank's own parameter views, which hold the base weights without the adapters merged",
+            "set rollout.weight_sync=collective (or files) with model.lora",
+        )  # fmt: skip
+        _require(
             lora.dropout == 0 or self.parallel.tp_size == 1, "model.lora.dropout", lora.dropout,
             f"needs the same dropout mask on every TP rank, which is not built (parallel.tp_size="
             f"{self.parallel.tp_size})", "set model.lora.dropout=0 or parallel.tp_size=1",
