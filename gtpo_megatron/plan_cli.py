@@ -144,6 +144,8 @@ def training_shape(
         fp32_output_layer=settings.model.fp32_output_layer,
         reference_weights=reference_weights,
         ep_size=settings.ep_size,
+        lora_rank=settings.model.lora.rank,
+        lora_projections=settings.model.lora.projections,
     )
 
 
@@ -300,7 +302,9 @@ def run(argv: list[str] | None = None) -> tuple[int, str]:
         settings,
         layout,
         seq_length=cfg.rollout.max_prompt_len + cfg.rollout.max_tokens,
-        reference_weights=cfg.algorithm.kl_coef > 0 and not cfg.algorithm.kl_reference_offload,
+        reference_weights=cfg.algorithm.kl_coef > 0
+        and not cfg.algorithm.kl_reference_offload
+        and not cfg.model.lora.enabled,  # LoRA's reference is the policy's base, adapters off
     )
     gpu_mem = int(args.gpu_mem * GIB)
     stages = [estimate_stage(arch, shape, padded_vocab_size=layout.padded_vocab_size, stage=s)

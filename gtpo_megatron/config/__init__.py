@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from gtpo_megatron.config.algorithm import AlgorithmConfig
 from gtpo_megatron.config.loader import PRESETS, config_to_dict, load_config, preset_values, save_config
+from gtpo_megatron.config.lora import LoRAConfig
 from gtpo_megatron.config.model import ModelConfig, OptimConfig, ParallelConfig
 from gtpo_megatron.config.rollout import DataConfig, RewardConfig, RolloutConfig
 from gtpo_megatron.config.run import CheckpointConfig, GTPOConfig, LoggingConfig, TrainerConfig
@@ -21,6 +22,7 @@ __all__ = [
     "CheckpointConfig",
     "DataConfig",
     "GTPOConfig",
+    "LoRAConfig",
     "LoggingConfig",
     "ModelConfig",
     "OptimConfig",

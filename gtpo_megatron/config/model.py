@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from gtpo_megatron.config.checks import require as _require
+from gtpo_megatron.config.lora import LoRAConfig
 from gtpo_megatron.plan.memory import Recompute
 
 ParamsDtype = Literal["float32", "bfloat16"]
@@ -52,6 +53,8 @@ class ModelConfig:
     filter and the train/rollout mismatch read are not rounded to 16 bits first (up to ~4e-3 nats otherwise). Costs
     fp32 logits and their gradient on the last pipeline stage (``gtpo-plan`` counts it). No effect with fp32
     parameters."""
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    """Low-rank adapters instead of full fine-tuning (``config/lora.py``; off unless ``model.lora.rank`` is set)."""
 
     def __post_init__(self) -> None:
         _require(

@@ -75,6 +75,10 @@ class RolloutConfig:
     loading them in one reload pass; ``sharded`` has every training rank send the pieces it holds straight to
     every worker, many senders at once and no gather (gloo, engines at ``engine_tp_size`` 1; docs/scaling.md);
     ``files`` stages safetensors shards in ``/dev/shm`` for one engine (fallback, ``num_engines`` must be 1)."""
+    lora_sync: Literal["merged", "adapter"] = "merged"
+    """With ``model.lora``: ``merged`` sends the weights with the adapters folded in (``W + alpha / rank * B @ A``)
+    through the ``weight_sync`` path, so any engine serves them; ``adapter`` (engines with LoRA enabled, only the
+    adapters sent) is not built yet and is refused."""
     routing_replay: Literal["off", "rollout"] = "off"
     """Mixture-of-experts policies: ``rollout`` replays the engine's expert choices in the training forwards (rollout
     routing replay, R3, arXiv 2510.11370; docs/moe.md): each token goes to the experts vLLM routed it to, weighted by

@@ -7,6 +7,7 @@ from typing import Literal
 
 from gtpo_megatron.config.algorithm import AlgorithmConfig
 from gtpo_megatron.config.checks import require as _require
+from gtpo_megatron.config.lora import MLP_PROJECTIONS
 from gtpo_megatron.config.model import ModelConfig, OptimConfig, ParallelConfig
 from gtpo_megatron.config.rollout import DataConfig, RewardConfig, RolloutConfig
 from gtpo_megatron.plan import engines, layout, waits
@@ -146,6 +147,7 @@ class GTPOConfig:
             "set algorithm.off_policy_correction=tis (or mis) with algorithm.loss_temperature=sampling, or "
             "rollout.max_staleness=1",
         )
+        self._validate_lora(num_experts=None)
         tp, pp = self.parallel.tp_size, self.parallel.pp_size
         dp = max(world_size // (tp * pp), 1)
         hf = hf_config
@@ -194,6 +196,7 @@ class GTPOConfig:
         if hf is not None:
             self._validate_sequence_length(hf.get("max_position_embeddings"))
             self._validate_routing_replay(num_experts=arch.num_experts)
+            self._validate_lora(num_experts=arch.num_experts)
 
     def _validate_token_budget(self) -> None:
         budget = self.max_tokens_per_micro_batch
@@ -232,3 +235,33 @@ class GTPOConfig:
             f"replays expert choices, but {self.model.name_or_path} is a dense model (no experts to route to)",
             "set rollout.routing_replay=off",
         )
+
+    def _validate_lora(self, *, num_experts: int | None) -> None:
+        """The adapters' cross-section rules; ``num_experts`` None: before the model's config is read."""
+        lora = self.model.lora
+        _require(
+            lora.enabled or self.rollout.lora_sync == "merged", "rollout.lora_sync", self.rollout.lora_sync,
+            "sends adapters, but model.lora.rank is null (full fine-tuning)", "set rollout.lora_sync=merged",
+        )  # fmt: skip
+        _require(
+            self.rollout.lora_sync == "merged", "rollout.lora_sync", self.rollout.lora_sync,
+            "adapter-only sync (engines serving a LoRA request) is not built yet",
+            "set rollout.lora_sync=merged (the adapters are folded into the weights each engine receives)",
+        )  # fmt: skip
+        _require(
+            not lora.enabled or self.rollout.weight_sync != "sharded", "rollout.weight_sync", self.rollout.weight_sync,
+            "sends each rank's own parameter views, which hold the base weights without the adapters merged",
+            "set rollout.weight_sync=collective (or files) with model.lora",
+        )  # fmt: skip
+        _require(
+            lora.dropout == 0 or self.parallel.tp_size == 1, "model.lora.dropout", lora.dropout,
+            f"needs the same dropout mask on every TP rank, which is not built (parallel.tp_size="
+            f"{self.parallel.tp_size})", "set model.lora.dropout=0 or parallel.tp_size=1",
+        )  # fmt: skip
+        mlp = [name for name in lora.projections if name in MLP_PROJECTIONS]
+        _require(
+            not (lora.enabled and num_experts and mlp), "model.lora.target_modules", lora.target_modules,
+            f"targets the MLP projections {mlp}, which are experts in {self.model.name_or_path} ({num_experts} a "
+            "layer); adapters on experts are not built", "list the attention projections: [q_proj, k_proj, v_proj, "
+            "o_proj]",
+        )  # fmt: skip

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from gtpo_megatron.megatron_adapter.head_padding import resume_padding_error
+from gtpo_megatron.megatron_adapter.lora import adapter_signature, check_adapter_signature, checkpointed_model_state
 from gtpo_megatron.megatron_adapter.optimizer import restore_schedule
 from gtpo_megatron.parallel.collectives import barrier
 from gtpo_megatron.run_dir import (
@@ -106,7 +107,7 @@ def _sharded_state_dict(policy, *, is_loading: bool, rng: dict | None) -> dict:
     from megatron.core.dist_checkpointing import ShardedObject
 
     groups = policy.groups
-    model_sd = policy.model.sharded_state_dict()
+    model_sd = checkpointed_model_state(policy.model.sharded_state_dict(), policy.model)
     state = {
         "model": model_sd,
         "optimizer": policy.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=_OPTIM_METADATA),
@@ -166,6 +167,7 @@ def save_checkpoint(path: str | Path, policy, trainer_state: dict, *, rng: dict 
             trainer_state=trainer_state,
             layout=_layout(policy.groups),
             num_experts=_num_experts(policy),
+            lora=adapter_signature(policy.model),
         )
         dist_checkpointing.save(state, str(tmp))
     barrier(group=world)
@@ -210,6 +212,7 @@ def _open(path: str | Path, policy) -> tuple[Path, dict]:
     folder = resolve_checkpoint_dir(path)
     common = dist_checkpointing.load_common_state_dict(str(folder))
     _check_experts(common, policy, folder)
+    check_adapter_signature(common.get("lora"), policy.model, str(folder))
     _check_shapes(folder, common["layout"]["tp_size"], policy)
     return folder, common
 
@@ -245,6 +248,17 @@ def _check_shapes(folder: Path, saved_tp_size: int, policy) -> None:
         )
 
 
+def _load_model_state(policy, state: dict) -> None:
+    """Copy a loaded model state into ``policy``: every tensor, or with LoRA the adapters (the base stays)."""
+    if adapter_signature(policy.model) is None:
+        policy.model.load_state_dict(state)
+        return
+    result = policy.model.load_state_dict(state, strict=False)
+    missing = [key for key in result.missing_keys if "_lora." in key]
+    if missing or result.unexpected_keys:
+        raise RuntimeError(f"LoRA checkpoint state: adapters missing {missing}, unexpected {result.unexpected_keys}")
+
+
 def load_model_weights(path: str | Path, policy) -> None:
     """The model's tensors of a checkpoint (folder or root), in any layout, into ``policy``. All ranks.
 
@@ -259,8 +273,9 @@ def load_model_weights(path: str | Path, policy) -> None:
 
     folder, _ = _open(path, policy)
     with cuda_to_cpu_mode():
-        loaded = dist_checkpointing.load({"model": policy.model.sharded_state_dict()}, str(folder))
-        policy.model.load_state_dict(loaded["model"])
+        model_sd = checkpointed_model_state(policy.model.sharded_state_dict(), policy.model)
+        loaded = dist_checkpointing.load({"model": model_sd}, str(folder))
+        _load_model_state(policy, loaded["model"])
 
 
 def load_checkpoint(path: str | Path, policy) -> dict:
@@ -286,7 +301,7 @@ def load_checkpoint(path: str | Path, policy) -> dict:
     with cuda_to_cpu_mode():
         template = _sharded_state_dict(policy, is_loading=True, rng=rng_state() if same_layout else None)
         loaded = dist_checkpointing.load(template, str(folder))
-        policy.model.load_state_dict(loaded["model"])
+        _load_model_state(policy, loaded["model"])
         _use_config_lr(loaded["optimizer"], policy.optimizer.param_groups)
         policy.optimizer.load_state_dict(loaded["optimizer"])
     restore_schedule(policy.scheduler, common["scheduler"])

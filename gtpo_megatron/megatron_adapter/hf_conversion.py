@@ -31,6 +31,8 @@ from gtpo_megatron.megatron_adapter.moe.features import MoEShape, moe_shape
 VOCAB, QKV, PROJ, FC1, ROW, REPLICATED = "vocab", "qkv", "proj", "fc1", "row", "replicated"
 EXPERT_FC1, EXPERT = "expert_fc1", "expert"
 """An expert's fused gate/up and its down projection: whole tensors, not TP-sharded, one expert per name."""
+LORA = "lora"
+"""A linear's adapter tensors (``megatron_adapter/lora.py``): folded into its weight, never exported alone."""
 
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _EXPERT_RE = re.compile(
@@ -227,6 +229,8 @@ def param_mapping(name: str, geometry: ModelGeometry) -> ParamMapping:
         return ParamMapping(VOCAB, ("lm_head.weight",))
     if name == "decoder.final_layernorm.weight":
         return ParamMapping(REPLICATED, ("model.norm.weight",))
+    if "_lora." in name:  # lora.SUFFIX
+        return ParamMapping(LORA, (), exported=False)
     match = _LAYER_RE.match(name)
     mapping = None if match is None else _layer_mapping(match.group(1), match.group(2), geometry)
     if mapping is None:

@@ -4,7 +4,8 @@ One full parameter at a time (peak extra memory: one tensor plus its TP shards);
 ``hf_conversion``'s, and a head-padded model streams without its padding. Every rank of the model-parallel group
 yields the same sequence (stage order, then parameter order); each DP replica gathers in its own groups. An expert
 parameter is gathered over the EP group instead: the ``ep_size`` copies of local expert ``e`` are global experts
-``r * E / ep_size + e``, yielded in EP-rank order ``r``.
+``r * E / ep_size + e``, yielded in EP-rank order ``r``. A linear with LoRA adapters streams its merged weight
+``W + alpha / rank * B @ A`` (each TP shard merged locally, ``lora.merged_weight``); the adapters are not streamed.
 
 Collectives per pipeline stage ``s`` (skipped at size 1): one ``broadcast_object_list`` on PP of the stage's
 parameter list, then per parameter an ``all_gather`` on TP (not for replicated norms and experts) or, for an expert,
@@ -32,6 +33,7 @@ from gtpo_megatron.megatron_adapter.hf_conversion import (
     param_mapping,
     with_expert_index,
 )
+from gtpo_megatron.megatron_adapter.lora import adapters_by_weight, merged_weight
 
 if TYPE_CHECKING:
     from gtpo_megatron.parallel.groups import ParallelGroups
@@ -83,6 +85,7 @@ def iter_hf_weights(model, geometry: ModelGeometry, groups: ParallelGroups) -> I
     ``model`` is the unwrapped stage and ``geometry.tp_size`` must equal ``groups.tp_size``; collectives as above.
     """
     by_global = dict(global_named_parameters(model))
+    adapters = adapters_by_weight(model)
     device = next(iter(by_global.values())).device
     for stage in range(groups.pp_size):
         entries = _stage_entries(model, geometry) if stage == groups.pp_rank else None
@@ -91,14 +94,14 @@ def iter_hf_weights(model, geometry: ModelGeometry, groups: ParallelGroups) -> I
             dist.broadcast_object_list(box, src=groups.pp_stage_global_rank(stage), group=groups.pp)
             entries = box[0]
         for name, shard_shape, dtype in entries:
-            yield from _emit(name, shard_shape, dtype, stage, by_global, geometry, groups, device)
+            yield from _emit(name, shard_shape, dtype, stage, by_global, adapters, geometry, groups, device)
 
 
-def _emit(name, shard_shape, dtype, stage, by_global, geometry, groups: ParallelGroups, device):
+def _emit(name, shard_shape, dtype, stage, by_global, adapters, geometry, groups: ParallelGroups, device):
     """Produce one Megatron parameter's HF tensors on stage ``stage`` and share them with the other stages."""
     mappings = _mappings(name, geometry, groups)
     if stage == groups.pp_rank:
-        pieces = _gather(by_global[name], mappings[0][1], groups)
+        pieces = _gather(merged_weight(by_global[name], adapters.get(name)), mappings[0][1], groups)
         if mappings[0][1].kind in _EXPERT_KINDS:  # one expert per EP rank
             tensors = [t for (_, m), piece in zip(mappings, pieces) for t in hf_from_shards(m, [piece], geometry)]
         else:

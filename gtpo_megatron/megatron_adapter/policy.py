@@ -98,6 +98,14 @@ def _load_initial_weights(gpt_model, model: ModelConfig, hf_path: str, geometry,
         hf_conversion.load_hf_weights(gpt_model, hf_path, geometry, tp_rank=tp_rank)
 
 
+def _attach_lora(gpt_model, settings: PolicySettings, geometry) -> None:
+    """Freeze the stage's base weights and add the ``model.lora`` adapters (``lora.attach_lora``), logged."""
+    from gtpo_megatron.megatron_adapter.lora import attach_lora
+
+    count = attach_lora(gpt_model, settings.model.lora, geometry, seed=settings.seed)
+    logger.info("LoRA: %d adapter parameters on this rank train, the base weights are frozen", count)
+
+
 class MegatronPolicy:
     """A Megatron-Core policy loaded from an HF checkpoint; see ``from_pretrained``.
 
@@ -196,6 +204,8 @@ class MegatronPolicy:
             fp32_output_layer=settings.model.fp32_output_layer,
         )
         _load_initial_weights(gpt_model, settings.model, hf_path, geometry, tp_rank=groups.tp_rank)
+        if trainable and settings.model.lora.enabled:
+            _attach_lora(gpt_model, settings, geometry)
         moe = geometry.moe
         router_load = router_losses = None
         if moe is not None and trainable:

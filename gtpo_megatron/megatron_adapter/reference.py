@@ -3,7 +3,8 @@
 A ``MegatronPolicy`` built with ``trainable=False`` from the same checkpoint, model section and layout (no DDP, no
 gradients, no optimizer state), whose log-probs go through the same schedule and op: at step 1 the KL is 0. It is
 rebuilt at every start and never checkpointed. With ``offload`` on CUDA its weights stay in host memory between
-passes (one host-to-device copy per step).
+passes (one host-to-device copy per step). With ``model.lora`` the reference is :class:`AdaptersOffReference`: the
+policy's own frozen base, its adapters skipped (no second copy).
 """
 
 from __future__ import annotations
@@ -58,3 +59,19 @@ class FrozenReference:
         finally:
             if self.offload:
                 self.policy.model.to("cpu")
+
+
+class AdaptersOffReference:
+    """The KL reference of a LoRA policy: the policy's own model with its adapters switched off (the base weights)."""
+
+    def __init__(self, policy: MegatronPolicy) -> None:
+        self.policy = policy
+
+    def compute_logprobs(
+        self, batch: TrainBatch, *, temperature: float = 1.0, entropy_temperature: float | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[B, S]`` fp32 log-probs and entropies (nats, CPU) of the base model; collectives as the policy's pass."""
+        from gtpo_megatron.megatron_adapter.lora import adapters_off
+
+        with adapters_off(self.policy.model):
+            return self.policy.compute_logprobs(batch, temperature=temperature, entropy_temperature=entropy_temperature)

@@ -29,7 +29,8 @@ class TrainingShape:
     ``micro_batch_size`` ``b``, ``seq_length`` ``s``, ``num_microbatches`` ``M`` (module notation);
     ``max_tokens_per_micro_batch``: the token budget, which replaces ``b*s`` (None: ``b`` rows of ``s``);
     ``reference_weights``: a KL reference policy's weights stay on the GPU (``kl_coef > 0`` without offload);
-    ``ep_size``: expert parallelism (MoE models).
+    ``ep_size``: expert parallelism (MoE models); ``lora_rank`` and ``lora_projections``: ``model.lora`` (None:
+    full fine-tuning).
     """
 
     tp_size: int
@@ -47,6 +48,8 @@ class TrainingShape:
     reference_weights: bool = False
     max_tokens_per_micro_batch: int | None = None
     ep_size: int = 1
+    lora_rank: int | None = None
+    lora_projections: tuple[str, ...] = ()
 
     @property
     def micro_batch_tokens(self) -> int:
@@ -96,6 +99,21 @@ def stage_params(
     if stage == pp_size - 1:
         params += h + (embedding if (pp_size > 1 or not arch.tied_embeddings) else 0)
     return params
+
+
+def stage_lora_params(arch: Architecture, *, rank: int, projections: tuple[str, ...], tp_size: int,
+                      pp_size: int) -> int:  # fmt: skip
+    """Adapter parameters on one GPU of a stage (``model.lora``).
+
+    Per layer and projection ``r * in + r * out``, the TP-split side divided by ``tp_size`` (``B`` of q/k/v/gate/up,
+    ``A`` of o/down; docs/algorithm.md section 6).
+    """
+    h, f = arch.hidden_size, arch.ffn_hidden_size
+    column = {"q_proj": arch.q_width, "k_proj": arch.kv_width, "v_proj": arch.kv_width, "gate_proj": f, "up_proj": f}
+    row = {"o_proj": arch.q_width, "down_proj": f}
+    per_layer = sum(rank * (h + column[p] // tp_size) if p in column else rank * (row[p] // tp_size + h)
+                    for p in projections)  # fmt: skip
+    return (arch.num_layers // pp_size) * per_layer
 
 
 def stage_expert_params(arch: Architecture, *, pp_size: int, ep_size: int) -> int:
@@ -193,17 +211,22 @@ def estimate_stage(arch: Architecture, shape: TrainingShape, *, padded_vocab_siz
         if is_last
         else 0
     )
+    trainable, frozen_experts = params, stage_expert_params(arch, pp_size=shape.pp_size, ep_size=shape.ep_size)
+    if shape.lora_rank is not None:  # the base is frozen: gradients and Adam states for the adapters only
+        trainable = stage_lora_params(arch, rank=shape.lora_rank, projections=shape.lora_projections,
+                                      tp_size=shape.tp_size, pp_size=shape.pp_size)  # fmt: skip
+        frozen_experts = 0
     return StageMemory(
         stage=stage,
         params=params,
-        weights=params * shape.param_bytes,
-        grads=params * GRAD_BYTES,
+        weights=(params + (trainable if shape.lora_rank is not None else 0)) * shape.param_bytes,
+        grads=trainable * GRAD_BYTES,
         optimizer=optimizer_bytes(
-            params,
+            trainable,
             param_bytes=shape.param_bytes,
             dp_size=shape.dp_size,
             distributed_optimizer=shape.distributed_optimizer,
-            expert_params=stage_expert_params(arch, pp_size=shape.pp_size, ep_size=shape.ep_size),
+            expert_params=frozen_experts,
             expert_dp_size=max(shape.tp_size * shape.dp_size // shape.ep_size, 1),
         ),
         activations=activation_bytes(arch, shape, stage=stage),

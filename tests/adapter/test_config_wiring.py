@@ -48,6 +48,8 @@ NOT_MEGATRON = {
     "model.fp32_output_layer": "not a TransformerConfig field: policy._build_stage hands it to "
     "model.build_gpt_model, which swaps the output layer's forward (tests/distributed/test_fused_objective.py checks "
     "the built policy and reference)",
+    "model.lora": "not a TransformerConfig field: policy._attach_lora adds the adapters after the base weights load "
+    "(tests/distributed/test_lora_parity.py checks the built policy)",
     "parallel.cp_size": "only 1 is accepted (ParallelConfig refuses more); Megatron's context_parallel_size stays at "
     "its default 1",
     "parallel.backend": "the torch.distributed backend of parallel.groups.init_distributed (train.py); Megatron's "
@@ -58,6 +60,8 @@ LEFT_AT_DEFAULT = {
     "model.megatron_checkpoint": "excludes model.pad_attention_heads (a checkpoint is loaded as written), which this "
     "config needs; it is in NOT_MEGATRON anyway",
     "parallel.cp_size": "any value but 1 is refused (tests/config checks the message)",
+    "model.lora": "in NOT_MEGATRON: no Megatron config field; its own tests are tests/config/test_lora_config.py and "
+    "tests/distributed/test_lora_parity.py",
 }
 """Fields the run config below cannot set to a non-default value, each with the reason."""
 # 3 KV groups of 2 heads (head_dim 32): at tp 2 they need model.pad_attention_heads (4 groups, 8 heads); 4 experts

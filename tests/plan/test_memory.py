@@ -147,3 +147,15 @@ def test_kl_reference_weights_are_resident() -> None:
     assert memory.reference == 2 * 6_439_808  # the frozen bf16 copy of the stage
     plain = estimate_stage(TINY, TINY_SHAPE, padded_vocab_size=49152, stage=0)
     assert plain.reference == 0 and memory.static == plain.static + memory.reference
+
+
+def test_lora_counts_adapters_as_the_trainable_state() -> None:
+    # rank 4 on all seven projections, tp=2 (h 128, q 128, kv 64, f 256), per layer:
+    # q 4*(128+64) + k 4*(128+32) + v 4*(128+32) + gate/up 2*4*(128+128) + o 4*(64+128) + down 4*(128+128) = 5888
+    shape = dataclasses.replace(TINY_SHAPE, lora_rank=4, lora_projections=(
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))  # fmt: skip
+    adapters = 2 * 5888
+    memory = estimate_stage(TINY, shape, padded_vocab_size=49152, stage=0)
+    assert memory.params == 6_439_808
+    assert memory.weights == 2 * (6_439_808 + adapters)
+    assert memory.grads == 4 * adapters and memory.optimizer == 12 * adapters

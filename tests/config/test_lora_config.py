@@ -1,0 +1,58 @@
+"""``model.lora`` and ``rollout.lora_sync``: defaults, the peft names, and each refusal naming field, value and fix."""
+
+from __future__ import annotations
+
+import pytest
+
+from gtpo_megatron.config import LoRAConfig, load_config
+
+BASE = ["output_dir=/tmp/run", "model=builtin:tiny-qwen2"]
+DENSE = {"model_type": "qwen2", "num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 96,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 300}  # fmt: skip
+MOE = {**DENSE, "model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+
+
+def test_off_by_default_and_all_linear_expands_to_the_seven_projections():
+    cfg = load_config(None, BASE)
+    assert not cfg.model.lora.enabled and cfg.rollout.lora_sync == "merged"
+    lora = load_config(None, [*BASE, "model.lora.rank=128", "model.lora.alpha=128"]).model.lora
+    assert lora.enabled and lora.scale == 1.0
+    assert lora.projections == ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    some = LoRAConfig(rank=8, target_modules=("v_proj", "q_proj"))
+    assert some.projections == ("q_proj", "v_proj") and some.scale == 1.0
+    assert LoRAConfig(rank=4, alpha=8).scale == 2.0
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("model.lora.rank=0", "model.lora.rank=0: must be >= 1 or null; use 128"),
+        ("model.lora.alpha=0", "model.lora.alpha=0.0: must be > 0 or null"),
+        ("model.lora.dropout=1", "model.lora.dropout=1.0: must be in \\[0, 1\\)"),
+        ("model.lora.target_modules=[q_proj,qkv_proj]", "names \\['qkv_proj'\\]; each must be one of .*all-linear"),
+    ],
+)
+def test_bad_section_values_are_refused(override, message):
+    with pytest.raises(ValueError, match=message):
+        load_config(None, [*BASE, override])
+
+
+@pytest.mark.parametrize(
+    ("overrides", "hf_config", "message"),
+    [
+        (["rollout.lora_sync=adapter"], None, "rollout.lora_sync='adapter': .*not built yet; set rollout.lora_sync="),
+        (["model.lora.rank=null", "rollout.lora_sync=adapter"], None, "model.lora.rank is null"),
+        (["rollout.weight_sync=sharded"], None, "rollout.weight_sync='sharded': .*set rollout.weight_sync=collective"),
+        (["model.lora.dropout=0.1", "parallel.tp_size=2"], None, "model.lora.dropout=0.1: .*parallel.tp_size=2"),
+        ([], MOE, "model.lora.target_modules=\\('all-linear',\\): targets the MLP .*experts.*\\[q_proj, k_proj"),
+    ],
+)
+def test_cross_section_refusals(overrides, hf_config, message):
+    cfg = load_config(None, [*BASE, "model.lora.rank=4", *overrides])
+    with pytest.raises(ValueError, match=message):
+        cfg.validate(2, hf_config=hf_config)
+
+
+def test_attention_adapters_on_a_moe_model_pass():
+    overrides = ["model.lora.rank=4", "model.lora.target_modules=[q_proj,k_proj,v_proj,o_proj]"]
+    load_config(None, [*BASE, *overrides]).validate(1, hf_config=MOE)
