@@ -3,10 +3,10 @@
 Llama, Mistral, Qwen2 and Qwen3 map onto Megatron's GPT block (RMSNorm, SwiGLU, GQA, RoPE, optional tied
 embeddings, biases, sliding windows), Qwen3-MoE, Qwen2-MoE and Mixtral onto the same block with an ``MoELayer``;
 ``hf_features`` and ``moe.features`` say how each HF setting is reproduced or why it is refused.
-Dropout is 0. Transformer Engine layer specs when TE imports, Megatron's local specs otherwise (which get an
-explicit causal mask, and ``SequenceParallelRMSNorm`` under sequence parallelism). The embedding and output layer
-have ``padded_vocab_size`` rows (``plan.layout``), the padded rows zero. Opt-in extras: zero KV groups when they do
-not divide ``tp_size`` (``head_padding``) and fp32 logits from 16-bit parameters (``output_layer``).
+Dropout is 0. Transformer Engine layer specs when TE imports, Megatron's local specs otherwise (with SDPA as the
+core attention, ``sdpa_attention``, and ``SequenceParallelRMSNorm`` under sequence parallelism). The embedding and
+output layer have ``padded_vocab_size`` rows (``plan.layout``), the padded rows zero. Opt-in extras: zero KV groups
+when they do not divide ``tp_size`` (``head_padding``) and fp32 logits from 16-bit parameters (``output_layer``).
 """
 
 from __future__ import annotations
@@ -110,6 +110,18 @@ class SequenceParallelRMSNorm:
         return norm
 
 
+def _with_sdpa_attention(spec):
+    """A copy of the local GPT layer ``spec`` whose core attention is ``sdpa_attention.SDPAttention``."""
+    from gtpo_megatron.megatron_adapter.sdpa_attention import SDPAttention
+
+    layer = spec.submodules
+    attention = dataclasses.replace(
+        layer.self_attention,
+        submodules=dataclasses.replace(layer.self_attention.submodules, core_attention=SDPAttention),
+    )
+    return dataclasses.replace(spec, submodules=dataclasses.replace(layer, self_attention=attention))
+
+
 def _with_sequence_parallel_norms(spec):
     """A copy of the local GPT layer ``spec`` whose norms are :class:`SequenceParallelRMSNorm`."""
     from megatron.core.transformer.identity_op import IdentityOp
@@ -151,6 +163,7 @@ def select_layer_spec(
             num_experts=num_experts, qk_layernorm=qk_layernorm, normalization="RMSNorm"
         )
         backend = "local"
+        spec = _with_sdpa_attention(spec)
         if sequence_parallel:
             spec = _with_sequence_parallel_norms(spec)
     logger.info("Megatron GPT layer spec: %s", backend)
@@ -374,14 +387,14 @@ def _to_params_dtype(model, params_dtype: torch.dtype) -> None:
 
 
 def causal_attention_mask(seq_len: int, backend: str, segment_ids: torch.Tensor | None = None) -> torch.Tensor | None:
-    """``[1, 1, S, S]`` bool, True = masked, for the local spec; None with Transformer Engine (causal by its spec).
+    """A packed row's ``[1, 1, S, S]`` bool mask (True = masked) for the local spec, else None.
 
-    ``segment_ids`` ``[S]`` (a packed row, ``ops.PackedLayout.segment_ids``): block-diagonal, a column sees only the
-    earlier columns of its own segment.
+    None is the causal mask of both specs (Transformer Engine's by its spec, the local spec's ``SDPAttention`` as
+    SDPA's ``is_causal``, Megatron's own attention builds it when it runs). ``segment_ids`` ``[S]`` (a packed row,
+    ``ops.PackedLayout.segment_ids``): block-diagonal, a column sees only the earlier columns of its own segment.
     """
-    if backend == "transformer_engine":
+    if backend == "transformer_engine" or segment_ids is None:
         return None
     masked = torch.triu(torch.ones(seq_len, seq_len, dtype=torch.bool), diagonal=1)
-    if segment_ids is not None:
-        masked |= segment_ids[:, None] != segment_ids[None, :]
+    masked |= segment_ids[:, None] != segment_ids[None, :]
     return masked[None, None]
