@@ -22,7 +22,7 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 
 from gtpo_megatron.megatron_adapter.cpu_compat import cuda_to_cpu_mode, install_cpu_compat
-from gtpo_megatron.megatron_adapter.sdpa_attention import SDPAttention
+from gtpo_megatron.megatron_adapter.sdpa_attention import sdpa_attention_class
 
 HEADS, GROUPS, HEAD_DIM = 9, 3, 64
 
@@ -53,7 +53,7 @@ def main() -> None:
     install_cpu_compat()
     parallel_state._set_global_memory_buffer()  # DotProductAttention's score buffer, as initialize_model_parallel
     get_cuda_rng_tracker().add("model-parallel-rng", 0)  # its dropout's RNG (p = 0), as model_parallel_cuda_manual_seed
-    megatron, sdpa = build(DotProductAttention), build(SDPAttention)
+    megatron, sdpa = build(DotProductAttention), build(sdpa_attention_class())
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(args.seq, args.rows, HEADS, HEAD_DIM, generator=gen)
     k, v = (torch.randn(args.seq, args.rows, GROUPS, HEAD_DIM, generator=gen) for _ in range(2))

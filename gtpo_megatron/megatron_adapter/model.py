@@ -112,12 +112,12 @@ class SequenceParallelRMSNorm:
 
 def _with_sdpa_attention(spec):
     """A copy of the local GPT layer ``spec`` whose core attention is ``sdpa_attention.SDPAttention``."""
-    from gtpo_megatron.megatron_adapter.sdpa_attention import SDPAttention
+    from gtpo_megatron.megatron_adapter.sdpa_attention import sdpa_attention_class
 
     layer = spec.submodules
     attention = dataclasses.replace(
         layer.self_attention,
-        submodules=dataclasses.replace(layer.self_attention.submodules, core_attention=SDPAttention),
+        submodules=dataclasses.replace(layer.self_attention.submodules, core_attention=sdpa_attention_class()),
     )
     return dataclasses.replace(spec, submodules=dataclasses.replace(layer, self_attention=attention))
 

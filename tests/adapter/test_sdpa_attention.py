@@ -17,18 +17,18 @@ pytest.importorskip("megatron.core")
 from megatron.core.transformer import TransformerConfig  # noqa: E402
 from megatron.core.transformer.enums import AttnMaskType  # noqa: E402
 
-from gtpo_megatron.megatron_adapter.sdpa_attention import SDPAttention  # noqa: E402
+from gtpo_megatron.megatron_adapter.sdpa_attention import sdpa_attention_class  # noqa: E402
 
 HEADS, GROUPS, HEAD_DIM, SEQ, ROWS = 6, 2, 8, 9, 2
 
 
-def _attention(**config_fields) -> SDPAttention:
+def _attention(**config_fields) -> torch.nn.Module:
     config = TransformerConfig(
         num_layers=1, hidden_size=HEADS * HEAD_DIM, num_attention_heads=HEADS, num_query_groups=GROUPS,
         kv_channels=HEAD_DIM, attention_dropout=0.0, use_cpu_initialization=True, **config_fields,
     )  # fmt: skip
     tp = types.SimpleNamespace(tp=types.SimpleNamespace(size=lambda: 1))
-    return SDPAttention(config, 1, AttnMaskType.causal, "self", pg_collection=tp)
+    return sdpa_attention_class()(config, 1, AttnMaskType.causal, "self", pg_collection=tp)
 
 
 def _qkv():
