@@ -61,16 +61,16 @@ def _breakdown(cfg, groups, model_path) -> None:
 
     with timed("tokenizer"):
         tokenizer = AutoTokenizer.from_pretrained(model_path)
-    load_weights = policy_module.hf_conversion.load_hf_weights
+    load_weights = policy_module.hf_loading.load_hf_weights
 
     def timed_load(*args, **kwargs):
         with timed("  of which: HF weight load"):
             return load_weights(*args, **kwargs)
 
-    policy_module.hf_conversion.load_hf_weights = timed_load
+    policy_module.hf_loading.load_hf_weights = timed_load
     with timed("policy (model build + HF weights + DDP + optimizer)"):
         _policy(cfg, model_path, groups)
-    policy_module.hf_conversion.load_hf_weights = load_weights
+    policy_module.hf_loading.load_hf_weights = load_weights
     with timed("prompts (load + chat template on every problem)"):
         problems = load_problems(cfg.data.source, limit=cfg.data.limit)
         [build_prompt_ids(tokenizer, p.question) for p in problems]
