@@ -3,7 +3,7 @@
 Usage: ``python benchmarks/bench_sharded_sync.py [--model builtin:smollm2-135m-instruct] [--tp 2] [--pp 2]
 [--workers 2] [--repeats 3] [--bucket-mb 64]``
 
-A trainer of ``tp * pp`` ranks (threads; shards from ``hf_conversion.shard_from_hf``, SmolLM2's 3 KV groups
+A trainer of ``tp * pp`` ranks (threads; shards from ``hf_loading.shard_from_hf``, SmolLM2's 3 KV groups
 padded to 4 at TP 2) updates ``--workers`` engine workers (threads that take each tensor off the wire and drop it:
 no vLLM, so the wire and the joins are what is timed) over one gloo weight group on loopback, bfloat16. Collective:
 every parameter's TP shards joined as ``hf_stream`` does (the gather's communication is left out, as the
@@ -26,6 +26,7 @@ from transformers import AutoConfig
 
 from gtpo_megatron.builtin_models import resolve_model_path
 from gtpo_megatron.megatron_adapter import hf_conversion as hc
+from gtpo_megatron.megatron_adapter import hf_loading
 from gtpo_megatron.megatron_adapter.shard_stream import shard_pieces
 from gtpo_megatron.parallel.weight_group import WeightGroupSpec, join_weight_group, open_weight_store
 from gtpo_megatron.rollout.shard_plan import build_shard_plan
@@ -52,9 +53,9 @@ def _trainer(path: str, tp: int, pp: int):
     config = AutoConfig.from_pretrained(path)
     padded = -(-config.vocab_size // (128 * tp)) * 128 * tp
     geometry = hc.ModelGeometry.from_hf(config, padded_vocab_size=padded, tp_size=tp, pad_attention_heads=True)
-    reader = hc.HFCheckpointReader(path)
+    reader = hf_loading.HFCheckpointReader(path)
     stages = _stages(reader, geometry, config.num_hidden_layers, pp)
-    shards = {(p, r): [(n, hc.shard_from_hf(hc.param_mapping(n, geometry), reader, geometry, r)) for n in names]
+    shards = {(p, r): [(n, hf_loading.shard_from_hf(hc.param_mapping(n, geometry), reader, geometry, r)) for n in names]
               for p, names in enumerate(stages) for r in range(tp)}  # fmt: skip
     ranks = [
         shard_pieces(shards[(p, r)], geometry, tp_rank=r, tp_size=tp, stage=p) for p in range(pp) for r in range(tp)

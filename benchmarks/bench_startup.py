@@ -43,7 +43,8 @@ def _policy(cfg, model_path, groups):
 def _placement(cfg, model_path) -> tuple:
     """``build_collector``'s placement, environment (the default) and exchange for the one engine of a one-process
     run."""
-    from gtpo_megatron.build import build_exchange, build_placements
+    from gtpo_megatron.build import build_exchange
+    from gtpo_megatron.build_rollout import build_placements
 
     return build_placements(cfg, 1)[0], {}, build_exchange(cfg, model_path, num_engines=1)
 
@@ -52,7 +53,7 @@ def _breakdown(cfg, groups, model_path) -> None:
     """Every piece once, in order, into ``ROWS``."""
     from transformers import AutoTokenizer
 
-    from gtpo_megatron.build import build_collector
+    from gtpo_megatron.build_rollout import build_collector
     from gtpo_megatron.data.datasets import load_problems
     from gtpo_megatron.data.prompts import build_prompt_ids
     from gtpo_megatron.megatron_adapter import policy as policy_module
@@ -60,16 +61,16 @@ def _breakdown(cfg, groups, model_path) -> None:
 
     with timed("tokenizer"):
         tokenizer = AutoTokenizer.from_pretrained(model_path)
-    load_weights = policy_module.hf_conversion.load_hf_weights
+    load_weights = policy_module.hf_loading.load_hf_weights
 
     def timed_load(*args, **kwargs):
         with timed("  of which: HF weight load"):
             return load_weights(*args, **kwargs)
 
-    policy_module.hf_conversion.load_hf_weights = timed_load
+    policy_module.hf_loading.load_hf_weights = timed_load
     with timed("policy (model build + HF weights + DDP + optimizer)"):
         _policy(cfg, model_path, groups)
-    policy_module.hf_conversion.load_hf_weights = load_weights
+    policy_module.hf_loading.load_hf_weights = load_weights
     with timed("prompts (load + chat template on every problem)"):
         problems = load_problems(cfg.data.source, limit=cfg.data.limit)
         [build_prompt_ids(tokenizer, p.question) for p in problems]
@@ -90,7 +91,7 @@ def _serial_vs_overlapped(cfg, groups, model_path) -> tuple[float, float]:
     """Policy then rollout side, against both at once (the rollout side in a thread), in seconds."""
     from transformers import AutoTokenizer
 
-    from gtpo_megatron.build import build_collector
+    from gtpo_megatron.build_rollout import build_collector
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     start = time.perf_counter()

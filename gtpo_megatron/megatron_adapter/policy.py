@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from gtpo_megatron.batch import TrainBatch
 from gtpo_megatron.builtin_models import resolve_model_path
-from gtpo_megatron.megatron_adapter import hf_conversion, micro_batching
+from gtpo_megatron.megatron_adapter import hf_conversion, hf_loading, micro_batching
 from gtpo_megatron.megatron_adapter import model as model_lib
 from gtpo_megatron.megatron_adapter.cpu_compat import cuda_to_cpu_mode, install_cpu_compat
 from gtpo_megatron.megatron_adapter.forward_step import ForwardSettings, MicroBatch, forward_step
@@ -95,7 +95,7 @@ def _load_initial_weights(gpt_model, model: ModelConfig, hf_path: str, geometry,
 
         load_model_weights(gpt_model, model.megatron_checkpoint)
     else:
-        hf_conversion.load_hf_weights(gpt_model, hf_path, geometry, tp_rank=tp_rank)
+        hf_loading.load_hf_weights(gpt_model, hf_path, geometry, tp_rank=tp_rank)
 
 
 def _attach_lora(gpt_model, settings: PolicySettings, geometry) -> None:

@@ -69,7 +69,7 @@ class RolloutCollector:
     ``reward_pool``: a ``rewards.RewardPool``; ``exchange``: the step exchange (its sections and engine count);
     ``extraction``: ``reward.extraction`` resolved for ``data.source``; ``engine_index``:
     ``plan.engines.EnginePlacement.index``; ``cores``: the CPU cores of the rollout side (its engine's,
-    ``build.bind_training_rank``), else None.
+    ``build_rollout.bind_training_rank``), else None.
     """
 
     def __init__(

@@ -1,6 +1,6 @@
 """How a vLLM engine starts: ``EngineSettings``, built once from the config (torch- and vLLM-free).
 
-``engine_settings(cfg)`` is the one reader of the config for the training engines (``build.py``); ``gtpo-eval``
+``engine_settings(cfg)`` is the one reader of the config for the training engines (``build_rollout.py``); ``gtpo-eval``
 builds its engine's from its own flags (``evaluation/evaluate.py``). ``rollout/vllm_engine.py:VLLMEngine`` starts
 from one record. A new engine setting (a LoRA adapter, an FP8 weight or KV-cache dtype) is a field here.
 """

@@ -42,7 +42,7 @@ from gtpo_megatron.plan_cli import training_shape
 SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "optim": OptimConfig}
 NOT_MEGATRON = {
     "model.name_or_path": "the HF folder: its config.json feeds hf_transformer_fields (checked here through the "
-    "head padding), its weights hf_conversion.load_hf_weights (tests/distributed/test_megatron_parity.py)",
+    "head padding), its weights hf_loading.load_hf_weights (tests/distributed/test_megatron_parity.py)",
     "model.megatron_checkpoint": "the starting weights and their vocabulary rows: policy._load_initial_weights and "
     "_padded_vocab read it (tests/plugin/test_megatron_checkpoint.py starts a run from one)",
     "model.fp32_output_layer": "not a TransformerConfig field: policy._build_stage hands it to "

@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import save_file
 
 from gtpo_megatron.megatron_adapter import hf_conversion as hc
+from gtpo_megatron.megatron_adapter import hf_loading
 
 Q, G, D, H, F, VOCAB, PADDED = 8, 4, 3, 5, 8, 10, 12  # heads, KV groups, head_dim, hidden, ffn, vocab, padded
 
@@ -77,7 +78,7 @@ def _geometry(tp: int, tied: bool = False) -> hc.ModelGeometry:
 def checkpoint(request, tmp_path):
     tensors = _hf_tensors(tied=request.param)
     save_file(tensors, str(tmp_path / "model.safetensors"))
-    return tensors, hc.HFCheckpointReader(tmp_path), request.param
+    return tensors, hf_loading.HFCheckpointReader(tmp_path), request.param
 
 
 def _expected_qkv(t: dict[str, torch.Tensor], suffix: str, tp: int, rank: int) -> torch.Tensor:
@@ -103,7 +104,7 @@ def test_shards_follow_megatron_layout(checkpoint, tp):
     for rank in range(tp):
 
         def shard(name, rank=rank):
-            return hc.shard_from_hf(hc.param_mapping(name, geometry), reader, geometry, rank)
+            return hf_loading.shard_from_hf(hc.param_mapping(name, geometry), reader, geometry, rank)
 
         for suffix in ("weight", "bias"):
             got = shard(f"decoder.layers.1.self_attention.linear_qkv.{suffix}")
@@ -125,7 +126,7 @@ def test_round_trip_is_exact(checkpoint, tp):
     rebuilt = {}
     for name in MEGATRON_NAMES:
         mapping = hc.param_mapping(name, geometry)
-        shards = [hc.shard_from_hf(mapping, reader, geometry, r) for r in range(geometry.tp_size)]
+        shards = [hf_loading.shard_from_hf(mapping, reader, geometry, r) for r in range(geometry.tp_size)]
         if mapping.exported:
             for hf_name, tensor in hc.hf_from_shards(mapping, shards, geometry):
                 assert hf_name not in rebuilt
@@ -141,7 +142,7 @@ def test_head_padding_layout_and_round_trip(tmp_path, heads, groups, tp, padded)
     (5, 5, 4): multi-head attention padded 5 -> 8 groups; the last TP rank holds only padded groups."""
     tensors = _hf_tensors(tied=True, heads=heads, groups=groups)
     save_file(tensors, str(tmp_path / "model.safetensors"))
-    reader = hc.HFCheckpointReader(tmp_path)
+    reader = hf_loading.HFCheckpointReader(tmp_path)
     geometry = hc.ModelGeometry(
         num_heads=heads,
         num_query_groups=groups,
@@ -163,18 +164,18 @@ def test_head_padding_layout_and_round_trip(tmp_path, heads, groups, tp, padded)
         for rank in range(tp):
             mapping = hc.param_mapping(f"decoder.layers.1.self_attention.linear_qkv.{suffix}", geometry)
             expected = _fused_qkv_rows(q, k, v, padded_heads, padded, tp, rank)
-            assert torch.equal(hc.shard_from_hf(mapping, reader, geometry, rank), expected)
+            assert torch.equal(hf_loading.shard_from_hf(mapping, reader, geometry, rank), expected)
     o_proj = torch.cat([tensors[layer + "o_proj.weight"], torch.zeros(H, (padded_heads - heads) * D)], dim=1)
     cols = padded_heads * D // tp
     proj = hc.param_mapping("decoder.layers.1.self_attention.linear_proj.weight", geometry)
     for rank in range(tp):
         expected = o_proj[:, rank * cols : (rank + 1) * cols]
-        assert torch.equal(hc.shard_from_hf(proj, reader, geometry, rank), expected)
+        assert torch.equal(hf_loading.shard_from_hf(proj, reader, geometry, rank), expected)
     rebuilt = {}
     for name in MEGATRON_NAMES:
         mapping = hc.param_mapping(name, geometry)
         if mapping.exported:
-            shards = [hc.shard_from_hf(mapping, reader, geometry, r) for r in range(tp)]
+            shards = [hf_loading.shard_from_hf(mapping, reader, geometry, r) for r in range(tp)]
             rebuilt.update(hc.hf_from_shards(mapping, shards, geometry))
     assert rebuilt.keys() == tensors.keys()
     assert all(torch.equal(rebuilt[k], tensors[k]) for k in tensors)
@@ -206,7 +207,7 @@ def test_sharded_export_reads_back(tmp_path):
     )
     assert len(list(out.glob("model-*.safetensors"))) > 1 and (out / "model.safetensors.index.json").exists()
     assert (out / "config.json").exists() and not list(tmp_path.glob(".export-*"))
-    reader = hc.HFCheckpointReader(out)
+    reader = hf_loading.HFCheckpointReader(out)
     assert all(torch.equal(reader.read(name), tensor) for name, tensor in tensors.items())
     assert torch.equal(reader.read("lm_head.weight", 0, 2, 5), tensors["lm_head.weight"][2:5])
 

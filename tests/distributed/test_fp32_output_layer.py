@@ -77,7 +77,7 @@ def _build(path: str, groups, params_dtype: torch.dtype, fp32_output_layer: bool
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
     from transformers import AutoConfig
 
-    from gtpo_megatron.megatron_adapter import hf_conversion
+    from gtpo_megatron.megatron_adapter import hf_conversion, hf_loading
     from gtpo_megatron.megatron_adapter import model as model_lib
     from gtpo_megatron.megatron_adapter.cpu_compat import cuda_to_cpu_mode
     from gtpo_megatron.plan.layout import padded_vocab_size
@@ -97,7 +97,7 @@ def _build(path: str, groups, params_dtype: torch.dtype, fp32_output_layer: bool
             fp32_output_layer=fp32_output_layer,
         )
     geometry = hf_conversion.ModelGeometry.from_hf(hf_config, padded_vocab_size=padded, tp_size=groups.tp_size)
-    hf_conversion.load_hf_weights(model, path, geometry, tp_rank=groups.tp_rank)
+    hf_loading.load_hf_weights(model, path, geometry, tp_rank=groups.tp_rank)
     return model, padded // groups.tp_size
 
 

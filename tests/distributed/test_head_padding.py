@@ -118,12 +118,12 @@ def _two_steps(policy, batch, on_grads) -> list[float]:
 
 def _check_padded_step(policy, ref_grads: dict[str, torch.Tensor], step: int) -> float:
     """Real gradients equal the TP=1 ones (padded entries expected 0); padded weights and grads are exactly 0."""
-    from gtpo_megatron.megatron_adapter import hf_conversion
+    from gtpo_megatron.megatron_adapter import hf_conversion, hf_loading
 
     geometry, tp_rank, worst = policy.geometry, policy.groups.tp_rank, 0.0
     for name, param in megatron_named_params(policy):
         mapping = hf_conversion.param_mapping(name, geometry)
-        expected = hf_conversion.shard_from_hf(mapping, DictReader(ref_grads), geometry, tp_rank)
+        expected = hf_loading.shard_from_hf(mapping, DictReader(ref_grads), geometry, tp_rank)
         diff = (param.main_grad - expected).abs().max().item()
         worst = max(worst, diff)
         assert diff <= GRAD_ATOL, f"step {step}: grad of {name} differs from TP=1 by {diff}"

@@ -42,12 +42,12 @@ ENTROPY_ATOL = 5e-5  # entropy ~10.8 nats is an fp32 sum over 49,152 columns: ~1
 
 
 def _check_grads(policy, ref_grads: dict[str, torch.Tensor], label: str) -> float:
-    from gtpo_megatron.megatron_adapter import hf_conversion
+    from gtpo_megatron.megatron_adapter import hf_conversion, hf_loading
 
     reader, worst = DictReader(ref_grads), 0.0
     for name, param in megatron_named_params(policy):
         mapping = hf_conversion.param_mapping(name, policy.geometry)
-        expected = hf_conversion.shard_from_hf(mapping, reader, policy.geometry, policy.groups.tp_rank)
+        expected = hf_loading.shard_from_hf(mapping, reader, policy.geometry, policy.groups.tp_rank)
         diff = (param.main_grad.float() - expected).abs().max().item()
         worst = max(worst, diff)
         assert diff <= GRAD_ATOL, f"{label}: grad of {name} differs by {diff}"

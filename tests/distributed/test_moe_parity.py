@@ -76,7 +76,7 @@ def _checkpoint_names(grads: dict[str, torch.Tensor], moe) -> dict[str, torch.Te
 
 
 def _check_training(policy, hf_model, label: str) -> None:
-    from gtpo_megatron.megatron_adapter import hf_conversion
+    from gtpo_megatron.megatron_adapter import hf_conversion, hf_loading
     from gtpo_megatron.megatron_adapter.optimizer import global_grad_norm
     from gtpo_megatron.ops import LossSpec
 
@@ -98,7 +98,7 @@ def _check_training(policy, hf_model, label: str) -> None:
         worst = 0.0
         for name, param in megatron_named_params(policy):
             mapping = hf_conversion.param_mapping(name, policy.geometry)
-            expected = hf_conversion.shard_from_hf(mapping, reader, policy.geometry, groups.tp_rank)
+            expected = hf_loading.shard_from_hf(mapping, reader, policy.geometry, groups.tp_rank)
             diff = (param.main_grad - expected).abs().max().item()
             assert diff <= GRAD_ATOL, f"{label} mbs={micro_batch_size}: grad of {name} differs by {diff}"
             worst = max(worst, diff)

@@ -85,7 +85,7 @@ def reference_router_grads(hf_model, batch) -> dict[str, torch.Tensor]:
 
 
 def _worker(rank: int, world_size: int, root: str) -> None:
-    from gtpo_megatron.megatron_adapter import hf_conversion
+    from gtpo_megatron.megatron_adapter import hf_conversion, hf_loading
 
     if rank == 0:
         save_random_hf_model(root, tiny_moe("qwen3_moe"))
@@ -100,7 +100,7 @@ def _worker(rank: int, world_size: int, root: str) -> None:
         for name, grad in unequal.items():
             if name.endswith("router.weight"):
                 mapping = hf_conversion.param_mapping(name, policy.geometry)
-                expected = hf_conversion.shard_from_hf(mapping, reader, policy.geometry, 0).float()
+                expected = hf_loading.shard_from_hf(mapping, reader, policy.geometry, 0).float()
                 ref_diff = max(ref_diff, (grad - expected).abs().max().item())
         worst = torch.tensor([cut_diff, ref_diff])
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)

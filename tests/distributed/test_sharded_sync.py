@@ -1,6 +1,6 @@
 """The sharded weight sync over a real gloo weight group: trainer TP=2 x PP=2 x DP=2 -> 2 engine workers at TP 1.
 
-Each training rank's shards come from ``hf_conversion.shard_from_hf`` of a tiny literal checkpoint (head padding
+Each training rank's shards come from ``hf_loading.shard_from_hf`` of a tiny literal checkpoint (head padding
 3 -> 4 KV groups, padded vocabulary), so no Megatron model is needed; members are threads of this process (as
 ``test_weight_wire.py``). The collective path's tensors are ``hf_from_shards`` of all TP shards (what
 ``hf_stream.iter_hf_weights`` sends), cast to the engines' dtype: every worker must receive exactly those.
@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import save_file
 
 from gtpo_megatron.megatron_adapter import hf_conversion as hc
+from gtpo_megatron.megatron_adapter import hf_loading
 from gtpo_megatron.megatron_adapter.shard_stream import shard_pieces
 from gtpo_megatron.rollout.shard_plan import build_shard_plan
 from gtpo_megatron.rollout.sharded_wire import receive_shards, send_shards
@@ -54,12 +55,15 @@ def _trainer(folder):
     """Per global rank (DP-major: ``rank = (dp * PP + pp) * TP + tp``): ``(offers, pieces)``; and the geometry."""
     geometry = hc.ModelGeometry(num_heads=Q, num_query_groups=G, head_dim=D, vocab_size=VOCAB, padded_vocab_size=PADDED,
                                 tie_word_embeddings=False, tp_size=TP, num_pad_groups=1)  # fmt: skip
-    reader = hc.HFCheckpointReader(folder)
+    reader = hf_loading.HFCheckpointReader(folder)
     ranks = []
     for _dp in range(DP):
         for pp in range(PP):
             for tp in range(TP):
-                named = [(n, hc.shard_from_hf(hc.param_mapping(n, geometry), reader, geometry, tp)) for n in STAGES[pp]]
+                named = [
+                    (n, hf_loading.shard_from_hf(hc.param_mapping(n, geometry), reader, geometry, tp))
+                    for n in STAGES[pp]
+                ]
                 ranks.append(shard_pieces(named, geometry, tp_rank=tp, tp_size=TP, stage=pp))
     return ranks, geometry, reader
 
@@ -69,7 +73,7 @@ def _collective_reference(geometry, reader) -> dict[str, torch.Tensor]:
     out = {}
     for name in [n for stage in STAGES for n in stage]:
         mapping = hc.param_mapping(name, geometry)
-        shards = [hc.shard_from_hf(mapping, reader, geometry, r) for r in range(TP)]
+        shards = [hf_loading.shard_from_hf(mapping, reader, geometry, r) for r in range(TP)]
         out |= {n: t.to(DTYPE) for n, t in hc.hf_from_shards(mapping, shards, geometry)}
     return out
 

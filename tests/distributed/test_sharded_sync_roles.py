@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from gtpo_megatron.megatron_adapter import hf_conversion as hc
+from gtpo_megatron.megatron_adapter import hf_loading
 from gtpo_megatron.megatron_adapter.shard_stream import shard_pieces
 from gtpo_megatron.plan.engines import EnginePlacement
 from gtpo_megatron.rollout.engine_guard import GuardedEngine
@@ -64,8 +65,8 @@ def _pieces(folder, scale: list[float]):
     """The one rank's pieces; ``scale[0]`` multiplies the weights (a new step's weights)."""
     geometry = hc.ModelGeometry(num_heads=Q, num_query_groups=G, head_dim=D, vocab_size=VOCAB, padded_vocab_size=PADDED,
                                 tie_word_embeddings=False, tp_size=1)  # fmt: skip
-    reader = hc.HFCheckpointReader(folder)
-    named = [(n, hc.shard_from_hf(hc.param_mapping(n, geometry), reader, geometry, 0)) for n in NAMES]
+    reader = hf_loading.HFCheckpointReader(folder)
+    named = [(n, hf_loading.shard_from_hf(hc.param_mapping(n, geometry), reader, geometry, 0)) for n in NAMES]
     return lambda: shard_pieces([(n, t * scale[0]) for n, t in named], geometry, tp_rank=0, tp_size=1, stage=0)
 
 

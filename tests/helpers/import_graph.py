@@ -45,7 +45,11 @@ LAYERS: list[tuple[str, tuple[str, ...], str]] = [
     ("algorithm", ("gtpo_megatron.algorithm",), ""),
     ("plugin API", ("gtpo_megatron.plugin",), ""),
     ("run state", ("gtpo_megatron.initial_entropy", "gtpo_megatron.resume"), ""),
-    ("trainer", ("gtpo_megatron.step_metrics", "gtpo_megatron.trainer", "gtpo_megatron.build"), ""),
+    (
+        "trainer",
+        ("gtpo_megatron.step_metrics", "gtpo_megatron.trainer", "gtpo_megatron.build", "gtpo_megatron.build_rollout"),
+        "",
+    ),
     (
         "entry points",
         ("gtpo_megatron.train", "gtpo_megatron.evaluation", "gtpo_megatron.plan_cli", "gtpo_megatron"),

@@ -1,6 +1,6 @@
 """Two real vLLM engines (multiprocess, engine TP 1): one updated by the collective path, one by the sharded path.
 
-The trainer is TP=2 x PP=2 (four ranks as threads of this process, their shards from ``hf_conversion.shard_from_hf``
+The trainer is TP=2 x PP=2 (four ranks as threads of this process, their shards from ``hf_loading.shard_from_hf``
 of perturbed tiny-qwen2 weights, the vocabulary padded so that the last TP rank holds padding rows). After the
 updates both engines' log-probs of fixed sequences equal transformers' on the perturbed weights (fp32, the engine
 test's tolerance; before the update they do not, so the check can fail) and their near-greedy generations are the
@@ -19,6 +19,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from gtpo_megatron.builtin_models import resolve_model_path
 from gtpo_megatron.megatron_adapter import hf_conversion as hc
+from gtpo_megatron.megatron_adapter import hf_loading
 from gtpo_megatron.megatron_adapter.shard_stream import shard_pieces
 from gtpo_megatron.parallel.weight_group import WeightGroupSpec, join_weight_group, open_weight_store
 from gtpo_megatron.plan.engines import EnginePlacement, split_cores
@@ -63,8 +64,9 @@ def _group(engine: GuardedEngine, num_senders: int) -> list:
 
 def _trainer(folder: str):
     geometry = hc.ModelGeometry.from_hf(AutoConfig.from_pretrained(folder), padded_vocab_size=PADDED_VOCAB, tp_size=TP)
-    reader = hc.HFCheckpointReader(folder)
-    shards = {(pp, tp): [(n, hc.shard_from_hf(hc.param_mapping(n, geometry), reader, geometry, tp)) for n in names]
+    reader = hf_loading.HFCheckpointReader(folder)
+    shard = hf_loading.shard_from_hf
+    shards = {(pp, tp): [(n, shard(hc.param_mapping(n, geometry), reader, geometry, tp)) for n in names]
               for pp, names in enumerate(STAGES) for tp in range(TP)}  # fmt: skip
     ranks = [shard_pieces(shards[(pp, tp)], geometry, tp_rank=tp, tp_size=TP, stage=pp)
              for pp in range(PP) for tp in range(TP)]  # fmt: skip

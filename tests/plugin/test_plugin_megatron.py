@@ -40,7 +40,7 @@ def _caller_model(path: str, groups, *, per_token: bool):
     from transformers import AutoConfig
 
     from gtpo_megatron.builtin_models import resolve_model_path
-    from gtpo_megatron.megatron_adapter import hf_conversion, model
+    from gtpo_megatron.megatron_adapter import hf_loading, model
     from gtpo_megatron.megatron_adapter.external_model import model_geometry
     from gtpo_megatron.megatron_adapter.optimizer import wrap_ddp
     from tests.adapter.megatron_helpers import model_section, settings_at
@@ -56,7 +56,7 @@ def _caller_model(path: str, groups, *, per_token: bool):
             post_process=groups.is_last_pp_stage,
         )  # fmt: skip
     geometry = model_geometry(gpt, hf_config, tp_size=groups.tp_size)
-    hf_conversion.load_hf_weights(gpt, resolve_model_path(path), geometry, tp_rank=groups.tp_rank)
+    hf_loading.load_hf_weights(gpt, resolve_model_path(path), geometry, tp_rank=groups.tp_rank)
     ddp = wrap_ddp(gpt, config, settings=settings)
     config.finalize_model_grads_func = finalize_model_grads
     config.no_sync_func = ddp.no_sync
@@ -100,12 +100,12 @@ def _train_pass(ddp, groups, local, *, per_token: bool):
 
 
 def _check_grads(ddp, geometry, groups, ref_grads, label: str) -> float:
-    from gtpo_megatron.megatron_adapter import hf_conversion
+    from gtpo_megatron.megatron_adapter import hf_conversion, hf_loading
 
     model, reader, worst = ddp.module, DictReader(ref_grads), 0.0
     for name, param in hf_conversion.global_named_parameters(model):
         mapping = hf_conversion.param_mapping(name, geometry)
-        expected = hf_conversion.shard_from_hf(mapping, reader, geometry, groups.tp_rank)
+        expected = hf_loading.shard_from_hf(mapping, reader, geometry, groups.tp_rank)
         diff = (param.main_grad - expected).abs().max().item()
         worst = max(worst, diff)
         assert diff <= GRAD_ATOL, f"{label}: grad of {name} differs by {diff}"

@@ -256,7 +256,7 @@ def test_the_async_worker_samples_on_the_collectors_cores_and_the_trainer_keeps_
     cores = os.sched_getaffinity(0)
     engine = _AffinityEngine()
     trainer = make_trainer(tmp_path, *ASYNC, "trainer.max_steps=2", engine=engine, policy=FakePolicy())
-    trainer.collector.cores = (max(cores),)  # separate engines on CPU: build.bind_training_rank's engine cores
+    trainer.collector.cores = (max(cores),)  # separate engines on CPU: build_rollout.bind_training_rank's engine cores
     trainer.rollouts.close()
     trainer.rollouts = type(trainer.rollouts)(trainer.cfg, collector=trainer.collector, loader=trainer.loader,
                                               exchange=trainer.rollouts.exchange)  # fmt: skip

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from gtpo_megatron import build
+from gtpo_megatron import build, build_rollout
 from gtpo_megatron.config import load_config
 from tests.trainer.fakes import FakeEngine, FakePolicy, FakeRewardPool, one_rank_process_group, single_rank_groups
 
@@ -86,7 +86,7 @@ def test_the_exchange_carries_the_routed_experts_layout_of_an_moe_model_with_rou
 
 def test_the_sharded_sync_is_refused_on_gpus(tmp_path, monkeypatch):
     cfg = load_config(None, ["model=builtin:tiny-llama", f"output_dir={tmp_path}", "rollout.weight_sync=sharded"])
-    monkeypatch.setattr(build.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(build_rollout.torch.cuda, "is_available", lambda: True)
     with pytest.raises(ValueError, match=r"rollout.weight_sync='sharded': its wire is gloo .* use "
                                          r"rollout.weight_sync=collective"):  # fmt: skip
-        build.build_weight_sync(cfg, single_rank_groups(), None, [], FakePolicy())
+        build_rollout.build_weight_sync(cfg, single_rank_groups(), None, [], FakePolicy())

@@ -1,4 +1,4 @@
-"""``build.py``'s engine wiring: which engines a job gets and the environment each engine's processes start with."""
+"""``build_rollout.py``'s engine wiring: which engines a job gets and the environment of each engine's processes."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import threading
 
 import pytest
 
-from gtpo_megatron.build import _in_background, bind_training_rank, build_placements, engine_environment
+from gtpo_megatron.build import _in_background
+from gtpo_megatron.build_rollout import bind_training_rank, build_placements, engine_environment
 from gtpo_megatron.config import load_config
 from gtpo_megatron.logging import PhaseTimer
 
