@@ -7,8 +7,6 @@ must leave the engine unusable (no generation with a half-new model), naming the
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
@@ -111,10 +109,9 @@ def test_a_rank_that_cannot_list_its_pieces_aborts_the_update(tmp_path):
 
     sync = connect_sharded_sync(engine=guarded, pieces=pieces, rank=0, worker_offset=0, num_workers=1,
                                 bucket_bytes=4096, dtype=torch.float32, timeout_s=20.0, world=None)  # fmt: skip
-    start = time.perf_counter()
+    # the abort's own message (not the silent-sender one the 20 s timeout would give): no wall time asserted
     with pytest.raises(RuntimeError, match=r"engine 0 of 1 .*sender 0 \(trainer rank 0; bucket 0: .*aborted the update "
                                            r"half-way: OSError\('parameters unavailable'\)"):  # fmt: skip
         sync.sync()
-    assert time.perf_counter() - start < 10  # an abort, not the group's 20 s timeout
     with pytest.raises(RuntimeError, match="engine 0 of 1 .* is unusable since a weight update failed half-way"):
         guarded.generate([[1]], 1, None)
