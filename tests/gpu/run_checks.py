@@ -34,8 +34,9 @@ class Group:
     bench: bool = False
 
 
-BENCH_BUDGET_S = 210
-"""The bench group's time limit, which ``run_gpu_checks.sh --bench`` adds to the default budget."""
+BENCH_LIMITS_S = {"bench": 210, "bench_lora_moe": 90}
+BENCH_BUDGET_S = sum(BENCH_LIMITS_S.values())
+"""The bench groups' time limits, which ``run_gpu_checks.sh --bench`` adds to the default budget."""
 DRY_RUN_SLOWDOWN = 4
 """A dry run computes on the CPU: each group's time limit is this many times its GPU limit (the budget is the
 caller's)."""
@@ -45,7 +46,8 @@ GROUPS = (
     Group("trainer", "tests/gpu/test_gpu_trainer.py", 100),
     Group("vllm", "tests/gpu/test_gpu_policy_rollout.py", 150),
     Group("moe", "tests/gpu/test_gpu_moe.py", 60),
-    Group("bench", "tests/gpu/test_gpu_bench.py", BENCH_BUDGET_S, bench=True),
+    Group("bench", "tests/gpu/test_gpu_bench.py", BENCH_LIMITS_S["bench"], bench=True),
+    Group("bench_lora_moe", "tests/gpu/test_gpu_bench_lora_moe.py", BENCH_LIMITS_S["bench_lora_moe"], bench=True),
 )
 
 
@@ -94,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dry-run", action="store_true", help="run on the CPU: CUDA-only checks skip")
     parser.add_argument("--budget", type=float, default=330.0, help="seconds for all groups together (330)")
     parser.add_argument(
-        "--bench", action="store_true", help="also run the benchmark group (tests/gpu/test_gpu_bench.py)"
+        "--bench", action="store_true", help="also run the benchmark groups (tests/gpu/test_gpu_bench*.py)"
     )
     parser.add_argument("--only", nargs="+", metavar="GROUP", help="run only these groups (e.g. --only bench)")
     args, pytest_args = parser.parse_known_args(argv)

@@ -12,32 +12,37 @@
   and ``ops.policy_objective`` forward + backward (GPU), as fractions of the training step on the same batch (run
   before the sequence sweep, whose last step may run out of memory).
 
-Model FLOPs per token: ``6 * P_matmul + 12 * L * s * q_width`` (the attention score and value products counted in
-full: the local specs compute the whole square). A dry run uses tiny sizes on the CPU (no CUDA memory numbers).
+Model FLOPs and the shared helpers: ``tests/gpu/bench_common.py``. A dry run uses tiny sizes on the CPU (no CUDA
+memory numbers).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
-import json
-import statistics
-import time
-from unittest import mock
 
 import pytest
 import torch
 
 from gtpo_megatron.ops import vocab_parallel_logprobs_entropy
-from gtpo_megatron.plan.architectures import KNOWN_ARCHITECTURES, Architecture
+from gtpo_megatron.plan.architectures import KNOWN_ARCHITECTURES
+from tests.gpu.bench_common import (
+    CHUNK,
+    GIB,
+    HBM_BYTES_PER_S,
+    PEAK_FLOPS,
+    flops_per_token,
+    median_seconds,
+    peak_extra_bytes,
+    plan_bytes,
+    random_batch,
+    random_policy,
+)
 from tests.gpu.common import DEVICE, DRY_RUN
 from tests.gpu.report import bench_row, record
 
 pytestmark = pytest.mark.gpu
-PEAK_FLOPS = 989e12
-"""H200 SXM dense bf16 peak, FLOP/s (NVIDIA's data sheet; 1,979 with 2:4 sparsity)."""
-HBM_BYTES_PER_S = 4.8e12
-"""H200 HBM3e bandwidth, bytes/s (data sheet)."""
 ARCH = KNOWN_ARCHITECTURES["Qwen2.5-1.5B-Instruct"]
 if DRY_RUN:
     ARCH = dataclasses.replace(ARCH, num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
@@ -47,38 +52,6 @@ TOKENS_PER_STEP = 128 if DRY_RUN else 16384
 OP_TOKENS, OP_VOCAB = (64, 4096) if DRY_RUN else (8192, 151_936)
 OVERHEAD_ROWS, GROUP_SIZE = (4, 2) if DRY_RUN else (16, 8)
 REPEATS = 1 if DRY_RUN else 5
-CHUNK = 1024
-GIB = 2**30
-
-
-def _sync() -> None:
-    if DEVICE.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def _median_seconds(fn, repeats: int = REPEATS) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        _sync()
-        start = time.perf_counter()
-        fn()
-        _sync()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def _peak_extra_bytes(fn) -> float:
-    """CUDA bytes above what was allocated before ``fn`` at its peak (NaN in a dry run: no CUDA statistics)."""
-    if DEVICE.type != "cuda":
-        fn()
-        return float("nan")
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    fn()
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() - base
 
 
 def test_bench_logprob_op(groups) -> None:
@@ -115,7 +88,7 @@ def test_bench_logprob_op(groups) -> None:
 
     variants = {"fused chunk 1024": fused(CHUNK), "fused unchunked": fused(None), "megatron": megatron, "naive": naive}
     seconds = {name: _median_seconds(fn) for name, fn in variants.items()}
-    peaks = {name: _peak_extra_bytes(fn) for name, fn in variants.items()}
+    peaks = {name: peak_extra_bytes(fn) for name, fn in variants.items()}
     roofline_s = 3 * logits.numel() * logits.element_size() / HBM_BYTES_PER_S
     table = f"log-prob op, N={OP_TOKENS}, V={OP_VOCAB}, bf16 logits, fwd+bwd (roofline: 3 reads at 4.8 TB/s)"
     for name in variants:
@@ -130,58 +103,12 @@ def test_bench_logprob_op(groups) -> None:
     assert error <= 1e-3
 
 
-def _config_folder(arch: Architecture, folder) -> str:
-    """A ``config.json`` of ``arch`` (a Qwen2 decoder) and nothing else: Megatron initialises the weights."""
-    config = {
-        "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "hidden_size": arch.hidden_size,
-        "intermediate_size": arch.ffn_hidden_size, "num_hidden_layers": arch.num_layers,
-        "num_attention_heads": arch.num_attention_heads, "num_key_value_heads": arch.num_query_groups,
-        "vocab_size": arch.vocab_size, "tie_word_embeddings": arch.tied_embeddings, "hidden_act": "silu",
-        "rms_norm_eps": 1e-6, "rope_theta": 1e6, "max_position_embeddings": 32768, "use_sliding_window": False,
-    }  # fmt: skip
-    (folder / "config.json").write_text(json.dumps(config))
-    return str(folder)
+_median_seconds = functools.partial(median_seconds, repeats=REPEATS)
 
 
 @pytest.fixture(scope="module")
 def policy(groups, tmp_path_factory):
-    from gtpo_megatron.config import ModelConfig, OptimConfig
-    from gtpo_megatron.megatron_adapter import policy as policy_module
-    from gtpo_megatron.megatron_adapter.settings import PolicySettings
-
-    model = ModelConfig(name_or_path=_config_folder(ARCH, tmp_path_factory.mktemp("arch")), params_dtype="bfloat16")
-    settings = PolicySettings(model=model, logprob_chunk_size=CHUNK, optim=OptimConfig(lr=1e-6, clip_grad=1.0))
-    with mock.patch.object(policy_module, "_load_initial_weights", lambda *args, **kwargs: None):
-        return policy_module.MegatronPolicy.from_pretrained(settings, groups=groups)
-
-
-def _batch(rows: int, seq_len: int, *, group_size: int = 1, seed: int = 0):
-    """Random prompt + response rows (prompt 1/8 of the sequence); groups share the first half of the response."""
-    from gtpo_megatron.batch import TrainBatch
-
-    gen = torch.Generator().manual_seed(seed)
-    input_ids = torch.randint(0, ARCH.vocab_size, (rows, seq_len), generator=gen)
-    prompt, half = seq_len // 8, seq_len // 8 + (seq_len - seq_len // 8) // 2
-    input_ids[:, :half] = input_ids[::group_size].repeat_interleave(group_size, 0)[:, :half]
-    response = torch.arange(seq_len)[None, :].expand(rows, -1) >= prompt
-    return TrainBatch(input_ids=input_ids, token_mask=torch.ones(rows, seq_len, dtype=torch.bool),
-                      response_mask=response.clone(), advantages=torch.randn(rows, generator=gen),
-                      token_weights=response.float())  # fmt: skip
-
-
-def _flops_per_token(seq_len: int, padded_vocab: int) -> float:
-    layer = ARCH.hidden_size * (ARCH.q_width + 2 * ARCH.kv_width) + ARCH.q_width * ARCH.hidden_size
-    matmul_params = ARCH.num_layers * (layer + 3 * ARCH.hidden_size * ARCH.ffn_hidden_size)
-    matmul_params += padded_vocab * ARCH.hidden_size
-    return 6 * matmul_params + 12 * ARCH.num_layers * seq_len * ARCH.q_width
-
-
-def _plan_bytes(seq_len: int, rows: int, padded_vocab: int) -> int:
-    from gtpo_megatron.plan.memory import TrainingShape, estimate_stage
-
-    shape = TrainingShape(tp_size=1, pp_size=1, dp_size=1, micro_batch_size=1, seq_length=seq_len,
-                          num_microbatches=rows, param_bytes=2, logprob_chunk_size=CHUNK)  # fmt: skip
-    return estimate_stage(ARCH, shape, padded_vocab_size=padded_vocab, stage=0).total
+    return random_policy(groups, ARCH, tmp_path_factory.mktemp("arch"))
 
 
 LOSS_KW = dict(loss_name="gtpo", aggregation="seq-mean-token-mean", clip_eps_low=0.2, clip_eps_high=0.2)
@@ -195,7 +122,7 @@ def test_bench_gtpo_overhead(policy) -> None:
     algorithm = AlgorithmConfig(group_size=GROUP_SIZE)  # the GTPO defaults: conflicts prefix_suffix, the paper's filter
     spec = dataclasses.replace(build_loss_spec(algorithm, RolloutConfig()), initial_entropy=1.0)
     seq_len = SEQ_LENGTHS[0]
-    batch = _batch(OVERHEAD_ROWS, seq_len, group_size=GROUP_SIZE, seed=1)
+    batch = random_batch(ARCH, OVERHEAD_ROWS, seq_len, group_size=GROUP_SIZE, seed=1)
     rewards = (torch.rand(OVERHEAD_ROWS, generator=torch.Generator().manual_seed(2)) < 0.5).float()
 
     def weights():
@@ -231,7 +158,7 @@ def test_bench_train_step(policy) -> None:
     fitted = 0
     for seq_len in SEQ_LENGTHS:
         rows = max(1, TOKENS_PER_STEP // seq_len)
-        batch = _batch(rows, seq_len)
+        batch = random_batch(ARCH, rows, seq_len)
         try:
             metrics = policy.train_step(batch, loss)  # warm-up (Megatron builds its optimizer state here)
             peak = float("nan")
@@ -248,10 +175,10 @@ def test_bench_train_step(policy) -> None:
             break
         assert torch.isfinite(torch.tensor(metrics["loss"]))
         fitted, tokens_per_s = seq_len, rows * seq_len / seconds
-        plan = _plan_bytes(seq_len, rows, padded_vocab)
+        plan = plan_bytes(ARCH, seq_len, rows, padded_vocab)
         bench_row(table, s=seq_len, **{
             "tokens/step": rows * seq_len, "step s": seconds, "tokens/s": tokens_per_s,
-            "MFU (989 TFLOP/s)": tokens_per_s * _flops_per_token(seq_len, padded_vocab) / PEAK_FLOPS,
+            "MFU (989 TFLOP/s)": tokens_per_s * flops_per_token(ARCH, seq_len, padded_vocab) / PEAK_FLOPS,
             "peak GiB": peak / GIB, "plan GiB": plan / GIB, "peak/plan": peak / plan,
         })  # fmt: skip
     record("test_bench_train_step", "longest sequence that fits (micro-batch 1)", fitted)

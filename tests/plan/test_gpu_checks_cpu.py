@@ -163,21 +163,24 @@ def test_bench_rows_print_as_one_aligned_table_per_name(tmp_path: Path, monkeypa
 def test_bench_group_runs_only_when_asked() -> None:
     names = lambda groups: [g.name for g in groups]  # noqa: E731
     assert names(run_checks.selected_groups(bench=False, only=None)) == ["ops", "megatron", "trainer", "vllm", "moe"]
-    assert names(run_checks.selected_groups(bench=True, only=None))[-1] == "bench"
+    assert names(run_checks.selected_groups(bench=True, only=None))[-2:] == ["bench", "bench_lora_moe"]
     assert names(run_checks.selected_groups(bench=False, only=["bench", "ops"])) == ["ops", "bench"]
     with pytest.raises(SystemExit, match=r"--only \['nope'\]: no such group"):
         run_checks.selected_groups(bench=False, only=["nope"])
 
 
 def test_run_gpu_checks_bench_dry_run(tmp_path: Path) -> None:
-    """``--dry-run --only bench``: the benchmark group on the CPU at tiny sizes, its three tables in the summary
-    (about 20 s on the idle 2-core machine: Megatron's import, a 2-layer model, three checks)."""
+    """``--dry-run --bench``'s two benchmark groups on the CPU at tiny sizes, their five tables in the summary
+    (about 20 s on the idle 2-core machine: Megatron's import, 2-layer models, five checks)."""
     env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable}
-    result = subprocess.run(["bash", "tests/gpu/run_gpu_checks.sh", "--dry-run", "--only", "bench"], cwd=REPO,
-                            env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+    command = ["bash", "tests/gpu/run_gpu_checks.sh", "--dry-run", "--only", "bench", "bench_lora_moe"]
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     summary = (tmp_path / "summary.txt").read_text()
-    assert "bench [ok" in summary and summary.splitlines()[-1].startswith("3 passed, 0 failed"), summary
-    for line in ("bench: log-prob op, N=64", "bench: training step, random Qwen2.5-1.5B-Instruct", "bench: GTPO step"):
-        assert line in summary, summary
+    assert "bench [ok" in summary and "bench_lora_moe [ok" in summary, summary
+    assert summary.splitlines()[-1].startswith("5 passed, 0 failed"), summary
+    tables = ("log-prob op, N=64", "training step, random Qwen2.5-1.5B-Instruct", "GTPO step", "LoRA vs full",
+              "MoE training step, Qwen3-30B-A3B layers x 2")  # fmt: skip
+    for table in tables:
+        assert f"bench: {table}" in summary, summary
     assert "longest sequence that fits (micro-batch 1) = 64" in summary
