@@ -19,6 +19,8 @@ that runs ahead; the trainer's loader draws the same batch at take, so a checkpo
 and the batches in flight (:attr:`AsyncRollouts.in_flight`), sampled again on resume. At take every rank shares
 the batch (``collector.share_step``); a stop signal aborts the step there (or leaves the drain and skips the push);
 a leader's failure, or a failed queued weight load, reaches every rank at the next take, naming the engine.
+``rollout.partial_rollouts``: the weights load into the running engine at the push instead (requests paused, not
+queued behind batches: ``rollout/vllm_async_engine.py``), so a batch's later tokens carry newer versions.
 """
 
 from __future__ import annotations
@@ -132,6 +134,8 @@ class AsyncRollouts:
         self._version = 0
         self._last_take_s = 0.0
         self._worker = _Worker(collector) if collector is not None else None
+        self.partial = cfg.rollout.partial_rollouts  # weights load into the running engine (_update_in_flight)
+        self._failed_load: tuple[int, BaseException] | None = None
 
     @property
     def in_flight(self) -> list[int]:
@@ -141,6 +145,8 @@ class AsyncRollouts:
     def start(self, completed_steps: int) -> None:
         """Queue the first k+1 batches after ``completed_steps`` (the engines must hold that step's weights)."""
         self._version = completed_steps
+        if self._worker is not None and self.partial:  # the engine's tokens carry the start weights' version
+            self._update_in_flight(completed_steps, None)
         self._ahead = self.loader.fork()
         self._last_take_s = time.perf_counter()
         for step in range(completed_steps + 1, completed_steps + 2 + self.max_staleness):
@@ -172,6 +178,7 @@ class AsyncRollouts:
             if batch.problems != problems:  # the look-ahead and the trainer's loader drew different prompts
                 raise RuntimeError(f"async rollouts: step {step}'s batch holds other prompts than the loader's")
             try:
+                self._raise_failed_load()
                 self._wait(batch, stop)
                 scored, tally = batch.scored, batch.tally
             except StepInterrupted:
@@ -220,7 +227,9 @@ class AsyncRollouts:
             return {}
         if isinstance(sync, FilesWeightSync):
             load, metrics = sync.stage(stream)
-            if self._worker is not None:
+            if self._worker is not None and self.partial:
+                metrics |= self._update_in_flight(step, load)
+            elif self._worker is not None:
                 self._worker.submit(_Weights(step=step, load=load))
         else:
             metrics = self.drain(stop)
@@ -230,6 +239,19 @@ class AsyncRollouts:
         self._version = step
         self._submit(step + 1 + self.max_staleness)
         return metrics
+
+    def _update_in_flight(self, step: int, load: Callable[[], dict[str, float]] | None) -> dict[str, float]:
+        """Partial rollouts: load the weights after ``step`` into the running engine now (its requests paused).
+
+        A failure is kept and reported at every later take (as a failed queued load is). ``async/pause_s``: the
+        seconds the engine's requests stood still (the load included).
+        """
+        start, loaded = time.perf_counter(), {}
+        try:
+            self.collector.engine.update_in_flight(step, None if load is None else lambda: loaded.update(load()))
+        except BaseException as err:  # every rank learns of it at the next take, naming the engine
+            self._failed_load = self._failed_load or (step, err)
+        return loaded | {"async/pause_s": time.perf_counter() - start}
 
     def drain(self, stop: StopRequests | None) -> dict[str, float]:
         """Wait until every queued batch is sampled (a stop signal leaves the wait); ``async/drain_wait_s``."""
@@ -244,6 +266,12 @@ class AsyncRollouts:
         if any_rank(error is not None, group=self.exchange.group):
             raise_leader_failures(error, group=self.exchange.group)
         return {"async/drain_wait_s": time.perf_counter() - start}
+
+    def _raise_failed_load(self) -> None:
+        if self._failed_load is not None:
+            step, err = self._failed_load
+            name = getattr(self.collector.engine, "name", "the rollout engine")
+            raise RuntimeError(f"{name}: the in-flight load of the weights after step {step} failed ({err})")
 
     def _wait(self, batch: _Batch, stop: StopRequests | None) -> None:
         """Wait for ``batch`` (``rollout.timeout_s``; ``stop``'s abort signals leave it) and raise its error."""
