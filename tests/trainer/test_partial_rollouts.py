@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
+import signal
 import threading
 
 import pytest
@@ -183,3 +185,52 @@ def test_the_async_engine_pauses_keeping_its_cache_loads_labels_and_resumes_in_o
     expected = [("pause", {"mode": "keep", "clear_cache": False}), ("rpc", "gtpo_reload_weights")]
     expected += [("resume", {})] if fails else [("label", "3"), ("resume", {})]
     assert llm.calls == expected
+
+
+class _SignalAfterUpdate(FakePolicy):
+    """Sends ``signum`` at the end of update ``at``."""
+
+    def __init__(self, at, signum):
+        super().__init__()
+        self.at, self.signum = at, signum
+
+    def train_step(self, batch, loss):
+        metrics = super().train_step(batch, loss)
+        if len(self.train_batches) == self.at:
+            os.kill(os.getpid(), self.signum)
+        return metrics
+
+
+class _HeldEngine(_PartialEngine):
+    """Batch ``held`` lasts until ``release`` is set: it is mid-generation when the signal stops the run."""
+
+    def __init__(self, held):
+        super().__init__(hold=())
+        self.held, self.release = held, threading.Event()
+
+    def generate(self, prompt_ids, n, sampling, prompt_indices=None):
+        if sampling.seed // 1000 == self.held:
+            self.release.wait(WAIT_S)
+        return super().generate(prompt_ids, n, sampling, prompt_indices)
+
+
+@pytest.mark.parametrize(("signum", "in_flight"), [(signal.SIGTERM, [3]), (signal.SIGUSR1, [3, 4])])
+def test_a_stop_saves_the_unfinished_batches_and_a_resume_regenerates_them_with_the_resumed_weights(
+    tmp_path, signum, in_flight
+):
+    full = make_trainer(tmp_path / "full", *PARTIAL, engine=_PartialEngine(hold=()))
+    full.run()
+    full.close()
+    cut = make_trainer(tmp_path / "cut", *PARTIAL, engine=_HeldEngine(3), policy=_SignalAfterUpdate(2, signum))
+    cut.run()
+    cut.collector.engine.release.set()
+    cut.close()
+    state = json.loads((tmp_path / "cut" / "checkpoints" / "step_000002" / "state.json").read_text())
+    assert state["rollout_in_flight"] == in_flight  # requests still generating: saved as their steps' batches
+    resumed = make_trainer(tmp_path / "cut", *PARTIAL, "resume=true", engine=_PartialEngine(hold=()))
+    resumed.run()
+    resumed.close()
+    prompts = lambda t: [c[0] for c in t.collector.engine.calls]  # noqa: E731
+    assert prompts(resumed) == prompts(full)[2:]  # steps 3 and 4 sampled again: no prompt lost or repeated
+    log = resumed.collector.engine.log  # the resumed weights load, then label the regenerated batches' tokens
+    assert log[:4] == ["load", "pause", "resume2", "gen3"] and len(resumed.policy.train_batches) == 2
