@@ -19,8 +19,9 @@ that runs ahead; the trainer's loader draws the same batch at take, so a checkpo
 and the batches in flight (:attr:`AsyncRollouts.in_flight`), sampled again on resume. At take every rank shares
 the batch (``collector.share_step``); a stop signal aborts the step there (or leaves the drain and skips the push);
 a leader's failure, or a failed queued weight load, reaches every rank at the next take, naming the engine.
-``rollout.partial_rollouts``: the weights load into the running engine at the push instead (requests paused, not
-queued behind batches: ``rollout/vllm_async_engine.py``), so a batch's later tokens carry newer versions.
+``rollout.partial_rollouts``: every queued batch is sampled at once (the engine streams their requests) and the
+weights load into the running engine at the push (requests paused: ``rollout/vllm_async_engine.py``), so a
+batch's later tokens carry newer versions and no batch waits for another's longest completion.
 """
 
 from __future__ import annotations
@@ -72,9 +73,14 @@ class _Weights:
 
 
 class _Worker:
-    """A daemon thread that runs a leader's queue of batches and weight loads in order (on the collector's cores)."""
+    """A daemon thread that runs a leader's queue of batches and weight loads in order (on the collector's cores).
 
-    def __init__(self, collector: RolloutCollector) -> None:
+    ``streaming`` (partial rollouts): each batch is sampled in a thread of its own as soon as it is queued, so the
+    engine holds the requests of every queued batch at once and never waits for a batch's longest completion.
+    """
+
+    def __init__(self, collector: RolloutCollector, *, streaming: bool = False) -> None:
+        self._streaming = streaming
         self._queue: queue.Queue[_Batch | _Weights | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, args=(collector,), name="gtpo-async-rollout", daemon=True)
         self._thread.start()
@@ -97,15 +103,24 @@ class _Worker:
                 except BaseException as err:  # reported with the next batch, at its take
                     failed_load = failed_load or (item.step, err)
                 continue
-            try:
-                if failed_load is not None:
-                    step, err = failed_load
-                    raise RuntimeError(f"loading the weights after step {step} failed ({type(err).__name__}: {err})")
-                item.scored = collector.sample_round(item.step, 0, item.problems, item.tally)
-            except BaseException as err:  # handed to the main thread at take or drain
-                item.error = err
-            finally:
-                item.done.set()
+            if self._streaming:
+                threading.Thread(target=_sample, args=(collector, item, None), name=f"gtpo-batch-{item.step}",
+                                 daemon=True).start()  # fmt: skip
+            else:
+                _sample(collector, item, failed_load)
+
+
+def _sample(collector: RolloutCollector, batch: _Batch, failed_load: tuple[int, BaseException] | None) -> None:
+    """Sample and score ``batch`` (its error kept for the main thread); refused after a failed queued load."""
+    try:
+        if failed_load is not None:
+            step, err = failed_load
+            raise RuntimeError(f"loading the weights after step {step} failed ({type(err).__name__}: {err})")
+        batch.scored = collector.sample_round(batch.step, 0, batch.problems, batch.tally)
+    except BaseException as err:  # handed to the main thread at take or drain
+        batch.error = err
+    finally:
+        batch.done.set()
 
 
 class AsyncRollouts:
@@ -133,8 +148,8 @@ class AsyncRollouts:
         self._ahead: PromptLoader | None = None
         self._version = 0
         self._last_take_s = 0.0
-        self._worker = _Worker(collector) if collector is not None else None
         self.partial = cfg.rollout.partial_rollouts  # weights load into the running engine (_update_in_flight)
+        self._worker = _Worker(collector, streaming=self.partial) if collector is not None else None
         self._failed_load: tuple[int, BaseException] | None = None
 
     @property
