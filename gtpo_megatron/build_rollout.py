@@ -170,10 +170,12 @@ def build_engine(cfg: GTPOConfig, model_path: str, placement: EnginePlacement, e
     """The guarded vLLM engine of ``placement`` (health-checked with ``rollout.fault_tolerance``); also its restart."""
     from gtpo_megatron.rollout.engine_guard import GuardedEngine, HealthCheck
     from gtpo_megatron.rollout.engine_settings import engine_settings
+    from gtpo_megatron.rollout.vllm_async_engine import AsyncVLLMEngine
     from gtpo_megatron.rollout.vllm_engine import VLLMEngine
 
     settings = engine_settings(cfg, accelerator=torch.cuda.is_available())
-    engine = VLLMEngine(model_path, settings, environment=environment)
+    engine_class = AsyncVLLMEngine if cfg.rollout.partial_rollouts else VLLMEngine
+    engine = engine_class(model_path, settings, environment=environment)
     logger.info("started %s with %s", placement.describe(), environment or "the default environment")
     health = HealthCheck.from_config(cfg.rollout) if cfg.rollout.fault_tolerance else None
     return GuardedEngine(engine, placement=placement, timeout_s=cfg.rollout.timeout_s, health=health)

@@ -84,6 +84,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--gpu-tflops", type=float, default=989.0, help="dense bf16 TFLOP/s of one GPU (H100/H200)")
     parser.add_argument("--gpu-hbm-tbps", type=float, default=3.35, help="HBM TB/s of one GPU (H100; H200: 4.8)")
     parser.add_argument("--mfu", type=float, default=0.4, help="fraction of --gpu-tflops reached (step time model)")
+    frac_help = "mean completion / rollout.max_tokens (partial rollouts' step time)"
+    parser.add_argument("--mean-completion-frac", type=float, default=0.5, help=frac_help)
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. parallel.tp_size=8")
     return parser.parse_intermixed_args(argv)
 
@@ -104,6 +106,13 @@ def _check_args(args: argparse.Namespace) -> None:
         (args.gpu_tflops > 0, "--gpu-tflops", args.gpu_tflops, "must be > 0", "e.g. 989 (H100/H200 bf16)"),
         (args.gpu_hbm_tbps > 0, "--gpu-hbm-tbps", args.gpu_hbm_tbps, "must be > 0", "e.g. 3.35 (H100) or 4.8 (H200)"),
         (0 < args.mfu <= 1, "--mfu", args.mfu, "must be in (0, 1]", "keep the default 0.4"),
+        (
+            0 < args.mean_completion_frac <= 1,
+            "--mean-completion-frac",
+            args.mean_completion_frac,
+            "must be in (0, 1]",
+            "keep the default 0.5",
+        ),
         (
             args.sync_bandwidth_gbps > 0,
             "--sync-bandwidth-gbps",
@@ -437,9 +446,14 @@ def _overlap_summary(cfg: GTPOConfig, arch: Architecture, layout: Layout, args: 
         kv_bytes_per_token=kv_cache_bytes_per_token(arch, engine_tp_size=1, kv_bytes=DTYPE_BYTES[dtype]),
         engine_tp_size=layout.engine_tp_size,
     )  # fmt: skip
+    streamed = work  # async with partial rollouts: the mean completion sets generation (plan.overlap)
+    if cfg.rollout.partial_rollouts:
+        mean = args.mean_completion_frac * cfg.rollout.max_tokens
+        in_flight = 1 + cfg.rollout.max_staleness
+        streamed = replace(work, mean_completion_tokens=mean, batches_in_flight=in_flight)
     sync_s = _sync_seconds(cfg, arch, layout, args)
     sync = sync_step(arch, work, hw, gpus=args.gpus, sync_s=sync_s)
-    best = best_split(arch, work, hw, gpus=args.gpus, train_multiple=layout.tp_size * layout.pp_size, sync_s=sync_s)
+    best = best_split(arch, streamed, hw, gpus=args.gpus, train_multiple=layout.tp_size * layout.pp_size, sync_s=sync_s)
     text = (
         f"step time model ({args.mfu:g} of {args.gpu_tflops:g} TFLOP/s, {args.gpu_hbm_tbps:g} TB/s; "
         f"gtpo_megatron/plan/overlap.py): sync colocated on {args.gpus} GPUs: generate {sync.generate_s:.0f} s + "
@@ -452,7 +466,18 @@ def _overlap_summary(cfg: GTPOConfig, arch: Architecture, layout: Layout, args: 
         f"{best.engine_gpus} engine GPUs (rollout.num_engine_gpus={best.engine_gpus}): max(generate "
         f"{best.generate_s:.0f} s, train + sync {best.train_s + best.sync_s:.0f} s) = {best.step_s:.0f} s, "
         f"{sync.step_s / best.step_s:.2f}x"
+        + _partial_note(cfg, args, streamed)
         + ("" if best.step_s < sync.step_s else ": keep rollout.mode=sync, generation is too short to hide training")
+    )
+
+
+def _partial_note(cfg: GTPOConfig, args: argparse.Namespace, streamed: StepWork) -> str:
+    """What the async step assumed of partial rollouts ("" without them)."""
+    if not cfg.rollout.partial_rollouts:
+        return ""
+    return (
+        f" (partial rollouts: mean completion {args.mean_completion_frac:g} x rollout.max_tokens, "
+        f"{streamed.batches_in_flight} batches streamed)"
     )
 
 

@@ -27,12 +27,13 @@ from gtpo_megatron.config import GTPOConfig
 from gtpo_megatron.initial_entropy import InitialEntropy
 from gtpo_megatron.logging import MetricSink, PhaseTimer, format_step_line, plot_curves
 from gtpo_megatron.ops import sequence_mean_entropy
+from gtpo_megatron.ops.off_policy import staleness_mask, staleness_stats
 from gtpo_megatron.parallel import all_gather_rows, any_rank
 from gtpo_megatron.plan.layout import row_shard
 from gtpo_megatron.plan.micro_batches import balanced_row_shards
 from gtpo_megatron.preemption import StopRequests
 from gtpo_megatron.resume import RunCheckpoints
-from gtpo_megatron.rollout.batch import collate_completions
+from gtpo_megatron.rollout.batch import collate_completions, collate_token_versions
 from gtpo_megatron.rollout.collector import RolloutCollector, StepRollout, collect_step
 from gtpo_megatron.rollout.engine_guard import close_all
 from gtpo_megatron.rollout.pipeline import AsyncRollouts
@@ -156,6 +157,9 @@ class Trainer:
                     batch, rewards, self.cfg.algorithm, loss_spec=spec, seq_entropy=seq_entropy, scores=scores
                 )
                 train_batch = self._train_batch(local, weights, rows, old_logprobs, seq_entropy)
+            staleness = {}
+            if self.cfg.rollout.partial_rollouts:  # tokens past the staleness bound leave the loss
+                staleness = self._drop_stale_tokens(step, rollout, batch, train_batch, rows)
             if self._agree(self.stop_requests.abort_requested):  # safe point: the weights are still step - 1's
                 raise StepAborted(step - 1)
             with timer.phase("train"):
@@ -163,7 +167,7 @@ class Trainer:
             aborting = self._agree(self.stop_requests.abort_requested)  # the update is done: skip only the sync
             with timer.phase("sync"):
                 sync_metrics = {} if aborting else self._after_update(step)
-        measured, entropy = {**sync_metrics, **timer.seconds}, self.initial_entropy.value
+        measured, entropy = {**sync_metrics, **staleness, **timer.seconds}, self.initial_entropy.value
         return step_metrics(rollout, batch, weights, train_metrics, measured, initial_entropy=entropy,
                             with_reference=self.reference is not None)  # fmt: skip
 
@@ -228,6 +232,21 @@ class Trainer:
         local.old_logprobs = old_logprobs if self.cfg.algorithm.num_updates_per_batch > 1 else None
         local.rollout_logprobs = local.rollout_logprobs if self._measure_mismatch else None
         return local
+
+    def _drop_stale_tokens(
+        self, step: int, rollout: StepRollout, batch: TrainBatch, train_batch: TrainBatch, rows: torch.Tensor
+    ) -> dict[str, float]:
+        """Drop this rank's tokens sampled over ``rollout.max_staleness`` versions before step - 1 from the loss.
+
+        Their surrogate and their place in the normaliser go (docs/algorithm.md section 11, "Mixed versions"); the
+        conflicts and advantages were computed with them. The version histogram (``off_policy.staleness_stats``) is
+        of the whole batch: the same on every rank.
+        """
+        versions = collate_token_versions(rollout.groups, batch.input_ids.shape[1])
+        k = self.cfg.rollout.max_staleness
+        mask = staleness_mask(versions, batch.response_mask, policy_version=step - 1, max_staleness=k)
+        train_batch.response_mask = mask.keep_BT[rows]
+        return staleness_stats(mask, batch.response_mask, max_staleness=k)
 
     def _train(self, batch: TrainBatch, spec: LossSpec) -> dict[str, float]:
         """``num_updates_per_batch`` optimizer steps, each with the behaviour log-probs (the mismatch is pi_old's)."""

@@ -26,6 +26,11 @@ class RolloutConfig:
     rollouts"; pair it with ``algorithm.off_policy_correction``)."""
     max_staleness: int = 1
     """``async`` only: policy versions between a batch's weights and the policy it trains (1: one-step-off)."""
+    partial_rollouts: bool = False
+    """``async`` with ``placement: separate`` only: a weight update lands in the middle of the engines' requests
+    (paused keeping their KV cache, loaded, resumed: ``rollout/vllm_async_engine.py``); each token records the
+    policy version that sampled it, and tokens more than ``max_staleness`` versions old leave the loss
+    (docs/algorithm.md section 11, "Mixed versions")."""
     num_prompts: int = 1
     """Prompts P per step (the paper uses 1); B = P * group_size sequences."""
     temperature: float = 0.9
@@ -147,7 +152,35 @@ class RolloutConfig:
             "must be >= 1 (the policy versions a batch's weights lag behind; rollout.mode=sync is staleness 0)",
             "use 1 (one-step-off), or rollout.mode=sync",
         )
+        self._check_partial_rollouts()
         self._check_engines()
+
+    def _check_partial_rollouts(self) -> None:
+        """In-flight weight updates need async mode, engines of their own and no routed-experts capture."""
+        if not self.partial_rollouts:
+            return
+        _require(
+            self.mode == "async" and self.placement == "separate",
+            "rollout.partial_rollouts/rollout.mode/rollout.placement",
+            (self.partial_rollouts, self.mode, self.placement),
+            "in-flight weight updates land while the engines generate, which only async mode with engines on "
+            "devices of their own does",
+            "set rollout.mode=async and rollout.placement=separate, or rollout.partial_rollouts=false",
+        )
+        _require(
+            self.routing_replay == "off",
+            "rollout.partial_rollouts/rollout.routing_replay",
+            (self.partial_rollouts, self.routing_replay),
+            "a completion sampled by two policy versions has no single routing to replay",
+            "set rollout.routing_replay=off, or rollout.partial_rollouts=false",
+        )
+        _require(
+            self.weight_sync == "files",
+            "rollout.partial_rollouts/rollout.weight_sync",
+            (self.partial_rollouts, self.weight_sync),
+            "an in-flight update loads staged weights while the engine's requests are paused (files sync only)",
+            "set rollout.weight_sync=files, or rollout.partial_rollouts=false",
+        )
 
     def _check_engines(self) -> None:
         _require(

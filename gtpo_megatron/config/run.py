@@ -147,6 +147,15 @@ class GTPOConfig:
             "set algorithm.off_policy_correction=tis (or mis) with algorithm.loss_temperature=sampling, or "
             "rollout.max_staleness=1",
         )
+        _require(
+            not self.rollout.partial_rollouts or self.algorithm.off_policy_correction != "none",
+            "algorithm.off_policy_correction/rollout.partial_rollouts",
+            (self.algorithm.off_policy_correction, self.rollout.partial_rollouts),
+            "a completion sampled across a weight update has tokens of two behaviour policies, each needing its own "
+            "clipped importance weight (docs/algorithm.md section 11)",
+            "set algorithm.off_policy_correction=tis (or mis) with algorithm.loss_temperature=sampling, or "
+            "rollout.partial_rollouts=false",
+        )
         self._validate_lora(num_experts=None)
         tp, pp = self.parallel.tp_size, self.parallel.pp_size
         dp = max(world_size // (tp * pp), 1)

@@ -137,7 +137,7 @@ def staleness_mask(
 def staleness_stats(mask: StalenessMask, response_mask_BT: torch.Tensor, *, max_staleness: int) -> dict[str, float]:
     """The version histogram of a batch's response tokens (``lag_BT`` of ``mask``).
 
-    ``async/staleness_mean`` and ``_max`` of the lag, ``async/stale_token_frac`` (past the bound) and
+    ``async/staleness_mean`` and ``_max`` of the lag, ``async/stale_token_frac`` and ``_tokens`` (past the bound) and
     ``async/version_frac_lag<d>``: the fraction d versions old, d = 0 .. ``max_staleness``.
     """
     lags = mask.lag_BT[response_mask_BT].double()
@@ -146,5 +146,6 @@ def staleness_stats(mask: StalenessMask, response_mask_BT: torch.Tensor, *, max_
         "async/staleness_mean": float(lags.sum() / num),
         "async/staleness_max": float(lags.max()) if lags.numel() else 0.0,
         "async/stale_token_frac": float(mask.stale_BT.sum()) / num,
+        "async/stale_tokens": float(mask.stale_BT.sum()),
     }
     return stats | {f"async/version_frac_lag{d}": float((lags == d).sum()) / num for d in range(max_staleness + 1)}

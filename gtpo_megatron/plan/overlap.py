@@ -11,6 +11,11 @@ completion tokens per step, L completion tokens, G_t training and G_e engine GPU
     sync:   t_gen + t_train + t_sync   (colocated: every GPU does both in turn, G_t = G_e = G)
     async:  max(t_gen, t_train + t_sync)   (separate, ``rollout.mode: async``: generation overlaps training)
 
+A batch ends with its longest completion, so L is ``rollout.max_tokens``. Partial rollouts stream the requests of
+the k + 1 queued batches (k = ``rollout.max_staleness``): a slot freed by a short completion takes the next request,
+so a step costs its B * Lbar tokens (Lbar the mean completion) at (k + 1) times the concurrency: Lbar / (k + 1)
+decode steps of (k + 1) b sequences at mean context prompt + Lbar / 2 (``StepWork.mean_completion_tokens``).
+
 Decoding is bound by memory reads, so more engines shorten t_gen only through the KV share (b) and the weight
 reads not at all; the split that minimises the async step is what :func:`best_split` suggests.
 Prefill and the reward are left out (small against L decode steps of long completions). Pure arithmetic.
@@ -37,6 +42,7 @@ class StepWork:
     """One step's work: B ``sequences`` of S ``seq_length`` tokens, L ``completion_tokens``, e ``engine_tp_size``.
 
     ``weight_bytes`` W: the engine's weights; ``kv_bytes_per_token`` K: one token's KV cache (over all its GPUs).
+    Partial rollouts: ``mean_completion_tokens`` Lbar and ``batches_in_flight`` k + 1 (module docstring); None: L.
     """
 
     sequences: int
@@ -45,6 +51,8 @@ class StepWork:
     weight_bytes: int
     kv_bytes_per_token: int
     engine_tp_size: int
+    mean_completion_tokens: float | None = None
+    batches_in_flight: int = 1
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -73,14 +81,19 @@ def train_seconds(arch: Architecture, work: StepWork, hw: Hardware, *, gpus: int
 
 
 def generate_seconds(arch: Architecture, work: StepWork, hw: Hardware, *, gpus: int) -> float:
-    """``L * max((W + b C K) / (e bw), 2 N b / (e peak mfu))`` with ``gpus // e`` engines (at most one a sequence)."""
+    """``L * max((W + b C K) / (e bw), 2 N b / (e peak mfu))`` with ``gpus // e`` engines (at most one a sequence).
+
+    Partial rollouts (``work.mean_completion_tokens``): Lbar / (k + 1) decode steps of (k + 1) b sequences.
+    """
     engines = max(min(gpus // work.engine_tp_size, work.sequences), 1)
-    per_engine = -(-work.sequences // engines)
-    context = work.seq_length - work.completion_tokens / 2
+    mean = work.mean_completion_tokens
+    decoded, in_flight = (work.completion_tokens, 1) if mean is None else (mean, work.batches_in_flight)
+    per_engine = -(-work.sequences * in_flight // engines)
+    context = work.seq_length - work.completion_tokens + decoded / 2
     read_bytes = work.weight_bytes + per_engine * context * work.kv_bytes_per_token
     read_s = read_bytes / (work.engine_tp_size * hw.hbm_tbps * 1e12)
     compute_s = 2 * arch.active_params() * per_engine / (work.engine_tp_size * hw.peak_tflops * 1e12 * hw.mfu)
-    return work.completion_tokens * max(read_s, compute_s)
+    return decoded / in_flight * max(read_s, compute_s)
 
 
 def sync_step(arch: Architecture, work: StepWork, hw: Hardware, *, gpus: int, sync_s: float) -> StepTime:

@@ -53,6 +53,24 @@ def collate_completions(groups: list[PromptCompletions], *, pad_token_id: int) -
     )
 
 
+def collate_token_versions(groups: list[PromptCompletions], seq_len: int) -> torch.Tensor:
+    """``[B, S]`` int64: the policy version that sampled each response token (``Completion.token_versions``).
+
+    Rows and columns as :func:`collate_completions`'s; 0 off the response (masked by ``response_mask``).
+
+    Raises:
+        ValueError: a completion without ``token_versions`` (partial rollouts record them for every token).
+    """
+    versions = torch.zeros(sum(len(g.completions) for g in groups), seq_len, dtype=torch.long)
+    rows = [(g.prompt_ids, c) for g in groups for c in g.completions]
+    for row, (prompt, completion) in enumerate(rows):
+        if completion.token_versions is None:
+            raise ValueError(f"completion {row} records no token versions; rollout.partial_rollouts engines do")
+        start = len(prompt)
+        versions[row, start : start + len(completion.token_versions)] = torch.tensor(completion.token_versions)
+    return versions
+
+
 def _routed_experts(per_row: list[torch.Tensor | None], seq_len: int) -> torch.Tensor | None:
     """``[B, S, L, K]`` int16 ids + 1 of each row's ``[n, L, K]`` routed experts (0 past ``n``); None if none has them.
 

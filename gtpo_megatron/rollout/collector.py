@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -92,6 +93,7 @@ class RolloutCollector:
         self.system_prompt = system_prompt
         self.engine_index = engine_index
         self.cores = cores
+        self._scoring = threading.Lock()  # batches sampled side by side (partial rollouts) grade one at a time
 
     def _sampling(self, step: int, round_index: int) -> SamplingConfig:
         cfg = self.exchange.rollout
@@ -136,7 +138,8 @@ class RolloutCollector:
         tally.generate_s += time.perf_counter() - start
         texts = [c.text for g in groups for c in g.completions]
         references = [problems[i].answer for i in share for _ in range(group_size)]
-        results, reward_stats = self.reward_pool.score(texts, references, extraction=self.extraction)
+        with self._scoring:
+            results, reward_stats = self.reward_pool.score(texts, references, extraction=self.extraction)
         check_grader_failures(reward_stats, max_error_frac=self.exchange.reward.max_error_frac)
         tally.tokens += sum(len(c.token_ids) for g in groups for c in g.completions)
         tally.reward_s += reward_stats["seconds"]

@@ -181,6 +181,12 @@ class GuardedEngine:
         """``engine.finish_weight_update`` under the watchdog; a failed reload marks the engine unusable."""
         self._guarded(self.engine.finish_weight_update, "weight update (files)", breaks_weights=True)
 
+    def update_in_flight(self, version: int, load: Callable[[], object] | None = None) -> None:
+        """``engine.update_in_flight`` (partial rollouts) under the watchdog; a failure marks the engine unusable."""
+        self._check_usable()
+        call = lambda: self.engine.update_in_flight(version, load)  # noqa: E731
+        self._guarded(call, "in-flight weight update", breaks_weights=True)
+
     def sleep(self) -> None:
         """``engine.sleep`` (skipped on an unusable engine: a lost one may be dead)."""
         if self.unusable is None:

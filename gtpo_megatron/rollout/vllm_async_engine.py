@@ -1,0 +1,155 @@
+"""The partial-rollout engine (``rollout.partial_rollouts``): vLLM's ``AsyncLLM``, updated while its requests run.
+
+``AsyncVLLMEngine`` is ``VLLMEngine`` (the same settings, seeds, staging and ``reload_weights`` walk of
+``rollout/vllm_worker.py``) started as an ``AsyncLLM`` whose event loop runs in a daemon thread: ``generate`` submits
+each batch's requests to it and returns when they finish, and :meth:`AsyncVLLMEngine.update_in_flight`, called from
+another thread while a batch generates, does
+
+    pause_generation(mode="keep", clear_cache=False) -> load the new weights -> label them ``version`` -> resume
+
+``keep`` freezes the requests in the scheduler with their KV cache (vLLM's default ``clear_cache=True`` would free
+it); they continue under the new weights after ``resume_generation``. The KV of the tokens sampled before the pause
+is kept, not recomputed (docs/algorithm.md section 11, "Mixed versions"); prefix caching is off, so no request reads
+another request's KV, and only a request's own earlier tokens carry older weights into its later ones.
+
+Why each token's recorded version is exact (vLLM 0.32, ``v1/engine/core.py``): the engine core stamps the outputs of
+each scheduler step with its current weight label (``_attach_weight_version``), and the label changes only through
+``set_weight_version``, a utility call the core runs between steps. In ``keep`` mode the core runs no step between
+the pause and the resume, and the pause returns only after the step in progress has produced its outputs; so every
+token sampled before the pause carries the old label and every token after the resume the new one, however late
+the outputs reach this process. The client turns the labels into spans per completion (``weight_versions``,
+``v1/engine/output_processor.py``), read by ``rollout.types.span_versions``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from gtpo_megatron.rollout.vllm_engine import VLLMEngine
+
+LOOP_START_TIMEOUT_S = 60.0
+"""Longest wait for the event loop thread to start."""
+
+
+class EventLoopThread:
+    """An asyncio loop in a daemon thread; :meth:`run` runs a coroutine there and waits for its result."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="gtpo-async-engine", daemon=True)
+        self._thread.start()
+
+    def run(self, coroutine: Coroutine[Any, Any, Any]) -> Any:
+        """The coroutine's value (its exception raised here); callable from any thread but the loop's."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
+
+    def stop(self) -> None:
+        """Stop the loop after the callbacks in progress (the thread ends; idempotent)."""
+        if self.loop.is_running():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(LOOP_START_TIMEOUT_S)
+
+
+class AsyncFacade:
+    """What ``VLLMEngine`` calls on ``vllm.LLM``, answered by an ``AsyncLLM`` on ``loop``; plus pause and resume.
+
+    ``llm_engine`` is the ``AsyncLLM`` (its ``model_config`` and ``engine_core`` are ``LLM.llm_engine``'s).
+    """
+
+    def __init__(self, llm: Any, loop: EventLoopThread) -> None:
+        self.llm_engine, self.loop = llm, loop
+        self._request_ids = itertools.count()
+
+    def generate(self, prompts: list, params: list, use_tqdm: bool = False) -> list:
+        """The final ``RequestOutput`` of each (prompt, params) pair, in order, all submitted at once."""
+        from vllm.sampling_params import RequestOutputKind
+
+        async def one(prompt, param) -> Any:
+            param.output_kind = RequestOutputKind.FINAL_ONLY
+            outputs = [o async for o in self.llm_engine.generate(prompt, param, f"gtpo-{next(self._request_ids)}")]
+            return outputs[-1]
+
+        async def every() -> list:
+            return list(await asyncio.gather(*(one(p, q) for p, q in zip(prompts, params, strict=True))))
+
+        return self.loop.run(every())
+
+    def collective_rpc(self, method: str, args: tuple = ()) -> list:
+        """Call ``method`` on every worker (``WorkerExtension``); their results."""
+        return self.loop.run(self.llm_engine.collective_rpc(method, args=args))
+
+    def reset_prefix_cache(self) -> None:
+        """Nothing to reset: the engine runs without prefix caching (module docstring)."""
+
+    def get_tokenizer(self) -> Any:
+        """The engine's tokenizer (its ``decode`` names the text of a stop-string completion)."""
+        return self.llm_engine.get_tokenizer()
+
+    def pause(self) -> None:
+        """Freeze every request with its KV cache until :meth:`resume`; returns once no step is in progress."""
+        self.loop.run(self.llm_engine.pause_generation(mode="keep", clear_cache=False))
+
+    def label(self, version: int) -> None:
+        """Stamp the tokens of the next steps with ``version`` (vLLM's weight label)."""
+        self.loop.run(self.llm_engine.update_weight_version(str(version)))
+
+    def resume(self) -> None:
+        """Schedule the frozen and the queued requests again."""
+        self.loop.run(self.llm_engine.resume_generation())
+
+
+def update_in_flight(facade: AsyncFacade, version: int, load: Callable[[], object] | None) -> None:
+    """Pause (keep requests and KV), ``load`` the weights, label them ``version``, resume (also after a failed load).
+
+    A failed load leaves the engine resumed with partly loaded weights: ``GuardedEngine`` marks it unusable and
+    ``rollout/pipeline.py`` fails every later batch, naming it.
+    """
+    facade.pause()
+    try:
+        if load is not None:
+            load()
+        facade.label(version)
+    finally:
+        facade.resume()
+
+
+class AsyncVLLMEngine(VLLMEngine):
+    """A ``RolloutEngine`` whose weights can change during ``generate`` (module docstring); ``VLLMEngine``'s args.
+
+    Completions carry ``token_versions``. Routed-experts capture is refused (``rollout.partial_rollouts``'s check).
+    """
+
+    def _start(self, llm_class, **kwargs) -> AsyncFacade:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        if kwargs.get("enable_prefix_caching") is not None:
+            raise ValueError("partial rollouts run without routed-experts capture (rollout.routing_replay=off)")
+        args = AsyncEngineArgs(**kwargs, enable_prefix_caching=False)
+        loop = EventLoopThread()
+
+        async def start() -> Any:  # the output handler starts on the running loop
+            llm = AsyncLLM.from_engine_args(args)
+            await llm.update_weight_version("0")
+            return llm
+
+        self._loop = loop
+        return AsyncFacade(loop.run(start()), loop)
+
+    def update_in_flight(self, version: int, load: Callable[[], object] | None = None) -> None:
+        """:func:`update_in_flight` on this engine (``load``: e.g. ``rollout.push``'s staged update; None: relabel)."""
+        update_in_flight(self._llm, version, load)
+
+    def close(self) -> None:
+        """Shut the engine down, stop its loop, delete the staging folder; idempotent."""
+        facade, self._llm = getattr(self, "_llm", None), None
+        if facade is not None:
+            facade.llm_engine.shutdown()
+        loop = getattr(self, "_loop", None)
+        if loop is not None:
+            loop.stop()
+        self._remove_staging()
