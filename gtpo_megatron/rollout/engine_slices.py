@@ -7,11 +7,13 @@ sends each worker only its slice (``rollout/shard_plan.py``). With Q query heads
 * ``q_proj`` (weight, bias): rows ``[r * Q/t * D, (r + 1) * Q/t * D)`` (``QKVParallelLinear``'s q part);
 * ``k_proj`` / ``v_proj``: ``max(1, G/t) * D`` rows of KV head block ``r // max(1, t/G)`` (heads replicated when
   ``t > G``);
-* ``gate_proj`` / ``up_proj`` (``MergedColumnParallelLinear``): rows ``[r * F/t, (r + 1) * F/t)``;
-* ``o_proj`` / ``down_proj`` weights (``RowParallelLinear``): columns ``[r * I/t, (r + 1) * I/t)``;
+* ``gate_proj`` / ``up_proj`` (``MergedColumnParallelLinear``; an expert's in ``FusedMoE``'s ``w13``): rows
+  ``[r * F/t, (r + 1) * F/t)``;
+* ``o_proj`` / ``down_proj`` weights (``RowParallelLinear``; an expert's ``w2``): columns ``[r * I/t, (r + 1) * I/t)``
+  (experts split by TP as vLLM does without expert parallelism, which the engines never enable);
 * ``embed_tokens`` / ``lm_head`` (``VocabParallelEmbedding``): rows ``[r * P/t, min((r + 1) * P/t, V))`` with
   ``P`` the vocabulary padded to a multiple of 64 (the rows past V are vLLM's zero padding);
-* anything else (norms, biases of row-parallel layers, MoE experts): the whole tensor.
+* anything else (norms, biases of row-parallel layers, routers, other families' expert names): the whole tensor.
 
 A worker hands vLLM's unchanged loaders a full-shape tensor with only its slice written
 (:func:`place_in_full`): they read exactly that slice (docs/scaling.md, "Weight sync").
@@ -75,7 +77,7 @@ def engine_slice(name: str, shape: tuple[int, ...], geometry: EngineGeometry, ra
         ValueError: a dimension that the engine's TP size does not divide (vLLM would refuse the model too).
     """
     t, parts = geometry.tp_size, name.split(".")
-    if t == 1 or ".experts." in name or len(parts) < 2:
+    if t == 1 or len(parts) < 2:
         return None
     module, leaf = parts[-2], parts[-1]
     if name in _VOCAB:

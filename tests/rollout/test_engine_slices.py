@@ -106,7 +106,7 @@ def test_slices_partition_each_split_tensor_and_keep_the_rest_whole():
     for whole in (
         "model.norm.weight",
         "model.layers.0.self_attn.o_proj.bias",
-        "model.layers.0.mlp.experts.3.up_proj.weight",
+        "model.layers.0.mlp.experts.3.w1.weight",
     ):
         assert tensor_slices(whole, (24, 16), geometry) is None
     with pytest.raises(ValueError, match="mlp.up_proj.weight: 24 does not split into 5"):
@@ -118,3 +118,33 @@ def test_place_in_full_writes_the_slice_where_the_loader_reads_it():
     full = place_in_full(piece, (2, 9), engine_slice("model.layers.0.mlp.down_proj.weight", (2, 9),
                                                      EngineGeometry(3, 3, 3, 1, 9), 1))  # fmt: skip
     assert full.shape == (2, 9) and torch.equal(full[:, 3:6], piece)
+
+
+@pytest.mark.parametrize("tp_size", [2, 4])
+def test_an_expert_fed_its_slice_loads_what_the_full_tensor_gives(tp_size):
+    """vLLM's ``RoutedExperts._load_w13`` / ``_load_w2`` (no expert parallelism) on one expert, as above."""
+    pytest.importorskip("vllm")
+    from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+
+    geometry = EngineGeometry(tp_size=tp_size, num_heads=HEADS, num_kv_heads=2, head_dim=HEAD_DIM, vocab_size=VOCAB)
+    g = torch.Generator().manual_seed(tp_size)
+    expert = f"{LAYER}.mlp.experts.5"
+    gate, up, down = (
+        torch.randn(shape, generator=g).double() for shape in ((FFN, HIDDEN), (FFN, HIDDEN), (HIDDEN, FFN))
+    )
+    config = SimpleNamespace(is_act_and_mul=True, moe_parallel_config=SimpleNamespace(tp_size=tp_size))
+    narrow = RoutedExperts._narrow_expert_data_for_padding
+    stand_in = SimpleNamespace(moe_config=config, _get_hidden_dim=RoutedExperts._get_hidden_dim,
+                               _narrow_expert_data_for_padding=narrow)  # fmt: skip
+    for rank in range(tp_size):
+        loaded = []
+        for fed in ("full", "slice"):
+            w13 = torch.zeros(2 * FFN // tp_size, HIDDEN, dtype=torch.float64)
+            w2 = torch.zeros(HIDDEN, FFN // tp_size, dtype=torch.float64)
+            for shard_id, name, full in (("w1", "gate_proj", gate), ("w3", "up_proj", up)):
+                tensor = full if fed == "full" else _only_slice(full, f"{expert}.{name}.weight", geometry, rank)
+                RoutedExperts._load_w13(stand_in, w13, 0, shard_id, tensor, rank)
+            tensor = down if fed == "full" else _only_slice(down, f"{expert}.down_proj.weight", geometry, rank)
+            RoutedExperts._load_w2(stand_in, w2, 1, tensor, rank)
+            loaded.append((w13, w2))
+        assert torch.equal(loaded[0][0], loaded[1][0]) and torch.equal(loaded[0][1], loaded[1][1]), rank
