@@ -61,9 +61,14 @@ def _group(engine: GuardedEngine, num_senders: int) -> list:
 
 def _parameters(engine: GuardedEngine) -> list[dict[str, torch.Tensor]]:
     """Every worker's parameters (``WeightReloadExtension.gtpo_parameters``), bit for bit."""
-    return [{name: torch.frombuffer(bytearray(raw), dtype=getattr(torch, dtype)).reshape(shape)
-             for name, (dtype, shape, raw) in worker.items()}
+    return [{name: _tensor(*value) for name, value in worker.items()}
             for worker in engine.engine._llm.collective_rpc("gtpo_parameters")]  # fmt: skip
+
+
+def _tensor(dtype: str, shape: list[int], raw: bytes) -> torch.Tensor:
+    if not raw:  # an empty parameter
+        return torch.empty(shape, dtype=getattr(torch, dtype))
+    return torch.frombuffer(bytearray(raw), dtype=getattr(torch, dtype)).reshape(shape)
 
 
 def test_a_sliced_update_of_an_engine_at_tp_2_equals_the_collective_one(tmp_path):
