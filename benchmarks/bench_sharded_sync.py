@@ -1,16 +1,18 @@
-"""Benchmark: one weight update by ``rollout.weight_sync`` ``collective`` vs ``sharded``, in one run.
+"""Benchmark: one weight update by ``collective``, ``sharded`` (engines at TP 1) and ``sliced``, in one run.
 
 Usage: ``python benchmarks/bench_sharded_sync.py [--model builtin:smollm2-135m-instruct] [--tp 2] [--pp 2]
-[--workers 2] [--repeats 3] [--bucket-mb 64]``
+[--workers 3] [--engine-tp 3] [--repeats 3] [--bucket-mb 64]``
 
 A trainer of ``tp * pp`` ranks (threads; shards from ``hf_loading.shard_from_hf``, SmolLM2's 3 KV groups
 padded to 4 at TP 2) updates ``--workers`` engine workers (threads that take each tensor off the wire and drop it:
 no vLLM, so the wire and the joins are what is timed) over one gloo weight group on loopback, bfloat16. Collective:
 every parameter's TP shards joined as ``hf_stream`` does (the gather's communication is left out, as the
-collective benchmark does), then rank 0 broadcasts; sharded: every rank sends its own parts at once. Printed per
-path (median over repeats): the bytes the busiest sender hands to the wire (collective: one broadcast payload of
-the model, gloo's algorithm fans it out; sharded: its parts times the workers), the seconds until every worker
-has every tensor, and the ratio collective / sharded. On a shared 2-core machine the threads compete for the same
+collective benchmark does), then rank 0 broadcasts; sharded: every rank sends its own parts at once, each worker
+the whole model (engines at TP 1); sliced: the same workers as engines at ``--engine-tp``, each receiving only its
+slice (``rollout/engine_slices.py``; SmolLM2's 9 heads split 3 ways, not 2). Printed per path (median over
+repeats): the bytes the busiest sender hands to the wire (collective: one broadcast payload of the model, gloo's
+algorithm fans it out; sharded and sliced: the plan's parts for every worker), the seconds until every worker has
+every tensor, and the ratios to the collective time. On a shared 2-core machine the threads compete for the same
 cores: the ratio says little about a cluster's links (``gtpo-plan`` models those).
 """
 
@@ -29,6 +31,7 @@ from gtpo_megatron.megatron_adapter import hf_conversion as hc
 from gtpo_megatron.megatron_adapter import hf_loading
 from gtpo_megatron.megatron_adapter.shard_stream import shard_pieces
 from gtpo_megatron.parallel.weight_group import WeightGroupSpec, join_weight_group, open_weight_store
+from gtpo_megatron.rollout.engine_slices import EngineGeometry, tensor_slices
 from gtpo_megatron.rollout.shard_plan import build_shard_plan
 from gtpo_megatron.rollout.sharded_wire import receive_shards, send_shards
 from gtpo_megatron.rollout.weight_wire import receive_weights, send_weights
@@ -51,6 +54,7 @@ def _stages(reader, geometry, num_layers: int, pp: int) -> list[list[str]]:
 
 def _trainer(path: str, tp: int, pp: int):
     config = AutoConfig.from_pretrained(path)
+    print(f"{path}: {config.num_attention_heads} heads, {config.num_key_value_heads} KV heads")
     padded = -(-config.vocab_size // (128 * tp)) * 128 * tp
     geometry = hc.ModelGeometry.from_hf(config, padded_vocab_size=padded, tp_size=tp, pad_attention_heads=True)
     reader = hf_loading.HFCheckpointReader(path)
@@ -89,14 +93,14 @@ def _collective(members, gathered, bucket_bytes: int) -> tuple[float, int]:
 
 
 def _sharded(members, plan, ranks, num_workers: int) -> tuple[float, int]:
-    senders = len(plan.senders)
+    senders, engines = len(plan.senders), num_workers // plan.engine_tp_size
     start = time.perf_counter()
     with ThreadPoolExecutor(len(members)) as pool:
         workers = [pool.submit(_count, receive_shards(g)) for g in members[senders:]]
         sends = [pool.submit(send_shards, plan, ranks[plan.senders[i]][1], group=members[i], num_workers=num_workers,
                              dtype=DTYPE) for i in range(senders)]  # fmt: skip
-        busiest = max(f.result().num_bytes for f in sends) * num_workers
-        assert all(w.result() == len(plan.tensors) for w in workers)
+        assert all(f.result() for f in sends) and all(w.result() == len(plan.tensors) for w in workers)
+    busiest = max(plan.sender_elements(engines)) * DTYPE.itemsize
     return time.perf_counter() - start, busiest
 
 
@@ -105,28 +109,37 @@ def main() -> None:
     parser.add_argument("--model", default="builtin:smollm2-135m-instruct")
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--pp", type=int, default=2)
-    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--workers", type=int, default=3)
+    parser.add_argument("--engine-tp", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--bucket-mb", type=int, default=64)
     args = parser.parse_args()
     ranks, gathered = _trainer(resolve_model_path(args.model), args.tp, args.pp)
     bucket_bytes = args.bucket_mb * 2**20
-    plan = build_shard_plan([offers for offers, _ in ranks], bucket_bytes=bucket_bytes, element_size=2)
+    offers = [offers for offers, _ in ranks]
+    plan = build_shard_plan(offers, bucket_bytes=bucket_bytes, element_size=2)
+    engines = EngineGeometry.from_hf(AutoConfig.from_pretrained(resolve_model_path(args.model)), tp_size=args.engine_tp)
+    sliced = build_shard_plan(offers, bucket_bytes=bucket_bytes, element_size=2, engine_tp_size=args.engine_tp,
+                              slicer=lambda name, shape: tensor_slices(name, shape, engines))  # fmt: skip
     collective_group = _groups(1 + args.workers, 0)
     sharded_group = _groups(len(plan.senders) + args.workers, len(plan.senders))
-    runs = {"collective": [], "sharded": []}
-    for _ in range(args.repeats):  # interleaved, so that a busy moment of the shared machine hits both
+    runs = {"collective": [], "sharded": [], "sliced": []}
+    for _ in range(args.repeats):  # interleaved, so that a busy moment of the shared machine hits all three
         runs["collective"].append(_collective(collective_group, gathered, bucket_bytes))
         runs["sharded"].append(_sharded(sharded_group, plan, ranks, args.workers))
+        runs["sliced"].append(_sharded(sharded_group, sliced, ranks, args.workers))
     model_mb = sum(t.numel() for _, t in gathered) * 2 / 1e6
-    print(f"{args.model}: {model_mb:.0f} MB (bfloat16), trainer TP {args.tp} x PP {args.pp}, {args.workers} workers, "
-          f"{len(plan.senders)} sharded senders, buckets {args.bucket_mb} MiB")  # fmt: skip
+    print(
+        f"{args.model}: {model_mb:.0f} MB (bfloat16), trainer TP {args.tp} x PP {args.pp}, {args.workers} workers, "
+        f"{len(plan.senders)} sharded senders, sliced: engines at TP {args.engine_tp}, buckets {args.bucket_mb} MiB"
+    )
     seconds = {}
     for name, results in runs.items():
         seconds[name] = statistics.median(s for s, _ in results)
         busiest = results[0][1] / 1e6
         print(f"{name:>10}: busiest sender {busiest:.0f} MB to the wire, sync {seconds[name]:.3f} s (median)")
-    print(f"collective / sharded sync time: {seconds['collective'] / seconds['sharded']:.2f}")
+    for name in ("sharded", "sliced"):
+        print(f"collective / {name} sync time: {seconds['collective'] / seconds[name]:.2f}")
 
 
 if __name__ == "__main__":

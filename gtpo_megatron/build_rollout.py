@@ -229,6 +229,7 @@ def build_weight_sync(
 
 def _sharded_sync(cfg, groups, engine, mine, num_engines: int, policy, *, accelerator: bool):
     """``rollout.weight_sync: sharded``: plan and join (``rollout.sharded_sync.connect_sharded_sync``)."""
+    from gtpo_megatron.rollout.engine_slices import EngineGeometry
     from gtpo_megatron.rollout.sharded_sync import connect_sharded_sync
 
     if accelerator:
@@ -236,7 +237,12 @@ def _sharded_sync(cfg, groups, engine, mine, num_engines: int, policy, *, accele
             "rollout.weight_sync='sharded': its wire is gloo over TCP, tested with CPU engines only (no NCCL "
             "path yet); on GPUs use rollout.weight_sync=collective"
         )
-    rollout = cfg.rollout
+    rollout, model = cfg.rollout, policy.geometry
+    engines = None
+    if rollout.engine_tp_size > 1:  # each worker receives only its slice (rollout/engine_slices.py)
+        engines = EngineGeometry(tp_size=rollout.engine_tp_size, num_heads=model.num_heads,
+                                 num_kv_heads=model.num_query_groups, head_dim=model.head_dim,
+                                 vocab_size=model.vocab_size)  # fmt: skip
     return connect_sharded_sync(
         engine=engine,
         pieces=policy.shard_pieces,
@@ -247,6 +253,7 @@ def _sharded_sync(cfg, groups, engine, mine, num_engines: int, policy, *, accele
         dtype=getattr(torch, cfg.engine_dtype),
         timeout_s=rollout.timeout_s,
         world=dist.group.WORLD if groups.world_size > 1 else None,
+        engines=engines,
     )
 
 

@@ -432,7 +432,7 @@ def _links_summary(cfg: GTPOConfig, arch: Architecture, layout: Layout, args: ar
         f"weight sync links at {args.sync_bandwidth_gbps:g} Gbit/s ({layout.train_world_size} training ranks, "
         f"{layout.num_engines} engines x TP {layout.engine_tp_size}): "
         + "; ".join(parts)
-        + " (sliced: each worker receiving only its engine-TP slice, not built; sharded runs at engine_tp_size=1)"
+        + " (sharded: each worker receives only its engine-TP slice)"
     )
 
 

@@ -78,7 +78,7 @@ class RolloutConfig:
     """How new weights reach the engines after each step: ``collective`` broadcasts bucketed tensors from global
     rank 0 to every engine worker over a process group of their own (gloo on CPU, NCCL on GPU), each worker
     loading them in one reload pass; ``sharded`` has every training rank send the pieces it holds straight to
-    every worker, many senders at once and no gather (gloo, engines at ``engine_tp_size`` 1; docs/scaling.md);
+    every worker (at ``engine_tp_size`` > 1 only its slice), many senders at once and no gather (gloo; docs/scaling.md);
     ``files`` stages safetensors shards in ``/dev/shm`` for one engine (fallback, ``num_engines`` must be 1)."""
     lora_sync: Literal["merged", "adapter"] = "merged"
     """With ``model.lora``: ``merged`` sends the weights with the adapters folded in (``W + alpha / rank * B @ A``)
@@ -208,14 +208,6 @@ class RolloutConfig:
             self.weight_sync,
             f"the files path feeds one engine, not rollout.num_engines={self.num_engines}",
             "use rollout.weight_sync=collective or rollout.num_engines=1",
-        )
-        _require(
-            self.weight_sync != "sharded" or self.engine_tp_size == 1,
-            "rollout.weight_sync",
-            self.weight_sync,
-            f"the sharded path sends each worker full tensors (vLLM's loaders slice them themselves), so an engine at "
-            f"rollout.engine_tp_size={self.engine_tp_size} would receive the whole model on every worker",
-            "use rollout.weight_sync=collective, or rollout.engine_tp_size=1",
         )
         _require(self.timeout_s > 0, "rollout.timeout_s", self.timeout_s, "must be > 0 seconds", "use 1800")
         self._check_fault_tolerance()

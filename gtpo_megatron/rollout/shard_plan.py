@@ -3,17 +3,24 @@
 Every rank offers its pieces (one :class:`Offer` per ``(hf_name, part)``: part ``p`` is TP rank ``p``'s rows
 (``dim`` 0) or columns (``dim`` 1); a ``WHOLE`` tensor has the one part 0). Each piece goes to its holder with the
 fewest bytes so far (ties: lowest global rank), so data-parallel copies share the sending; every rank computes the
-same plan. Senders (rank 0 always first) are members ``0 .. S-1`` of the weight group.
+same plan. Senders (rank 0 always first) are members ``0 .. S-1`` of the weight group. On engines at TP ``t`` a
+tensor split by vLLM has one slice per engine TP rank (``rollout/engine_slices.py``); a worker of rank ``r`` then
+receives only the cuts of the parts that overlap its slice (:meth:`ShardPlan.parts_of`).
 """
 
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 WHOLE = -1
 """``dim`` of a tensor sent whole by one owner (``hf_conversion.WHOLE``)."""
+EngineSlices = tuple[tuple[int, int, int], ...]
+"""Per engine TP rank, the ``(dim, start, stop)`` slice of a tensor that rank loads (``engine_slices.Slice``)."""
+Cut = tuple[int, int, tuple[int, int, int] | None]
+"""``(tensor index, part index, (dim, offset, length) within the part or None for all of it)``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,53 +37,89 @@ class Offer:
 
 @dataclass(frozen=True, slots=True)
 class PlannedTensor:
-    """One HF tensor: full ``shape``, ``dim`` its parts are joined along, ``parts[p]`` = (sender, part shape)."""
+    """One HF tensor: full ``shape``, ``dim`` its parts are joined along, ``parts[p]`` = (sender, part shape).
+
+    ``slices``: per engine TP rank the slice it loads; None: every worker loads the whole tensor.
+    """
 
     name: str
     dim: int
     shape: tuple[int, ...]
     parts: tuple[tuple[int, tuple[int, ...]], ...]
+    slices: EngineSlices | None = None
+
+    def cuts(self, rank: int) -> list[tuple[int, tuple[int, int, int] | None]]:
+        """``(part, (dim, offset, length) or None)`` of every part overlapping engine TP rank ``rank``'s slice."""
+        if self.slices is None:
+            return [(p, None) for p in range(len(self.parts))]
+        dim, start, stop = self.slices[rank]
+        cuts, low = [], 0
+        for p, (_, shape) in enumerate(self.parts):
+            high = low + (self.shape[dim] if self.dim == WHOLE else shape[dim])
+            if max(low, start) < min(high, stop):
+                cuts.append((p, (dim, max(low, start) - low, min(high, stop) - max(low, start))))
+            low = high
+        return cuts
+
+    def cut_shape(self, p: int, cut: tuple[int, int, int] | None) -> tuple[int, ...]:
+        """Shape of part ``p`` after ``cut``."""
+        shape = self.shape if self.dim == WHOLE else self.parts[p][1]
+        if cut is None:
+            return self.parts[p][1]
+        return shape[: cut[0]] + (cut[2],) + shape[cut[0] + 1 :]
 
 
 @dataclass(frozen=True, slots=True)
 class ShardPlan:
-    """Tensors in send order, ``senders`` (global rank of member ``i``) and ``buckets`` (``[start, stop)`` ranges)."""
+    """Tensors in send order, senders, buckets and the engines' TP size.
+
+    ``senders[i]``: global rank of member ``i``; ``buckets``: ``[start, stop)`` tensor ranges; worker ``g`` is
+    engine TP rank ``g % engine_tp_size``.
+    """
 
     tensors: tuple[PlannedTensor, ...]
     senders: tuple[int, ...]
     buckets: tuple[tuple[int, int], ...]
+    engine_tp_size: int = 1
 
-    def parts_of(self, bucket: int, sender: int) -> list[tuple[int, int]]:
-        """``(tensor index, part index)`` that ``sender`` sends in ``bucket``, in payload order."""
+    def parts_of(self, bucket: int, sender: int, rank: int = 0) -> list[Cut]:
+        """The cuts ``sender`` sends engine TP rank ``rank``'s workers in ``bucket``, in payload order."""
         start, stop = self.buckets[bucket]
-        return [(t, p) for t in range(start, stop) for p, (s, _) in enumerate(self.tensors[t].parts) if s == sender]
+        return [(t, p, cut) for t in range(start, stop) for p, cut in self.tensors[t].cuts(rank)
+                if self.tensors[t].parts[p][0] == sender]  # fmt: skip
 
-    def part_numels(self, bucket: int, sender: int) -> list[int]:
-        """Elements of each of ``parts_of(bucket, sender)``."""
-        return [math.prod(self.tensors[t].parts[p][1]) for t, p in self.parts_of(bucket, sender)]
+    def part_numels(self, bucket: int, sender: int, rank: int = 0) -> list[int]:
+        """Elements of each of ``parts_of(bucket, sender, rank)``."""
+        return [math.prod(self.tensors[t].cut_shape(p, cut)) for t, p, cut in self.parts_of(bucket, sender, rank)]
 
-    def sender_elements(self) -> list[int]:
-        """Elements each sender sends to one worker (times the number of workers on its link)."""
+    def sender_elements(self, num_engines: int = 1) -> list[int]:
+        """Elements each sender sends to ``num_engines`` engines (``engine_tp_size`` workers each)."""
         totals = [0] * len(self.senders)
         for tensor in self.tensors:
-            for sender, shape in tensor.parts:
-                totals[sender] += math.prod(shape)
+            for rank in range(self.engine_tp_size):
+                for p, cut in tensor.cuts(rank):
+                    totals[tensor.parts[p][0]] += math.prod(tensor.cut_shape(p, cut)) * num_engines
         return totals
 
     def to_json(self) -> str:
         """The plan as JSON (sender 0 sends it to every worker at the start of an update)."""
-        return json.dumps({"tensors": [[t.name, t.dim, t.shape, t.parts] for t in self.tensors],
-                           "senders": self.senders, "buckets": self.buckets})  # fmt: skip
+        return json.dumps({"tensors": [[t.name, t.dim, t.shape, t.parts, t.slices] for t in self.tensors],
+                           "senders": self.senders, "buckets": self.buckets,
+                           "engine_tp_size": self.engine_tp_size})  # fmt: skip
 
     @classmethod
     def from_json(cls, text: str) -> ShardPlan:
         """Inverse of :meth:`to_json`."""
         raw = json.loads(text)
         tensors = tuple(
-            PlannedTensor(name, dim, tuple(shape), tuple((s, tuple(p)) for s, p in parts))
-            for name, dim, shape, parts in raw["tensors"]
+            PlannedTensor(name, dim, tuple(shape), tuple((s, tuple(p)) for s, p in parts), _tuples(slices))
+            for name, dim, shape, parts, slices in raw["tensors"]
         )
-        return cls(tensors, tuple(raw["senders"]), tuple(tuple(b) for b in raw["buckets"]))
+        return cls(tensors, tuple(raw["senders"]), tuple(tuple(b) for b in raw["buckets"]), raw["engine_tp_size"])
+
+
+def _tuples(slices: list | None) -> EngineSlices | None:
+    return None if slices is None else tuple(tuple(s) for s in slices)
 
 
 def _full_shape(name: str, dim: int, shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
@@ -113,12 +156,22 @@ def _owners(offers: list[list[Offer]]) -> dict[tuple[str, int], tuple[Offer, int
     return owners
 
 
-def build_shard_plan(offers: list[list[Offer]], *, bucket_bytes: int, element_size: int) -> ShardPlan:
+def build_shard_plan(
+    offers: list[list[Offer]],
+    *,
+    bucket_bytes: int,
+    element_size: int,
+    engine_tp_size: int = 1,
+    slicer: Callable[[str, tuple[int, ...]], EngineSlices | None] | None = None,
+) -> ShardPlan:
     """The plan for the offers of every global rank (``offers[rank]``); sizes in the engines' dtype.
 
+    ``slicer(name, full shape)``: the tensor's per-engine-rank slices (``engine_slices.tensor_slices``); None:
+    every worker receives every tensor whole (engines at TP 1).
+
     Raises:
-        ValueError: ``bucket_bytes < 2``; a tensor with a part nobody offers (a slice would stay unsent) or whose
-            parts do not join.
+        ValueError: ``bucket_bytes < 2``; a tensor with a part nobody offers (a slice would stay unsent), whose
+            parts do not join, or that the engines slice along another dimension than its parts.
     """
     if bucket_bytes < 2:
         raise ValueError(f"bucket_bytes={bucket_bytes} must be >= 2 (two half buckets in flight)")
@@ -132,8 +185,13 @@ def build_shard_plan(offers: list[list[Offer]], *, bucket_bytes: int, element_si
     for name, owned in sorted(by_name.items(), key=lambda item: (item[1][0][0].order, item[0])):
         dim, shapes = owned[0][0].dim, [offer.shape for offer, _ in owned]
         planned = tuple((index[owner], offer.shape) for offer, owner in owned)
-        tensors.append(PlannedTensor(name, dim, _full_shape(name, dim, shapes), planned))
-    return ShardPlan(tuple(tensors), tuple(senders), _buckets(tensors, bucket_bytes // 2, element_size))
+        shape = _full_shape(name, dim, shapes)
+        slices = None if slicer is None or engine_tp_size == 1 else slicer(name, shape)
+        if slices is not None and dim not in (WHOLE, slices[0][0]):
+            raise ValueError(f"{name!r}: the trainer splits it along dim {dim}, the engines along {slices[0][0]}")
+        tensors.append(PlannedTensor(name, dim, shape, planned, slices))
+    buckets = _buckets(tensors, bucket_bytes // 2, element_size)
+    return ShardPlan(tuple(tensors), tuple(senders), buckets, engine_tp_size)
 
 
 def _buckets(tensors: list[PlannedTensor], capacity: int, element_size: int) -> tuple[tuple[int, int], ...]:

@@ -17,6 +17,7 @@ import torch
 
 from gtpo_megatron.parallel.collectives import all_gather_object, all_reduce_, broadcast_object
 from gtpo_megatron.parallel.weight_group import WeightGroup, WeightGroupSpec, join_weight_group, open_weight_store
+from gtpo_megatron.rollout.engine_slices import EngineGeometry, tensor_slices
 from gtpo_megatron.rollout.shard_plan import Offer, ShardPlan, build_shard_plan
 from gtpo_megatron.rollout.sharded_wire import send_shards
 
@@ -35,17 +36,21 @@ def element_size(dtype: torch.dtype) -> int:
 
 
 def sync_metrics(plan: ShardPlan, *, num_workers: int, dtype: torch.dtype, seconds: float) -> dict[str, float]:
-    """``sync/*`` of one update: the model's bytes, the busiest sender's bytes (over all workers), ``seconds``."""
-    element = element_size(dtype)
+    """``sync/*`` of one update: the model's bytes, the busiest sender's bytes (over all workers), ``seconds``.
+
+    On engines at TP > 1 a worker receives only its slice, so the bytes sent are about the model's per engine.
+    """
+    element, engines = element_size(dtype), num_workers // plan.engine_tp_size
     total = sum(math.prod(t.shape) for t in plan.tensors) * element
-    busiest = max(plan.sender_elements()) * element * num_workers
+    sent = plan.sender_elements(engines)
+    busiest = max(sent) * element
     return {
         "sync/num_tensors": float(len(plan.tensors)),
         "sync/megabytes": total / 2**20,
         "sync/num_buckets": float(len(plan.buckets)),
         "sync/num_senders": float(len(plan.senders)),
         "sync/busiest_sender_megabytes": busiest / 2**20,
-        "sync/gbytes_per_s": total * num_workers / 1e9 / max(seconds, 1e-9),
+        "sync/gbytes_per_s": sum(sent) * element / 1e9 / max(seconds, 1e-9),
         "time/sync_s": seconds,
     }
 
@@ -127,8 +132,12 @@ def connect_sharded_sync(
     dtype: torch.dtype,
     timeout_s: float,
     world: dist.ProcessGroup | None,
+    engines: EngineGeometry | None = None,
 ) -> ShardedWeightSync:
     """Plan the sync and build its weight group once at start-up (every rank of ``world``; ``rank``: global).
+
+    ``engines``: the model's geometry on engines at TP > 1 (each worker then receives only its slice,
+    ``engine_slices``); None: every worker receives every tensor whole.
 
     Collectives: one ``all_gather_object`` of the offers and one object broadcast on ``world``, then the weight
     group's rendezvous (the senders and every engine worker).
@@ -137,8 +146,10 @@ def connect_sharded_sync(
         ValueError: the offers leave a slice of a tensor unsent (``build_shard_plan``).
         RuntimeError: a member did not join within ``timeout_s``.
     """
+    tp_size = 1 if engines is None else engines.tp_size
     plan = build_shard_plan(all_gather_object(pieces()[0], group=world), bucket_bytes=bucket_bytes,
-                            element_size=element_size(dtype))  # fmt: skip
+                            element_size=element_size(dtype), engine_tp_size=tp_size,
+                            slicer=lambda name, shape: tensor_slices(name, shape, engines))  # fmt: skip
     store, spec = None, None
     if rank == 0:
         host = os.environ.get("MASTER_ADDR", "127.0.0.1")

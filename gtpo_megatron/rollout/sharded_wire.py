@@ -2,8 +2,10 @@
 
 Per update sender 0 sends each worker the plan (int64 length, then JSON; tag 0); per bucket ``b`` (tag ``b + 1``)
 every sender with parts in it sends each worker one uint8 message: an int64 status (1; -1 aborts, the error text
-follows) and its parts cast to the engines' dtype, back to back. All senders send at once; a worker posts bucket
-``b + 1``'s receives before it joins bucket ``b``'s parts (``torch.cat`` along the plan's ``dim``). Memory peaks are
+follows) and its cuts for that worker's engine TP rank (``ShardPlan.parts_of``) cast to the engines' dtype, back to
+back (one message per engine TP rank, the same for every engine). All senders send at once; a worker posts bucket
+``b + 1``'s receives before it joins bucket ``b``'s cuts (``torch.cat`` along the plan's ``dim``) and hands vLLM a
+full-shape tensor holding its slice (``engine_slices.place_in_full``). Memory peaks are
 in docs/scaling.md ("Weight sync"). A failure names the sender, its trainer rank and the bucket's tensors.
 """
 
@@ -18,6 +20,7 @@ import torch
 from gtpo_megatron.parallel.collectives import start_recv, start_send, wait_work
 from gtpo_megatron.parallel.weight_group import WeightGroup
 from gtpo_megatron.rollout.engine import NamedTensor
+from gtpo_megatron.rollout.engine_slices import Slice, place_in_full
 from gtpo_megatron.rollout.shard_plan import ShardPlan
 from gtpo_megatron.rollout.weight_wire import WireStats
 
@@ -25,20 +28,23 @@ _STATUS = 8  # bytes of the int64 status in front of each bucket message
 PieceKey = tuple[str, int]
 
 
-def _names(plan: ShardPlan, parts: list[tuple[int, int]]) -> str:
-    names = [plan.tensors[t].name for t, _ in parts]
+def _names(plan: ShardPlan, parts: list) -> str:
+    names = [plan.tensors[t].name for t, *_ in parts]
     return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
 
 
-def _pack(plan: ShardPlan, bucket: int, sender: int, pieces: Mapping[PieceKey, torch.Tensor], dtype, device):
-    """``sender``'s parts of ``bucket``, cast to ``dtype``, behind a status of 1: one uint8 message."""
-    parts, numels = plan.parts_of(bucket, sender), plan.part_numels(bucket, sender)
+def _pack(plan: ShardPlan, bucket: int, sender: int, rank: int, pieces: Mapping[PieceKey, torch.Tensor], dtype,
+          device):  # fmt: skip
+    """``sender``'s cuts of ``bucket`` for engine TP rank ``rank``, cast to ``dtype``, behind a status of 1."""
+    parts, numels = plan.parts_of(bucket, sender, rank), plan.part_numels(bucket, sender, rank)
     element = torch.empty((), dtype=dtype).element_size()
     message = torch.empty(_STATUS + sum(numels) * element, dtype=torch.uint8, device=device)
     message[:_STATUS].view(torch.int64).fill_(1)
     values, offset = message[_STATUS:].view(dtype), 0
-    for (t, p), numel in zip(parts, numels):
-        values[offset : offset + numel].copy_(pieces[(plan.tensors[t].name, p)].detach().reshape(-1))
+    for (t, p, cut), numel in zip(parts, numels):
+        piece = pieces[(plan.tensors[t].name, p)].detach()
+        piece = piece if cut is None else piece.narrow(*cut)
+        values[offset : offset + numel].view(piece.shape).copy_(piece)
         offset += numel
     return message
 
@@ -67,6 +73,11 @@ def _send_plan(plan: ShardPlan, dtype: torch.dtype, workers: range, group: Weigh
             ) from err
 
 
+def _rank(plan: ShardPlan, member: int) -> int:
+    """The engine TP rank of the worker that is weight-group member ``member``."""
+    return (member - len(plan.senders)) % plan.engine_tp_size
+
+
 def _wait_all(sends: list, plan: ShardPlan, bucket: int, group: WeightGroup, stats: WireStats) -> None:
     """Wait for one bucket's sends; ``RuntimeError`` naming the worker, this sender and the tensors."""
     start = time.perf_counter()
@@ -78,7 +89,8 @@ def _wait_all(sends: list, plan: ShardPlan, bucket: int, group: WeightGroup, sta
         except RuntimeError as err:
             raise RuntimeError(
                 f"weight update (sharded): sender {group.rank} (trainer rank {plan.senders[group.rank]}) could not "
-                f"deliver bucket {bucket} ({_names(plan, plan.parts_of(bucket, group.rank))}) to engine worker "
+                f"deliver bucket {bucket} ({_names(plan, plan.parts_of(bucket, group.rank, _rank(plan, worker)))}) "
+                f"to engine worker "
                 f"{worker - len(plan.senders)} within {group.timeout_s:g} s: {err}"
             ) from err
     stats.transfer_s += time.perf_counter() - start
@@ -107,23 +119,30 @@ def send_shards(
         _send_plan(plan, dtype, workers, group)
     in_flight, last = [], 0  # the bucket in flight: (worker, work) and its message, kept alive until sent
     for bucket in range(len(plan.buckets)):
-        parts = plan.parts_of(bucket, sender)
+        parts = {r: plan.parts_of(bucket, sender, r) for r in range(plan.engine_tp_size)}
+        parts = {r: cuts for r, cuts in parts.items() if cuts}  # engine TP rank -> its cuts
         if not parts:
             continue
         try:
-            message = _pack(plan, bucket, sender, pieces, dtype, group.device)
+            messages = {r: _pack(plan, bucket, sender, r, pieces, dtype, group.device) for r in parts}
         except BaseException as err:
-            size = _STATUS + sum(plan.part_numels(bucket, sender)) * torch.empty((), dtype=dtype).element_size()
-            abort = _abort_message(size, err).to(group.device)
-            _wait_all([(w, start_send(abort, dst=w, tag=bucket + 1, group=group)) for w in workers], plan, bucket,
-                      group, stats)  # fmt: skip
+            element = torch.empty((), dtype=dtype).element_size()
+            aborts = {r: _abort_message(_STATUS + sum(plan.part_numels(bucket, sender, r)) * element, err)
+                      for r in parts}  # fmt: skip
+            _wait_all(_start(aborts, plan, bucket, workers, group), plan, bucket, group, stats)
             raise
         _wait_all(in_flight, plan, last, group, stats)  # the previous bucket: one in flight while packing
-        in_flight, last = [(w, start_send(message, dst=w, tag=bucket + 1, group=group)) for w in workers], bucket
-        in_flight.append((None, message))
-        stats.add_bucket(len(parts), message.numel() - _STATUS)
+        in_flight, last = _start(messages, plan, bucket, workers, group), bucket
+        in_flight += [(None, message) for message in messages.values()]
+        stats.add_bucket(sum(map(len, parts.values())), sum(m.numel() - _STATUS for m in messages.values()))
     _wait_all(in_flight, plan, last, group, stats)
     return stats
+
+
+def _start(messages: dict, plan: ShardPlan, bucket: int, workers: range, group: WeightGroup) -> list:
+    """Start sending each worker its engine TP rank's message of ``bucket``: ``(worker, work)``."""
+    return [(w, start_send(messages[_rank(plan, w)].to(group.device), dst=w, tag=bucket + 1, group=group))
+            for w in workers if _rank(plan, w) in messages]  # fmt: skip
 
 
 def _receive_plan(group: WeightGroup) -> tuple[ShardPlan, torch.dtype]:
@@ -136,11 +155,11 @@ def _receive_plan(group: WeightGroup) -> tuple[ShardPlan, torch.dtype]:
 
 
 def _post(plan: ShardPlan, bucket: int, element: int, group: WeightGroup) -> list:
-    """Start receiving every sender's parts of ``bucket``: ``(sender, message, work)``."""
-    posted = []
+    """Start receiving every sender's cuts of ``bucket`` for this worker: ``(sender, message, work)``."""
+    posted, rank = [], _rank(plan, group.rank)
     for sender in range(len(plan.senders)):
-        numel = sum(plan.part_numels(bucket, sender))
-        if plan.parts_of(bucket, sender):
+        numel = sum(plan.part_numels(bucket, sender, rank))
+        if plan.parts_of(bucket, sender, rank):
             message = torch.empty(_STATUS + numel * element, dtype=torch.uint8, device=group.device)
             posted.append((sender, message, start_recv(message, src=sender, tag=bucket + 1, group=group)))
     return posted
@@ -148,9 +167,9 @@ def _post(plan: ShardPlan, bucket: int, element: int, group: WeightGroup) -> lis
 
 def _join(plan: ShardPlan, bucket: int, posted: list, dtype, group: WeightGroup) -> dict[tuple[int, int], torch.Tensor]:
     """Wait for ``bucket``'s messages; ``(tensor, part) -> flat view``. ``RuntimeError`` naming a failed sender."""
-    flat = {}
+    flat, rank = {}, _rank(plan, group.rank)
     for sender, message, work in posted:
-        parts = plan.parts_of(bucket, sender)
+        parts = plan.parts_of(bucket, sender, rank)
         who = f"sender {sender} (trainer rank {plan.senders[sender]}; bucket {bucket}: {_names(plan, parts)})"
         try:
             wait_work(work, group=group)
@@ -161,17 +180,27 @@ def _join(plan: ShardPlan, bucket: int, posted: list, dtype, group: WeightGroup)
         if int(message[:_STATUS].view(torch.int64).item()) != 1:
             text = message[_STATUS:].cpu().numpy().tobytes().rstrip(b"\0").decode(errors="replace")
             raise RuntimeError(f"weight update (sharded): {who} aborted the update half-way: {text}")
-        flat.update(zip(parts, message[_STATUS:].view(dtype).split(plan.part_numels(bucket, sender))))
+        cuts = [(t, p) for t, p, _ in parts]
+        flat.update(zip(cuts, message[_STATUS:].view(dtype).split(plan.part_numels(bucket, sender, rank))))
     return flat
 
 
-def _tensors(plan: ShardPlan, bucket: int, flat: dict) -> Iterator[NamedTensor]:
-    """The full tensors of ``bucket``: each tensor's parts joined along its ``dim`` (a lone part: a view)."""
+def _tensors(plan: ShardPlan, bucket: int, flat: dict, rank: int, dtype) -> Iterator[NamedTensor]:
+    """The tensors of ``bucket``: each tensor's cuts joined along its ``dim`` (a lone part: a view).
+
+    A sliced tensor comes as its full shape holding engine TP rank ``rank``'s slice (``engine_slices.place_in_full``).
+    """
     start, stop = plan.buckets[bucket]
     for t in range(start, stop):
         tensor = plan.tensors[t]
-        parts = [flat[(t, p)].view(shape) for p, (_, shape) in enumerate(tensor.parts)]
-        yield tensor.name, parts[0] if len(parts) == 1 else torch.cat(parts, dim=tensor.dim)
+        parts = [flat[(t, p)].view(tensor.cut_shape(p, cut)) for p, cut in tensor.cuts(rank)]
+        if tensor.slices is None:
+            yield tensor.name, parts[0] if len(parts) == 1 else torch.cat(parts, dim=tensor.dim)
+            continue
+        where = Slice(*tensor.slices[rank])
+        empty = tensor.shape[: where.dim] + (0,) + tensor.shape[where.dim + 1 :]
+        joined = torch.cat(parts, dim=where.dim) if parts else torch.empty(empty, dtype=dtype)
+        yield tensor.name, place_in_full(joined, tensor.shape, where)
 
 
 def receive_shards(group: WeightGroup, stats: WireStats | None = None) -> Iterator[NamedTensor]:
@@ -195,7 +224,7 @@ def receive_shards(group: WeightGroup, stats: WireStats | None = None) -> Iterat
             flat = _join(plan, bucket, posted, dtype, group)
             stats.transfer_s += time.perf_counter() - start
             posted = _post(plan, bucket + 1, element, group) if bucket + 1 < len(plan.buckets) else []
-            yield from _tensors(plan, bucket, flat)
+            yield from _tensors(plan, bucket, flat, _rank(plan, group.rank), dtype)
             stats.add_bucket(
                 plan.buckets[bucket][1] - plan.buckets[bucket][0], sum(v.numel() for v in flat.values()) * element
             )

@@ -18,6 +18,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from gtpo_megatron.parallel.weight_group import WeightGroupSpec, join_as_worker
 from gtpo_megatron.rollout.engine import NamedTensor
 from gtpo_megatron.rollout.sharded_wire import receive_shards
@@ -60,6 +62,15 @@ class WeightReloadExtension:
     def gtpo_packed_modules(self) -> dict[str, list[str]]:
         """The model's fused-module map, e.g. ``{"qkv_proj": ["q_proj", "k_proj", "v_proj"]}``."""
         return dict(getattr(self.model_runner.get_model(), "packed_modules_mapping", {}))
+
+    def gtpo_parameters(self) -> dict[str, tuple[str, list[int], bytes]]:
+        """This worker's parameters by vLLM name (its TP slice, kernel layout) as ``(dtype, shape, raw bytes)``.
+
+        Raw bytes, so that a check compares them bit for bit (vLLM's RPC turns tensors into lists).
+        """
+        return {name: (str(p.dtype).removeprefix("torch."), list(p.shape),
+                       p.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+                for name, p in self.model_runner.get_model().named_parameters()}  # fmt: skip
 
     def gtpo_reload_weights(self, weights_path: str) -> None:
         """``reload_weights`` of a folder of safetensors shards (as an iterator: a ``dummy`` engine has no loader)."""

@@ -344,10 +344,6 @@ def test_engine_fields_take_a_number_or_auto():
             ["rollout.weight_sync=files", "rollout.num_engines=2"],
             "rollout.weight_sync='files': the files path feeds one engine, not rollout.num_engines=2",
         ),
-        (
-            ["rollout.weight_sync=sharded", "rollout.engine_tp_size=2"],
-            "rollout.weight_sync='sharded': the sharded path sends each worker full tensors",
-        ),
         (["rollout.timeout_s=0"], "rollout.timeout_s=0.0: must be > 0 seconds"),
     ],
 )
