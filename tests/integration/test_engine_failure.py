@@ -24,9 +24,9 @@ from tests.integration.test_two_engines import OVERRIDES, PER_ENGINE, REPO
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 STEPS = 24  # enough one-engine steps (about 2 s each on 2 cores) for the restart (about 45 s) to rejoin
-FAULT_TOLERANCE = ["rollout.num_engines=2", "rollout.fault_tolerance=true", f"trainer.max_steps={STEPS}",
-                   "rollout.health_check_interval_s=1", "rollout.health_check_timeout_s=5",
-                   "rollout.health_check_first_wait_s=0", "rollout.timeout_s=120"]  # fmt: skip
+FAULT_TOLERANCE = ["rollout.num_engines=2", "rollout.fault_tolerance=true", "rollout.health_check_interval_s=1",
+                   "rollout.health_check_timeout_s=5", "rollout.health_check_first_wait_s=0",
+                   "rollout.timeout_s=120"]  # fmt: skip
 RECOVERY = ("rollout/engines_alive", "rollout/engine_restarts", "rollout/requests_moved", "rollout/recovery_s")
 
 
@@ -48,14 +48,24 @@ def _engine_core_of_rank(job: psutil.Process, rank: int) -> psutil.Process:
     raise AssertionError(f"no engine-core process under rank {rank}")
 
 
-def _run(out: Path, *, kill_after_step: int | None, sig: int = signal.SIGKILL) -> tuple[list[dict], str]:
+def _run(
+    out: Path,
+    *,
+    kill_after_step: int | None,
+    sig: int = signal.SIGKILL,
+    steps: int = STEPS,
+    then_stop: bool = False,
+    extra: tuple[str, ...] = (),
+) -> tuple[list[dict], str]:
+    """The job's records and log; ``then_stop``: SIGUSR1 to the job right after the engine's signal (it saves the
+    step in flight and stops); ``extra``: more overrides (``resume=true``)."""
     from tests.helpers.dist_harness import free_port
 
     torchrun = Path(sys.executable).with_name("torchrun")
     cmd = [str(torchrun), "--nproc_per_node=2", f"--master_port={free_port()}", "-m", "gtpo_megatron.train",
            "--config", str(REPO / "configs" / "cpu_demo.yaml"), *OVERRIDES, *FAULT_TOLERANCE,
-           f"output_dir={out}"]  # fmt: skip
-    log = out.with_suffix(".log")
+           f"trainer.max_steps={steps}", f"output_dir={out}", *extra]  # fmt: skip
+    log = out.with_name(f"{out.name}{len(list(out.parent.glob(out.name + '*.log')))}.log")
     with log.open("w") as sink:
         job = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "WANDB_MODE": "offline"}, stdout=sink, stderr=sink)
         try:
@@ -64,6 +74,8 @@ def _run(out: Path, *, kill_after_step: int | None, sig: int = signal.SIGKILL) -
                 if len(_records(out)) >= kill_after_step:
                     victim = _engine_core_of_rank(psutil.Process(job.pid), 1)
                     os.kill(victim.pid, sig)
+                    if then_stop:
+                        job.send_signal(signal.SIGUSR1)
                     break
                 time.sleep(0.5)
             returncode = job.wait(timeout=max(deadline - time.monotonic(), 1))
@@ -73,6 +85,12 @@ def _run(out: Path, *, kill_after_step: int | None, sig: int = signal.SIGKILL) -
     text = log.read_text()
     assert returncode == 0, text[-8000:]
     return _records(out), text
+
+
+def untimed(record: dict) -> dict:
+    """What an undisturbed run must reproduce: every metric but times, per-engine counts and the recovery's."""
+    return {k: v for k, v in record.items()
+            if not k.startswith(("time/", "perf/", "sync/")) and k not in PER_ENGINE + RECOVERY}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -88,12 +106,22 @@ def test_a_failed_engine_is_replaced_and_the_run_trains_the_undisturbed_steps(un
     assert len(records) == len(undisturbed) == STEPS
     assert "engine 1 of 2 (leader rank 1, ranks [1]) failed" in log
 
-    def untimed(record):
-        return {k: v for k, v in record.items()
-                if not k.startswith(("time/", "perf/", "sync/")) and k not in PER_ENGINE + RECOVERY}  # fmt: skip
-
     assert [untimed(r) for r in records] == [untimed(r) for r in undisturbed]  # the same prompts and completions
     assert records[0]["rollout/engines_alive"] == 2 and records[-1]["rollout/engine_restarts"] == 1
     assert sum(r["rollout/requests_moved"] for r in records) >= 1
     for record in records:  # reported, not asserted
         print({k: record.get(k) for k in (*RECOVERY, "time/step_s", "time/rollout_s", "time/sync_s")})
+
+
+def test_a_checkpoint_taken_while_an_engine_is_down_resumes_with_every_engine(tmp_path):
+    """Engine 1 killed after step 1 and the job stopped (SIGUSR1) at once: the step saved was trained on engine 0
+    alone; the resumed run starts both engines and its steps continue the undisturbed run's prompts."""
+    steps = 4
+    first, _ = _run(tmp_path / "stopped", kill_after_step=1, steps=steps, then_stop=True)
+    assert 2 <= len(first) < steps and first[-1]["rollout/engines_alive"] == 1  # saved while engine 1 was down
+    records, _ = _run(tmp_path / "stopped", kill_after_step=None, steps=steps, extra=("resume=true",))
+    undisturbed, _ = _run(tmp_path / "undisturbed", kill_after_step=None, steps=steps)
+    assert [r["step"] for r in records] == list(range(1, steps + 1))  # none lost, none twice
+    assert [untimed(r) for r in records] == [untimed(r) for r in undisturbed]  # the same prompts and completions
+    assert [r["rollout/engines_alive"] for r in records[len(first) :]] == [2] * (steps - len(first))
+    assert [r["rollout/engine_restarts"] for r in records[len(first) :]] == [0] * (steps - len(first))
