@@ -173,6 +173,9 @@ class FaultTolerance:
             lost = [e for e in members if failed[e] > 0]
             if not lost:
                 raise_leader_failures(error, group=self.group)
+            if error is not None:
+                logger.warning("the weight sync failed here (%s: %s); engines lost: %s", type(error).__name__,
+                               str(error).splitlines()[0], lost)  # fmt: skip
             if admitted.get(self.mine) is not None and self.mine in lost:
                 self.collector.engine = admitted[self.mine]  # the restart below kills it
             admitted = {e: g for e, g in admitted.items() if e not in lost}

@@ -1,9 +1,9 @@
 """``rollout.fault_tolerance`` in a real 2-rank job: two vLLM engines (ranks 0 and 1 lead one each, as in
 ``test_two_engines.py``), engine 1's engine-core process SIGKILLed (or SIGSTOPped: a hung engine) once step 1 is
-logged. The run must finish its steps on engine 0 and the restarted engine 1, with the metrics of an undisturbed
-run (the same prompts and completions: request seeds follow the global prompt index, never the engine),
-``rollout/engine_restarts`` 1 and the moved requests counted. Slow: three jobs of ``STEPS`` steps and two engine
-restarts (minutes on 2 cores).
+logged, or its worker killed during its first weight update. The run must finish its steps on engine 0 and the
+restarted engine 1, with the metrics of an undisturbed run (the same prompts and completions: request seeds follow
+the global prompt index, never the engine), ``rollout/engine_restarts`` 1 and the moved requests counted. A
+checkpoint saved while engine 1 is down resumes with both. Slow: seven jobs (minutes each on 2 cores).
 """
 
 from __future__ import annotations
@@ -56,9 +56,11 @@ def _run(
     steps: int = STEPS,
     then_stop: bool = False,
     extra: tuple[str, ...] = (),
+    kill_in_sync: bool = False,
 ) -> tuple[list[dict], str]:
     """The job's records and log; ``then_stop``: SIGUSR1 to the job right after the engine's signal (it saves the
-    step in flight and stops); ``extra``: more overrides (``resume=true``)."""
+    step in flight and stops); ``extra``: more overrides (``resume=true``); ``kill_in_sync``: engine 1 dies during
+    its first weight update (``engine_hooks/sitecustomize.py``)."""
     from tests.helpers.dist_harness import free_port
 
     torchrun = Path(sys.executable).with_name("torchrun")
@@ -66,8 +68,13 @@ def _run(
            "--config", str(REPO / "configs" / "cpu_demo.yaml"), *OVERRIDES, *FAULT_TOLERANCE,
            f"trainer.max_steps={steps}", f"output_dir={out}", *extra]  # fmt: skip
     log = out.with_name(f"{out.name}{len(list(out.parent.glob(out.name + '*.log')))}.log")
+    env = {**os.environ, "WANDB_MODE": "offline"}
+    if kill_in_sync:
+        hooks = str(Path(__file__).with_name("engine_hooks"))
+        env.update(PYTHONPATH=os.pathsep.join([hooks, env.get("PYTHONPATH", "")]),
+                   GTPO_TEST_KILL_IN_SYNC=str(out.with_name(out.name + ".killed")))  # fmt: skip
     with log.open("w") as sink:
-        job = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "WANDB_MODE": "offline"}, stdout=sink, stderr=sink)
+        job = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=sink, stderr=sink)
         try:
             deadline = time.monotonic() + 900
             while kill_after_step is not None and job.poll() is None and time.monotonic() < deadline:
@@ -100,12 +107,14 @@ def undisturbed(tmp_path_factory):
     return records
 
 
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "stopped"])
-def test_a_failed_engine_is_replaced_and_the_run_trains_the_undisturbed_steps(undisturbed, tmp_path, sig):
-    records, log = _run(tmp_path / "disturbed", kill_after_step=1, sig=sig)
+@pytest.mark.parametrize("fault", ["killed", "stopped", "killed in a sync"])
+def test_a_failed_engine_is_replaced_and_the_run_trains_the_undisturbed_steps(undisturbed, tmp_path, fault):
+    """SIGKILL or SIGSTOP once step 1 is logged, or death during the first weight update (``kill_in_sync``)."""
+    sig = signal.SIGSTOP if fault == "stopped" else signal.SIGKILL
+    in_sync = fault == "killed in a sync"
+    records, log = _run(tmp_path / "disturbed", kill_after_step=None if in_sync else 1, sig=sig, kill_in_sync=in_sync)
     assert len(records) == len(undisturbed) == STEPS
     assert "engine 1 of 2 (leader rank 1, ranks [1]) failed" in log
-
     assert [untimed(r) for r in records] == [untimed(r) for r in undisturbed]  # the same prompts and completions
     assert records[0]["rollout/engines_alive"] == 2 and records[-1]["rollout/engine_restarts"] == 1
     assert sum(r["rollout/requests_moved"] for r in records) >= 1
