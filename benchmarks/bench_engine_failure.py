@@ -2,10 +2,10 @@
 
 Usage: ``python benchmarks/bench_engine_failure.py [--steps 24] [--out /tmp/bench_engine_failure]``
 
-Four 2-rank jobs in turn (``torchrun``, builtin:tiny-qwen2, two engines led by ranks 0 and 1, the overrides of
+Five 2-rank jobs in turn (``torchrun``, builtin:tiny-qwen2, two engines led by ranks 0 and 1, the overrides of
 ``tests/integration/test_engine_failure.py``): undisturbed; engine 1's engine core SIGKILLed once step 1 is logged;
 the same SIGSTOPped (a hung engine); engine 1's worker SIGKILLed during its first weight update, after its first
-tensor arrived (``tests/integration/engine_hooks/sitecustomize.py`` on the job's ``PYTHONPATH``).
+tensor arrived; engine 1 SIGKILLed 0.05 s into step 2's generation (``tests/integration/engine_hooks``).
 Printed per job: whether its untimed metrics equal the undisturbed run's (the same prompts and completions),
 ``rollout/engine_restarts`` at the end, the moved prompts, ``rollout/recovery_s``, the step of the failure's time
 and the median step time with one engine against the undisturbed median (a ratio). Run on an otherwise idle machine.
@@ -28,8 +28,9 @@ from tests.integration.test_engine_failure import _run, untimed  # noqa: E402
 def _job(out: Path, steps: int, case: str) -> list[dict]:
     out.mkdir(parents=True, exist_ok=True)
     sig = {"killed": signal.SIGKILL, "stopped": signal.SIGSTOP}.get(case)
+    hook = case.removeprefix("killed in a ") if case.startswith("killed in") else None
     records, _ = _run(out / "run", kill_after_step=1 if sig else None, sig=sig or signal.SIGKILL, steps=steps,
-                      kill_in_sync=case == "killed in a sync")  # fmt: skip
+                      hook=hook)  # fmt: skip
     return records
 
 
@@ -37,7 +38,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--out", type=Path, default=Path("/tmp/bench_engine_failure"))
-    parser.add_argument("--cases", default="killed,stopped,killed in a sync", help="comma-separated")
+    parser.add_argument("--cases", default="killed,stopped,killed in a sync,killed in a generation")
     args = parser.parse_args()
     results = {}
     for case in ("undisturbed", *args.cases.split(",")):
@@ -50,14 +51,14 @@ def main() -> None:
         one = [r["time/step_s"] for r in records if r["rollout/engines_alive"] == 1]
         one_s = statistics.median(one)
         first = next(i for i, r in enumerate(records) if r["rollout/engine_restarts"] > 0)
-        failed = records[first - 1] if case == "killed in a sync" else records[first]  # the sync ends a step
+        around = [f"step {r['step']} {r['time/step_s']:.1f} s (sync {r['time/sync_s']:.2f} s, undisturbed "
+                  f"{base[r['step'] - 1]['time/step_s']:.1f} s)" for r in records[first - 1 : first + 1]]  # fmt: skip
         recovery = [round(r["rollout/recovery_s"], 1) for r in records if "rollout/recovery_s" in r]
         print(f"{case}: {len(records)} steps; same prompts and completions as undisturbed: "
               f"{[untimed(r) for r in records] == [untimed(r) for r in base]}; engine_restarts "
               f"{records[-1]['rollout/engine_restarts']:g}; requests_moved "
-              f"{sum(r['rollout/requests_moved'] for r in records):g}; recovery_s {recovery}; the failure's step "
-              f"{failed['step']} took {failed['time/step_s']:.1f} s (its sync {failed['time/sync_s']:.2f} s, "
-              f"undisturbed {base[failed['step'] - 1]['time/step_s']:.1f} s); steps with one engine {len(one)}, "
+              f"{sum(r['rollout/requests_moved'] for r in records):g}; recovery_s {recovery}; around the failure "
+              f"(a sync's failure counts in the next step): {'; '.join(around)}; steps with one engine {len(one)}, "
               f"median {one_s:.2f} s ({one_s / base_step:.2f}x undisturbed)")  # fmt: skip
 
 

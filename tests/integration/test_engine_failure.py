@@ -56,11 +56,11 @@ def _run(
     steps: int = STEPS,
     then_stop: bool = False,
     extra: tuple[str, ...] = (),
-    kill_in_sync: bool = False,
+    hook: str | None = None,
 ) -> tuple[list[dict], str]:
     """The job's records and log; ``then_stop``: SIGUSR1 to the job right after the engine's signal (it saves the
-    step in flight and stops); ``extra``: more overrides (``resume=true``); ``kill_in_sync``: engine 1 dies during
-    its first weight update (``engine_hooks/sitecustomize.py``)."""
+    step in flight and stops); ``extra``: more overrides (``resume=true``); ``hook``: ``"sync"`` or
+    ``"generation"``, engine 1 dies during its first weight update or step 2's rollout (``engine_hooks``)."""
     from tests.helpers.dist_harness import free_port
 
     torchrun = Path(sys.executable).with_name("torchrun")
@@ -69,10 +69,10 @@ def _run(
            f"trainer.max_steps={steps}", f"output_dir={out}", *extra]  # fmt: skip
     log = out.with_name(f"{out.name}{len(list(out.parent.glob(out.name + '*.log')))}.log")
     env = {**os.environ, "WANDB_MODE": "offline"}
-    if kill_in_sync:
+    if hook is not None:
         hooks = str(Path(__file__).with_name("engine_hooks"))
-        env.update(PYTHONPATH=os.pathsep.join([hooks, env.get("PYTHONPATH", "")]),
-                   GTPO_TEST_KILL_IN_SYNC=str(out.with_name(out.name + ".killed")))  # fmt: skip
+        env.update({"PYTHONPATH": os.pathsep.join([hooks, env.get("PYTHONPATH", "")]),
+                    f"GTPO_TEST_KILL_IN_{hook.upper()}": str(out.with_name(out.name + ".killed"))})  # fmt: skip
     with log.open("w") as sink:
         job = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=sink, stderr=sink)
         try:
@@ -107,12 +107,12 @@ def undisturbed(tmp_path_factory):
     return records
 
 
-@pytest.mark.parametrize("fault", ["killed", "stopped", "killed in a sync"])
+@pytest.mark.parametrize("fault", ["killed", "stopped", "killed in a sync", "killed in a generation"])
 def test_a_failed_engine_is_replaced_and_the_run_trains_the_undisturbed_steps(undisturbed, tmp_path, fault):
-    """SIGKILL or SIGSTOP once step 1 is logged, or death during the first weight update (``kill_in_sync``)."""
+    """SIGKILL or SIGSTOP once step 1 is logged, or a death during the first weight update or step 2's rollout."""
     sig = signal.SIGSTOP if fault == "stopped" else signal.SIGKILL
-    in_sync = fault == "killed in a sync"
-    records, log = _run(tmp_path / "disturbed", kill_after_step=None if in_sync else 1, sig=sig, kill_in_sync=in_sync)
+    hook = fault.removeprefix("killed in a ") if fault.startswith("killed in") else None
+    records, log = _run(tmp_path / "disturbed", kill_after_step=None if hook else 1, sig=sig, hook=hook)
     assert len(records) == len(undisturbed) == STEPS
     assert "engine 1 of 2 (leader rank 1, ranks [1]) failed" in log
     assert [untimed(r) for r in records] == [untimed(r) for r in undisturbed]  # the same prompts and completions
