@@ -24,9 +24,10 @@ from tests.integration.test_two_engines import OVERRIDES, PER_ENGINE, REPO
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 STEPS = 24  # enough one-engine steps (about 2 s each on 2 cores) for the restart (about 45 s) to rejoin
+# rollout.timeout_s: on a loaded machine a first generation took over 120 s
 FAULT_TOLERANCE = ["rollout.num_engines=2", "rollout.fault_tolerance=true", "rollout.health_check_interval_s=1",
                    "rollout.health_check_timeout_s=5", "rollout.health_check_first_wait_s=0",
-                   "rollout.timeout_s=600"]  # fmt: skip (a loaded machine: a generation took over 120 s)
+                   "rollout.timeout_s=600"]  # fmt: skip
 RECOVERY = ("rollout/engines_alive", "rollout/engine_restarts", "rollout/requests_moved", "rollout/recovery_s")
 
 
