@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -92,7 +93,10 @@ def _run(
             if job.poll() is None:
                 job.kill()
     text = log.read_text()
-    assert returncode == 0, text[-8000:]
+    if then_stop:  # torchrun itself leaves with the signal once its ranks stopped
+        assert re.search(r"SIGUSR1: saved step \d+ and stopped", text), text[-8000:]
+    else:
+        assert returncode == 0, text[-8000:]
     return _records(out), text
 
 
@@ -124,6 +128,7 @@ def test_a_failed_engine_is_replaced_and_the_run_trains_the_undisturbed_steps(un
         print({k: record.get(k) for k in (*RECOVERY, "time/step_s", "time/rollout_s", "time/sync_s")})
 
 
+@pytest.mark.timeout(2400)  # three jobs
 def test_a_checkpoint_taken_while_an_engine_is_down_resumes_with_every_engine(tmp_path):
     """Engine 1 killed after step 1 and the job stopped (SIGUSR1) at once: the step saved was trained on engine 0
     alone; the resumed run starts both engines and its steps continue the undisturbed run's prompts."""
