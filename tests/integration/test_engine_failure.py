@@ -130,11 +130,12 @@ def test_a_failed_engine_is_replaced_and_the_run_trains_the_undisturbed_steps(un
 
 @pytest.mark.timeout(2400)  # three jobs
 def test_a_checkpoint_taken_while_an_engine_is_down_resumes_with_every_engine(tmp_path):
-    """Engine 1 killed after step 1 and the job stopped (SIGUSR1) at once: the step saved was trained on engine 0
-    alone; the resumed run starts both engines and its steps continue the undisturbed run's prompts."""
+    """Engine 1 killed after step 1 and the job stopped (SIGUSR1) at once: the step in flight is saved after the
+    failure, before engine 1 is back; the resumed run starts both engines and continues the undisturbed run."""
     steps = 4
-    first, _ = _run(tmp_path / "stopped", kill_after_step=1, steps=steps, then_stop=True)
-    assert 2 <= len(first) < steps and first[-1]["rollout/engines_alive"] == 1  # saved while engine 1 was down
+    first, log = _run(tmp_path / "stopped", kill_after_step=1, steps=steps, then_stop=True)
+    failed, saved = log.index("engine 1 of 2 (leader rank 1, ranks [1]) failed"), log.index("SIGUSR1: saved step")
+    assert failed < saved and "is back" not in log and len(first) < steps  # saved while engine 1 was down
     records, _ = _run(tmp_path / "stopped", kill_after_step=None, steps=steps, extra=("resume=true",))
     undisturbed, _ = _run(tmp_path / "undisturbed", kill_after_step=None, steps=steps)
     assert [r["step"] for r in records] == list(range(1, steps + 1))  # none lost, none twice
