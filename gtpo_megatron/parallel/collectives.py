@@ -184,8 +184,9 @@ def wait_broadcast(work: dist.Work, *, group: BroadcastGroup) -> None:
             work.wait(poll)
             return
         except RuntimeError:
-            if work.is_completed():  # the broadcast itself failed
-                raise
+            if work.is_completed():  # it failed, or it completed just after the slice expired: its own result
+                work.wait()
+                return
         reason = group.failure()
         if reason is not None:
             raise SyncAbandoned(f"the weight update was abandoned: {reason}")

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import threading
 import time
+from datetime import timedelta
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from gtpo_megatron.build_rollout import build_weight_sync
+from gtpo_megatron.parallel.collectives import wait_broadcast
 from gtpo_megatron.parallel.weight_group import join_weight_group
 from gtpo_megatron.plan.engines import EnginePlacement
 from gtpo_megatron.rollout import push
@@ -125,3 +127,35 @@ def test_an_engine_stopped_during_a_sync_is_dropped_through_the_side_channel_not
     assert [live for _, live, _ in results] == [[0], [0]] and results[0][0]["sync/num_tensors"] == 2
     print(f"[side channel] stopped engine -> sync done after {results[0][2] - engines[1].stopped_at:.2f} s "
           f"(rollout.timeout_s={cfg.rollout.timeout_s:g})")  # fmt: skip
+
+
+class _RacingWork:
+    """A broadcast that completes just after a timed wait expired (``wait(poll)`` raises, ``is_completed`` is True)."""
+
+    def __init__(self, error: Exception | None) -> None:
+        self.error, self.waits = error, []
+
+    def wait(self, timeout=None):
+        self.waits.append(timeout)
+        if timeout is not None:
+            raise RuntimeError("Operation timed out!")
+        if self.error is not None:
+            raise self.error
+
+    def is_completed(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("error", [None, RuntimeError("Connection reset by peer")], ids=["completed", "failed"])
+def test_a_broadcast_completing_as_its_wait_slice_expires_gives_its_own_result(error):
+    store = torch.distributed.HashStore()
+    group = SimpleNamespace(
+        pg=torch.distributed.ProcessGroupGloo(store, 0, 1, timedelta(seconds=5)), failure=lambda: None
+    )
+    work = _RacingWork(error)
+    if error is None:
+        wait_broadcast(work, group=group)  # not the slice's "Operation timed out!"
+    else:
+        with pytest.raises(RuntimeError, match="Connection reset by peer"):
+            wait_broadcast(work, group=group)
+    assert work.waits[-1] is None  # waited for its own result
