@@ -213,7 +213,7 @@ def build_weight_sync(
         relay = relay_workers(
             placements, placement=rollout.placement, engine_tp_size=rollout.engine_tp_size, accelerator=accelerator
         )
-    group = connect_weight_group(
+    group, signal = connect_weight_group(
         engine=engine,
         worker_offset=position * rollout.engine_tp_size if position is not None else 0,
         num_workers=len(placements) * rollout.engine_tp_size,
@@ -224,7 +224,7 @@ def build_weight_sync(
         relay=relay,
     )
     return CollectiveWeightSync(engine=engine, group=group, exporting=exporting, bucket_bytes=bucket_bytes,
-                                dtype=getattr(torch, cfg.engine_dtype))  # fmt: skip
+                                dtype=getattr(torch, cfg.engine_dtype), signal=signal)  # fmt: skip
 
 
 def _sharded_sync(cfg, groups, engine, mine, num_engines: int, policy, *, accelerator: bool):

@@ -243,14 +243,16 @@ class RolloutConfig:
             self.weight_sync == "collective",
             "rollout.fault_tolerance/rollout.weight_sync",
             (self.fault_tolerance, self.weight_sync),
-            "a restarted engine rejoins through the collective weight group (the files path feeds one engine)",
+            "a restarted engine rejoins through the collective weight group (files feeds one engine; sharded's "
+            "point-to-point waits cannot stop for a dead engine before rollout.timeout_s)",
             "set rollout.weight_sync=collective",
         )
         _require(
             self.mode == "sync",
             "rollout.fault_tolerance/rollout.mode",
             (self.fault_tolerance, self.mode),
-            "fault tolerance redistributes a step's prompts at the rollout exchange of sync mode only (not yet async)",
+            "fault tolerance redistributes a step's prompts at the rollout exchange of sync mode only (an async "
+            "batch re-sampled on a survivor would use later weights than its place in the queue; docs/training.md)",
             "set rollout.mode=sync, or rollout.fault_tolerance=false",
         )
 

@@ -19,11 +19,22 @@ import torch.distributed as dist
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
 
+SIGNAL_POLL_S = 0.2
+"""How often :func:`wait_broadcast` reads a weight group's side channel while a broadcast is outstanding."""
+
+
 class BroadcastGroup(Protocol):
     """A process group built outside the default world with its own timeout (``parallel/weight_group.py``)."""
 
     pg: dist.ProcessGroup
     timeout: timedelta
+
+    def failure(self) -> str | None:
+        """Why the group's update in flight was given up (its side channel), or None."""
+
+
+class SyncAbandoned(RuntimeError):
+    """A weight group's update was given up by another party (the side channel's reason is in the message)."""
 
 
 def group_device(group: dist.ProcessGroup) -> torch.device:
@@ -153,13 +164,37 @@ def start_broadcast(buffer: torch.Tensor, *, root: int, group: BroadcastGroup) -
     return group.pg.broadcast([buffer], options)
 
 
-def broadcast_buffer(buffer: torch.Tensor, *, root: int, group: BroadcastGroup) -> None:
-    """:func:`start_broadcast` and wait for it.
+def wait_broadcast(work: dist.Work, *, group: BroadcastGroup) -> None:
+    """Wait for a :func:`start_broadcast`, reading ``group.failure()`` every ``SIGNAL_POLL_S`` meanwhile.
+
+    The broadcast ends by itself at the group's timeout; a timed ``wait`` that expires leaves it running on gloo, so
+    waiting in slices costs nothing and a failure said on the side channel ends the wait within one slice. NCCL's
+    timed wait would abort its communicator: there it is one plain wait (no side channel; untested on CPU).
 
     Raises:
-        RuntimeError: a member died or did not take part within ``group.timeout_s`` (the group is then unusable).
+        SyncAbandoned: the side channel says the update failed (the broadcast is left in flight: abandon the group).
+        RuntimeError: a member died or did not take part within the group's timeout (the group is then unusable).
     """
-    start_broadcast(buffer, root=root, group=group).wait()
+    if not isinstance(group.pg, dist.ProcessGroupGloo):
+        work.wait()
+        return
+    poll = timedelta(seconds=SIGNAL_POLL_S)
+    while True:
+        try:
+            work.wait(poll)
+            return
+        except RuntimeError:
+            if work.is_completed():  # it failed, or it completed just after the slice expired: its own result
+                work.wait()
+                return
+        reason = group.failure()
+        if reason is not None:
+            raise SyncAbandoned(f"the weight update was abandoned: {reason}")
+
+
+def broadcast_buffer(buffer: torch.Tensor, *, root: int, group: BroadcastGroup) -> None:
+    """:func:`start_broadcast` and :func:`wait_broadcast` for it (raises as that does)."""
+    wait_broadcast(start_broadcast(buffer, root=root, group=group), group=group)
 
 
 def start_send(buffer: torch.Tensor, *, dst: int, tag: int, group: BroadcastGroup) -> dist.Work:

@@ -11,11 +11,21 @@ the sender's GPU (the *target*) leaves the main group (later workers' ranks clos
 (the *relay*) through a two-member relay group. Sharded (``num_senders`` > 0, ``rollout/sharded_wire.py``): members
 ``0 .. num_senders-1`` are training ranks, worker ``g`` is ``num_senders + g``, no relay. Tested on gloo; the NCCL
 path is not run on CPU.
+
+Side channel (:class:`SyncSignal`): a key in the group's store says that the update in flight failed and why. A
+gloo broadcast to a member that died or stopped keeps its peers waiting until ``timeout_s`` (its in-flight work
+holds the connections open even after the sender drops the group), so whoever sees the failure first (the sender,
+or an engine's leader whose health check failed) writes the key and every member waiting on a broadcast reads it
+(``parallel.collectives.wait_broadcast``). A group whose update failed is never used again (it is rebuilt, or the
+job stops), so the key is never cleared; :func:`abandon` drops such a group without waiting for its work.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import threading
+import time
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
@@ -23,6 +33,9 @@ import torch
 import torch.distributed as dist
 
 _PREFIX = "gtpo-weights"
+_FAILED_KEY = "gtpo-weights-update-failed"
+ABANDON_MARGIN_S = 5.0
+"""Seconds past a group's timeout before :func:`abandon` drops it (its work in flight has failed by then)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -53,19 +66,69 @@ class WeightGroupSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class SyncSignal:
+    """The weight group's side channel (module docstring): its store, shared by the members and engine leaders."""
+
+    store: dist.Store
+
+    @classmethod
+    def connect(cls, spec: WeightGroupSpec) -> SyncSignal:
+        """A client of the sender's store (an engine leader that is not a member of the group)."""
+        timeout = datetime.timedelta(seconds=spec.timeout_s)
+        return cls(dist.TCPStore(spec.host, spec.port, spec.world_size, is_master=False, timeout=timeout))
+
+    def fail(self, reason: str) -> None:
+        """Say that the update in flight failed (the first reason is kept); best effort: a gone store is ignored."""
+        with contextlib.suppress(RuntimeError):  # the sender's process is gone: nobody is left waiting on it
+            self.store.compare_set(_FAILED_KEY, "", reason)
+
+    def failure(self) -> str | None:
+        """The reason the update failed, or None while nobody said so (an unreachable store is a failure)."""
+        try:
+            return self.store.get(_FAILED_KEY).decode() if self.store.check([_FAILED_KEY]) else None
+        except RuntimeError as err:
+            return f"the weight group's store is unreachable ({err})"
+
+
+@dataclass(frozen=True, slots=True)
 class WeightGroup:
-    """A joined weight group: the process group, this member's rank, where its buffers live, its timeout."""
+    """A joined weight group: the process group, this member's rank, where its buffers live, its timeout.
+
+    ``signal``: its side channel (None: a group without one, whose waits end at the timeout only).
+    """
 
     pg: dist.ProcessGroup
     rank: int
     size: int
     device: torch.device
     timeout_s: float
+    signal: SyncSignal | None = None
 
     @property
     def timeout(self) -> datetime.timedelta:
         """``timeout_s`` as a ``timedelta`` (the form torch's options take)."""
         return datetime.timedelta(seconds=self.timeout_s)
+
+    def failure(self) -> str | None:
+        """Why the update in flight failed (``SyncSignal.failure``), or None."""
+        return None if self.signal is None else self.signal.failure()
+
+
+def abandon(group: WeightGroup | None) -> None:
+    """Drop ``group`` after its timeout (plus ``ABANDON_MARGIN_S``) in a daemon thread, never now.
+
+    Destroying a gloo group waits for its work in flight (measured: a sender dropping its group with a broadcast
+    to a stopped member outstanding blocked until the group's timeout), so an abandoned group is held until then.
+    """
+    if group is None:
+        return
+    held, delay_s = [group], group.timeout_s + ABANDON_MARGIN_S
+
+    def release() -> None:
+        time.sleep(delay_s)
+        held.clear()
+
+    threading.Thread(target=release, name="gtpo-abandoned-weight-group", daemon=True).start()
 
 
 def open_weight_store(host: str, *, world_size: int, timeout_s: float) -> dist.TCPStore:
@@ -118,7 +181,7 @@ def join_weight_group(
     else:
         pg = dist.ProcessGroupGloo(prefixed, rank, size, timeout)
         device = torch.device("cpu")
-    return WeightGroup(pg, rank, size, device, spec.timeout_s)
+    return WeightGroup(pg, rank, size, device, spec.timeout_s, SyncSignal(store))
 
 
 def join_as_worker(spec: WeightGroupSpec, *, worker_index: int) -> WorkerLink:

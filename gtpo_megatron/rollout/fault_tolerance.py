@@ -15,9 +15,12 @@ the ranks never disagree on who samples what (engines are led by different ranks
   seconds admits the restarted engines. When the members changed, the weight group is built again for the live and
   admitted engines (``rebuild``: a new store and rendezvous, workers renumbered; a worker that joins replaces its old
   link), so a sync never waits for a dead engine. A sync sends every weight, so an admitted engine holds the
-  current weights whole before it samples again. A failed sync is agreed on (SUM of flags); engines that fail their
-  health check are lost, the others (partly updated) receive the whole update again from a group without them, and
-  sample only after a complete one: no engine serves a mix of old and new weights.
+  current weights whole before it samples again. An engine that fails during a sync is seen by its leader's health
+  check, which says so on the weight group's side channel (``parallel/weight_group.py``): the sender and the other
+  engines stop waiting within ``SIGNAL_POLL_S`` of it, not at ``rollout.timeout_s``. A failed sync is agreed on
+  (SUM of flags); engines that fail their health check (``_healthy``) are lost, the others (partly updated, and
+  marked unusable by their failed receive) receive the whole update again from a group without them, and sample
+  only after a complete one: no engine serves a mix of old and new weights.
 - The job stops (RuntimeError on every rank naming the engine and the count) when an engine fails with its
   ``rollout.max_restarts`` spent, when no engine is left, or when a sync fails while every engine is healthy.
 """
@@ -170,6 +173,9 @@ class FaultTolerance:
             lost = [e for e in members if failed[e] > 0]
             if not lost:
                 raise_leader_failures(error, group=self.group)
+            if error is not None:
+                logger.warning("the weight sync failed here (%s: %s); engines lost: %s", type(error).__name__,
+                               str(error).splitlines()[0], lost)  # fmt: skip
             if admitted.get(self.mine) is not None and self.mine in lost:
                 self.collector.engine = admitted[self.mine]  # the restart below kills it
             admitted = {e: g for e, g in admitted.items() if e not in lost}
@@ -191,14 +197,25 @@ class FaultTolerance:
         return engine
 
     def _healthy(self, engine: GuardedEngine) -> bool:
+        """Whether ``engine`` passes its health checks for ``health_check_timeout_s`` after a failed sync.
+
+        Probed more than once: an engine whose worker died reports it a moment later (vLLM's engine core fails
+        once its executor did), and a failed engine taken for healthy would stop the job.
+        """
         probe = getattr(engine.engine, "check_health", None)
         if probe is None:
             return True
-        try:
-            EngineCall(probe, "health check").result(self.rollout.health_check_timeout_s)
-        except Exception:
-            return False
-        return True
+        timeout_s = self.rollout.health_check_timeout_s
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                EngineCall(probe, "health check").result(timeout_s)
+            except Exception:
+                return False
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return True
+            time.sleep(min(self.rollout.health_check_interval_s, left))
 
     def _agree_ready(self) -> tuple[dict[int, GuardedEngine | None], list[float]]:
         """The restarted engines every rank admits (this rank's new engine, None elsewhere) and their seconds."""

@@ -7,7 +7,9 @@ Every rank of data-parallel replica 0's model-parallel group must drain it (its 
 ``FilesWeightSync`` (``rollout.weight_sync: files``) pushes the buckets into rank 0's engine; ``CollectiveWeightSync``
 (``collective``) has global rank 0 broadcast them over the weight group (``rollout/weight_wire.py``) to every engine
 worker, each leader's engine receiving in a background thread (``rollout/engine_guard.py``). At most one bucket plus
-one tensor is referenced at a time: about ``bucket_bytes`` extra memory on the sender.
+one tensor is referenced at a time: about ``bucket_bytes`` extra memory on the sender. A leader whose engine fails
+its receive (an error, its health check) says so on the group's side channel (``parallel/weight_group.py``), so the
+sender and the other engines stop waiting within ``SIGNAL_POLL_S`` instead of the group's timeout.
 """
 
 from __future__ import annotations
@@ -20,8 +22,16 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from gtpo_megatron.parallel.collectives import broadcast_object
-from gtpo_megatron.parallel.weight_group import WeightGroup, WeightGroupSpec, join_weight_group, open_weight_store
+from gtpo_megatron.parallel.weight_group import (
+    SyncSignal,
+    WeightGroup,
+    WeightGroupSpec,
+    abandon,
+    join_weight_group,
+    open_weight_store,
+)
 from gtpo_megatron.rollout.engine import NamedTensor, RolloutEngine
+from gtpo_megatron.rollout.engine_guard import EngineCall
 from gtpo_megatron.rollout.weight_wire import WireStats, send_weights
 
 if TYPE_CHECKING:
@@ -148,7 +158,8 @@ class CollectiveWeightSync:
     """``rollout.weight_sync: collective``: each rank's part of one update.
 
     ``engine``: this rank's guarded engine if it leads one; ``group``: the weight group on the sender (global rank
-    0); ``exporting``: in the weight gather (DP rank 0); ``dtype``: the engines' weight dtype (the sender casts).
+    0); ``exporting``: in the weight gather (DP rank 0); ``dtype``: the engines' weight dtype (the sender casts);
+    ``signal``: the group's side channel on a leader (the sender's is ``group.signal``), None: failures unsaid.
     """
 
     def __init__(
@@ -159,11 +170,13 @@ class CollectiveWeightSync:
         exporting: bool,
         bucket_bytes: int,
         dtype: torch.dtype,
+        signal: SyncSignal | None = None,
     ) -> None:
         if group is not None and not exporting:
             raise ValueError("the weight group's sender must be a rank of the weight gather (global rank 0)")
         self.engine, self.group, self.exporting = engine, group, exporting
         self.bucket_bytes, self.dtype = bucket_bytes, dtype
+        self.signal = signal if group is None else group.signal
 
     def sync(self, stream: StreamFactory) -> dict[str, float]:
         """One update: the sender broadcasts, every leader's engine receives, the gather's other ranks drain.
@@ -176,7 +189,7 @@ class CollectiveWeightSync:
                 unusable.
         """
         start = time.perf_counter()
-        receiving = self.engine.start_receive() if self.engine is not None else None
+        receiving = self._watch_receive() if self.engine is not None else None
         metrics: dict[str, float] = {}
         try:
             if self.group is not None:
@@ -185,25 +198,44 @@ class CollectiveWeightSync:
             elif self.exporting:
                 drain(stream())
         finally:
-            if receiving is not None:
-                self.engine.wait(receiving)
+            if receiving is not None:  # the watch ends within the engine's own bound (``GuardedEngine.wait``)
+                receiving.result(2 * self.engine.timeout_s)
         if self.group is not None:
             seconds = time.perf_counter() - start
             push = PushStats(stats.num_tensors, stats.num_bytes, stats.num_buckets, stats.max_bucket_bytes, seconds)
             metrics = {**push.as_metrics(), "sync/broadcast_s": broadcast_s}
         return metrics
 
-    def _send(self, stream: StreamFactory) -> WireStats:
-        """``send_weights`` on the group; a failed send drops the group (the sender's last reference to it).
+    def _watch_receive(self) -> EngineCall:
+        """This leader's engine receiving one update, watched in a thread; ``result`` raises its failure.
 
-        A member that died leaves the group broken; where nothing else holds the group, dropping it closes its
-        connections and the other members' receives fail now instead of at the group's timeout.
+        The failure is said on the side channel at once: the sender may be blocked on the failed engine meanwhile.
+        """
+        engine, signal, receiving = self.engine, self.signal, self.engine.start_receive()
+
+        def watch():
+            try:
+                return engine.wait(receiving)
+            except BaseException as err:
+                if signal is not None:
+                    signal.fail(f"{engine.name} failed during the weight update ({type(err).__name__}: {err})")
+                raise
+
+        return EngineCall(watch, "watching the weight update")
+
+    def _send(self, stream: StreamFactory) -> WireStats:
+        """``send_weights`` on the group; a failed send abandons the group (``weight_group.abandon``).
+
+        A member that died leaves the group broken; the side channel has told the other members (``send_weights``),
+        and destroying the group now would wait for its broadcasts still in flight.
         """
         try:
             return send_weights(stream(), group=self.group, bucket_bytes=self.bucket_bytes, dtype=self.dtype)
         except BaseException as err:
             err.add_note("".join(traceback.format_tb(err.__traceback__)))  # the frames keep the group: dropped
-            err.__traceback__, self.group = None, None
+            err.__traceback__ = None
+            abandon(self.group)
+            self.group = None
             raise
 
 
@@ -217,8 +249,10 @@ def connect_weight_group(
     world: dist.ProcessGroup | None,
     is_sender: bool,
     relay: tuple[int, int] | None = None,
-) -> WeightGroup | None:
-    """Build the weight group once at start-up (every rank of ``world``); returns it on the sender, else None.
+) -> tuple[WeightGroup | None, SyncSignal | None]:
+    """Build the weight group (every rank of ``world``); returns ``(group, None)`` on the sender.
+
+    A leader that is not the sender gets ``(None, its side channel)``; other ranks ``(None, None)``.
 
     ``worker_offset``: the index of this engine's first worker among ``num_workers``; ``relay``:
     ``plan.engines.relay_workers``. Collectives: one object broadcast on ``world``, then the group's rendezvous.
@@ -236,9 +270,11 @@ def connect_weight_group(
         ).as_dict()
     spec = broadcast_object(spec, src=0, group=world)
     joining = engine.start_join(spec, worker_offset) if engine is not None else None
+    spec = WeightGroupSpec.from_dict(spec)
     try:
-        group = join_weight_group(WeightGroupSpec.from_dict(spec), rank=0, store=store) if is_sender else None
+        group = join_weight_group(spec, rank=0, store=store) if is_sender else None
     finally:
         if joining is not None:
             engine.wait(joining, breaks_weights=False)
-    return group
+    signal = SyncSignal.connect(spec) if engine is not None and group is None else None
+    return group, signal

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from gtpo_megatron.parallel.weight_group import WeightGroupSpec, join_as_worker
+from gtpo_megatron.parallel.weight_group import WeightGroupSpec, abandon, join_as_worker
 from gtpo_megatron.rollout.engine import NamedTensor
 from gtpo_megatron.rollout.sharded_wire import receive_shards
 from gtpo_megatron.rollout.weight_wire import WireStats, receive_weights
@@ -78,9 +78,16 @@ class WeightReloadExtension:
         self._gtpo_repack_after_reload()
 
     def gtpo_join_weight_group(self, spec: dict[str, Any], worker_offset: int) -> None:
-        """Join the weight group(s) as engine worker ``worker_offset + (this worker's rank in its engine)``."""
+        """Join the weight group(s) as engine worker ``worker_offset + (this worker's rank in its engine)``.
+
+        A link it replaces (a group rebuilt after a failed update) is abandoned: its receive may still be in flight.
+        """
         spec = WeightGroupSpec.from_dict(spec)
+        old = getattr(self, "_gtpo_weight_link", None)
         self._gtpo_weight_link = join_as_worker(spec, worker_index=worker_offset + self.rank)
+        if old is not None:
+            abandon(old.source)
+            abandon(old.forward)
 
     def gtpo_receive_weights(self) -> dict[str, float]:
         """Receive one update (broadcast or sharded) into one ``reload_weights`` pass; returns its ``WireStats``.

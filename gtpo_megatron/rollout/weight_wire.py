@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gtpo_megatron.parallel.collectives import broadcast_buffer, start_broadcast
+from gtpo_megatron.parallel.collectives import broadcast_buffer, start_broadcast, wait_broadcast
 from gtpo_megatron.parallel.weight_group import WeightGroup
 from gtpo_megatron.rollout.engine import NamedTensor
 
@@ -109,7 +109,7 @@ class _Sender:
         """Wait for the bucket in flight (its buffers may be reused afterwards)."""
         start = time.perf_counter()
         for _, work in self.in_flight:
-            work.wait()
+            wait_broadcast(work, group=self.group)
         self.in_flight = []
         self.stats.transfer_s += time.perf_counter() - start
 
@@ -134,8 +134,10 @@ def send_weights(
 
     Raises:
         ValueError: ``bucket_bytes < 2`` or this process is not member 0.
-        RuntimeError: a worker died or timed out (``group.timeout_s``).
-        BaseException: whatever the stream, the packing or a send raised, after the workers were told to abort.
+        RuntimeError: a worker died or timed out (``group.timeout_s``); ``SyncAbandoned`` when the group's side
+            channel says the update failed (``parallel/weight_group.py``).
+        BaseException: whatever the stream, the packing or a send raised, after the workers were told to abort
+            (by the abort message, or on the side channel when the wire itself failed).
     """
     if bucket_bytes < 2 or group.rank != SENDER:
         raise ValueError(f"send_weights needs bucket_bytes >= 2 (got {bucket_bytes}) on member 0 (got {group.rank})")
@@ -147,11 +149,21 @@ def send_weights(
     except BaseException as err:
         try:
             sender.abort()
-        except Exception as abort_err:  # the wire itself failed: the workers time out
+        except Exception as abort_err:  # the wire itself failed: the side channel tells the workers
             err.add_note(f"the abort message could not be sent either: {abort_err!r}")
+            _say_failed(group, err)
         raise
-    sender.end()
+    try:
+        sender.end()
+    except BaseException as err:
+        _say_failed(group, err)
+        raise
     return sender.stats
+
+
+def _say_failed(group: WeightGroup, err: BaseException) -> None:
+    if group.signal is not None:
+        group.signal.fail(f"the sender failed ({type(err).__name__}: {err})")
 
 
 def _receive_bucket(group: WeightGroup, forward: WeightGroup | None) -> tuple[dict, torch.Tensor] | None:

@@ -146,7 +146,7 @@ def test_collective_sync_roles_and_a_failed_update_leaves_the_engine_unusable():
     engine = _WireEngine()
     placement = EnginePlacement(index=0, num_engines=1, leader_rank=0, ranks=(0,), devices=())
     guarded = GuardedEngine(engine, placement=placement, timeout_s=2.0)
-    group = connect_weight_group(engine=guarded, worker_offset=0, num_workers=1, backend="gloo", timeout_s=1.0,
+    group, _ = connect_weight_group(engine=guarded, worker_offset=0, num_workers=1, backend="gloo", timeout_s=1.0,
                                  world=None, is_sender=True)  # fmt: skip
     sync = CollectiveWeightSync(engine=guarded, group=group, exporting=True, bucket_bytes=64, dtype=torch.float32)
     metrics = sync.sync(lambda: iter(_stream()))
