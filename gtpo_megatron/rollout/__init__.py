@@ -1,1 +1,1 @@
-"""Rollout: typed containers and the generation engines (vLLM is the real one; only vllm_engine imports vllm)."""
+"""Rollout: typed containers and the generation engines (vLLM the real one, imported by its two engine modules only)."""

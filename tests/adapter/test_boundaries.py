@@ -1,7 +1,7 @@
 """Layering rules (docs/architecture.md) that a source scan can check (no module is imported).
 
 * only ``parallel/groups.py`` reads Megatron's ``parallel_state`` (or ``mpu``);
-* only ``rollout/vllm_engine.py`` imports vllm;
+* only ``rollout/vllm_engine.py`` and ``rollout/vllm_async_engine.py`` import vllm;
 * ``ops`` imports torch and the standard library only, and no other package module than the collectives (the
   log-prob op's TP all-reduces); ``parallel/collectives.py`` imports no package module at all;
 * ``rewards`` needs no torch at all, ``data`` no torch.distributed, megatron or vllm, transitively through the package
@@ -44,9 +44,10 @@ def test_only_groups_module_touches_parallel_state():
     assert offenders == [], f"import megatron.core.parallel_state only in parallel/groups.py: {offenders}"
 
 
-def test_only_the_vllm_engine_imports_vllm():
-    offenders = _offenders(lambda n: n.split(".")[0] == "vllm", {PACKAGE / "rollout" / "vllm_engine.py"})
-    assert offenders == [], f"import vllm only in rollout/vllm_engine.py: {offenders}"
+def test_only_the_vllm_engines_import_vllm():
+    engines = {PACKAGE / "rollout" / "vllm_engine.py", PACKAGE / "rollout" / "vllm_async_engine.py"}
+    offenders = _offenders(lambda n: n.split(".")[0] == "vllm", engines)
+    assert offenders == [], f"import vllm only in rollout/vllm_engine.py and vllm_async_engine.py: {offenders}"
 
 
 def test_ops_is_torch_math_only():
