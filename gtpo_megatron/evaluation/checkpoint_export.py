@@ -14,18 +14,21 @@ writes ``policy.export_hf`` into ``<step dir>/hf/`` (written under a temporary s
 interrupted export leaves no half folder; an existing ``hf/`` is reused). A LoRA run (``model.lora``) exports
 either its merged weights (``lora_format="merged"``, the same HF folder) or its adapters alone as a PEFT folder
 (``"adapter"``: ``adapter_config.json`` + ``adapter_model.safetensors`` in ``<step dir>/hf_adapter/``, for peft's
-``PeftModel.from_pretrained`` or a vLLM ``LoRARequest`` on the base model the run's ``model.name_or_path`` names).
+``PeftModel.from_pretrained`` or a vLLM ``LoRARequest`` on the base model the run's ``model.name_or_path`` names;
+``gtpo-eval --lora-format adapter`` serves it so).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import os
 from pathlib import Path
 from typing import Literal
 
+from gtpo_megatron.builtin_models import resolve_model_path
 from gtpo_megatron.run_dir import adapter_export_dir, hf_export_dir, resolve_step_dir, run_config_path
 
 LoRAFormat = Literal["merged", "adapter"]
@@ -83,6 +86,26 @@ def export_checkpoint_to_hf(
     return out
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class AdapterFolder:
+    """A LoRA run's exported PEFT ``folder``, the ``base_model`` it adapts (folder or hub name) and its ``rank``."""
+
+    folder: Path
+    base_model: str
+    rank: int
+
+
+def export_adapter_folder(path: str | Path) -> AdapterFolder:
+    """``export_checkpoint_to_hf(path, lora_format="adapter")`` (an existing export reused) and what it adapts.
+
+    Raises:
+        ValueError / FileNotFoundError: as :func:`export_checkpoint_to_hf` (not a run's checkpoint, no LoRA).
+    """
+    folder = export_checkpoint_to_hf(path, lora_format="adapter")
+    config = json.loads((folder / "adapter_config.json").read_text())
+    return AdapterFolder(folder, resolve_model_path(config["base_model_name_or_path"]), int(config["r"]))
+
+
 def _build_export_policy(cfg, groups):
     """``build.build_policy`` with the run's model settings at TP = PP = 1 and the non-distributed optimizer.
 
@@ -90,7 +113,6 @@ def _build_export_policy(cfg, groups):
     (vocabulary, and attention heads with ``model.pad_attention_heads``) is that of the run's TP size.
     """
     from gtpo_megatron.build import build_policy
-    from gtpo_megatron.builtin_models import resolve_model_path
 
     run_tp_size = cfg.parallel.tp_size
     cfg = dataclasses.replace(

@@ -1,14 +1,8 @@
 """The whole model's LoRA adapters as full PEFT tensors, gathered out of their TP shards and pipeline stages.
 
-Each ``LinearLoRA`` (``megatron_adapter/lora.py``) holds one ``A`` ``[r, in]`` and ``B`` ``[out, r]`` per HF
-projection; the split one (column-parallel ``B`` on its rows, row-parallel ``A`` on its columns) is the contiguous
-TP-rank-ordered block of the HF tensor, so the TP shards concatenate back into peft's tensor (q/k/v rows stay in
-HF order: a TP rank holds whole KV groups). Used by the adapter weight sync (``rollout/adapter_sync.py``) and the
-PEFT export.
-
-Collectives (through ``parallel/collectives.py``): one ``all_gather`` on TP per split adapter tensor (TP > 1), in
-the same module order on every TP rank, then one ``all_gather_object`` on PP of each stage's tensors (PP > 1).
-Every model-parallel rank of the replica must call it.
+The TP-split side of an adapter (``lora.py``) is a contiguous block of peft's tensor, so the shards concatenate
+back (docs/algorithm.md section 6). Collectives (``parallel/collectives.py``): one ``all_gather`` on TP per split
+tensor, in module order, then one ``all_gather_object`` on PP; every model-parallel rank of the replica calls.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """``rollout.lora_sync: adapter``: each weight sync sends only the LoRA adapters, as a PEFT folder per engine.
 
-The engines keep the base weights they loaded at start (``rollout/vllm_lora.py``). One sync: the weight gather's
-ranks (data-parallel replica 0) gather the full adapters (``megatron_adapter/lora_gather.py``); global rank 0 sends
-them to the other engine leaders (one object broadcast on the world, skipped when rank 0 leads the only engine);
-each leader writes them as a PEFT folder in its node-local staging folder (``/dev/shm`` or ``$GTPO_STAGING_DIR``,
-``rollout/staging.py``), atomically, and its engine serves it under the next LoRA id; the previous version's
-folder is then removed. The merged-weight stream the trainer passes is not used.
+The weight gather's ranks gather the adapters (``lora_gather``); rank 0 broadcasts them to the other engine leaders
+(skipped when it leads the only engine); each leader writes a PEFT folder in node-local staging (``staging.py``)
+and its engine serves it under the next LoRA id (``vllm_lora.py``), the previous folder removed.
 """
 
 from __future__ import annotations

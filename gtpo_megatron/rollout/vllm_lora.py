@@ -1,10 +1,7 @@
 """vLLM serving the trained LoRA adapter (``rollout.lora_sync: adapter``): engine arguments and the served version.
 
-The engine starts with ``enable_lora`` and the base weights (loaded once, never moved by a sync); each sync hands
-it a PEFT folder (``rollout/peft_adapter.py``) under a new ``LoRARequest`` int id, loaded into every worker at once
-(``add_lora``), then the previous version is removed and every generation request carries the new one (a prefix
-cached under the old id is never reused: vLLM keys cached blocks by the adapter). vLLM is imported lazily here, as
-in ``rollout/vllm_engine.py``.
+Each version is a PEFT folder under a new ``LoRARequest`` int id, loaded into every worker at once (``add_lora``)
+before the previous one is removed; vLLM keys cached prefixes by the adapter. vLLM is imported lazily.
 """
 
 from __future__ import annotations

