@@ -59,6 +59,7 @@ def _export(run_dir: Path, lora_format: str) -> subprocess.CompletedProcess:
     return subprocess.run(command, capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow  # a 2-rank training step, two exports in fresh processes, two vLLM engines: minutes
 def test_lora_run_exports_merged_weights_and_a_peft_folder(tmp_path):
     peft = pytest.importorskip("peft")
     from safetensors.torch import load_file
