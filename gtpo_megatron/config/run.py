@@ -263,6 +263,11 @@ class GTPOConfig:
             "rejoins a restarted engine through the weight group, which rollout.lora_sync=adapter does not use",
             f"set rollout.fault_tolerance=false {fix}",
         )  # fmt: skip
+        _require(
+            not self.rollout.partial_rollouts, "rollout.partial_rollouts", self.rollout.partial_rollouts,
+            "loads weights into the running AsyncLLM engine, which does not serve LoRA adapters here",
+            f"set rollout.partial_rollouts=false {fix}",
+        )  # fmt: skip
 
     def _validate_lora(self, *, num_experts: int | None) -> None:
         """The adapters' cross-section rules; ``num_experts`` None: before the model's config is read."""

@@ -55,6 +55,18 @@ def test_bad_section_values_are_refused(override, message):
             None,
             "rollout.fault_tolerance=True: .*set rollout.fault_tolerance=false or set rollout.lora_sync=merged",
         ),
+        (
+            [
+                "rollout.lora_sync=adapter",
+                "rollout.partial_rollouts=true",
+                "rollout.mode=async",
+                "rollout.placement=separate",
+                "rollout.weight_sync=files",
+                "algorithm.off_policy_correction=tis",
+            ],
+            None,
+            "rollout.partial_rollouts=True: .*set rollout.partial_rollouts=false or set rollout.lora_sync=merged",
+        ),
         (["model.lora.rank=null", "rollout.lora_sync=adapter"], None, "model.lora.rank is null"),
         (["rollout.weight_sync=sharded"], None, "rollout.weight_sync='sharded': .*set rollout.weight_sync=collective"),
         (["model.lora.dropout=0.1", "parallel.tp_size=2"], None, "model.lora.dropout=0.1: .*parallel.tp_size=2"),
