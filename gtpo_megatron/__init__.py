@@ -12,6 +12,7 @@ _PLUGIN_NAMES = frozenset(
     {
         "AlgorithmConfig",
         "ForwardSettings",
+        "LoRAConfig",
         "LossSpec",
         "MicroBatch",
         "PackedLayout",
@@ -19,6 +20,7 @@ _PLUGIN_NAMES = frozenset(
         "PushStats",
         "RolloutConfig",
         "StepWeights",
+        "attach_lora",
         "build_loss_spec",
         "compute_gtpo_weights",
         "cuda_to_cpu_mode",
@@ -33,6 +35,7 @@ _PLUGIN_NAMES = frozenset(
         "per_token_loss",
         "per_token_loss_from_logprobs",
         "reduce_loss_metrics",
+        "save_adapters",
         "sequence_mean_entropy",
         "sync_weights",
         "token_logprobs_entropy",

@@ -201,6 +201,8 @@ def build_weight_sync(
 
     rollout = cfg.rollout
     bucket_bytes, exporting = rollout.weight_sync_bucket_mb * 2**20, groups.in_weight_gather
+    if cfg.model.lora.enabled and rollout.lora_sync == "adapter":
+        return _adapter_sync(cfg, groups, engine, placements, policy)
     if rollout.weight_sync == "files":
         return FilesWeightSync(engine=engine, exporting=exporting, bucket_bytes=bucket_bytes)
     mine = next((p for p in placements if p.leader_rank == groups.rank), None)
@@ -225,6 +227,22 @@ def build_weight_sync(
     )
     return CollectiveWeightSync(engine=engine, group=group, exporting=exporting, bucket_bytes=bucket_bytes,
                                 dtype=getattr(torch, cfg.engine_dtype), signal=signal)  # fmt: skip
+
+
+def _adapter_sync(cfg, groups, engine, placements, policy):
+    """``rollout.lora_sync: adapter`` (``rollout.adapter_sync``): PEFT folders, no weight group."""
+    from gtpo_megatron.megatron_adapter.lora_gather import adapter_spec, gather_adapter_tensors
+    from gtpo_megatron.rollout.adapter_sync import AdapterWeightSync
+
+    others = any(p.leader_rank != 0 for p in placements)  # the leaders other than rank 0 get the adapters from it
+    return AdapterWeightSync(
+        engine=engine,
+        gather=lambda: gather_adapter_tensors(policy.model, groups),
+        exporting=groups.in_weight_gather,
+        is_sender=groups.rank == 0,
+        spec=adapter_spec(cfg.model.lora, cfg.model.name_or_path),
+        world=dist.group.WORLD if others and groups.world_size > 1 else None,
+    )
 
 
 def _sharded_sync(cfg, groups, engine, mine, num_engines: int, policy, *, accelerator: bool):

@@ -40,6 +40,7 @@ from gtpo_megatron.plan.memory import (
     kv_cache_bytes_per_token,
     logprob_working_set_bytes,
     stage_expert_params,
+    stage_lora_params,
     weight_sync_seconds,
 )
 from gtpo_megatron.plan.micro_batches import micro_batches_at_full_length
@@ -413,6 +414,8 @@ def _links(cfg: GTPOConfig, arch: Architecture, layout: Layout, args: argparse.N
 def _sync_seconds(cfg: GTPOConfig, arch: Architecture, layout: Layout, args: argparse.Namespace) -> float:
     """Seconds of one weight sync of ``rollout.weight_sync`` (the ``files`` path: write, then re-read)."""
     nbytes = DTYPE_BYTES[cfg.engine_dtype]
+    if _adapter_bytes(cfg, arch):
+        return _adapter_bytes(cfg, arch) * 8 / (args.sync_bandwidth_gbps * 1e9)
     if cfg.rollout.weight_sync == "files":
         return 2 * weight_sync_seconds(arch, param_bytes=nbytes, bandwidth_gbps=FILES_GBPS)
     if cfg.rollout.weight_sync == "sharded":
@@ -481,11 +484,27 @@ def _partial_note(cfg: GTPOConfig, args: argparse.Namespace, streamed: StepWork)
     )
 
 
+def _adapter_bytes(cfg: GTPOConfig, arch: Architecture) -> int:
+    """Bytes of the whole model's adapters in the parameter dtype: one ``rollout.lora_sync=adapter`` sync (else 0)."""
+    lora = cfg.model.lora
+    if not (lora.enabled and cfg.rollout.lora_sync == "adapter"):
+        return 0
+    params = stage_lora_params(arch, rank=lora.rank, projections=lora.projections, tp_size=1, pp_size=1)
+    return params * DTYPE_BYTES[cfg.model.params_dtype]
+
+
 def _sync_summary(cfg: GTPOConfig, arch: Architecture, layout: Layout, args: argparse.Namespace) -> str:
     """The weight sync of ``rollout.weight_sync``: bytes in the engine dtype, time and the bandwidth assumed."""
     dtype = cfg.engine_dtype
     nbytes = DTYPE_BYTES[dtype]
     volume = f"{arch.total_params() * nbytes / 1e9:.1f} GB ({dtype}) per sync"
+    if _adapter_bytes(cfg, arch):
+        return (
+            f"weight sync (rollout.lora_sync=adapter: the adapters gathered to rank 0, a PEFT folder in each engine "
+            f"leader's /dev/shm; the base weights never move): {_adapter_bytes(cfg, arch) / 1e9:.2f} GB "
+            f"({cfg.model.params_dtype}) per sync against {volume} merged, {_sync_seconds(cfg, arch, layout, args):.3f}"
+            f" s at {args.sync_bandwidth_gbps:g} Gbit/s (--sync-bandwidth-gbps)"
+        )
     if cfg.rollout.weight_sync == "files":
         seconds = _sync_seconds(cfg, arch, layout, args)
         return (

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from gtpo_megatron.algorithm import StepWeights, build_loss_spec, compute_weights, with_entropy_terms
-from gtpo_megatron.config import AlgorithmConfig, RolloutConfig
+from gtpo_megatron.config import AlgorithmConfig, LoRAConfig, RolloutConfig
 from gtpo_megatron.megatron_adapter.cpu_compat import cuda_to_cpu_mode, install_cpu_compat
 from gtpo_megatron.megatron_adapter.external_model import model_geometry, unwrap_model
 from gtpo_megatron.megatron_adapter.forward_step import ForwardSettings, MicroBatch, token_logprobs_entropy
@@ -38,6 +38,7 @@ from gtpo_megatron.rollout.push import DEFAULT_BUCKET_BYTES, PushStats, push_wei
 __all__ = [
     "AlgorithmConfig",
     "ForwardSettings",
+    "LoRAConfig",
     "LossSpec",
     "MicroBatch",
     "PackedLayout",
@@ -45,6 +46,7 @@ __all__ = [
     "PushStats",
     "RolloutConfig",
     "StepWeights",
+    "attach_lora",
     "build_loss_spec",
     "compute_gtpo_weights",
     "cuda_to_cpu_mode",
@@ -59,6 +61,7 @@ __all__ = [
     "per_token_loss",
     "per_token_loss_from_logprobs",
     "reduce_loss_metrics",
+    "save_adapters",
     "sequence_mean_entropy",
     "sync_weights",
     "token_logprobs_entropy",
@@ -161,3 +164,36 @@ def sync_weights(
             pass
         return None
     return push_weights(engine, stream, bucket_bytes=bucket_bytes)
+
+
+def attach_lora(model, lora: LoRAConfig, *, hf_config, groups: ParallelGroups, seed: int = 0) -> int:
+    """Freeze a caller's ``GPTModel`` stage and add ``lora``'s adapters (``megatron_adapter/lora.py``).
+
+    Call on the unwrapped stage after its base weights are loaded and before Megatron's DDP wraps it (DDP's
+    buffers hold the trainable parameters only). The loss forms and :func:`sync_weights` (the merged weights) then
+    work unchanged; :func:`save_adapters` writes the adapters alone. Returns this rank's adapter parameter count.
+
+    Raises:
+        ValueError: ``lora`` not enabled, or what ``lora.attach_lora`` refuses (Transformer Engine specs, padded
+            heads, a target the layer lacks).
+    """
+    from gtpo_megatron.megatron_adapter.lora import attach_lora as attach
+
+    if not lora.enabled:
+        raise ValueError("attach_lora needs LoRAConfig(rank=...); rank=None is full fine-tuning")
+    return attach(model, lora, model_geometry(model, hf_config, tp_size=groups.tp_size), seed=seed)
+
+
+def save_adapters(model, out_dir: str, *, lora: LoRAConfig, groups: ParallelGroups, base_model: str = "") -> int:
+    """Write a LoRA-wrapped ``GPTModel``'s adapters as a PEFT folder (peft and vLLM's ``LoRARequest`` load it).
+
+    Every model-parallel rank of the replica calls; global rank 0 writes ``out_dir`` atomically. Returns the
+    adapters' bytes. Collectives: ``lora_gather.gather_adapter_tensors`` (TP all-gathers, one PP object gather).
+    """
+    from gtpo_megatron.megatron_adapter.lora_gather import adapter_spec, gather_adapter_tensors
+    from gtpo_megatron.rollout.peft_adapter import folder_bytes, write_adapter_folder
+
+    tensors = gather_adapter_tensors(unwrap_model(model), groups)
+    if groups.rank == 0:
+        write_adapter_folder(out_dir, tensors, adapter_spec(lora, base_model))
+    return folder_bytes(tensors)

@@ -38,6 +38,7 @@ CHECKPOINTS_DIR = "checkpoints"
 CHECKPOINT_PREFIX = "step_"
 LATEST_FILE = "latest"
 HF_SUBDIR = "hf"
+ADAPTER_SUBDIR = "hf_adapter"
 COMPLETE_MARKER = "complete.json"
 MEGATRON_LM_TRACKER = "latest_checkpointed_iteration.txt"
 logger = logging.getLogger(__name__)
@@ -288,6 +289,11 @@ def run_config_path(step_dir: str | Path) -> Path:
 def hf_export_dir(step_dir: str | Path) -> Path:
     """``<step dir>/hf``: where a checkpoint's Hugging Face export goes by default."""
     return Path(step_dir) / HF_SUBDIR
+
+
+def adapter_export_dir(step_dir: str | Path) -> Path:
+    """``<step dir>/hf_adapter``: where a LoRA checkpoint's PEFT adapter export goes by default."""
+    return Path(step_dir) / ADAPTER_SUBDIR
 
 
 def resolve_megatron_lm_checkpoint(path: str | Path) -> Path:

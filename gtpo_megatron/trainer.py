@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     from gtpo_megatron.ops import LossSpec
     from gtpo_megatron.parallel.groups import ParallelGroups
     from gtpo_megatron.policy import Policy, ReferencePolicy
+    from gtpo_megatron.rollout.adapter_sync import AdapterWeightSync
     from gtpo_megatron.rollout.exchange import StepExchange
     from gtpo_megatron.rollout.fault_tolerance import FaultTolerance
 
@@ -88,7 +89,7 @@ class Trainer:
         pad_token_id: int,
         sink: MetricSink,
         reference: ReferencePolicy | None = None,
-        weight_sync: CollectiveWeightSync | FilesWeightSync | FaultTolerance | None = None,
+        weight_sync: CollectiveWeightSync | FilesWeightSync | AdapterWeightSync | FaultTolerance | None = None,
         fault_tolerance: FaultTolerance | None = None,
     ) -> None:
         self.cfg = cfg

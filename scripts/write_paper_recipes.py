@@ -1,7 +1,8 @@
 """Write the paper-sized recipes ``configs/{model}_{data}_{algorithm}[_g12].yaml`` from one table.
 
-Usage: ``python scripts/write_paper_recipes.py`` (rewrites the 24 files and :data:`EXTRA_RECIPES`; the tests
-check that the committed files equal :func:`render_recipes` and :func:`render_extra_recipes`). Each file stays a
+Usage: ``python scripts/write_paper_recipes.py`` (rewrites the 24 files, :data:`EXTRA_RECIPES` and the paper's
+LoRA setting ``..._lora.yaml``; the tests check that the committed files equal :func:`render_recipes`,
+:func:`render_extra_recipes` and :func:`render_lora_recipes`). Each file stays a
 complete recipe (every field, no includes); this script is the one owner of the values they share, so a change of,
 say, the Adam betas is made once here.
 
@@ -50,6 +51,13 @@ ALGORITHMS = {
     "shaping (the penalty reaches one reward range: 20 on the 0-20 paper reward).",
 }
 GROUP_SIZES = (8, 12)
+LORA = ("model.lora.rank=128", "model.lora.alpha=128", "model.lora.target_modules=[all-linear]")
+"""The paper's adapters: rank 128, alpha 128 on q, k, v, o, gate, up and down (docs/algorithm.md section 6)."""
+LORA_TEXT = (
+    "LoRA: the paper's adapters, rank 128, alpha 128 on q, k, v, o, gate, up and down (model.lora; the base frozen "
+    "in bf16, not 4-bit), the KL reference the base with the adapters off; the engines get the merged weights "
+    "(rollout.lora_sync: merged; rollout.lora_sync=adapter sends only the adapters)."
+)
 WARMUP_RATIO = 0.005
 AUTHORS = (
     "Where the spec is silent, the authors' code (github.com/winstonsmith1897/GTPO, config.yaml): AdamW betas "
@@ -83,12 +91,12 @@ def _filter(model: str, algorithm: str) -> tuple[list[str], list[str]]:
     return [], ["Entropy filter: the paper's ln 2 rule (the authors' code ran Qwen2.5-3B without a filter: off)."]
 
 
-def recipe_overrides(model: str, data: str, algorithm: str, group_size: int) -> list[str]:
+def recipe_overrides(model: str, data: str, algorithm: str, group_size: int, lora: bool = False) -> list[str]:
     """The dotted overrides of one recipe on top of the config defaults and the algorithm preset."""
     tp, sequence_parallel = _layout(model, group_size)
     steps = DATA[data]["problems"]
     overrides = [
-        f"output_dir=runs/{recipe_stem(model, data, algorithm, group_size)}",
+        f"output_dir=runs/{recipe_stem(model, data, algorithm, group_size, lora)}",
         f"model.name_or_path={MODELS[model]['hf']}",
         "model.recompute=selective",
         f"parallel.tp_size={tp}",
@@ -120,17 +128,25 @@ def recipe_overrides(model: str, data: str, algorithm: str, group_size: int) -> 
     ]
     if algorithm == "grpo":
         overrides.append("algorithm.kl_coef=1e-6")
-    return overrides + _filter(model, algorithm)[0]
+    return overrides + _filter(model, algorithm)[0] + (list(LORA) if lora else [])
 
 
-def recipe_stem(model: str, data: str, algorithm: str, group_size: int) -> str:
-    """File stem: ``{model}_{data}_{algorithm}`` for G=8, with ``_g12`` for G=12."""
-    return f"{model}_{data}_{algorithm}" + ("" if group_size == 8 else f"_g{group_size}")
+def recipe_stem(model: str, data: str, algorithm: str, group_size: int, lora: bool = False) -> str:
+    """File stem: ``{model}_{data}_{algorithm}`` for G=8, with ``_g12`` for G=12, ``_lora`` with the adapters."""
+    return f"{model}_{data}_{algorithm}" + ("" if group_size == 8 else f"_g{group_size}") + ("_lora" if lora else "")
 
 
-def _header(model: str, data: str, algorithm: str, group_size: int) -> str:
+def _authors(warmup: int, lora: bool) -> str:
+    """:data:`AUTHORS`; with ``lora`` the paper's adapters are reproduced (:data:`LORA_TEXT`)."""
+    text = AUTHORS.format(warmup=warmup)
+    if lora:
+        text = text.replace("LoRA rank 128 on a 4-bit model (full fine-tuning here)", "the 4-bit base model")
+    return text
+
+
+def _header(model: str, data: str, algorithm: str, group_size: int, lora: bool = False) -> str:
     tp, _ = _layout(model, group_size)
-    stem = recipe_stem(model, data, algorithm, group_size)
+    stem = recipe_stem(model, data, algorithm, group_size, lora)
     warmup = math.ceil(WARMUP_RATIO * DATA[data]["problems"])
     return (
         _comment(
@@ -139,20 +155,22 @@ def _header(model: str, data: str, algorithm: str, group_size: int) -> str:
             ALGORITHMS[algorithm],
             "Paper setup (docs/algorithm.md section 6): one prompt per step, temperature 0.9, top_p 1, max 1500 "
             "completion tokens, lr 1e-6 AdamW, grad clip 0.1, one epoch, the paper reward (format 10 + correct 10).",
-            AUTHORS.format(warmup=warmup),
+            _authors(warmup, lora),
             *_filter(model, algorithm)[1],
+            *([LORA_TEXT] if lora else []),
             f"Layout: 8 GPUs of 80 GB, TP={tp} x DP={8 // tp}, vLLM colocated (sleeps while training). Launch:",
         )
         + f"#   torchrun --nproc_per_node=8 -m gtpo_megatron.train --config configs/{stem}.yaml\n"
     )
 
 
-def render_recipe(model: str, data: str, algorithm: str, group_size: int) -> tuple[str, str]:
-    """``(file name, text)`` of one recipe."""
-    cfg = config_to_dict(load_config(None, recipe_overrides(model, data, algorithm, group_size)))
+def render_recipe(model: str, data: str, algorithm: str, group_size: int, lora: bool = False) -> tuple[str, str]:
+    """``(file name, text)`` of one recipe (``lora``: the paper's adapters)."""
+    cfg = config_to_dict(load_config(None, recipe_overrides(model, data, algorithm, group_size, lora)))
     ordered = {"output_dir": cfg.pop("output_dir"), "resume": cfg.pop("resume"), **cfg}
     body = yaml.safe_dump(ordered, sort_keys=False)
-    return recipe_stem(model, data, algorithm, group_size) + ".yaml", _header(model, data, algorithm, group_size) + body
+    header = _header(model, data, algorithm, group_size, lora)
+    return recipe_stem(model, data, algorithm, group_size, lora) + ".yaml", header + body
 
 
 def render_recipes() -> dict[str, str]:
@@ -166,9 +184,15 @@ def render_extra_recipes() -> dict[str, str]:
     return dict(render_recipe(*recipe) for recipe in EXTRA_RECIPES)
 
 
+def render_lora_recipes() -> dict[str, str]:
+    """``{file name: text}`` of the paper's LoRA setting: every model, data set and algorithm at G=8."""
+    grid = [(m, d, a, 8, True) for m in MODELS for d in PAPER_DATA for a in ALGORITHMS]
+    return dict(render_recipe(*recipe) for recipe in grid)
+
+
 def main() -> None:
     """Write every recipe into ``configs/``."""
-    for name, text in (render_recipes() | render_extra_recipes()).items():
+    for name, text in (render_recipes() | render_extra_recipes() | render_lora_recipes()).items():
         (REPO / "configs" / name).write_text(text)
         print(f"wrote configs/{name}")
 

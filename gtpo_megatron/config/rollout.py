@@ -11,6 +11,9 @@ from gtpo_megatron.plan.engines import Placement
 EngineDtype = Literal["auto", "float32", "bfloat16", "float16"]
 """The engines' weight dtypes (``rollout.dtype``, ``gtpo-eval --dtype``); ``auto``: the trainer's."""
 
+ENGINE_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The ``max_lora_rank`` values vLLM (0.32) accepts; ``rollout.lora_sync: adapter`` takes the smallest >= the rank."""
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RolloutConfig:
@@ -82,8 +85,9 @@ class RolloutConfig:
     ``files`` stages safetensors shards in ``/dev/shm`` for one engine (fallback, ``num_engines`` must be 1)."""
     lora_sync: Literal["merged", "adapter"] = "merged"
     """With ``model.lora``: ``merged`` sends the weights with the adapters folded in (``W + alpha / rank * B @ A``)
-    through the ``weight_sync`` path, so any engine serves them; ``adapter`` (engines with LoRA enabled, only the
-    adapters sent) is not built yet and is refused."""
+    through the ``weight_sync`` path, so any engine serves them; ``adapter`` starts the engines with LoRA enabled
+    (the base weights loaded once from the HF folder, never moved) and each sync writes only the adapters as a PEFT
+    folder in node-local staging that every engine serves under a new LoRA id (``rollout/adapter_sync.py``)."""
     routing_replay: Literal["off", "rollout"] = "off"
     """Mixture-of-experts policies: ``rollout`` replays the engine's expert choices in the training forwards (rollout
     routing replay, R3, arXiv 2510.11370; docs/moe.md): each token goes to the experts vLLM routed it to, weighted by

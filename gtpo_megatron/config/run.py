@@ -9,7 +9,7 @@ from gtpo_megatron.config.algorithm import AlgorithmConfig
 from gtpo_megatron.config.checks import require as _require
 from gtpo_megatron.config.lora import MLP_PROJECTIONS
 from gtpo_megatron.config.model import ModelConfig, OptimConfig, ParallelConfig
-from gtpo_megatron.config.rollout import DataConfig, RewardConfig, RolloutConfig
+from gtpo_megatron.config.rollout import ENGINE_LORA_RANKS, DataConfig, RewardConfig, RolloutConfig
 from gtpo_megatron.plan import engines, layout, waits
 from gtpo_megatron.plan.architectures import architecture_from_hf_config
 
@@ -245,6 +245,30 @@ class GTPOConfig:
             "set rollout.routing_replay=off",
         )
 
+    def _validate_adapter_sync(self) -> None:
+        """``rollout.lora_sync: adapter``: engines serving a LoRA request (``rollout/adapter_sync.py``)."""
+        rank, fix = self.model.lora.rank, "or set rollout.lora_sync=merged"
+        _require(
+            rank <= ENGINE_LORA_RANKS[-1], "model.lora.rank", rank,
+            f"is above vLLM's largest max_lora_rank ({ENGINE_LORA_RANKS[-1]}) with rollout.lora_sync=adapter",
+            f"use a rank <= {ENGINE_LORA_RANKS[-1]} {fix}",
+        )  # fmt: skip
+        _require(
+            self.model.megatron_checkpoint is None, "model.megatron_checkpoint", self.model.megatron_checkpoint,
+            "starts the engines with dummy base weights, and rollout.lora_sync=adapter never sends the base",
+            f"start from the HF folder (model.megatron_checkpoint=null) {fix}",
+        )  # fmt: skip
+        _require(
+            not self.rollout.fault_tolerance, "rollout.fault_tolerance", self.rollout.fault_tolerance,
+            "rejoins a restarted engine through the weight group, which rollout.lora_sync=adapter does not use",
+            f"set rollout.fault_tolerance=false {fix}",
+        )  # fmt: skip
+        _require(
+            not self.rollout.partial_rollouts, "rollout.partial_rollouts", self.rollout.partial_rollouts,
+            "loads weights into the running AsyncLLM engine, which does not serve LoRA adapters here",
+            f"set rollout.partial_rollouts=false {fix}",
+        )  # fmt: skip
+
     def _validate_lora(self, *, num_experts: int | None) -> None:
         """The adapters' cross-section rules; ``num_experts`` None: before the model's config is read."""
         lora = self.model.lora
@@ -252,11 +276,8 @@ class GTPOConfig:
             lora.enabled or self.rollout.lora_sync == "merged", "rollout.lora_sync", self.rollout.lora_sync,
             "sends adapters, but model.lora.rank is null (full fine-tuning)", "set rollout.lora_sync=merged",
         )  # fmt: skip
-        _require(
-            self.rollout.lora_sync == "merged", "rollout.lora_sync", self.rollout.lora_sync,
-            "adapter-only sync (engines serving a LoRA request) is not built yet",
-            "set rollout.lora_sync=merged (the adapters are folded into the weights each engine receives)",
-        )  # fmt: skip
+        if lora.enabled and self.rollout.lora_sync == "adapter":
+            self._validate_adapter_sync()
         _require(
             not lora.enabled or self.rollout.weight_sync != "sharded", "rollout.weight_sync", self.rollout.weight_sync,
             "sends each rank's own parameter views, which hold the base weights without the adapters merged",

@@ -11,52 +11,99 @@ It rebuilds the policy from the run's config in this single process (a 1-rank gl
 checkpoint may have been written with any TP/PP/DP layout: dist checkpoints reshard on load), loads the model's
 tensors only (``checkpoint.load_model_weights``: no optimizer, schedule or RNG state, and no resume messages) and
 writes ``policy.export_hf`` into ``<step dir>/hf/`` (written under a temporary sibling and renamed, so an
-interrupted export leaves no half folder; an existing ``hf/`` is reused).
+interrupted export leaves no half folder; an existing ``hf/`` is reused). A LoRA run (``model.lora``) exports
+either its merged weights (``lora_format="merged"``, the same HF folder) or its adapters alone as a PEFT folder
+(``"adapter"``: ``adapter_config.json`` + ``adapter_model.safetensors`` in ``<step dir>/hf_adapter/``, for peft's
+``PeftModel.from_pretrained`` or a vLLM ``LoRARequest`` on the base model the run's ``model.name_or_path`` names;
+``gtpo-eval --lora-format adapter`` serves it so).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import os
 from pathlib import Path
+from typing import Literal
 
-from gtpo_megatron.run_dir import hf_export_dir, resolve_step_dir, run_config_path
+from gtpo_megatron.builtin_models import resolve_model_path
+from gtpo_megatron.run_dir import adapter_export_dir, hf_export_dir, resolve_step_dir, run_config_path
+
+LoRAFormat = Literal["merged", "adapter"]
+LORA_FORMATS = ("merged", "adapter")
 
 logger = logging.getLogger(__name__)
 
 
-def export_checkpoint_to_hf(path: str | Path, out_dir: str | Path | None = None, *, overwrite: bool = False) -> Path:
-    """Convert a run's Megatron checkpoint into an HF folder; returns the folder.
+def export_checkpoint_to_hf(
+    path: str | Path, out_dir: str | Path | None = None, *, overwrite: bool = False, lora_format: LoRAFormat = "merged"
+) -> Path:
+    """Convert a run's Megatron checkpoint into an HF folder (or a LoRA run's PEFT adapter folder); returns it.
 
     Args:
         path: step folder, ``checkpoints/`` folder (its ``latest``) or run dir.
-        out_dir: destination; default ``<step dir>/hf``.
-        overwrite: re-export even if ``out_dir/config.json`` exists (else the existing folder is reused).
+        out_dir: destination; default ``<step dir>/hf`` (``<step dir>/hf_adapter`` for ``lora_format="adapter"``).
+        overwrite: re-export even if ``out_dir`` holds its config file (else the existing folder is reused).
+        lora_format: ``merged`` (full HF weights, adapters folded in) or ``adapter`` (a LoRA run's PEFT folder).
 
     Collectives: the policy's own on a 1-rank world (initialised here, torn down afterwards unless the caller
     had already initialised a 1-rank world).
 
     Raises:
-        ValueError: ``path`` holds no checkpoint; an existing process group has more than one rank.
+        ValueError: ``path`` holds no checkpoint; an existing process group has more than one rank; an unknown
+            ``lora_format``, or ``adapter`` for a run without ``model.lora``.
         FileNotFoundError: the run's ``config.yaml`` is missing.
     """
+    if lora_format not in LORA_FORMATS:
+        raise ValueError(f"lora_format={lora_format!r} is not one of {list(LORA_FORMATS)}")
+    adapter = lora_format == "adapter"
     step_dir = resolve_step_dir(path)
-    out = Path(out_dir) if out_dir is not None else hf_export_dir(step_dir)
-    if (out / "config.json").exists() and not overwrite:
-        logger.info("reusing the exported HF folder %s", out)
+    out = Path(out_dir) if out_dir is not None else (adapter_export_dir if adapter else hf_export_dir)(step_dir)
+    if (out / ("adapter_config.json" if adapter else "config.json")).exists() and not overwrite:
+        logger.info("reusing the exported folder %s", out)
         return out
     from gtpo_megatron.config import load_config
     from gtpo_megatron.megatron_adapter.checkpoint import load_model_weights
 
     cfg = load_config(run_config_path(step_dir))
-    logger.info("exporting %s (base model %s) to %s", step_dir, cfg.model.name_or_path, out)
+    if adapter and not cfg.model.lora.enabled:
+        raise ValueError(
+            f"lora_format='adapter': the run {step_dir} trained without adapters (model.lora.rank=null); export its "
+            "weights with lora_format='merged'"
+        )
+    logger.info("exporting %s (base model %s) to %s as %s", step_dir, cfg.model.name_or_path, out, lora_format)
     with _single_rank_world() as groups:
         policy = _build_export_policy(cfg, groups)
         load_model_weights(step_dir, policy)
-        policy.export_hf(str(out))
+        if adapter:
+            from gtpo_megatron.megatron_adapter.lora_gather import export_adapter
+
+            export_adapter(policy, str(out), cfg.model.lora, base_model=cfg.model.name_or_path)
+        else:
+            policy.export_hf(str(out))
     return out
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class AdapterFolder:
+    """A LoRA run's exported PEFT ``folder``, the ``base_model`` it adapts (folder or hub name) and its ``rank``."""
+
+    folder: Path
+    base_model: str
+    rank: int
+
+
+def export_adapter_folder(path: str | Path) -> AdapterFolder:
+    """``export_checkpoint_to_hf(path, lora_format="adapter")`` (an existing export reused) and what it adapts.
+
+    Raises:
+        ValueError / FileNotFoundError: as :func:`export_checkpoint_to_hf` (not a run's checkpoint, no LoRA).
+    """
+    folder = export_checkpoint_to_hf(path, lora_format="adapter")
+    config = json.loads((folder / "adapter_config.json").read_text())
+    return AdapterFolder(folder, resolve_model_path(config["base_model_name_or_path"]), int(config["r"]))
 
 
 def _build_export_policy(cfg, groups):
@@ -66,7 +113,6 @@ def _build_export_policy(cfg, groups):
     (vocabulary, and attention heads with ``model.pad_attention_heads``) is that of the run's TP size.
     """
     from gtpo_megatron.build import build_policy
-    from gtpo_megatron.builtin_models import resolve_model_path
 
     run_tp_size = cfg.parallel.tp_size
     cfg = dataclasses.replace(
@@ -130,8 +176,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("checkpoint", help="step folder, checkpoints/ folder (uses latest) or run dir")
     parser.add_argument("out", nargs="?", default=None, help="destination folder (default: <step dir>/hf)")
     parser.add_argument("--overwrite", action="store_true", help="re-export even if the destination exists")
+    parser.add_argument(
+        "--lora-format",
+        choices=LORA_FORMATS,
+        default="merged",
+        help="a LoRA run: merged HF weights, or its PEFT adapter folder (default <step dir>/hf_adapter)",
+    )
     args = parser.parse_args(argv)
-    print(export_checkpoint_to_hf(args.checkpoint, args.out, overwrite=args.overwrite))  # noqa: T201 (CLI output)
+    out = export_checkpoint_to_hf(args.checkpoint, args.out, overwrite=args.overwrite, lora_format=args.lora_format)
+    print(out)  # noqa: T201 (CLI output)
     return 0
 
 

@@ -20,6 +20,7 @@ from typing import get_args
 from gtpo_megatron.config.rollout import EngineDtype
 from gtpo_megatron.data.datasets import check_source, load_problems
 from gtpo_megatron.data.prompts import SYSTEM_PROMPTS
+from gtpo_megatron.evaluation.checkpoint_export import LORA_FORMATS
 from gtpo_megatron.evaluation.evaluate import BENCHMARKS, EvalConfig, run_evaluation
 from gtpo_megatron.logging import quiet_known_warnings, setup_logging
 from gtpo_megatron.rewards.answer_text import EXTRACTION_MODES
@@ -89,6 +90,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="run vLLM's engine core in this process (faster start; single-process use only)",
     )
+    p.add_argument(
+        "--lora-format",
+        default="merged",
+        choices=LORA_FORMATS,
+        help="a LoRA run's checkpoint: serve its merged weights (<step dir>/hf) or the base model with its PEFT "
+        "adapter folder (<step dir>/hf_adapter, a vLLM LoRA request)",
+    )
     p.add_argument("--label", default=None, help="row label in results.md (default: the model name)")
     p.add_argument(
         "--system-prompt",
@@ -118,6 +126,7 @@ def config_from_args(args: argparse.Namespace) -> EvalConfig:
         reward_workers=args.reward_workers,
         reward_timeout_s=args.reward_timeout,
         max_error_frac=args.max_error_frac,
+        lora_format=args.lora_format,
         dtype=args.dtype,
         max_model_len=args.max_model_len,
         in_process=args.in_process,

@@ -37,6 +37,7 @@ from gtpo_megatron.builtin_models import resolve_model_path
 from gtpo_megatron.data.datasets import load_problems
 from gtpo_megatron.data.mmlu import MMLU, is_mmlu
 from gtpo_megatron.data.prompts import SYSTEM_PROMPTS, build_prompt_ids
+from gtpo_megatron.evaluation.checkpoint_export import AdapterFolder, export_adapter_folder
 from gtpo_megatron.evaluation.metrics import SameAnswer, SampleRecord, aggregate, pool_summaries, problem_metrics
 from gtpo_megatron.rewards.answer_text import check_extraction, default_extraction
 from gtpo_megatron.rewards.pool import RewardPool, check_error_frac, check_grader_failures
@@ -83,6 +84,8 @@ class EvalConfig:
     in_process: bool = False
     label: str | None = None
     system_prompt: str = "concise"
+    lora_format: str = "merged"
+    """A LoRA run's checkpoint: ``merged`` weights, or ``adapter``: the base model serving its PEFT folder."""
     sampling: SamplingConfig = field(init=False)
 
     def __post_init__(self) -> None:
@@ -101,6 +104,8 @@ class EvalConfig:
                 f"--system-prompt {self.system_prompt!r}: choose one of {sorted(SYSTEM_PROMPTS)} (the training "
                 "run's data.system_prompt)"
             )
+        if self.lora_format not in ("merged", "adapter"):
+            raise ValueError(f"--lora-format {self.lora_format!r}: choose merged or adapter")
         if self.limit is not None and self.limit < 1:
             raise ValueError(f"limit={self.limit} must be >= 1 problems per benchmark; omit --limit for all")
         if self.model.startswith(("/", ".", "~")) and not Path(self.model).expanduser().exists():
@@ -330,14 +335,19 @@ def _load_benchmarks(config: EvalConfig, tokenizer) -> dict[str, tuple[list[Prob
     return loaded
 
 
-def _build_engine(config: EvalConfig, model_path: str, max_prompt_len: int) -> RolloutEngine:
+def _build_engine(config: EvalConfig, model_path: str, max_prompt_len: int, adapter: AdapterFolder | None):
+    """The evaluation's ``VLLMEngine``; with ``adapter`` it serves that PEFT folder on ``model_path`` (the base)."""
     from gtpo_megatron.rollout.engine_settings import EngineSettings
     from gtpo_megatron.rollout.vllm_engine import VLLMEngine
 
     max_model_len = config.max_model_len or max_prompt_len + config.max_tokens
+    rank = None if adapter is None else adapter.rank
     settings = EngineSettings(dtype=config.dtype, max_model_len=max_model_len, seed=config.seed,
-                              in_process=config.in_process)  # fmt: skip
-    return VLLMEngine(model_path, settings)
+                              in_process=config.in_process, max_lora_rank=rank)  # fmt: skip
+    engine = VLLMEngine(model_path, settings)
+    if adapter is not None:
+        engine.load_adapter(str(adapter.folder))
+    return engine
 
 
 def run_evaluation(config: EvalConfig, *, engine: RolloutEngine | None = None) -> dict[str, Any]:
@@ -357,12 +367,13 @@ def run_evaluation(config: EvalConfig, *, engine: RolloutEngine | None = None) -
     from transformers import AutoTokenizer
 
     start = time.perf_counter()
-    model_path = resolve_hf_model(config.model)
+    adapter = export_adapter_folder(config.model) if config.lora_format == "adapter" else None
+    model_path = adapter.base_model if adapter is not None else resolve_hf_model(config.model)
     benchmarks = _load_benchmarks(config, AutoTokenizer.from_pretrained(model_path))
     own_engine = engine is None
     if own_engine:
         longest_prompt = max((len(p) for _, prompts in benchmarks.values() for p in prompts), default=1)
-        engine = _build_engine(config, model_path, longest_prompt)
+        engine = _build_engine(config, model_path, longest_prompt, adapter)
     out_dir = Path(config.output_dir)
     (out_dir / "records").mkdir(parents=True, exist_ok=True)
     results: dict[str, dict[str, float]] = {}

@@ -88,6 +88,17 @@ def all_gather_rows(
     return all_reduce_sum(full, group=group)
 
 
+def all_gather_tensors(tensor: torch.Tensor, *, group: dist.ProcessGroup | None) -> list[torch.Tensor]:
+    """Every rank's ``tensor`` (one shape and dtype on all) in rank order, on ``tensor``'s device; one all_gather."""
+    if group is None:
+        return [tensor.detach()]
+    device = group_device(group)
+    work = tensor.detach().to(device).contiguous()
+    out = [torch.empty_like(work) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, work, group=group)
+    return [piece.to(tensor.device) for piece in out]
+
+
 def broadcast_object(obj: Any, *, src: int, group: dist.ProcessGroup | None) -> Any:
     """Picklable ``obj`` of global rank ``src`` on every rank (others pass anything); one ``broadcast_object_list``."""
     if group is None:

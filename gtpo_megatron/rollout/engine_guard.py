@@ -210,6 +210,11 @@ class GuardedEngine:
         except Exception as err:
             raise RuntimeError(f"{self.name}: closing failed ({type(err).__name__}: {err})") from err
 
+    def load_adapter(self, folder: str) -> int:
+        """``engine.load_adapter`` under the watchdog (``rollout.lora_sync: adapter``); a failure marks it unusable."""
+        self._check_usable()
+        return self._guarded(lambda: self.engine.load_adapter(folder), "adapter update", breaks_weights=True)
+
     # ------------------------------------------------------------------------------------ collective weight path
     def start_join(self, spec: dict, worker_offset: int) -> EngineCall:
         """Start the workers' ``join_weight_group`` in the background; :meth:`wait` for it."""

@@ -25,7 +25,8 @@ class EngineSettings:
     ``max_model_len``: prompt + completion tokens; ``cpu_kvcache_space_gib``: ``VLLM_CPU_KVCACHE_SPACE`` (whole GiB);
     ``in_process``: the engine core in this process (None: the environment's); ``staging_dir``: default
     ``node_local.staging_root``; ``load_format``: ``auto`` or ``dummy`` (random until the first weight update);
-    ``routing_replay``: completions carry their routed experts (docs/moe.md).
+    ``routing_replay``: completions carry their routed experts (docs/moe.md); ``max_lora_rank``: serve a LoRA
+    adapter of at most this rank (``rollout/vllm_lora.py``; None: no LoRA).
 
     Raises:
         ValueError: unknown ``dtype`` or ``load_format``, or ``cpu_kvcache_space_gib <= 0``.
@@ -45,6 +46,7 @@ class EngineSettings:
     verbose: bool = False
     load_format: str = "auto"
     routing_replay: bool = False
+    max_lora_rank: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in ENGINE_DTYPES:
@@ -75,6 +77,7 @@ def engine_settings(cfg: GTPOConfig, *, accelerator: bool) -> EngineSettings:
         verbose=cfg.logging.verbose,
         load_format="dummy" if cfg.model.megatron_checkpoint is not None else "auto",
         routing_replay=rollout.routing_replay == "rollout",
+        max_lora_rank=cfg.model.lora.rank if rollout.lora_sync == "adapter" else None,
     )
 
 

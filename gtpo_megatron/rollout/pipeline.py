@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     from gtpo_megatron.data.loader import PromptLoader
     from gtpo_megatron.data.types import Problem
     from gtpo_megatron.preemption import StopRequests
+    from gtpo_megatron.rollout.adapter_sync import AdapterWeightSync
     from gtpo_megatron.rollout.collector import RolloutCollector
     from gtpo_megatron.rollout.exchange import ScoredGroup, StepExchange
     from gtpo_megatron.rollout.fault_tolerance import FaultTolerance
@@ -225,7 +226,7 @@ class AsyncRollouts:
     def push(
         self,
         step: int,
-        sync: FilesWeightSync | CollectiveWeightSync | FaultTolerance,
+        sync: FilesWeightSync | CollectiveWeightSync | AdapterWeightSync | FaultTolerance,
         stream: StreamFactory,
         stop: StopRequests | None,
     ) -> dict[str, float]:

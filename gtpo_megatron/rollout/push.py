@@ -59,6 +59,7 @@ class PushStats:
         """Flat metric names for the step log (``sync/*``)."""
         return {
             "sync/num_tensors": float(self.num_tensors),
+            "sync/bytes": float(self.num_bytes),
             "sync/megabytes": self.num_bytes / 2**20,
             "sync/num_buckets": float(self.num_buckets),
             "sync/gbytes_per_s": self.num_bytes / 1e9 / max(self.seconds, 1e-9),
@@ -139,8 +140,8 @@ class FilesWeightSync:
         """Gather one update now and load it later (``rollout/pipeline.py``: the weights queued between batches).
 
         Rank 0 keeps a host copy of every tensor until the load (one model's bytes); other exporting ranks drain.
-        Returns the load (``push_weights``' metrics; a no-op off rank 0) and the gather's ``sync/megabytes`` and
-        ``time/sync_s`` on rank 0 (``{}`` elsewhere).
+        Returns the load (``push_weights``' metrics; a no-op off rank 0) and the gather's ``sync/bytes``,
+        ``sync/megabytes`` and ``time/sync_s`` on rank 0 (``{}`` elsewhere).
         """
         if self.engine is None:
             if self.exporting:
@@ -149,7 +150,8 @@ class FilesWeightSync:
         start = time.perf_counter()
         named = [(name, tensor.detach().to("cpu", copy=True)) for name, tensor in stream()]
         engine, bucket_bytes = self.engine, self.bucket_bytes
-        metrics = {"sync/megabytes": sum(tensor_bytes(t) for _, t in named) / 2**20,
+        num_bytes = sum(tensor_bytes(t) for _, t in named)
+        metrics = {"sync/bytes": float(num_bytes), "sync/megabytes": num_bytes / 2**20,
                    "time/sync_s": time.perf_counter() - start}  # fmt: skip
         return lambda: push_weights(engine, named, bucket_bytes=bucket_bytes).as_metrics(), metrics
 

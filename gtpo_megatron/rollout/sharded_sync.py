@@ -46,6 +46,7 @@ def sync_metrics(plan: ShardPlan, *, num_workers: int, dtype: torch.dtype, secon
     busiest = max(sent) * element
     return {
         "sync/num_tensors": float(len(plan.tensors)),
+        "sync/bytes": float(total),
         "sync/megabytes": total / 2**20,
         "sync/num_buckets": float(len(plan.buckets)),
         "sync/num_senders": float(len(plan.senders)),

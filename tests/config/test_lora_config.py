@@ -40,7 +40,33 @@ def test_bad_section_values_are_refused(override, message):
 @pytest.mark.parametrize(
     ("overrides", "hf_config", "message"),
     [
-        (["rollout.lora_sync=adapter"], None, "rollout.lora_sync='adapter': .*not built yet; set rollout.lora_sync="),
+        (
+            ["model.lora.rank=1024", "rollout.lora_sync=adapter"],
+            None,
+            "model.lora.rank=1024: is above vLLM's largest max_lora_rank \\(512\\).*use a rank <= 512",
+        ),
+        (
+            ["rollout.lora_sync=adapter", "model.megatron_checkpoint=/ckpt"],
+            None,
+            "model.megatron_checkpoint='/ckpt': starts the engines with dummy .*model.megatron_checkpoint=null",
+        ),
+        (
+            ["rollout.lora_sync=adapter", "rollout.fault_tolerance=true", "rollout.num_engines=2"],
+            None,
+            "rollout.fault_tolerance=True: .*set rollout.fault_tolerance=false or set rollout.lora_sync=merged",
+        ),
+        (
+            [
+                "rollout.lora_sync=adapter",
+                "rollout.partial_rollouts=true",
+                "rollout.mode=async",
+                "rollout.placement=separate",
+                "rollout.weight_sync=files",
+                "algorithm.off_policy_correction=tis",
+            ],
+            None,
+            "rollout.partial_rollouts=True: .*set rollout.partial_rollouts=false or set rollout.lora_sync=merged",
+        ),
         (["model.lora.rank=null", "rollout.lora_sync=adapter"], None, "model.lora.rank is null"),
         (["rollout.weight_sync=sharded"], None, "rollout.weight_sync='sharded': .*set rollout.weight_sync=collective"),
         (["model.lora.dropout=0.1", "parallel.tp_size=2"], None, "model.lora.dropout=0.1: .*parallel.tp_size=2"),
@@ -51,6 +77,18 @@ def test_cross_section_refusals(overrides, hf_config, message):
     cfg = load_config(None, [*BASE, "model.lora.rank=4", *overrides])
     with pytest.raises(ValueError, match=message):
         cfg.validate(2, hf_config=hf_config)
+
+
+def test_adapter_sync_passes_and_sizes_the_engines_max_lora_rank():
+    from gtpo_megatron.rollout.engine_settings import engine_settings
+    from gtpo_megatron.rollout.vllm_lora import engine_max_lora_rank, lora_engine_kwargs
+
+    cfg = load_config(None, [*BASE, "model.lora.rank=4", "rollout.lora_sync=adapter"])
+    cfg.validate(1, hf_config=DENSE)
+    assert engine_settings(cfg, accelerator=False).max_lora_rank == 4
+    assert lora_engine_kwargs(4)["max_lora_rank"] == 8 and engine_max_lora_rank(128) == 128
+    assert lora_engine_kwargs(None) == {}
+    assert engine_settings(load_config(None, BASE), accelerator=False).max_lora_rank is None
 
 
 def test_attention_adapters_on_a_moe_model_pass():

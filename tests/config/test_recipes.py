@@ -66,6 +66,28 @@ def test_paper_recipe_loads_validates_and_follows_preset(path):
     assert "the authors' code (github.com/winstonsmith1897/GTPO" in path.read_text()
 
 
+LORA_RECIPES = [CONFIGS / f"{p.stem}_lora.yaml" for p in PAPER_RECIPES if not p.stem.endswith("_g12")]
+
+
+def test_lora_recipes_are_the_paper_recipes_with_the_papers_adapters():
+    from gtpo_megatron.config import config_to_dict
+
+    rendered = _generator().render_lora_recipes()
+    assert sorted(rendered) == sorted(p.name for p in LORA_RECIPES)
+    stale = [name for name, text in rendered.items() if (CONFIGS / name).read_text() != text]
+    assert not stale, f"run python scripts/write_paper_recipes.py: {stale} differ from the script"
+    for path in LORA_RECIPES:
+        cfg = load_config(path)
+        validate_config(cfg, 8, check_registries=False)
+        lora = cfg.model.lora
+        seven = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+        assert (lora.rank, lora.alpha, lora.projections) == (128, 128, seven)
+        ours, full = config_to_dict(cfg), config_to_dict(load_config(CONFIGS / path.name.replace("_lora", "")))
+        for differing in (ours, full):
+            differing["model"].pop("lora"), differing.pop("output_dir")
+        assert ours == full, path.name  # only the adapters differ from the full fine-tuning recipe
+
+
 def test_cpu_demo_validates_with_registries():
     pytest.importorskip("megatron.core")
     cfg = load_config(CONFIGS / "cpu_demo.yaml")

@@ -13,6 +13,7 @@ from gtpo_megatron.plan_cli import run
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 MOE_RECIPES = {
     "qwen3-30b-a3b_math_gtpo_8gpu": 8,
+    "qwen3-30b-a3b_math_gtpo_lora_8gpu": 8,
     "qwen3-30b-a3b_math_gtpo_32gpu": 32,
     "qwen3-235b-a22b_math_gtpo_64gpu": 64,
     "qwen3-235b-a22b_math_gtpo_128gpu": 128,
@@ -107,6 +108,14 @@ def test_experts_of_an_unbuilt_type_are_refused_by_name(config, model_type):
                     "vocab_size": 10, "num_experts_per_tok": 8}  # fmt: skip
     with pytest.raises(ValueError, match=rf"model_type='{model_type}' is a mixture of experts .*'qwen3_moe'"):
         architecture_from_hf_config({**dense_fields, **config, "model_type": model_type}, name="m")
+
+
+def test_lora_recipe_syncs_only_the_adapters():
+    """Qwen3-30B-A3B with the paper's rank-128 adapters on attention (experts refused: tests/config/test_lora_config):
+    ``48 * 128 * (2048 + 4096 + 2048 + 512 + 2048 + 512 + 4096 + 2048)`` bf16 adapter bytes a sync, not 61 GB."""
+    recipe = str(CONFIGS / "qwen3-30b-a3b_math_gtpo_lora_8gpu.yaml")
+    status, text = run(["--config", recipe, "--gpus", "8", "--gpu-mem", "80"])
+    assert status == 0 and "rollout.lora_sync=adapter" in text and "0.21 GB (bfloat16) per sync" in text, text
 
 
 @pytest.mark.parametrize("bad", [5, 8])

@@ -33,8 +33,9 @@ GRAD_ATOL = 1e-5  # fp32 gradients accumulated in different orders (TP splits, m
 SPEC = plugin.LossSpec(loss_name="gtpo", aggregation="seq-mean-token-mean", clip_eps_low=0.2, clip_eps_high=0.2)
 
 
-def _caller_model(path: str, groups, *, per_token: bool):
-    """A caller's GPTModel stage in Megatron DDP, with the HF weights (built with the package's own provider)."""
+def _caller_model(path: str, groups, *, per_token: bool, lora: plugin.LoRAConfig | None = None):
+    """A caller's GPTModel stage in Megatron DDP, with the HF weights (built with the package's own provider) and,
+    given ``lora``, its adapters (``plugin.attach_lora``, before DDP)."""
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
     from transformers import AutoConfig
@@ -57,6 +58,8 @@ def _caller_model(path: str, groups, *, per_token: bool):
         )  # fmt: skip
     geometry = model_geometry(gpt, hf_config, tp_size=groups.tp_size)
     hf_loading.load_hf_weights(gpt, resolve_model_path(path), geometry, tp_rank=groups.tp_rank)
+    if lora is not None:
+        plugin.attach_lora(gpt, lora, hf_config=hf_config, groups=groups)
     ddp = wrap_ddp(gpt, config, settings=settings)
     config.finalize_model_grads_func = finalize_model_grads
     config.no_sync_func = ddp.no_sync
