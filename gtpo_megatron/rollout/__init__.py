@@ -1,1 +1,1 @@
-"""Rollout: typed containers and the generation engines (vLLM the real one, imported by its two engine modules only)."""
+"""Rollout: typed containers and the generation engines (vLLM the real one, imported by its engine modules only)."""
