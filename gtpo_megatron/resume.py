@@ -90,6 +90,17 @@ class RunCheckpoints:
                 run_dir.remove_checkpoint(old)
         barrier(group=self.group)
 
+    def save_after_abort(self, completed_step: int, state: dict | None) -> str:
+        """Save ``completed_step`` with ``state`` after the next step aborted; returns what happened, for the log.
+
+        Nothing is saved when it is saved already or is 0. Collectives: :meth:`save`'s, when it saves.
+        """
+        if completed_step == 0:
+            return "step 1 aborted; no step completed, nothing saved"
+        if completed_step != self.last_saved_step:
+            self.save(completed_step, state)
+        return f"step {completed_step + 1} aborted; step {completed_step} saved; resume with resume=true"
+
     def resume(self) -> int:
         """Load the agreed checkpoint when ``resume=true`` (:func:`agreed_checkpoint`); the completed steps (0: none).
 

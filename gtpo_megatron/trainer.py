@@ -29,8 +29,7 @@ from gtpo_megatron.logging import MetricSink, PhaseTimer, format_step_line, plot
 from gtpo_megatron.ops import sequence_mean_entropy
 from gtpo_megatron.ops.off_policy import staleness_mask, staleness_stats
 from gtpo_megatron.parallel import all_gather_rows, any_rank
-from gtpo_megatron.plan.layout import row_shard
-from gtpo_megatron.plan.micro_batches import balanced_row_shards
+from gtpo_megatron.plan.micro_batches import dp_rows
 from gtpo_megatron.preemption import StopRequests
 from gtpo_megatron.resume import RunCheckpoints
 from gtpo_megatron.rollout.batch import collate_completions, collate_token_versions
@@ -117,6 +116,7 @@ class Trainer:
         )  # fmt: skip
         self._measure_mismatch = measures_mismatch(self.loss_spec, cfg)
         self._dp_group = groups.dp if groups.dp_size > 1 else None
+        self._token_budget = cfg.max_tokens_per_micro_batch is not None  # DP rows balanced by tokens
         self.weight_sync = weight_sync or FilesWeightSync(
             engine=collector.engine if collector is not None else None,
             exporting=groups.in_weight_gather,
@@ -142,15 +142,17 @@ class Trainer:
             if rollout is None:  # an abort signal made an engine leader leave the rollout; every rank received None
                 raise StepAborted(step - 1)
             batch = collate_completions(rollout.groups, pad_token_id=self.pad_token_id)
-            rows = self._dp_rows(batch)
+            rows = torch.tensor(dp_rows(batch.sequence_lengths(), dp_size=self.groups.dp_size,
+                                        dp_rank=self.groups.dp_rank, by_tokens=self._token_budget))  # fmt: skip
             local = batch.select(rows)
             old_logprobs, seq_entropy = None, None
             if needs_old_logprob_pass(self.cfg.algorithm, initial_entropy_known=self.initial_entropy.known):
                 with timer.phase("old_logprob"):
                     old_logprobs, seq_entropy = self._old_logprob_pass(local, rows)
             if self.reference is not None:
-                with timer.phase("ref_logprob"):
-                    local.ref_logprobs = self._ref_logprob_pass(local)
+                with timer.phase("ref_logprob"):  # the frozen reference (docs/algorithm.md section 9)
+                    temperature = self.loss_spec.temperature
+                    local.ref_logprobs, _ = self.reference.compute_logprobs(local, temperature=temperature)
             with timer.phase("advantages"):
                 spec = dataclasses.replace(self.loss_spec, initial_entropy=self.initial_entropy.value)
                 rewards, scores = torch.tensor(rollout.rewards), torch.tensor(rollout.scores)
@@ -190,13 +192,6 @@ class Trainer:
             self.policy.restore_train_state()
         return rollout
 
-    def _dp_rows(self, batch: TrainBatch) -> torch.Tensor:
-        """This DP rank's rows (``[B/D]`` int64): a contiguous share, or, under a token budget, balanced by tokens."""
-        dp, rank = self.groups.dp_size, self.groups.dp_rank
-        if self.cfg.max_tokens_per_micro_batch is None:
-            return torch.arange(batch.num_sequences)[row_shard(batch.num_sequences, rank=rank, size=dp)]
-        return torch.tensor(balanced_row_shards(batch.sequence_lengths(), dp)[rank])
-
     def _old_logprob_pass(self, local: TrainBatch, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The no-grad pass before the update (one forward; docs/algorithm.md section 4).
 
@@ -212,19 +207,8 @@ class Trainer:
         self.initial_entropy.add_step(local_seq_entropy, local.response_mask.any(dim=-1), group=self._dp_group)
         return old_logprobs, all_gather_rows(local_seq_entropy, group=self._dp_group, rows=rows)
 
-    def _ref_logprob_pass(self, local: TrainBatch) -> torch.Tensor:
-        """Log-probs ``[b, S]`` of the frozen reference at the loss temperature (docs/algorithm.md section 9)."""
-        ref_logprobs, _ = self.reference.compute_logprobs(local, temperature=self.loss_spec.temperature)
-        return ref_logprobs
-
-    def _train_batch(
-        self,
-        local: TrainBatch,
-        weights: StepWeights,
-        rows: torch.Tensor,
-        old_logprobs: torch.Tensor | None,
-        seq_entropy: torch.Tensor | None,
-    ) -> TrainBatch:
+    def _train_batch(self, local: TrainBatch, weights: StepWeights, rows: torch.Tensor,
+                     old_logprobs: torch.Tensor | None, seq_entropy: torch.Tensor | None) -> TrainBatch:  # fmt: skip
         local.advantages = weights.raw_advantages[rows]
         local.token_weights = weights.token_weights[rows]
         local.seq_entropy = None if seq_entropy is None else seq_entropy[rows]
@@ -237,11 +221,9 @@ class Trainer:
     def _drop_stale_tokens(
         self, step: int, rollout: StepRollout, batch: TrainBatch, train_batch: TrainBatch, rows: torch.Tensor
     ) -> dict[str, float]:
-        """Drop this rank's tokens sampled over ``rollout.max_staleness`` versions before step - 1 from the loss.
+        """Drop this rank's tokens over ``rollout.max_staleness`` versions old from the loss (docs/algorithm.md 11).
 
-        Their surrogate and their place in the normaliser go (docs/algorithm.md section 11, "Mixed versions"); the
-        conflicts and advantages were computed with them. The version histogram (``off_policy.staleness_stats``) is
-        of the whole batch: the same on every rank.
+        The version histogram is the whole batch's, the same on every rank.
         """
         versions = collate_token_versions(rollout.groups, batch.input_ids.shape[1])
         k = self.cfg.rollout.max_staleness
@@ -285,7 +267,8 @@ class Trainer:
                 try:
                     metrics = self.step(step)
                 except StepAborted as aborted:
-                    self._save_after_abort(aborted.completed_step)
+                    said = self.checkpoints.save_after_abort(aborted.completed_step, self._completed_state)
+                    self.sink.write(f"{self.stop_requests.describe()}: {said}")
                     break
                 self.sink.log(step, metrics)
                 if step % self.cfg.trainer.log_every == 0:
@@ -295,9 +278,8 @@ class Trainer:
                 if stop or step == self.cfg.trainer.max_steps or (every and step % every == 0):
                     self.checkpoints.save(step)
                 if stop:
-                    self.sink.write(
-                        f"{self.stop_requests.describe()}: saved step {step} and stopped; resume with resume=true"
-                    )
+                    self.sink.write(f"{self.stop_requests.describe()}: saved step {step} and stopped; resume with "
+                                    "resume=true")  # fmt: skip
                     break
         if self.groups.rank == 0 and self.sink.path.exists():
             plot_curves(self.sink.path, run_dir.curves_path(self.cfg.output_dir))
@@ -306,30 +288,14 @@ class Trainer:
         """True on every rank when ``flag`` is True on any rank (one MAX all-reduce on the world)."""
         return any_rank(flag, group=self._world)
 
-    def _save_after_abort(self, completed_step: int) -> None:
-        """Save the last completed step after an aborted one (unless it is saved already, or there is none)."""
-        what = self.stop_requests.describe()
-        if completed_step == 0:
-            self.sink.write(f"{what}: step 1 aborted; no step completed, nothing saved")
-            return
-        if completed_step != self.checkpoints.last_saved_step:
-            self.checkpoints.save(completed_step, self._completed_state)
-        self.sink.write(
-            f"{what}: step {completed_step + 1} aborted; step {completed_step} saved; resume with resume=true"
-        )
-
     def close(self) -> None:
         """Close the engine, the reward pool and the sink (rank 0), each whatever the others do; idempotent."""
-        steps = [("the metric sink", self.sink.close)]
-        for name, part in (("the async rollouts", self.rollouts), ("the restarting engine", self.fault_tolerance)):
-            if part is not None:
-                steps[:0] = [(name, part.close)]
+        parts = [("the async rollouts", self.rollouts), ("the restarting engine", self.fault_tolerance)]
         if self.collector is not None:
-            steps[:0] = [
-                ("the rollout engine", self.collector.engine.close),
-                ("the reward pool", self.collector.reward_pool.close),
-            ]
-        close_all(steps)
+            parts[:0] = [("the rollout engine", self.collector.engine), ("the reward pool", self.collector.reward_pool)]
+        close_all(
+            [(name, part.close) for name, part in parts if part is not None] + [("the metric sink", self.sink.close)]
+        )
 
 
 def _cuda_available() -> bool:

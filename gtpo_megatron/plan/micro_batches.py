@@ -18,6 +18,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from gtpo_megatron.plan.layout import row_shard
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TokenBudget:
@@ -108,3 +110,17 @@ def balanced_row_shards(lengths: Sequence[int], dp_size: int) -> list[list[int]]
         shards[rank].append(row)
         tokens[rank] += lengths[row]
     return [sorted(rows) for rows in shards]
+
+
+def dp_rows(lengths: Sequence[int], *, dp_size: int, dp_rank: int, by_tokens: bool) -> list[int]:
+    """Rows of data-parallel rank ``dp_rank`` among rows of ``lengths`` tokens.
+
+    Its contiguous ``B / dp_size`` share (:func:`row_shard`) or, under a token budget (``by_tokens``), its
+    :func:`balanced_row_shards` share.
+
+    Raises:
+        ValueError: ``dp_size`` does not divide the number of rows.
+    """
+    if by_tokens:
+        return balanced_row_shards(lengths, dp_size)[dp_rank]
+    return list(range(len(lengths)))[row_shard(len(lengths), rank=dp_rank, size=dp_size)]
