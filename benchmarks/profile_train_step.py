@@ -264,8 +264,9 @@ def main() -> None:
                 "--top",
                 str(args.top),
             ]
-            with contextlib.suppress(subprocess.CalledProcessError):
-                subprocess.run(command, env=env, cwd=ROOT, check=True)
+            code = subprocess.run(command, env=env, cwd=ROOT).returncode
+            if code != 0:
+                print(f"{child} failed with exit status {code} (-9: killed, e.g. by the OOM killer)", flush=True)
     print(f"load average after: {os.getloadavg()}")
 
 
