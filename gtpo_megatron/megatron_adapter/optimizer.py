@@ -93,7 +93,27 @@ def build_optimizer(ddp_model, *, settings: PolicySettings, params_dtype: torch.
         logger.warning("CPU fallback: Megatron's non-distributed Adam (full fp32 optimizer state on every DP rank)")
     with cuda_to_cpu_mode():
         optimizer = get_megatron_optimizer(optimizer_config(settings, params_dtype=params_dtype), [ddp_model])
+    fuse_cpu_adam(optimizer)
     return optimizer, OptimizerParamScheduler(optimizer, **scheduler_kwargs(settings))
+
+
+def fuse_cpu_adam(optimizer) -> None:
+    """Give torch's Adam(W) under Megatron's optimizer its fused kernel where every parameter is on the CPU.
+
+    Without Transformer Engine or apex, Megatron builds ``torch.optim.AdamW`` with neither ``fused`` nor ``foreach``,
+    which on CPU tensors is the per-tensor loop: about ten element-wise passes over each parameter. The fused CPU
+    kernel (``torch._fused_adamw_``) is one pass of the same update (docs/performance.md); TRL and transformers'
+    Trainer use it too. Also re-applied after a checkpoint's ``param_groups`` are loaded (they carry the flag).
+    """
+    for chained in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(chained, "optimizer", None)
+        if not isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
+            continue
+        params = [p for group in inner.param_groups for p in group["params"]]
+        if params and all(p.device.type == "cpu" for p in params):
+            inner.defaults.update(fused=True, foreach=False)
+            for group in inner.param_groups:
+                group.update(fused=True, foreach=False)
 
 
 def global_grad_norm(optimizer) -> float:
