@@ -93,7 +93,8 @@ def build_optimizer(ddp_model, *, settings: PolicySettings, params_dtype: torch.
         logger.warning("CPU fallback: Megatron's non-distributed Adam (full fp32 optimizer state on every DP rank)")
     with cuda_to_cpu_mode():
         optimizer = get_megatron_optimizer(optimizer_config(settings, params_dtype=params_dtype), [ddp_model])
-    fuse_cpu_adam(optimizer)
+    if not settings.model.lora.enabled:  # adapters: the loop (the fused kernel broke the resharded LoRA resume)
+        fuse_cpu_adam(optimizer)
     return optimizer, OptimizerParamScheduler(optimizer, **scheduler_kwargs(settings))
 
 
@@ -104,6 +105,8 @@ def fuse_cpu_adam(optimizer) -> None:
     which on CPU tensors is the per-tensor loop: about ten element-wise passes over each parameter. The fused CPU
     kernel (``torch._fused_adamw_``) is one pass of the same update (docs/performance.md); TRL and transformers'
     Trainer use it too. Also re-applied after a checkpoint's ``param_groups`` are loaded (they carry the flag).
+    Not with LoRA adapters: a LoRA run resumed in another TP/PP layout then updated differently from the
+    uninterrupted run (tests/distributed/test_lora_checkpoint.py), which the per-tensor loop does not.
     """
     for chained in getattr(optimizer, "chained_optimizers", [optimizer]):
         inner = getattr(chained, "optimizer", None)
@@ -114,6 +117,12 @@ def fuse_cpu_adam(optimizer) -> None:
             inner.defaults.update(fused=True, foreach=False)
             for group in inner.param_groups:
                 group.update(fused=True, foreach=False)
+
+
+def is_fused(optimizer) -> bool:
+    """Whether :func:`fuse_cpu_adam` switched ``optimizer``'s Adam to the fused kernel."""
+    chained = getattr(optimizer, "chained_optimizers", [optimizer])
+    return any(group.get("fused") for c in chained for group in getattr(c, "optimizer", c).param_groups)
 
 
 def global_grad_norm(optimizer) -> float:
