@@ -6,16 +6,11 @@ A run written by ``gtpo-train`` looks like (names owned by ``run_dir``; written 
     RUN_DIR/checkpoints/step_000020/             one dist checkpoint (common.pt, metadata.json, *.distcp)
     RUN_DIR/checkpoints/latest                   text file: name of the newest complete step folder
 
-``export_checkpoint_to_hf`` accepts the step folder, the ``checkpoints/`` folder (uses ``latest``) or the run dir.
-It rebuilds the policy from the run's config in this single process (a 1-rank gloo group, TP = PP = 1; the
-checkpoint may have been written with any TP/PP/DP layout: dist checkpoints reshard on load), loads the model's
-tensors only (``checkpoint.load_model_weights``: no optimizer, schedule or RNG state, and no resume messages) and
-writes ``policy.export_hf`` into ``<step dir>/hf/`` (written under a temporary sibling and renamed, so an
-interrupted export leaves no half folder; an existing ``hf/`` is reused). A LoRA run (``model.lora``) exports
-either its merged weights (``lora_format="merged"``, the same HF folder) or its adapters alone as a PEFT folder
-(``"adapter"``: ``adapter_config.json`` + ``adapter_model.safetensors`` in ``<step dir>/hf_adapter/``, for peft's
-``PeftModel.from_pretrained`` or a vLLM ``LoRARequest`` on the base model the run's ``model.name_or_path`` names;
-``gtpo-eval --lora-format adapter`` serves it so).
+``export_checkpoint_to_hf`` accepts the step folder, ``checkpoints/`` (its ``latest``) or the run dir. It rebuilds
+the policy from the run's config in one process (TP = PP = 1; dist checkpoints reshard on load), loads the model's
+tensors only (``checkpoint.load_model_weights``) and writes ``policy.export_hf`` into ``<step dir>/hf/`` (a
+temporary sibling renamed). A LoRA run exports its merged weights there, or (``lora_format="adapter"``) its adapters
+as a PEFT folder in ``<step dir>/hf_adapter/`` for peft or a vLLM ``LoRARequest`` on the run's base model.
 """
 
 from __future__ import annotations

@@ -10,14 +10,7 @@ Ranks: the sender (trainer rank 0, which hosts the store) is 0; engine worker ``
 the sender's GPU (the *target*) leaves the main group (later workers' ranks close up) and is fed by another worker
 (the *relay*) through a two-member relay group. Sharded (``num_senders`` > 0, ``rollout/sharded_wire.py``): members
 ``0 .. num_senders-1`` are training ranks, worker ``g`` is ``num_senders + g``, no relay. Tested on gloo; the NCCL
-path is not run on CPU.
-
-Side channel (:class:`SyncSignal`): a key in the group's store says that the update in flight failed and why. A
-gloo broadcast to a member that died or stopped keeps its peers waiting until ``timeout_s`` (its in-flight work
-holds the connections open even after the sender drops the group), so whoever sees the failure first (the sender,
-or an engine's leader whose health check failed) writes the key and every member waiting on a broadcast reads it
-(``parallel.collectives.wait_broadcast``). A group whose update failed is never used again (it is rebuilt, or the
-job stops), so the key is never cleared; :func:`abandon` drops such a group without waiting for its work.
+path is not run on CPU. Side channel (``SyncSignal``): docs/training.md, "Engine failures".
 """
 
 from __future__ import annotations
@@ -92,10 +85,7 @@ class SyncSignal:
 
 @dataclass(frozen=True, slots=True)
 class WeightGroup:
-    """A joined weight group: the process group, this member's rank, where its buffers live, its timeout.
-
-    ``signal``: its side channel (None: a group without one, whose waits end at the timeout only).
-    """
+    """A joined weight group: process group, rank, buffer device, timeout, side channel (None: timeout only)."""
 
     pg: dist.ProcessGroup
     rank: int
@@ -115,11 +105,7 @@ class WeightGroup:
 
 
 def abandon(group: WeightGroup | None) -> None:
-    """Drop ``group`` after its timeout (plus ``ABANDON_MARGIN_S``) in a daemon thread, never now.
-
-    Destroying a gloo group waits for its work in flight (measured: a sender dropping its group with a broadcast
-    to a stopped member outstanding blocked until the group's timeout), so an abandoned group is held until then.
-    """
+    """Drop ``group`` in a daemon thread after its timeout + margin (destroying it with work in flight blocks)."""
     if group is None:
         return
     held, delay_s = [group], group.timeout_s + ABANDON_MARGIN_S

@@ -1,19 +1,6 @@
 """Which slice of each Hugging Face tensor a worker of an engine at TP ``t`` loads (vLLM's tensor-parallel layout).
 
-vLLM's loaders (``vllm/model_executor/layers/linear.py``, ``vocab_parallel_embedding.py``) take the full HF tensor
-and narrow it to worker ``r``'s slice; this module is the one owner of that rule on our side, so a sharded update
-sends each worker only its slice (``rollout/shard_plan.py``). With Q query heads, G KV heads, D head_dim:
-
-* ``q_proj`` (weight, bias): rows ``[r * Q/t * D, (r + 1) * Q/t * D)`` (``QKVParallelLinear``'s q part);
-* ``k_proj`` / ``v_proj``: ``max(1, G/t) * D`` rows of KV head block ``r // max(1, t/G)`` (heads replicated when
-  ``t > G``);
-* ``gate_proj`` / ``up_proj`` (``MergedColumnParallelLinear``; an expert's in ``FusedMoE``'s ``w13``): rows
-  ``[r * F/t, (r + 1) * F/t)``;
-* ``o_proj`` / ``down_proj`` weights (``RowParallelLinear``; an expert's ``w2``): columns ``[r * I/t, (r + 1) * I/t)``
-  (experts split by TP as vLLM does without expert parallelism, which the engines never enable);
-* ``embed_tokens`` / ``lm_head`` (``VocabParallelEmbedding``): rows ``[r * P/t, min((r + 1) * P/t, V))`` with
-  ``P`` the vocabulary padded to a multiple of 64 (the rows past V are vLLM's zero padding);
-* anything else (norms, biases of row-parallel layers, routers, other families' expert names): the whole tensor.
+The one owner of that rule on our side; the slices are listed in docs/scaling.md, "Engine slices".
 
 A worker hands vLLM's unchanged loaders a full-shape tensor with only its slice written
 (:func:`place_in_full`): they read exactly that slice (docs/scaling.md, "Weight sync").

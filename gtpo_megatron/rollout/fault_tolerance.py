@@ -1,28 +1,8 @@
 """Engines that survive a failure (``rollout.fault_tolerance``): the others finish the step, the failed one returns.
 
 Every rank holds the same view of the engines (alive, restarts spent) and changes it only after a collective, so
-the ranks never disagree on who samples what (engines are led by different ranks, ``plan/engines.py``):
-
-- A rollout round (:meth:`FaultTolerance.sample_round`, every rank): the round's P prompts are dealt to the live
-  engines (:func:`deal`). Each live leader samples its block; a failure of its engine (``EngineFailure``: an error,
-  ``rollout.timeout_s``, a failed health check) discards the whole block, so no failed request is scored. One SUM
-  all-reduce of ``[N]`` failure flags (``parallel.collectives``, the exchange's group) tells every rank which
-  engines failed; their blocks are dealt to the engines left and sampled, until a pass has no failure. Request seeds
-  depend on (step, round, global prompt index) only (``rollout.engine.request_seed``): a moved prompt samples what
-  it would have sampled on its own engine, none is lost, none is kept twice.
-- A failed engine's leader kills its processes and starts a new engine in a background thread.
-- A weight sync (:meth:`FaultTolerance.sync`, every rank): one SUM all-reduce of ``[N]`` ready flags and restart
-  seconds admits the restarted engines. When the members changed, the weight group is built again for the live and
-  admitted engines (``rebuild``: a new store and rendezvous, workers renumbered; a worker that joins replaces its old
-  link), so a sync never waits for a dead engine. A sync sends every weight, so an admitted engine holds the
-  current weights whole before it samples again. An engine that fails during a sync is seen by its leader's health
-  check, which says so on the weight group's side channel (``parallel/weight_group.py``): the sender and the other
-  engines stop waiting within ``SIGNAL_POLL_S`` of it, not at ``rollout.timeout_s``. A failed sync is agreed on
-  (SUM of flags); engines that fail their health check (``_healthy``) are lost, the others (partly updated, and
-  marked unusable by their failed receive) receive the whole update again from a group without them, and sample
-  only after a complete one: no engine serves a mix of old and new weights.
-- The job stops (RuntimeError on every rank naming the engine and the count) when an engine fails with its
-  ``rollout.max_restarts`` spent, when no engine is left, or when a sync fails while every engine is healthy.
+the ranks never disagree on who samples what (engines are led by different ranks, ``plan/engines.py``). The rounds,
+the restarts, the syncs with a missing engine and when the job stops: docs/training.md, "Engine failures".
 """
 
 from __future__ import annotations
@@ -197,11 +177,7 @@ class FaultTolerance:
         return engine
 
     def _healthy(self, engine: GuardedEngine) -> bool:
-        """Whether ``engine`` passes its health checks for ``health_check_timeout_s`` after a failed sync.
-
-        Probed more than once: an engine whose worker died reports it a moment later (vLLM's engine core fails
-        once its executor did), and a failed engine taken for healthy would stop the job.
-        """
+        """Whether ``engine`` stays healthy for ``health_check_timeout_s`` (vLLM reports a dead worker late)."""
         probe = getattr(engine.engine, "check_health", None)
         if probe is None:
             return True

@@ -6,22 +6,8 @@ engine leader's worker thread runs its queue strictly in order:
     start     queue batches s+1 .. s+1+k                   (the engines hold the weights after step s)
     step t    take(t) -> train -> queue the weights after step t, then batch t+1+k   (while t+1+k <= max_steps)
 
-The queue then reads ``... batch t+k, weights t, batch t+1+k ...``: batch j is sampled with the weights after step
-v_j = max(s, j-1-k) and trains the policy after step j-1, staleness min(k, j-1-s). The queue order decides every
-batch's weights, never the timing. Nothing drains: the engines run up to k batches ahead of the one being trained
-and the trainer waits at take(t) only when they are behind. With generation g and training tau per step, n steps
-take about n*(g + tau) in sync mode and g + n*max(g, tau) here for every k >= 1; a larger k absorbs slow batches
-(a batch up to k*tau - (k-1)*g late costs nothing). ``weight_sync: files`` copies the gathered weights to host
-memory (one model per queued update, at most k) and the worker loads them between the batches; ``collective``
-broadcasts into the live weights, so its push still waits until every queued batch is sampled (the drain, up to k
-batches within ``rollout.timeout_s`` each). Prompts are drawn in the main thread at queueing, from a loader fork
-that runs ahead; the trainer's loader draws the same batch at take, so a checkpoint holds the last trained step
-and the batches in flight (:attr:`AsyncRollouts.in_flight`), sampled again on resume. At take every rank shares
-the batch (``collector.share_step``); a stop signal aborts the step there (or leaves the drain and skips the push);
-a leader's failure, or a failed queued weight load, reaches every rank at the next take, naming the engine.
-``rollout.partial_rollouts``: every queued batch is sampled at once (the engine streams their requests) and the
-weights load into the running engine at the push (requests paused: ``rollout/vllm_async_engine.py``), so a
-batch's later tokens carry newer versions and no batch waits for another's longest completion.
+What the schedule gives (each batch's weights, the time, the drain, checkpoints, partial rollouts): docs/training.md,
+"Asynchronous rollouts".
 """
 
 from __future__ import annotations

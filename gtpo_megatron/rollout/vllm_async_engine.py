@@ -7,18 +7,7 @@ another thread while a batch generates, does
 
     pause_generation(mode="keep", clear_cache=False) -> load the new weights -> label them ``version`` -> resume
 
-``keep`` freezes the requests in the scheduler with their KV cache (vLLM's default ``clear_cache=True`` would free
-it); they continue under the new weights after ``resume_generation``. The KV of the tokens sampled before the pause
-is kept, not recomputed (docs/algorithm.md section 11, "Mixed versions"); prefix caching is off, so no request reads
-another request's KV, and only a request's own earlier tokens carry older weights into its later ones.
-
-Why each token's recorded version is exact (vLLM 0.32, ``v1/engine/core.py``): the engine core stamps the outputs of
-each scheduler step with its current weight label (``_attach_weight_version``), and the label changes only through
-``set_weight_version``, a utility call the core runs between steps. In ``keep`` mode the core runs no step between
-the pause and the resume, and the pause returns only after the step in progress has produced its outputs; so every
-token sampled before the pause carries the old label and every token after the resume the new one, however late
-the outputs reach this process. The client turns the labels into spans per completion (``weight_versions``,
-``v1/engine/output_processor.py``), read by ``rollout.types.span_versions``.
+Why the KV is kept and each token's recorded version is exact: docs/training.md, "Partial rollouts".
 """
 
 from __future__ import annotations
