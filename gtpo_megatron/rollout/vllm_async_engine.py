@@ -53,13 +53,18 @@ class AsyncFacade:
         self.llm_engine, self.loop = llm, loop
         self._request_ids = itertools.count()
 
-    def generate(self, prompts: list, params: list, use_tqdm: bool = False) -> list:
-        """The final ``RequestOutput`` of each (prompt, params) pair, in order, all submitted at once."""
+    def generate(self, prompts: list, params: list, use_tqdm: bool = False, lora_request: Any = None) -> list:
+        """The final ``RequestOutput`` of each (prompt, params) pair, in order, all submitted at once.
+
+        ``lora_request``: ``LLM.generate``'s (None: the base weights), passed to every request.
+        """
         from vllm.sampling_params import RequestOutputKind
 
         async def one(prompt, param) -> Any:
             param.output_kind = RequestOutputKind.FINAL_ONLY
-            outputs = [o async for o in self.llm_engine.generate(prompt, param, f"gtpo-{next(self._request_ids)}")]
+            request_id = f"gtpo-{next(self._request_ids)}"
+            stream = self.llm_engine.generate(prompt, param, request_id, lora_request=lora_request)
+            outputs = [o async for o in stream]
             return outputs[-1]
 
         async def every() -> list:

@@ -1,9 +1,13 @@
-"""SamplingConfig / prompt validation and request seeding; no engine is started."""
+"""SamplingConfig / prompt validation, request seeding and the engines' surfaces; no engine is started."""
 
 from __future__ import annotations
 
+import ast
+import inspect
+
 import pytest
 
+from gtpo_megatron.rollout import vllm_engine
 from gtpo_megatron.rollout.engine import (
     RolloutEngine,
     SamplingConfig,
@@ -11,6 +15,7 @@ from gtpo_megatron.rollout.engine import (
     request_seed,
     validate_prompt_ids,
 )
+from gtpo_megatron.rollout.vllm_async_engine import AsyncFacade
 from gtpo_megatron.rollout.vllm_engine import VLLMEngine
 
 
@@ -69,3 +74,27 @@ def test_vllm_engine_satisfies_protocol_structurally():
     ):
         assert callable(getattr(VLLMEngine, name)), name
     assert {"generate", "update_weights", "sleep", "wake_up", "close"} <= set(dir(RolloutEngine))
+
+
+def _calls_on_the_engine(module) -> dict[str, set[str]]:
+    """Each method ``module`` calls as ``self._llm.<name>(...)``: the keywords it passes, over all its calls."""
+    calls: dict[str, set[str]] = {}
+    for node in ast.walk(ast.parse(inspect.getsource(module))):
+        target = node.func if isinstance(node, ast.Call) else None
+        if isinstance(target, ast.Attribute) and ast.unparse(target.value) == "self._llm":
+            calls.setdefault(target.attr, set()).update(k.arg for k in node.keywords)
+    return calls
+
+
+def test_the_async_facade_answers_every_call_the_engine_makes_on_vllm_llm():
+    """``AsyncVLLMEngine`` runs ``VLLMEngine``'s code on an ``AsyncFacade``: each call and keyword must be served.
+
+    Only sleep and wake_up are absent: colocated engines sleep, and partial rollouts refuse colocation.
+    """
+    calls = _calls_on_the_engine(vllm_engine)
+    assert {"generate", "collective_rpc", "get_tokenizer", "reset_prefix_cache"} <= set(calls)
+    assert {name for name in calls if not hasattr(AsyncFacade, name)} == {"sleep", "wake_up"}
+    for name, keywords in calls.items():
+        if hasattr(AsyncFacade, name):
+            accepted = set(inspect.signature(getattr(AsyncFacade, name)).parameters)
+            assert keywords <= accepted, f"AsyncFacade.{name} lacks {sorted(keywords - accepted)}"
