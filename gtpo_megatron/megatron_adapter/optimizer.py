@@ -103,9 +103,10 @@ def fuse_cpu_adam(optimizer) -> None:
     Without Transformer Engine or apex, Megatron builds ``torch.optim.AdamW`` with neither ``fused`` nor ``foreach``,
     which on CPU tensors is the per-tensor loop: about ten element-wise passes over each parameter. The fused CPU
     kernel (``torch._fused_adamw_``) is one pass of the same update (docs/performance.md); TRL and transformers'
-    Trainer use it too. Also re-applied after a checkpoint's ``param_groups`` are loaded (they carry the flag).
+    Trainer use it too. Also applied after a checkpoint's ``param_groups`` are loaded (they carry the flag).
     The kernel walks each tensor's memory in order, ignoring its strides (torch 2.13): a non-contiguous parameter,
-    whose Adam states copy its strides, would be updated at the wrong elements, so such an optimizer keeps the loop.
+    whose Adam states copy its strides, would be updated at the wrong elements, so such an optimizer keeps the loop
+    (its flag cleared, whatever a loaded checkpoint said).
     """
     for chained in getattr(optimizer, "chained_optimizers", [optimizer]):
         inner = getattr(chained, "optimizer", None)
@@ -117,10 +118,8 @@ def fuse_cpu_adam(optimizer) -> None:
         strided = sum(not p.is_contiguous() for p in params)
         if strided:
             logger.warning("%d non-contiguous parameters: Adam keeps the per-tensor loop (fuse_cpu_adam)", strided)
-            continue
-        inner.defaults.update(fused=True, foreach=False)
-        for group in inner.param_groups:
-            group.update(fused=True, foreach=False)
+        for group in [inner.defaults, *inner.param_groups]:
+            group.update(fused=not strided, foreach=False)
 
 
 def is_fused(optimizer) -> bool:
