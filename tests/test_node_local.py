@@ -77,17 +77,17 @@ def test_the_checkpoint_writers_queue_starts_under_a_long_tmpdir(long_tmpdir):
 
 def test_vllm_engines_get_a_short_ipc_folder(long_tmpdir, monkeypatch):
     pytest.importorskip("vllm")
-    from gtpo_megatron.rollout.vllm_engine import _engine_environment
+    from gtpo_megatron.rollout.vllm_start import engine_environment
 
     monkeypatch.setattr(tempfile, "tempdir", str(long_tmpdir))
     monkeypatch.delenv("VLLM_RPC_BASE_PATH", raising=False)
-    with _engine_environment(cpu_kvcache_space_gib=1, in_process=None, model_path="x", extra={}, quiet_logs=None):
+    with engine_environment(cpu_kvcache_space_gib=1, in_process=None, model_path="x", extra={}, quiet_logs=None):
         import vllm.envs
 
         assert vllm.envs.VLLM_RPC_BASE_PATH in SHORT_FOLDERS
     assert "VLLM_RPC_BASE_PATH" not in os.environ  # restored
     monkeypatch.setenv("VLLM_RPC_BASE_PATH", "/my/own")  # a user's choice is kept
-    with _engine_environment(cpu_kvcache_space_gib=1, in_process=None, model_path="x", extra={}, quiet_logs=None):
+    with engine_environment(cpu_kvcache_space_gib=1, in_process=None, model_path="x", extra={}, quiet_logs=None):
         assert os.environ["VLLM_RPC_BASE_PATH"] == "/my/own"
 
 

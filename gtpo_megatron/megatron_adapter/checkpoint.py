@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from gtpo_megatron.megatron_adapter.head_padding import resume_padding_error
 from gtpo_megatron.megatron_adapter.lora import adapter_signature, check_adapter_signature, checkpointed_model_state
-from gtpo_megatron.megatron_adapter.optimizer import fuse_cpu_adam, is_fused, restore_schedule
+from gtpo_megatron.megatron_adapter.optimizer import fuse_cpu_adam, restore_schedule
 from gtpo_megatron.parallel.collectives import barrier
 from gtpo_megatron.run_dir import (
     mark_complete,
@@ -303,10 +303,8 @@ def load_checkpoint(path: str | Path, policy) -> dict:
         loaded = dist_checkpointing.load(template, str(folder))
         _load_model_state(policy, loaded["model"])
         _use_config_lr(loaded["optimizer"], policy.optimizer.param_groups)
-        fused = is_fused(policy.optimizer)
         policy.optimizer.load_state_dict(loaded["optimizer"])
-        if fused:
-            fuse_cpu_adam(policy.optimizer)
+        fuse_cpu_adam(policy.optimizer)
     restore_schedule(policy.scheduler, common["scheduler"])
     if same_layout:
         _set_rng_state(loaded["rng"])

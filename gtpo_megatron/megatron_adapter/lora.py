@@ -246,7 +246,8 @@ def _param(tensor: torch.Tensor, like: torch.Tensor, *, split_dim: int | None) -
     """A trainable parameter of ``tensor`` in ``like``'s dtype and device, tagged TP-split along ``split_dim``."""
     from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
-    param = torch.nn.Parameter(tensor.to(dtype=like.dtype, device=like.device))
+    # contiguous: a column slice (row-parallel A) would keep its full tensor and break the fused CPU Adam
+    param = torch.nn.Parameter(tensor.to(dtype=like.dtype, device=like.device).contiguous())
     if split_dim is not None:
         set_tensor_model_parallel_attributes(param, True, split_dim, 1)
     return param

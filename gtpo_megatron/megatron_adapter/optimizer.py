@@ -93,30 +93,33 @@ def build_optimizer(ddp_model, *, settings: PolicySettings, params_dtype: torch.
         logger.warning("CPU fallback: Megatron's non-distributed Adam (full fp32 optimizer state on every DP rank)")
     with cuda_to_cpu_mode():
         optimizer = get_megatron_optimizer(optimizer_config(settings, params_dtype=params_dtype), [ddp_model])
-    if not settings.model.lora.enabled:  # adapters: the loop (the fused kernel broke the resharded LoRA resume)
-        fuse_cpu_adam(optimizer)
+    fuse_cpu_adam(optimizer)
     return optimizer, OptimizerParamScheduler(optimizer, **scheduler_kwargs(settings))
 
 
 def fuse_cpu_adam(optimizer) -> None:
-    """Give torch's Adam(W) under Megatron's optimizer its fused kernel where every parameter is on the CPU.
+    """Give torch's Adam(W) under Megatron's optimizer its fused kernel where every parameter is contiguous on the CPU.
 
     Without Transformer Engine or apex, Megatron builds ``torch.optim.AdamW`` with neither ``fused`` nor ``foreach``,
     which on CPU tensors is the per-tensor loop: about ten element-wise passes over each parameter. The fused CPU
     kernel (``torch._fused_adamw_``) is one pass of the same update (docs/performance.md); TRL and transformers'
-    Trainer use it too. Also re-applied after a checkpoint's ``param_groups`` are loaded (they carry the flag).
-    Not with LoRA adapters: a LoRA run resumed in another TP/PP layout then updated differently from the
-    uninterrupted run (tests/distributed/test_lora_checkpoint.py), which the per-tensor loop does not.
+    Trainer use it too. Also applied after a checkpoint's ``param_groups`` are loaded (they carry the flag).
+    The kernel walks each tensor's memory in order, ignoring its strides (torch 2.13): a non-contiguous parameter,
+    whose Adam states copy its strides, would be updated at the wrong elements, so such an optimizer keeps the loop
+    (its flag cleared, whatever a loaded checkpoint said).
     """
     for chained in getattr(optimizer, "chained_optimizers", [optimizer]):
         inner = getattr(chained, "optimizer", None)
         if not isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
             continue
         params = [p for group in inner.param_groups for p in group["params"]]
-        if params and all(p.device.type == "cpu" for p in params):
-            inner.defaults.update(fused=True, foreach=False)
-            for group in inner.param_groups:
-                group.update(fused=True, foreach=False)
+        if not params or any(p.device.type != "cpu" for p in params):
+            continue
+        strided = sum(not p.is_contiguous() for p in params)
+        if strided:
+            logger.warning("%d non-contiguous parameters: Adam keeps the per-tensor loop (fuse_cpu_adam)", strided)
+        for group in [inner.defaults, *inner.param_groups]:
+            group.update(fused=not strided, foreach=False)
 
 
 def is_fused(optimizer) -> bool:

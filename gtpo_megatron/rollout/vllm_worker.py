@@ -1,6 +1,6 @@
 """Code that runs inside every vLLM worker process: the ``worker_extension_cls`` of ``VLLMEngine``.
 
-vLLM mixes :class:`WeightReloadExtension` into each worker (as the base of ``vllm_engine.WorkerExtension``, which adds
+vLLM mixes :class:`WeightReloadExtension` into each worker (as the base of ``vllm_start.WorkerExtension``, which adds
 the routed-experts capture); ``LLM.collective_rpc`` calls its methods by name.
 Both weight paths end in one ``reload_weights`` pass, which re-runs ``process_weights_after_loading`` (the CPU
 backend pre-packs linear weights): ``files`` reads staged safetensors shards, ``collective`` feeds the sender's

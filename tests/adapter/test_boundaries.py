@@ -1,7 +1,8 @@
 """Layering rules (docs/architecture.md) that a source scan can check (no module is imported).
 
 * only ``parallel/groups.py`` reads Megatron's ``parallel_state`` (or ``mpu``);
-* only the engine modules ``rollout/vllm_engine.py``, ``vllm_async_engine.py`` and ``vllm_lora.py`` import vllm;
+* only the engine modules ``rollout/vllm_engine.py``, ``vllm_start.py``, ``vllm_generation.py``,
+  ``vllm_async_engine.py`` and ``vllm_lora.py`` import vllm;
 * ``ops`` imports torch and the standard library only, and no other package module than the collectives (the
   log-prob op's TP all-reduces); ``parallel/collectives.py`` imports no package module at all;
 * ``rewards`` needs no torch at all, ``data`` no torch.distributed, megatron or vllm, transitively through the package
@@ -45,7 +46,10 @@ def test_only_groups_module_touches_parallel_state():
 
 
 def test_only_the_vllm_engines_import_vllm():
-    engines = {PACKAGE / "rollout" / name for name in ("vllm_engine.py", "vllm_async_engine.py", "vllm_lora.py")}
+    engines = {
+        PACKAGE / "rollout" / name
+        for name in ("vllm_engine.py", "vllm_start.py", "vllm_generation.py", "vllm_async_engine.py", "vllm_lora.py")
+    }
     offenders = _offenders(lambda n: n.split(".")[0] == "vllm", engines)
     assert offenders == [], f"import vllm only in {sorted(p.name for p in engines)}: {offenders}"
 

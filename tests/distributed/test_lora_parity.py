@@ -6,7 +6,7 @@ with all seven projections and with a masked subset (q_proj, v_proj, down_proj: 
   reference's log-probs (``AdaptersOffReference``) once the adapters are nonzero equal that policy's (1e-5);
 * with the reference's random adapters copied in, the logits agree (atol ``LOGITS_ATOL``), and one
   ``forward_backward`` gives each adapter shard's ``main_grad`` the reference gradient's shard (``GRAD_ATOL``);
-  the base weights get no gradient and the optimizer holds the adapters only;
+  the base weights get no gradient and the optimizer holds the adapters only, contiguous, under the fused Adam;
 * ``iter_hf_weights`` streams every HF tensor, the targeted projections merged (``W + alpha / rank * B @ A``).
 """
 
@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from gtpo_megatron.config import LoRAConfig
+from gtpo_megatron.megatron_adapter.optimizer import is_fused
 from gtpo_megatron.ops import LossSpec, compute_normalizer, policy_loss
 from gtpo_megatron.plan.architectures import architecture_from_hf_config
 from gtpo_megatron.plan.memory import stage_lora_params
@@ -138,6 +139,8 @@ def _check_grads(policy, params, grads, label) -> None:
     assert trainable == local and local, f"{label}: trainable {sorted(trainable ^ local)}"
     in_optimizer = sum(p.numel() for group in policy.optimizer.param_groups for p in group["params"])
     assert in_optimizer == sum(params[name].numel() for name in local), f"{label}: optimizer holds base weights"
+    # the fused CPU Adam ignores strides: every adapter contiguous, so the optimizer runs it (test_cpu_adam.py)
+    assert all(params[name].is_contiguous() for name in local) and is_fused(policy.optimizer), label
     arch = architecture_from_hf_config(policy.hf_config.to_dict(), name=label)
     projections = tuple(sorted({proj for _, proj in grads}))
     planned = stage_lora_params(arch, rank=RANK, projections=projections, tp_size=groups.tp_size,

@@ -26,6 +26,9 @@ pytestmark = pytest.mark.distributed
 
 Q, G, D, H, F, VOCAB, PADDED, TP, PP, DP = 6, 3, 4, 8, 12, 30, 32, 2, 2, 2
 DTYPE = torch.bfloat16
+FAILURE_TIMEOUT_S = 3.0
+"""The weight group's timeout where a member stays silent: the others, nine threads of this process, must join and
+send within it on a loaded machine (1 s did not always hold), so that only the silent member is named."""
 _LAYER = ("input_layernorm.weight", "self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias",
           "self_attention.linear_proj.weight", "pre_mlp_layernorm.weight", "mlp.linear_fc1.weight",
           "mlp.linear_fc2.weight")  # fmt: skip
@@ -169,7 +172,7 @@ def test_a_silent_sender_fails_the_workers_within_the_timeout(tmp_path):
     ranks, _, _ = _trainer(tmp_path)
     plan = build_shard_plan([offers for offers, _ in ranks], bucket_bytes=1 << 20, element_size=2)
     num_senders = len(plan.senders)
-    members = _groups(num_senders + 1, timeout_s=1.0)
+    members = _groups(num_senders + 1, timeout_s=FAILURE_TIMEOUT_S)
     with ThreadPoolExecutor(num_senders) as pool:
         worker = pool.submit(lambda: list(receive_shards(members[-1])))
         for i in range(num_senders - 1):  # the last sender never sends
@@ -185,12 +188,13 @@ def test_a_worker_that_takes_nothing_fails_the_senders_naming_it(tmp_path):
     ranks, _, _ = _trainer(tmp_path)
     plan = build_shard_plan([offers for offers, _ in ranks], bucket_bytes=1 << 20, element_size=2)
     num_senders = len(plan.senders)
-    members = _groups(num_senders + 1, timeout_s=1.0)
+    members = _groups(num_senders + 1, timeout_s=FAILURE_TIMEOUT_S)
     with ThreadPoolExecutor(num_senders) as pool:
         sends = [pool.submit(send_shards, plan, ranks[plan.senders[i]][1], group=members[i], num_workers=1,
                              dtype=DTYPE) for i in range(num_senders)]  # fmt: skip
         errors = [_outcome(f) for f in sends]
     assert all(isinstance(e, RuntimeError) for e in errors), errors
     assert f"sender 1 (trainer rank {plan.senders[1]}) could not deliver bucket 0 (" in str(errors[1])
-    assert "to engine worker 0 within 1 s" in str(errors[1])
-    assert "sender 0 (trainer rank 0) could not deliver the plan to engine worker 0 within 1 s" in str(errors[0])
+    within = f"within {FAILURE_TIMEOUT_S:g} s"
+    assert f"to engine worker 0 {within}" in str(errors[1])
+    assert f"sender 0 (trainer rank 0) could not deliver the plan to engine worker 0 {within}" in str(errors[0])

@@ -17,37 +17,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.adapter.megatron_helpers import TINY_LLAMA, make_batch
+from tests.adapter.megatron_helpers import TINY_LLAMA
 from tests.helpers.dist_harness import run_distributed
+from tests.helpers.run_checkpoints import train_and_save
 
 pytestmark = pytest.mark.distributed
 
 
 def _train_and_save(rank: int, world_size: int, run_dir: str) -> None:
-    from gtpo_megatron.build import build_policy
-    from gtpo_megatron.config import load_config, save_config
-    from gtpo_megatron.ops import LossSpec
-    from gtpo_megatron.parallel.groups import init_distributed
-
-    cfg = load_config(
-        None,
-        [
-            f"model={TINY_LLAMA}",
-            f"output_dir={run_dir}",
-            "model.params_dtype=float32",
-            "parallel.tp_size=2",
-            "optim.lr=1e-2",
-            "optim.min_lr=1e-2",
-            "optim.clip_grad=0",
-        ],
-    )
-    if rank == 0:
-        save_config(cfg, Path(run_dir) / "config.yaml")
-    policy = build_policy(cfg, cfg.model.name_or_path, init_distributed(tp_size=2))
-    loss = LossSpec(loss_name="gtpo", aggregation="seq-mean-token-mean", clip_eps_low=0.2, clip_eps_high=0.2)
-    metrics = policy.train_step(make_batch(rows=4, seed=3), loss)
-    assert metrics["skipped"] == 0.0, metrics
-    policy.save_checkpoint(f"{run_dir}/checkpoints/step_000001", {"step": 1})
+    policy = train_and_save(rank, run_dir, TINY_LLAMA)
     weights = {name: tensor.clone() for name, tensor in policy.iter_hf_weights()}
     if rank == 0:
         torch.save(weights, Path(run_dir) / "expected_hf_weights.pt")

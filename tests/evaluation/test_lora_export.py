@@ -16,38 +16,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.adapter.megatron_helpers import TINY_QWEN2, load_hf_model, make_batch
+from tests.adapter.megatron_helpers import TINY_QWEN2, load_hf_model
 from tests.helpers.dist_harness import run_distributed
+from tests.helpers.run_checkpoints import train_and_save
 
 pytestmark = pytest.mark.distributed
 IDS = torch.randint(0, 1000, (2, 12), generator=torch.Generator().manual_seed(0))
 
 
 def _train_and_save(rank: int, world_size: int, run_dir: str) -> None:
-    from gtpo_megatron.build import build_policy
-    from gtpo_megatron.config import load_config, save_config
     from gtpo_megatron.megatron_adapter.lora_gather import gather_adapter_tensors
-    from gtpo_megatron.ops import LossSpec
-    from gtpo_megatron.parallel.groups import init_distributed
 
-    overrides = [
-        f"model={TINY_QWEN2}",
-        f"output_dir={run_dir}",
-        "model.params_dtype=float32",
-        "parallel.tp_size=2",
-        "optim.lr=1e-2",
-        "optim.min_lr=1e-2",
-        "optim.clip_grad=0",
-        "model.lora.rank=4",
-        "model.lora.alpha=8",
-    ]
-    cfg = load_config(None, overrides)
-    if rank == 0:
-        save_config(cfg, Path(run_dir) / "config.yaml")
-    policy = build_policy(cfg, cfg.model.name_or_path, init_distributed(tp_size=2))
-    loss = LossSpec(loss_name="gtpo", aggregation="seq-mean-token-mean", clip_eps_low=0.2, clip_eps_high=0.2)
-    assert policy.train_step(make_batch(rows=4, seed=3), loss)["skipped"] == 0.0
-    policy.save_checkpoint(f"{run_dir}/checkpoints/step_000001", {"step": 1})
+    policy = train_and_save(rank, run_dir, TINY_QWEN2, ["model.lora.rank=4", "model.lora.alpha=8"])
     adapters = gather_adapter_tensors(policy.model, policy.groups)
     if rank == 0:
         torch.save(adapters, Path(run_dir) / "expected_adapters.pt")

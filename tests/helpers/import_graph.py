@@ -40,8 +40,8 @@ LAYERS: list[tuple[str, tuple[str, ...], str]] = [
     (
         "edges",
         ("gtpo_megatron.rollout", "gtpo_megatron.megatron_adapter", "gtpo_megatron.policy", "gtpo_megatron.logging"),
-        "vllm (only `rollout/vllm_engine.py`, `vllm_async_engine.py`, `vllm_lora.py`), megatron-core, "
-        "transformers, wandb",
+        "vllm (only `rollout/vllm_engine.py`, `vllm_start.py`, `vllm_generation.py`, `vllm_async_engine.py`, "
+        "`vllm_lora.py`), megatron-core, transformers, wandb",
     ),
     ("algorithm", ("gtpo_megatron.algorithm",), ""),
     ("plugin API", ("gtpo_megatron.plugin",), ""),

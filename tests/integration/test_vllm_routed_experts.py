@@ -64,12 +64,12 @@ def test_cpu_engine_returns_routed_experts_equal_to_transformers_top_k():
 
 def test_capture_needs_vllm_primitives(monkeypatch):
     """The engine's capture options per platform, and the refusal (before any engine starts) without vLLM's."""
-    from gtpo_megatron.rollout.vllm_engine import _routing_kwargs
+    from gtpo_megatron.rollout.vllm_start import routing_kwargs
 
-    assert _routing_kwargs(False, cpu=True) == {}
-    assert _routing_kwargs(True, cpu=True) == {"enable_prefix_caching": False}
-    gpu = _routing_kwargs(True, cpu=False)
+    assert routing_kwargs(False, cpu=True) == {}
+    assert routing_kwargs(True, cpu=True) == {"enable_prefix_caching": False}
+    gpu = routing_kwargs(True, cpu=False)
     assert gpu == {"enable_return_routed_experts": True, "environment": {"VLLM_USE_V2_MODEL_RUNNER": "1"}}
     monkeypatch.setitem(sys.modules, "vllm.model_executor.layers.fused_moe.routed_experts_capturer", None)
     with pytest.raises(RuntimeError, match=r"bind_routed_experts_capturer\), which vLLM .* lacks; install vllm>=0\.32"):
-        _routing_kwargs(True, cpu=True)
+        routing_kwargs(True, cpu=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+from pathlib import Path
 
 import pytest
 
@@ -76,14 +77,26 @@ def test_vllm_engine_satisfies_protocol_structurally():
     assert {"generate", "update_weights", "sleep", "wake_up", "close"} <= set(dir(RolloutEngine))
 
 
-def _calls_on_the_engine(module) -> dict[str, set[str]]:
-    """Each method ``module`` calls as ``self._llm.<name>(...)``: the keywords it passes, over all its calls."""
+def _calls_on_the_engine(source: str) -> dict[str, set[str]]:
+    """Each method ``source`` calls as ``self._llm.<name>(...)``: the keywords it passes, over all its calls."""
     calls: dict[str, set[str]] = {}
-    for node in ast.walk(ast.parse(inspect.getsource(module))):
+    for node in ast.walk(ast.parse(source)):
         target = node.func if isinstance(node, ast.Call) else None
         if isinstance(target, ast.Attribute) and ast.unparse(target.value) == "self._llm":
             calls.setdefault(target.attr, set()).update(k.arg for k in node.keywords)
     return calls
+
+
+def _engine_modules() -> set:
+    """The package modules defining ``VLLMEngine`` and its bases (the engine's code is split across them)."""
+    return {inspect.getmodule(c) for c in VLLMEngine.__mro__ if c.__module__.startswith("gtpo_megatron.")}
+
+
+def test_every_module_calling_vllm_llm_is_part_of_the_engine():
+    """The scan below must see every ``self._llm.<name>(...)`` call: no rollout module outside the engine makes one."""
+    rollout = Path(vllm_engine.__file__).parent
+    callers = {path.stem for path in rollout.glob("*.py") if _calls_on_the_engine(path.read_text())}
+    assert {m.__name__.rsplit(".", 1)[1] for m in _engine_modules()} == callers == {"vllm_engine", "vllm_generation"}
 
 
 def test_the_async_facade_answers_every_call_the_engine_makes_on_vllm_llm():
@@ -91,8 +104,12 @@ def test_the_async_facade_answers_every_call_the_engine_makes_on_vllm_llm():
 
     Only sleep and wake_up are absent: colocated engines sleep, and partial rollouts refuse colocation.
     """
-    calls = _calls_on_the_engine(vllm_engine)
+    calls: dict[str, set[str]] = {}
+    for module in _engine_modules():
+        for name, keywords in _calls_on_the_engine(inspect.getsource(module)).items():
+            calls.setdefault(name, set()).update(keywords)
     assert {"generate", "collective_rpc", "get_tokenizer", "reset_prefix_cache"} <= set(calls)
+    assert "lora_request" in calls["generate"]
     assert {name for name in calls if not hasattr(AsyncFacade, name)} == {"sleep", "wake_up"}
     for name, keywords in calls.items():
         if hasattr(AsyncFacade, name):

@@ -1,4 +1,4 @@
-"""``vllm_engine._to_completion``: the text of a completion is the completion its token ids are.
+"""``vllm_generation.to_completion``: the text of a completion is the completion its token ids are.
 
 A stop string that ends inside a token: vLLM cuts its text at the string but keeps the whole token
 (tiny-llama, seed 7, stop "ste": text "comed       dansuste", ids decoding to "comed       dansuster").
@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from gtpo_megatron.rollout.vllm_engine import _to_completion
+from gtpo_megatron.rollout.vllm_generation import to_completion
 
 PIECES = {18009: "comed", 5013: "      ", 44612: " dans", 5404: "uster", 2: "</s>"}
 
@@ -26,7 +26,7 @@ def _output(text, token_ids, stop_reason, finish_reason="stop"):
 
 
 def test_a_stop_string_inside_a_token_scores_the_decoded_ids():
-    completion = _to_completion(_output("comed       dansuste", [18009, 5013, 44612, 5404], "ste"), _decode)
+    completion = to_completion(_output("comed       dansuste", [18009, 5013, 44612, 5404], "ste"), _decode)
     assert completion.text == "comed       dansuster"
 
 
@@ -38,4 +38,4 @@ def test_a_stop_string_inside_a_token_scores_the_decoded_ids():
     ],
 )
 def test_other_finishes_keep_vllms_text(output, text):
-    assert _to_completion(output, _decode).text == text
+    assert to_completion(output, _decode).text == text

@@ -13,7 +13,6 @@ import logging
 import os
 import signal
 import threading
-import time
 
 import pytest
 import torch
@@ -24,15 +23,21 @@ from tests.trainer.fakes import FakePolicy, SeededFakeEngine, make_trainer, one_
 
 one_rank_world = pytest.fixture(scope="module", autouse=True)(one_rank_process_group)
 ASYNC = ("rollout.placement=separate", "rollout.mode=async", "checkpoint.every_n_steps=0")
+HANG_BOUND_S = 300.0
+"""Longest a hung fake generation waits for its test to release it."""
 
 
 class _LoggingEngine(SeededFakeEngine):
-    """Logs ``gen<step>`` after each generation and ``push`` after each weight update; fails or hangs at a step."""
+    """Logs ``gen<step>`` after each generation and ``push`` after each weight update; fails or hangs at a step.
+
+    A hung generation waits for ``release`` (at most ``HANG_BOUND_S``), set by the test once it saw the timeout.
+    """
 
     def __init__(self, *, fail_at=None, hang_at=None):
         super().__init__()
         self.log, self.fail_at, self.hang_at = [], fail_at, hang_at
         self.threads = set()
+        self.release = threading.Event()
 
     def generate(self, prompt_ids, n, sampling, prompt_indices=None):
         step = sampling.seed // 1000
@@ -40,7 +45,7 @@ class _LoggingEngine(SeededFakeEngine):
         if step == self.fail_at:
             raise RuntimeError("engine core died")
         if step == self.hang_at:
-            time.sleep(5)
+            self.release.wait(HANG_BOUND_S)
         out = super().generate(prompt_ids, n, sampling, prompt_indices)
         self.log.append(f"gen{step}")
         return out
@@ -197,17 +202,27 @@ def test_sigterm_after_an_update_saves_the_step_with_its_batches_in_flight_and_a
 
 
 @pytest.mark.parametrize(
-    ("engine", "match"),
+    ("failure", "timeout_s", "match"),
     [
-        (_LoggingEngine(fail_at=2), r"the async rollout of step 2 failed \(RuntimeError: engine core died\)"),
-        (_LoggingEngine(hang_at=2), r"the async rollout of step 2 did not finish within rollout.timeout_s=0.5 s"),
+        ("fail_at", 300, r"the async rollout of step 2 failed \(RuntimeError: engine core died\)"),
+        ("hang_at", 3, r"the async rollout of step 2 did not finish within rollout.timeout_s=3 s"),
     ],
 )
-def test_an_engine_that_dies_or_hangs_stops_the_job_with_a_clear_error(tmp_path, engine, match):
-    trainer = make_trainer(tmp_path, *ASYNC, "rollout.timeout_s=0.5", engine=engine, policy=FakePolicy())
-    with pytest.raises(RuntimeError, match=match):
-        trainer.run()
-    trainer.close()
+def test_an_engine_that_dies_or_hangs_stops_the_job_with_a_clear_error(tmp_path, failure, timeout_s, match):
+    """Step 1's batch arrives, then step 2's fails or hangs: the error names step 2.
+
+    The hang's timeout is one that step 1's batch meets on a loaded machine; a failure raises at once, so its timeout
+    only has to be long.
+    """
+    engine = _LoggingEngine(**{failure: 2})
+    trainer = make_trainer(tmp_path, *ASYNC, f"rollout.timeout_s={timeout_s}", engine=engine, policy=FakePolicy())
+    try:
+        with pytest.raises(RuntimeError, match=match):
+            trainer.run()
+        assert "gen1" in engine.log and "gen2" not in engine.log, engine.log
+    finally:
+        engine.release.set()
+        trainer.close()
 
 
 @pytest.mark.parametrize(
