@@ -14,7 +14,9 @@ from tests.rollout.ft_fakes import FaultyEngine, Rank, ThreadWorld, ft_config
 
 
 def _rows(rollout):
-    return [[c.token_ids for c in g.completions] for g in rollout.groups], rollout.scores, rollout.rewards
+    """The step's prompts and completions, group by group (a lost, repeated or moved prompt changes them)."""
+    groups = [(list(g.prompt_ids), [c.token_ids for c in g.completions]) for g in rollout.groups]
+    return groups, rollout.scores, rollout.rewards
 
 
 def _run(monkeypatch, faults: list[FaultyEngine], k: int, steps: int):
