@@ -109,7 +109,8 @@ class Trainer:
         self._world = dist.group.WORLD
         self.rollouts = None  # rollout.mode=async: the engines sample ahead (rollout/pipeline.py)
         if cfg.rollout.mode == "async":
-            self.rollouts = AsyncRollouts(cfg, collector=collector, loader=loader, exchange=exchange)
+            self.rollouts = AsyncRollouts(cfg, collector=collector, loader=loader, exchange=exchange,
+                                          recovery=fault_tolerance)  # fmt: skip
         self.checkpoints = RunCheckpoints(
             cfg, policy, loader, self.initial_entropy, rank=groups.rank, group=dist.group.WORLD,
             in_flight=None if self.rollouts is None else (lambda: self.rollouts.in_flight),

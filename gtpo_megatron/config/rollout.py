@@ -99,8 +99,9 @@ class RolloutConfig:
     fault_tolerance: bool = False
     """Keep training when an engine dies or stops answering (``rollout/fault_tolerance.py``, docs/training.md,
     "Engine failures"): its prompts move to the surviving engines with the same request seeds, it restarts in the
-    background and rejoins with the current weights at a weight sync. Needs ``rollout.num_engines >= 2``,
-    ``weight_sync: collective`` and ``mode: sync``. Off: a failed engine stops the job, naming it."""
+    background and rejoins with the current weights at a weight sync (sync or async mode). Needs
+    ``rollout.num_engines >= 2`` and ``weight_sync: collective``, not with ``partial_rollouts``. Off: a failed engine
+    stops the job, naming it."""
     health_check_interval_s: float = 10.0
     """Fault tolerance: seconds between two health checks of an engine that is generating or receiving weights."""
     health_check_timeout_s: float = 5.0
@@ -163,6 +164,14 @@ class RolloutConfig:
         """In-flight weight updates need async mode, engines of their own and no routed-experts capture."""
         if not self.partial_rollouts:
             return
+        _require(
+            not self.fault_tolerance,
+            "rollout.partial_rollouts/rollout.fault_tolerance",
+            (self.partial_rollouts, self.fault_tolerance),
+            "an engine that dies holds requests of several policy versions, which no survivor holds any more to "
+            "sample them again, and partial rollouts feed one engine (weight_sync: files; docs/training.md)",
+            "set rollout.partial_rollouts=false (async mode takes fault tolerance), or rollout.fault_tolerance=false",
+        )
         _require(
             self.mode == "async" and self.placement == "separate",
             "rollout.partial_rollouts/rollout.mode/rollout.placement",
@@ -250,14 +259,6 @@ class RolloutConfig:
             "a restarted engine rejoins through the collective weight group (files feeds one engine; sharded's "
             "point-to-point waits cannot stop for a dead engine before rollout.timeout_s)",
             "set rollout.weight_sync=collective",
-        )
-        _require(
-            self.mode == "sync",
-            "rollout.fault_tolerance/rollout.mode",
-            (self.fault_tolerance, self.mode),
-            "fault tolerance redistributes a step's prompts at the rollout exchange of sync mode only (an async "
-            "batch re-sampled on a survivor would use later weights than its place in the queue; docs/training.md)",
-            "set rollout.mode=sync, or rollout.fault_tolerance=false",
         )
 
 

@@ -34,9 +34,10 @@ def longest_wait_s(
 
     Sync: a round's generation and the grading of its P*G ``num_answers``; with ``fault_tolerance`` twice (a failed
     engine's prompts sampled again on another, ``rollout/fault_tolerance.py``); async: the drain of
-    ``max_staleness`` batches (grading included).
+    ``max_staleness`` batches (grading included), with ``fault_tolerance`` twice (a moved block waits for the
+    survivor's batch in progress, ``rollout/async_recovery.py``).
     """
-    if mode == "async":
-        return max_staleness * timeout_s
     passes = 2 if fault_tolerance else 1
+    if mode == "async":
+        return passes * max_staleness * timeout_s
     return passes * (timeout_s + grading_bound_s(num_answers, num_workers=reward_workers, timeout_s=reward_timeout_s))

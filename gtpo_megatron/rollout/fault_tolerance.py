@@ -12,6 +12,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -41,6 +42,18 @@ def deal(prompts: Sequence[int], live: Sequence[int]) -> dict[int, list[int]]:
         block = engine_prompt_range(len(prompts), num_engines=len(live), index=k)
         blocks[engine] = [prompts[i] for i in block]
     return blocks
+
+
+@dataclass(frozen=True, slots=True)
+class Deal:
+    """A round's prompts dealt to the engines live at the deal (an async batch's at its queueing).
+
+    ``blocks``: engine -> global prompt indices; ``moved``: how many of the round's prompts belong to engines that
+    were down at the deal.
+    """
+
+    blocks: dict[int, list[int]]
+    moved: int
 
 
 class FaultTolerance:
@@ -88,18 +101,30 @@ class FaultTolerance:
         return [e for e in range(self.num_engines) if self.alive[e]]
 
     # -------------------------------------------------------------------------------------------------- rollout
+    def deal_round(self) -> Deal:
+        """A round's P prompts dealt to the live engines (agreed on every rank: ``alive`` is)."""
+        num_prompts = self.rollout.num_prompts
+        down = [e for e in range(self.num_engines) if not self.alive[e]]
+        moved = sum(len(engine_prompt_range(num_prompts, num_engines=self.num_engines, index=e)) for e in down)
+        return Deal(deal(list(range(num_prompts)), self.live()), moved)
+
     def sample_round(
-        self, sample: Callable[[list[int]], dict[int, ScoredGroup]], tally: EngineTally
+        self, sample: Callable[[list[int]], dict[int, ScoredGroup]], tally: EngineTally, dealt: Deal | None = None
     ) -> dict[int, ScoredGroup]:
         """This rank's scored groups of one round, every prompt sampled by a live engine (every rank calls).
 
         ``sample``: the leader's ``collector.sample_round`` of a list of global indices. Collectives: one SUM of
         ``[N]`` failure flags per pass. Raises RuntimeError on every rank at a limit (module docstring).
+        ``dealt``: the round's deal (async: made at the batch's queueing), else one made now; the blocks of engines
+        that failed since move to the live ones before the first pass.
         """
-        num_prompts = self.rollout.num_prompts
-        down = [e for e in range(self.num_engines) if not self.alive[e]]
-        self._moved += sum(len(engine_prompt_range(num_prompts, num_engines=self.num_engines, index=e)) for e in down)
-        pending, scored = deal(list(range(num_prompts)), self.live()), {}
+        dealt = self.deal_round() if dealt is None else dealt
+        gone = sorted(i for e, block in dealt.blocks.items() if not self.alive[e] for i in block)
+        pending = {e: list(block) for e, block in dealt.blocks.items() if self.alive[e]}
+        for e, block in deal(gone, self.live()).items():
+            pending[e] = pending.get(e, []) + block
+        self._moved += dealt.moved + len(gone)
+        scored = {}
         while True:
             failed = torch.zeros(self.num_engines, dtype=torch.float64)
             mine = pending.get(self.mine, [])

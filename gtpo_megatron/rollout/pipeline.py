@@ -7,20 +7,18 @@ engine leader's worker thread runs its queue strictly in order:
     step t    take(t) -> train -> queue the weights after step t, then batch t+1+k   (while t+1+k <= max_steps)
 
 What the schedule gives (each batch's weights, the time, the drain, checkpoints, partial rollouts): docs/training.md,
-"Asynchronous rollouts".
+"Asynchronous rollouts"; with ``rollout.fault_tolerance`` each batch is settled by ``rollout/async_recovery.py``.
 """
 
 from __future__ import annotations
 
-import os
-import queue
-import threading
 import time
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from gtpo_megatron.parallel.collectives import any_rank
 from gtpo_megatron.preemption import StepInterrupted, wait_until
+from gtpo_megatron.rollout.async_recovery import AsyncRecovery
+from gtpo_megatron.rollout.async_worker import Batch, Weights, Worker
 from gtpo_megatron.rollout.collector import StepRollout, share_step
 from gtpo_megatron.rollout.exchange import EngineTally, raise_leader_failures
 from gtpo_megatron.rollout.push import FilesWeightSync
@@ -30,84 +28,13 @@ if TYPE_CHECKING:
 
     from gtpo_megatron.config import GTPOConfig
     from gtpo_megatron.data.loader import PromptLoader
-    from gtpo_megatron.data.types import Problem
     from gtpo_megatron.preemption import StopRequests
     from gtpo_megatron.rollout.adapter_sync import AdapterWeightSync
+    from gtpo_megatron.rollout.async_recovery import Settled
     from gtpo_megatron.rollout.collector import RolloutCollector
-    from gtpo_megatron.rollout.exchange import ScoredGroup, StepExchange
+    from gtpo_megatron.rollout.exchange import StepExchange
     from gtpo_megatron.rollout.fault_tolerance import FaultTolerance
     from gtpo_megatron.rollout.push import CollectiveWeightSync, StreamFactory
-
-
-@dataclass
-class _Batch:
-    """One step's batch on an engine leader: its prompts, and what the worker made of them."""
-
-    step: int
-    problems: list[Problem]
-    done: threading.Event = field(default_factory=threading.Event)
-    scored: dict[int, ScoredGroup] = field(default_factory=dict)
-    tally: EngineTally = field(default_factory=EngineTally)
-    error: BaseException | None = None
-
-
-@dataclass(frozen=True)
-class _Weights:
-    """The weights after ``step``, queued between two batches: ``load`` puts them into the engine."""
-
-    step: int
-    load: Callable[[], object]
-
-
-class _Worker:
-    """A daemon thread that runs a leader's queue of batches and weight loads in order (on the collector's cores).
-
-    ``streaming`` (partial rollouts): each batch is sampled in a thread of its own as soon as it is queued, so the
-    engine holds the requests of every queued batch at once and never waits for a batch's longest completion.
-    """
-
-    def __init__(self, collector: RolloutCollector, *, streaming: bool = False) -> None:
-        self._streaming = streaming
-        self._queue: queue.Queue[_Batch | _Weights | None] = queue.Queue()
-        self._thread = threading.Thread(target=self._run, args=(collector,), name="gtpo-async-rollout", daemon=True)
-        self._thread.start()
-
-    def submit(self, item: _Batch | _Weights) -> None:
-        self._queue.put(item)
-
-    def close(self) -> None:
-        """Stop after the item in progress (the engine's close ends a hung one)."""
-        self._queue.put(None)
-
-    def _run(self, collector: RolloutCollector) -> None:
-        if collector.cores is not None:  # this thread only: the training rank keeps its cores
-            os.sched_setaffinity(0, collector.cores)
-        failed_load: tuple[int, BaseException] | None = None  # every later batch fails: its weights are wrong
-        while (item := self._queue.get()) is not None:
-            if isinstance(item, _Weights):
-                try:
-                    item.load()
-                except BaseException as err:  # reported with the next batch, at its take
-                    failed_load = failed_load or (item.step, err)
-                continue
-            if self._streaming:
-                threading.Thread(target=_sample, args=(collector, item, None), name=f"gtpo-batch-{item.step}",
-                                 daemon=True).start()  # fmt: skip
-            else:
-                _sample(collector, item, failed_load)
-
-
-def _sample(collector: RolloutCollector, batch: _Batch, failed_load: tuple[int, BaseException] | None) -> None:
-    """Sample and score ``batch`` (its error kept for the main thread); refused after a failed queued load."""
-    try:
-        if failed_load is not None:
-            step, err = failed_load
-            raise RuntimeError(f"loading the weights after step {step} failed ({type(err).__name__}: {err})")
-        batch.scored = collector.sample_round(batch.step, 0, batch.problems, batch.tally)
-    except BaseException as err:  # handed to the main thread at take or drain
-        batch.error = err
-    finally:
-        batch.done.set()
 
 
 class AsyncRollouts:
@@ -118,6 +45,8 @@ class AsyncRollouts:
         collector: this rank's engine leader's collector, else None.
         loader: the trainer's prompt loader (advanced at take, so checkpoints hold the trained position).
         exchange: the step exchange every batch crosses at take (``collector.share_step``).
+        recovery: ``rollout.fault_tolerance``'s (``rollout/async_recovery.py``: batches dealt to the live engines,
+            settled at take or at the drain), else None.
     """
 
     def __init__(
@@ -127,17 +56,22 @@ class AsyncRollouts:
         collector: RolloutCollector | None,
         loader: PromptLoader,
         exchange: StepExchange,
+        recovery: FaultTolerance | None = None,
     ) -> None:
         self.cfg, self.collector, self.loader, self.exchange = cfg, collector, loader, exchange
         self.max_staleness = cfg.rollout.max_staleness
         self._versions: dict[int, int] = {}  # queued, not yet taken: step -> the weights' completed steps
-        self._batches: dict[int, _Batch] = {}  # the leader's batches of those steps
+        self._batches: dict[int, Batch] = {}  # the leader's batches of those steps
         self._ahead: PromptLoader | None = None
         self._version = 0
         self._last_take_s = 0.0
         self.partial = cfg.rollout.partial_rollouts  # weights load into the running engine (_update_in_flight)
-        self._worker = _Worker(collector, streaming=self.partial) if collector is not None else None
+        self._worker = Worker(collector, streaming=self.partial) if collector is not None else None
         self._failed_load: tuple[int, BaseException] | None = None
+        self._recovery = None  # with fault tolerance: every rank's deals and settled batches of the queued steps
+        if recovery is not None:
+            self._recovery = AsyncRecovery(recovery, worker=self._worker, timeout_s=cfg.rollout.timeout_s)
+            self._deals, self._settled = {}, {}
 
     @property
     def in_flight(self) -> list[int]:
@@ -159,14 +93,19 @@ class AsyncRollouts:
             return
         problems = self._ahead.next_batch()
         self._versions[step] = self._version
+        share = None
+        if self._recovery is not None:
+            self._deals[step] = dealt = self._recovery.deal()
+            share = dealt.blocks.get(self._recovery.mine, [])
         if self._worker is not None:
-            self._batches[step] = batch = _Batch(step=step, problems=problems)
+            self._batches[step] = batch = Batch(step=step, problems=problems, share=share)
             self._worker.submit(batch)
 
     def take(self, step: int, stop: StopRequests | None) -> StepRollout | None:
         """Step ``step``'s rollout on every rank (None on every rank after a SIGTERM during the wait).
 
-        Adds the ``async/*`` metrics of docs/metrics.md to its stats. Collectives: ``share_step``'s (world).
+        Adds the ``async/*`` metrics of docs/metrics.md to its stats. Collectives: ``share_step``'s (world); with
+        fault tolerance, the batch's settle first unless the drain settled it (``AsyncRecovery.settle``).
 
         Raises:
             RuntimeError: on every rank, naming the engine, when it or the graders failed on this batch (or on a
@@ -174,11 +113,16 @@ class AsyncRollouts:
         """
         problems = self.loader.next_batch()
         version = self._versions.pop(step)
-        tally, scored, start = EngineTally(), {}, time.perf_counter()
-        if self._worker is not None:
+        tally, scored, start, settled = EngineTally(), {}, time.perf_counter(), None
+        if self._worker is not None and self._batches[step].problems != problems:  # the look-ahead drew others
+            raise RuntimeError(f"async rollouts: step {step}'s batch holds other prompts than the loader's")
+        if self._recovery is not None:
+            settled = self._settled.pop(step, None) or self._settle(step, stop)
+            scored, tally = settled.scored, settled.tally
+            self._batches.pop(step, None)
+            self._deals.pop(step)
+        elif self._worker is not None:
             batch = self._batches.pop(step)
-            if batch.problems != problems:  # the look-ahead and the trainer's loader drew different prompts
-                raise RuntimeError(f"async rollouts: step {step}'s batch holds other prompts than the loader's")
             try:
                 self._raise_failed_load()
                 self._wait(batch, stop)
@@ -192,7 +136,16 @@ class AsyncRollouts:
         rollout = share_step([scored], [], tally, self.exchange, engine_index=engine_index)
         if rollout is not None:
             rollout.stats.update(self._take_stats(step - 1 - version, wait_s, rollout.stats))
+            rollout.stats.update(settled.stats if settled is not None else {})  # fault tolerance's rollout/*
         return rollout
+
+    def _settle(self, step: int, stop: StopRequests | None) -> Settled:
+        """Settle step ``step``'s batch (every rank); a leader whose engine is lost drops its queued batches."""
+        settled = self._recovery.settle(self._batches.get(step), self._deals[step], stop)
+        if self._recovery.engine_lost:
+            for batch in self._batches.values():
+                batch.cancelled = True
+        return settled
 
     def _take_stats(self, staleness: int, wait_s: float, stats: dict[str, float]) -> dict[str, float]:
         """Staleness, waits and occupancy of a take; the fractions are of the seconds since the previous take."""
@@ -232,7 +185,7 @@ class AsyncRollouts:
             if self._worker is not None and self.partial:
                 metrics |= self._update_in_flight(step, load)
             elif self._worker is not None:
-                self._worker.submit(_Weights(step=step, load=load))
+                self._worker.submit(Weights(step=step, load=load))
         else:
             metrics = self.drain(stop)
             if any_rank(stop is not None and stop.abort_requested, group=self.exchange.group):
@@ -258,6 +211,12 @@ class AsyncRollouts:
     def drain(self, stop: StopRequests | None) -> dict[str, float]:
         """Wait until every queued batch is sampled (a stop signal leaves the wait); ``async/drain_wait_s``."""
         start, error = time.perf_counter(), None
+        if self._recovery is not None:  # every rank settles the queued batches: a failed engine's move now
+            for step in sorted(set(self._versions) - set(self._settled)):
+                settled = self._settle(step, stop)
+                if not settled.tally.aborted:  # (an abort signal skips the push and the run stops)
+                    self._settled[step] = settled
+            return {"async/drain_wait_s": time.perf_counter() - start}
         try:
             for step in sorted(self._batches):
                 self._wait(self._batches[step], stop)
@@ -275,7 +234,7 @@ class AsyncRollouts:
             name = getattr(self.collector.engine, "name", "the rollout engine")
             raise RuntimeError(f"{name}: the in-flight load of the weights after step {step} failed ({err})")
 
-    def _wait(self, batch: _Batch, stop: StopRequests | None) -> None:
+    def _wait(self, batch: Batch, stop: StopRequests | None) -> None:
         """Wait for ``batch`` (``rollout.timeout_s``; ``stop``'s abort signals leave it) and raise its error."""
         timeout_s = self.cfg.rollout.timeout_s
         finished = wait_until(batch.done.wait, timeout_s, stop)

@@ -1,6 +1,7 @@
 """``rollout.fault_tolerance`` on two gloo ranks, each leading an engine: engine 1 dies in step 1, engine 0 samples
 its prompts with their seeds, both ranks agree on the step (equal to the undisturbed run's, the reference computed
-by the same ranks first) and on the loss, and engine 1 rejoins at the weight sync before step 2."""
+by the same ranks first) and on the loss, and engine 1 rejoins at the weight sync before step 2; the same in async
+mode (k = 1), engine 1 dying while it samples the batch queued ahead."""
 
 from __future__ import annotations
 
@@ -43,5 +44,25 @@ def _check(rank: int, world_size: int) -> None:
         assert me.collector.engine.engine.prompt_indices == [[0, 1], [2, 3], [0, 1]]
 
 
-def test_two_ranks_agree_on_a_failed_engine_and_finish_the_step_without_it():
-    run_distributed(_check, 2)
+def _check_async(rank: int, world_size: int) -> None:
+    async_cfg = ("rollout.placement=separate", "rollout.mode=async", "trainer.max_steps=4")
+    undisturbed = Rank(ft_config(2, *async_cfg), rank, FaultyEngine(), [], group=dist.group.WORLD).run_async()
+    faulty = FaultyEngine("die" if rank == 1 else None, at=2)  # dies sampling batch 2 while step 1 trains
+    me = Rank(ft_config(2, *async_cfg), rank, faulty, [], group=dist.group.WORLD)
+    out = me.run_async()
+    assert [_rows(r) for r, _ in out] == [_rows(r) for r, _ in undisturbed]  # no prompt lost, none twice
+    assert [r.stats["rollout/engines_alive"] for r, _ in out] == [2, 1, 2, 2]
+    assert out[-1][0].stats["rollout/engine_restarts"] == 1 and out[1][0].stats["rollout/requests_moved"] == 2
+    engines = [faulty, *me.restarted]
+    assert all(version == max(0, step - 2) for engine in engines for step, version in engine.served)
+    if rank == 1:  # back at the first sync with the weights after step 1, then sampling batches 3 and 4
+        assert me.restarted[0].served == [(3, 1), (4, 2)]
+
+
+def _check_both(rank: int, world_size: int) -> None:
+    _check(rank, world_size)
+    _check_async(rank, world_size)
+
+
+def test_two_ranks_agree_on_a_failed_engine_and_finish_the_step_without_it_in_sync_and_async_mode():
+    run_distributed(_check_both, 2)  # one job for both modes (each start of the ranks costs seconds)

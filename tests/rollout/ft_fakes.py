@@ -1,6 +1,6 @@
 """Fault-tolerance stand-ins: engines that die, hang or fail a weight sync, a fake weight sync, and ``ThreadWorld``,
-ranks as threads of one process whose SUM all-reduce and object all-gather meet at a barrier (the protocol's own
-logic is what is tested; tests/distributed/test_fault_tolerance_gloo.py runs it on gloo)."""
+ranks as threads of one process whose SUM all-reduce, MAX of a flag and object all-gather meet at a barrier (the
+protocol's own logic is what is tested; tests/distributed/test_fault_tolerance_gloo.py runs it on gloo)."""
 
 from __future__ import annotations
 
@@ -15,10 +15,12 @@ from gtpo_megatron.plan.engines import EnginePlacement
 from gtpo_megatron.rollout import collector as collector_module
 from gtpo_megatron.rollout import exchange as exchange_module
 from gtpo_megatron.rollout import fault_tolerance as ft_module
+from gtpo_megatron.rollout import pipeline as pipeline_module
 from gtpo_megatron.rollout.collector import collect_step
 from gtpo_megatron.rollout.engine_guard import GuardedEngine, HealthCheck
 from gtpo_megatron.rollout.exchange import StepExchange
 from gtpo_megatron.rollout.fault_tolerance import FaultTolerance
+from gtpo_megatron.rollout.pipeline import AsyncRollouts
 from tests.trainer.fakes import SeededFakeEngine, fake_collector
 
 WAIT_S = 60.0  # every wait in these tests is bounded generously; none is asserted
@@ -36,15 +38,18 @@ def ft_config(num_engines: int, *extra: str):
 class FaultyEngine(SeededFakeEngine):
     """A seeded fake engine that dies (``die``), hangs with its process stopped (``stop``) or hangs silently
     (``hang``: generation and health check block) at its ``at``-th generate call, or (``sync_death``) during its
-    ``at``-th weight receive. ``received``: the updates it applied whole."""
+    ``at``-th weight receive. ``received``: the updates it applied whole; ``version``: the weights it holds (the
+    start weights 0; None for a restarted engine until an update reached it); ``served``: ``(step, version)`` of
+    each generation."""
 
-    def __init__(self, fault: str | None = None, at: int = 1):
+    def __init__(self, fault: str | None = None, at: int = 1, version: int | None = 0):
         super().__init__()
         self.fault, self.at = fault, at
         self.dead = self.stopped = False
         self.release = threading.Event()
         self.received = 0
         self.receives = 0
+        self.version, self.served = version, []
 
     def generate(self, prompt_ids, n, sampling, prompt_indices=None):
         if self.fault in ("die", "stop", "hang") and len(self.calls) + 1 >= self.at:
@@ -55,6 +60,7 @@ class FaultyEngine(SeededFakeEngine):
             self.stopped = self.fault == "stop"
             self.release.wait(WAIT_S)  # left behind (daemon thread)
         self.check_health()
+        self.served.append((sampling.seed // 1000, self.version))
         return super().generate(prompt_ids, n, sampling, prompt_indices)
 
     def check_health(self):
@@ -63,12 +69,12 @@ class FaultyEngine(SeededFakeEngine):
         if self.dead or self.stopped:
             raise RuntimeError("engine process 4242 (VLLM::EngineCore) is " + ("stopped" if self.stopped else "gone"))
 
-    def receive(self):
+    def receive(self, version: int | None = None):
         self.receives += 1
         if self.fault == "sync_death" and self.receives >= self.at:
             self.dead = True
             raise RuntimeError("Connection closed by peer")
-        self.received += 1
+        self.received, self.version = self.received + 1, version
 
     def kill(self):
         self.dead, self.stopped = True, False
@@ -76,15 +82,18 @@ class FaultyEngine(SeededFakeEngine):
 
 
 class FakeSync:
-    """A weight sync of ``members``: this rank's member engine receives (the sender's part is not modelled)."""
+    """A weight sync of ``members``: this rank's member engine receives (the sender's part is not modelled); the
+    stream's ``("version", v)`` item, if any, labels the update."""
 
     def __init__(self, engine: GuardedEngine | None, members: list[EnginePlacement], log: list):
         self.engine, self.members = engine, [p.index for p in members]
         log.append(tuple(self.members))
 
     def sync(self, stream):
+        version = dict(stream()).get("version")
         if self.engine is not None:
-            self.engine.wait(ft_module.EngineCall(self.engine.engine.receive, "weight update (collective)"))
+            receive = lambda: self.engine.engine.receive(version)  # noqa: E731
+            self.engine.wait(ft_module.EngineCall(receive, "weight update (collective)"))
         return {"sync/num_tensors": 1.0}
 
 
@@ -97,6 +106,7 @@ class ThreadWorld:
         for module in (ft_module, collector_module):
             monkeypatch.setattr(module, "all_reduce_sum", self.all_reduce_sum)
         monkeypatch.setattr(exchange_module, "all_gather_object", self.all_gather_object)
+        monkeypatch.setattr(pipeline_module, "any_rank", self.any_rank)
 
     def _gather(self, value):
         self.slots[self.local.rank] = value
@@ -110,6 +120,9 @@ class ThreadWorld:
 
     def all_gather_object(self, obj, *, group=None):
         return self._gather(obj)
+
+    def any_rank(self, flag, *, group=None):
+        return any(self._gather(bool(flag)))
 
     def run(self, fn) -> list:
         results = [None] * self.size
@@ -152,8 +165,27 @@ class Rank:
                              health=health)  # fmt: skip
 
     def restart(self) -> GuardedEngine:
-        self.restarted.append(FaultyEngine())
+        self.restarted.append(FaultyEngine(version=None))
         return self.guard(self.restarted[-1])
 
     def step(self, step: int):
         return collect_step(self.collector, self.loader, step, self.exchange, recovery=self.ft)
+
+    def run_async(self) -> list[tuple]:
+        """The trainer's async loop (``rollout.mode: async``): ``(rollout, push metrics)`` of every step; before a
+        push that syncs, the queued batches are settled and a restart awaited (so it rejoins at that sync)."""
+        k, steps, out = self.cfg.rollout.max_staleness, self.cfg.trainer.max_steps, []
+        rollouts = AsyncRollouts(self.cfg, collector=self.collector, loader=self.loader, exchange=self.exchange,
+                                 recovery=self.ft)  # fmt: skip
+        try:
+            rollouts.start(0)
+            for step in range(1, steps + 1):
+                rollout = rollouts.take(step, None)
+                if step + 1 + k <= steps:
+                    rollouts.drain(None)
+                    if self.ft._restarting is not None:
+                        assert self.ft._restarting[0].finished(WAIT_S)
+                out.append((rollout, rollouts.push(step, self.ft, lambda s=step: iter([("version", s)]), None)))
+        finally:
+            rollouts.close()
+        return out
