@@ -9,8 +9,12 @@ from gtpo_megatron.config import load_config
 from gtpo_megatron.config.weight_sync import choose_weight_sync, run_weight_sync, with_weight_sync
 
 BASE = ["model=builtin:tiny-llama", "output_dir=/tmp/unused"]
-PARTIAL = ["rollout.partial_rollouts=true", "rollout.mode=async", "rollout.placement=separate",
-           "algorithm.off_policy_correction=tis"]
+PARTIAL = [
+    "rollout.partial_rollouts=true",
+    "rollout.mode=async",
+    "rollout.placement=separate",
+    "algorithm.off_policy_correction=tis",
+]
 FAULTS = ["rollout.fault_tolerance=true", "rollout.num_engines=2"]
 
 
