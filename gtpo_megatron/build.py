@@ -143,9 +143,8 @@ def build_trainer(cfg: GTPOConfig, groups: ParallelGroups, *, timer: PhaseTimer 
     variables (its devices or CPU cores) are set while it starts; CUDA is initialised by ``init_distributed`` before,
     so the policy's devices do not change. With separate engines on CPU the rank is bound to its own cores first
     and the rollout side's thread to its engine's (``bind_training_rank``). Then every rank joins the weight sync
-    (collective). ``rollout.weight_sync: auto`` is resolved first (``config/weight_sync.py``), logged once and
-    recorded in the run's config in wandb; every component sees the resolved path. ``timer`` records the start-up
-    phases (``time/startup/<phase>_s``).
+    (its path resolved first, logged once: ``config/weight_sync.py``; every component and wandb's run config see
+    the resolved one). ``timer`` records the start-up phases (``time/startup/<phase>_s``).
     """
     from transformers import AutoTokenizer
 

@@ -17,9 +17,7 @@ Separate runs put the engine on its own GPUs.
 
 Step time. ``plan.overlap``'s first-order model compares the colocated sync step on every GPU with the best split
 between training and engine GPUs for ``rollout.mode: async`` (``--gpu-tflops``, ``--gpu-hbm-tbps``, ``--mfu``).
-
-Weight sync. The path a GPU run takes (``config/weight_sync.py``: ``auto`` is ``collective`` on GPUs today, as
-``sharded`` has no NCCL wire), named on the sync line; the links line puts both paths side by side.
+Weight sync: the path a GPU run takes (``config/weight_sync.py``) on the sync line, both paths on the links line.
 """
 
 from __future__ import annotations

@@ -1,15 +1,7 @@
 """Which weight-sync path a run takes: ``rollout.weight_sync`` against the settings that rule paths out.
 
-One rule for both uses: an explicit path that a setting rules out is refused naming that setting, and ``auto``
-takes the first path of :data:`AUTO_ORDER` that no setting rules out: ``sharded`` (no single sender, no gather:
-docs/scaling.md, "Weight sync") wherever it applies, else ``collective``, else ``files`` (partial rollouts). What
-rules a path out (``None``: not known yet, e.g. the accelerator before start-up; its rule waits):
-
-- ``rollout.partial_rollouts``: only ``files`` (the in-flight load reads staged weights);
-- ``rollout.num_engines`` other than 1 or ``auto``: not ``files`` (it feeds one engine);
-- ``rollout.fault_tolerance``: only ``collective`` (a restarted engine rejoins its group);
-- ``model.lora`` (``lora``): not ``sharded`` (each rank's views hold the base weights, unmerged);
-- GPUs (``accelerator``): not ``sharded`` (its wire is gloo, tested with CPU engines only).
+One rule for both uses (:func:`sync_rules`): an explicit path a setting rules out is refused naming it; ``auto``
+takes the first path of :data:`AUTO_ORDER` no setting rules out, so ``sharded`` wherever it applies.
 """
 
 from __future__ import annotations
