@@ -3,8 +3,7 @@
 Every engine leader (``plan.engines``; global rank 0 always is one) owns a vLLM engine (multiprocess: the in-process
 engine hangs in its distributed init inside a multi-rank job) on its devices or CPU cores and a reward pool. With
 ``rollout.weight_sync: collective`` the weight group joining rank 0 and every engine worker is built here, once
-(``sharded``: every rank and every worker); ``auto`` is resolved by ``config/weight_sync.py``.
-``build.build_trainer`` calls these in order.
+(the path: ``config/weight_sync.py``). ``build.build_trainer`` calls these in order.
 """
 
 from __future__ import annotations
