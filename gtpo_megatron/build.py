@@ -14,6 +14,7 @@ import logging
 import os
 from typing import TYPE_CHECKING
 
+import torch
 import torch.distributed as dist
 
 from gtpo_megatron import run_dir
@@ -28,6 +29,7 @@ from gtpo_megatron.build_rollout import (
 )
 from gtpo_megatron.builtin_models import resolve_model_path
 from gtpo_megatron.config import GTPOConfig, config_to_dict
+from gtpo_megatron.config.weight_sync import run_weight_sync, with_weight_sync
 from gtpo_megatron.logging import MetricSink, PhaseTimer
 from gtpo_megatron.trainer import Trainer
 
@@ -141,11 +143,17 @@ def build_trainer(cfg: GTPOConfig, groups: ParallelGroups, *, timer: PhaseTimer 
     variables (its devices or CPU cores) are set while it starts; CUDA is initialised by ``init_distributed`` before,
     so the policy's devices do not change. With separate engines on CPU the rank is bound to its own cores first
     and the rollout side's thread to its engine's (``bind_training_rank``). Then every rank joins the weight sync
-    (collective). ``timer`` records the start-up phases (``time/startup/<phase>_s``).
+    (its path resolved first, logged once: ``config/weight_sync.py``; every component and wandb's run config see
+    the resolved one). ``timer`` records the start-up phases (``time/startup/<phase>_s``).
     """
     from transformers import AutoTokenizer
 
     timer = timer or PhaseTimer()
+    sync_choice = run_weight_sync(cfg, accelerator=torch.cuda.is_available())
+    cfg = with_weight_sync(cfg, sync_choice)
+    adapters = cfg.model.lora.enabled and cfg.rollout.lora_sync == "adapter"  # no weight_sync path then
+    if groups.rank == 0:
+        logger.info("weight sync: %s", "rollout.lora_sync=adapter" if adapters else sync_choice.describe())
     with timer.phase("startup/tokenizer"):
         model_path = resolve_model_path(cfg.model.name_or_path)
         tokenizer = AutoTokenizer.from_pretrained(model_path)

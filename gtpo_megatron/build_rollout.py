@@ -2,8 +2,8 @@
 
 Every engine leader (``plan.engines``; global rank 0 always is one) owns a vLLM engine (multiprocess: the in-process
 engine hangs in its distributed init inside a multi-rank job) on its devices or CPU cores and a reward pool. With
-``rollout.weight_sync: collective`` the weight group joining rank 0 and every engine worker is built here, once.
-``build.build_trainer`` calls these in order.
+``rollout.weight_sync: collective`` the weight group joining rank 0 and every engine worker is built here, once
+(the path: ``config/weight_sync.py``). ``build.build_trainer`` calls these in order.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from gtpo_megatron.config import GTPOConfig
+from gtpo_megatron.config.weight_sync import run_weight_sync
 from gtpo_megatron.plan.engines import (
     CoreSplit,
     EnginePlacement,
@@ -62,7 +63,7 @@ def build_placements(cfg: GTPOConfig, world_size: int) -> list[EnginePlacement]:
             f"rollout.fault_tolerance=true continues a step on the surviving engines, but rollout.num_engines="
             f"{rollout.num_engines} gives {num_engines} here; set rollout.num_engines >= 2 or fault_tolerance=false"
         )
-    if rollout.weight_sync == "files" and num_engines != 1:
+    if run_weight_sync(cfg, accelerator=accelerator).path == "files" and num_engines != 1:
         raise ValueError(
             f"rollout.weight_sync=files feeds one engine, but rollout.num_engines=auto gives {num_engines} here; "
             "use rollout.weight_sync=collective or rollout.num_engines=1"
@@ -195,21 +196,22 @@ def build_weight_sync(
     follow their order).
 
     Raises:
-        ValueError: ``rollout.weight_sync=sharded`` with GPUs (its wire is gloo, tested on CPU only).
+        ValueError: a ``rollout.weight_sync`` the run's settings rule out, e.g. ``sharded`` with GPUs
+            (``config/weight_sync.py``).
     """
     from gtpo_megatron.rollout.push import CollectiveWeightSync, FilesWeightSync, connect_weight_group
 
-    rollout = cfg.rollout
+    rollout, accelerator = cfg.rollout, torch.cuda.is_available()
+    path = run_weight_sync(cfg, accelerator=accelerator).path
     bucket_bytes, exporting = rollout.weight_sync_bucket_mb * 2**20, groups.in_weight_gather
     if cfg.model.lora.enabled and rollout.lora_sync == "adapter":
         return _adapter_sync(cfg, groups, engine, placements, policy)
-    if rollout.weight_sync == "files":
+    if path == "files":
         return FilesWeightSync(engine=engine, exporting=exporting, bucket_bytes=bucket_bytes)
     mine = next((p for p in placements if p.leader_rank == groups.rank), None)
     position = None if mine is None else placements.index(mine)
-    accelerator = torch.cuda.is_available()
-    if rollout.weight_sync == "sharded":
-        return _sharded_sync(cfg, groups, engine, mine, len(placements), policy, accelerator=accelerator)
+    if path == "sharded":
+        return _sharded_sync(cfg, groups, engine, mine, len(placements), policy)
     relay = None
     if placements[0].index == 0:  # colocated on GPU: engine 0's first worker shares rank 0's GPU
         relay = relay_workers(
@@ -245,16 +247,11 @@ def _adapter_sync(cfg, groups, engine, placements, policy):
     )
 
 
-def _sharded_sync(cfg, groups, engine, mine, num_engines: int, policy, *, accelerator: bool):
+def _sharded_sync(cfg, groups, engine, mine, num_engines: int, policy):
     """``rollout.weight_sync: sharded``: plan and join (``rollout.sharded_sync.connect_sharded_sync``)."""
     from gtpo_megatron.rollout.engine_slices import EngineGeometry
     from gtpo_megatron.rollout.sharded_sync import connect_sharded_sync
 
-    if accelerator:
-        raise ValueError(
-            "rollout.weight_sync='sharded': its wire is gloo over TCP, tested with CPU engines only (no NCCL "
-            "path yet); on GPUs use rollout.weight_sync=collective"
-        )
     rollout, model = cfg.rollout, policy.geometry
     engines = None
     if rollout.engine_tp_size > 1:  # each worker receives only its slice (rollout/engine_slices.py)

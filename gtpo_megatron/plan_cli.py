@@ -17,6 +17,7 @@ Separate runs put the engine on its own GPUs.
 
 Step time. ``plan.overlap``'s first-order model compares the colocated sync step on every GPU with the best split
 between training and engine GPUs for ``rollout.mode: async`` (``--gpu-tflops``, ``--gpu-hbm-tbps``, ``--mfu``).
+Weight sync: the path a GPU run takes (``config/weight_sync.py``) on the sync line, both paths on the links line.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import sys
 from dataclasses import dataclass, replace
 
 from gtpo_megatron.config import GTPOConfig, load_config
+from gtpo_megatron.config.weight_sync import run_weight_sync, with_weight_sync
 from gtpo_megatron.megatron_adapter.settings import PolicySettings, policy_settings
 from gtpo_megatron.megatron_adapter.validation import validate_config
 from gtpo_megatron.plan.architectures import Architecture, resolve_architecture
@@ -306,6 +308,8 @@ def run(argv: list[str] | None = None) -> tuple[int, str]:
             ep_size=settings.ep_size, sequence_parallel=settings.sequence_parallel,
         )  # fmt: skip
         validate_config(cfg, layout.train_world_size, check_registries=False)  # the torchrun world
+        sync = run_weight_sync(cfg, accelerator=True)  # the path a GPU run takes (auto resolved, as at start-up)
+        cfg = with_weight_sync(cfg, sync)
     except ValueError as err:
         return 2, f"gtpo-plan: {args.config} on {args.gpus} GPUs: {err}"
     shape = training_shape(
@@ -329,7 +333,9 @@ def run(argv: list[str] | None = None) -> tuple[int, str]:
     problems = fit_problems(cfg, shape, stages, engine, gpu_mem=gpu_mem, usable=usable)
     text = "\n".join([_summary(cfg, arch, layout, shape, args), format_table(cfg, stages, engine, unchunked=unchunked),
                       _rollout_summary(engine, layout, shape, arch, args),
-                      _sync_summary(cfg, arch, layout, args), _links_summary(cfg, arch, layout, args),
+                      _sync_summary(cfg, arch, layout, args) + ("" if _adapter_bytes(cfg, arch) else
+                                                                 f"; {sync.describe()}"),
+                      _links_summary(cfg, arch, layout, args),
                       _overlap_summary(cfg, arch, layout, args)])  # fmt: skip
     if problems:
         return 2, text + "\n\ngtpo-plan: does not fit:\n  - " + "\n  - ".join(problems)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from gtpo_megatron.config.checks import require as _require
+from gtpo_megatron.config.weight_sync import choose_weight_sync
 from gtpo_megatron.plan.engines import Placement
 
 EngineDtype = Literal["auto", "float32", "bfloat16", "float16"]
@@ -77,12 +78,14 @@ class RolloutConfig:
     num_engine_gpus: int | None = None
     """``placement: separate`` only: GPUs the engines take outside the training world, spread evenly over the
     nodes (null: ``engine_tp_size``, one engine)."""
-    weight_sync: Literal["collective", "sharded", "files"] = "collective"
-    """How new weights reach the engines after each step: ``collective`` broadcasts bucketed tensors from global
-    rank 0 to every engine worker over a process group of their own (gloo on CPU, NCCL on GPU), each worker
-    loading them in one reload pass; ``sharded`` has every training rank send the pieces it holds straight to
-    every worker (at ``engine_tp_size`` > 1 only its slice), many senders at once and no gather (gloo; docs/scaling.md);
-    ``files`` stages safetensors shards in ``/dev/shm`` for one engine (fallback, ``num_engines`` must be 1)."""
+    weight_sync: Literal["auto", "collective", "sharded", "files"] = "auto"
+    """How new weights reach the engines after each step. ``auto`` (resolved at start-up, logged once) takes
+    ``sharded`` wherever it applies, else ``collective`` (``files`` with ``partial_rollouts``); what rules each path
+    out is ``config/weight_sync.py``'s. ``collective`` broadcasts bucketed tensors from global rank 0 to every engine
+    worker over a process group of their own (gloo on CPU, NCCL on GPU), each worker loading them in one reload
+    pass; ``sharded`` has every training rank send the pieces it holds straight to every worker (at
+    ``engine_tp_size`` > 1 only its slice), many senders at once and no gather (gloo, CPU engines only;
+    docs/scaling.md); ``files`` stages safetensors shards in ``/dev/shm`` for one engine (``num_engines`` 1)."""
     lora_sync: Literal["merged", "adapter"] = "merged"
     """With ``model.lora``: ``merged`` sends the weights with the adapters folded in (``W + alpha / rank * B @ A``)
     through the ``weight_sync`` path, so any engine serves them; ``adapter`` starts the engines with LoRA enabled
@@ -100,8 +103,8 @@ class RolloutConfig:
     """Keep training when an engine dies or stops answering (``rollout/fault_tolerance.py``, docs/training.md,
     "Engine failures"): its prompts move to the surviving engines with the same request seeds, it restarts in the
     background and rejoins with the current weights at a weight sync (sync or async mode). Needs
-    ``rollout.num_engines >= 2`` and ``weight_sync: collective``, not with ``partial_rollouts``. Off: a failed engine
-    stops the job, naming it."""
+    ``rollout.num_engines >= 2`` and ``weight_sync: collective`` (or ``auto``), not with ``partial_rollouts``. Off: a
+    failed engine stops the job, naming it."""
     health_check_interval_s: float = 10.0
     """Fault tolerance: seconds between two health checks of an engine that is generating or receiving weights."""
     health_check_timeout_s: float = 5.0
@@ -159,6 +162,7 @@ class RolloutConfig:
         )
         self._check_partial_rollouts()
         self._check_engines()
+        choose_weight_sync(self)  # the paths these settings leave (config/weight_sync.py)
 
     def _check_partial_rollouts(self) -> None:
         """In-flight weight updates need async mode, engines of their own and no routed-experts capture."""
@@ -187,13 +191,6 @@ class RolloutConfig:
             "a completion sampled by two policy versions has no single routing to replay",
             "set rollout.routing_replay=off, or rollout.partial_rollouts=false",
         )
-        _require(
-            self.weight_sync == "files",
-            "rollout.partial_rollouts/rollout.weight_sync",
-            (self.partial_rollouts, self.weight_sync),
-            "an in-flight update loads staged weights while the engine's requests are paused (files sync only)",
-            "set rollout.weight_sync=files, or rollout.partial_rollouts=false",
-        )
 
     def _check_engines(self) -> None:
         _require(
@@ -214,13 +211,6 @@ class RolloutConfig:
             self.num_engine_gpus,
             f"needs rollout.placement=separate and a multiple of rollout.engine_tp_size={self.engine_tp_size}",
             "set it to k * engine_tp_size with placement=separate, or null",
-        )
-        _require(
-            self.weight_sync != "files" or self.num_engines in ("auto", 1),
-            "rollout.weight_sync",
-            self.weight_sync,
-            f"the files path feeds one engine, not rollout.num_engines={self.num_engines}",
-            "use rollout.weight_sync=collective or rollout.num_engines=1",
         )
         _require(self.timeout_s > 0, "rollout.timeout_s", self.timeout_s, "must be > 0 seconds", "use 1800")
         self._check_fault_tolerance()
@@ -251,14 +241,6 @@ class RolloutConfig:
             "fault tolerance continues a step on the surviving engines; one engine leaves none (a restart-and-wait "
             "costs what a resume from the last checkpoint costs, without its guarantees)",
             "set rollout.num_engines >= 2, or rollout.fault_tolerance=false",
-        )
-        _require(
-            self.weight_sync == "collective",
-            "rollout.fault_tolerance/rollout.weight_sync",
-            (self.fault_tolerance, self.weight_sync),
-            "a restarted engine rejoins through the collective weight group (files feeds one engine; sharded's "
-            "point-to-point waits cannot stop for a dead engine before rollout.timeout_s)",
-            "set rollout.weight_sync=collective",
         )
 
 

@@ -325,7 +325,7 @@ def test_engine_fields_take_a_number_or_auto():
     assert load_config(None, BASE).rollout.num_engines == "auto"
     cfg = load_config(None, [*BASE, "rollout.num_engines=2", "rollout.timeout_s=60"])
     assert cfg.rollout.num_engines == 2 and isinstance(cfg.rollout.num_engines, int)
-    assert cfg.rollout.weight_sync == "collective" and cfg.rollout.timeout_s == 60.0
+    assert cfg.rollout.weight_sync == "auto" and cfg.rollout.timeout_s == 60.0
     assert load_config(None, [*BASE, "rollout.num_engines=2", "rollout.weight_sync=sharded"]).rollout.num_engines == 2
     with pytest.raises(ValueError, match=r"rollout.num_engines='two': must be an integer or must be one of \['auto'\]"):
         load_config(None, [*BASE, "rollout.num_engines=two"])

@@ -1,7 +1,8 @@
 """Two vLLM engines in a real 2-rank job: ``torchrun --nproc_per_node=2`` with data parallelism 2 (tp_size=1),
-``rollout.num_engines=2`` (ranks 0 and 1 lead one engine each, bound to their own CPU core) and the collective
-weight sync, on ``builtin:tiny-qwen2`` in fp32, training on packed token-budget micro-batches (the rows dealt to
-the two data-parallel ranks by tokens).
+``rollout.num_engines=2`` (ranks 0 and 1 lead one engine each, bound to their own CPU core) and the default weight
+sync (``auto``: sharded on CPU, the two data-parallel replicas sharing the sending to both engines' workers), on
+``builtin:tiny-qwen2`` in fp32, training on packed token-budget micro-batches (the rows dealt to the two
+data-parallel ranks by tokens).
 
 The default test runs 2 steps (about 2 minutes on the idle 2-core machine, mostly imports and two engine starts).
 The ``slow`` test runs the same job with one engine and checks that every step-level number that does not measure
@@ -57,8 +58,10 @@ def two_engines(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_each_engine_generates_its_half_and_follows_the_collective_sync(two_engines):
+def test_each_engine_generates_its_half_and_follows_the_default_sync(two_engines):
     records, log = two_engines
+    assert log.count("weight sync: rollout.weight_sync=sharded (auto)") == 1  # resolved and logged once
+    assert records[0]["sync/num_senders"] == 2  # both data-parallel replicas share the sending
     # rank 0's engine on core 0 (the other ranks log warnings only); engine 1's share shows in the token counters
     assert "started engine 0 of 2" in log and "{'VLLM_CPU_OMP_THREADS_BIND': '0'}" in log
     # no push after the last step
@@ -69,7 +72,7 @@ def test_each_engine_generates_its_half_and_follows_the_collective_sync(two_engi
         # one group of 4 completions each: together every response token of the 8-sequence batch
         assert low > 0 and low + high == pytest.approx(record["response/length_mean"] * 8)
         assert record.get("sync/num_tensors", 1) > 0 and record.get("sync/gbytes_per_s", 1) > 0
-        # both engines sample with the trainer's weights (fp32 on both sides); step 2 after a collective update;
+        # both engines sample with the trainer's weights (fp32 on both sides); step 2 after a sharded update;
         # the trainer's log-probs come from packed rows
         assert record["mismatch/abs_logprob_diff"] < 1e-3
         # 4 sequences a rank of at most 256 + 16 tokens: 1 or 2 packed rows of <= 400 tokens, no padding

@@ -195,8 +195,12 @@ def test_many_engines_and_the_sync_path_of_the_70b_recipe() -> None:
     assert (
         "weight sync (collective: NCCL broadcast of buckets from rank 0 to the 64 engine workers, the one on rank 0's "
         "GPU through a relay; pipelined, so about one pass over the slowest link): 141.1 GB (bfloat16) per sync, "
-        "2.82 s at 400 Gbit/s (--sync-bandwidth-gbps)"
+        "2.82 s at 400 Gbit/s (--sync-bandwidth-gbps); rollout.weight_sync=collective (auto: sharded does not apply "
+        "with GPUs)"
     ) in text
+    # the path a GPU run takes is the planner's too: an explicit sharded is refused as at start-up
+    status, text = run(["--config", str(path), "--gpus", "64", "rollout.weight_sync=sharded"])
+    assert status == 2 and "rollout.weight_sync='sharded': its wire is gloo over TCP" in text
     status, text = run(["--config", str(path), "--gpus", "64", "rollout.num_engines=1", "rollout.weight_sync=files"])
     assert "vLLM 1 x engine tp 8" in text and "512 rollout sequences per engine" in text
     # the files path writes and reads every byte once: 2 * 141.1 GB at 16 Gbit/s = 141.1 s

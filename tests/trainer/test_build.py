@@ -3,6 +3,7 @@ failed build leaves nothing running."""
 
 from __future__ import annotations
 
+import logging
 import threading
 from types import SimpleNamespace
 
@@ -26,7 +27,7 @@ def _cfg(tmp_path):
     return load_config(None, ["model=builtin:tiny-llama", f"output_dir={tmp_path}", "logging.wandb_mode=disabled"])
 
 
-def test_the_rollout_side_starts_while_the_policy_loads(tmp_path, monkeypatch):
+def test_the_rollout_side_starts_while_the_policy_loads(tmp_path, monkeypatch, caplog):
     both_running = threading.Barrier(2, timeout=30)  # each side waits for the other: they must overlap
     collector = SimpleNamespace(engine=FakeEngine(), reward_pool=_Pool())
 
@@ -40,10 +41,20 @@ def test_the_rollout_side_starts_while_the_policy_loads(tmp_path, monkeypatch):
 
     monkeypatch.setattr(build, "build_collector", build_collector)
     monkeypatch.setattr(build, "build_policy", build_policy)
-    monkeypatch.setattr(build, "build_weight_sync", lambda cfg, groups, engine, placements, policy: None)
+    paths = []
+
+    def build_weight_sync(cfg, groups, engine, placements, policy):
+        paths.append(cfg.rollout.weight_sync)
+
+    monkeypatch.setattr(build, "build_weight_sync", build_weight_sync)
     timer = build.PhaseTimer()
-    trainer = build.build_trainer(_cfg(tmp_path), single_rank_groups(), timer=timer)
+    with caplog.at_level(logging.INFO, logger=build.__name__):
+        trainer = build.build_trainer(_cfg(tmp_path), single_rank_groups(), timer=timer)
     assert trainer.collector is collector
+    # rollout.weight_sync=auto is resolved once (CPU: sharded), logged once, and every component sees the path
+    assert paths == ["sharded"] and trainer.cfg.rollout.weight_sync == "sharded"
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("weight sync:")]
+    assert lines == ["weight sync: rollout.weight_sync=sharded (auto)"]
     phases = {"tokenizer", "rollout_side", "policy", "metric_sink", "rollout_side_wait", "weight_sync"}
     assert {k[len("time/startup/") : -2] for k in timer.seconds} == phases
     trainer.sink.close()
