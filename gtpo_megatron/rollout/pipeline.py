@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from gtpo_megatron.parallel.collectives import any_rank
 from gtpo_megatron.preemption import StepInterrupted, wait_until
+from gtpo_megatron.rollout.busy_clock import BusyClock
 from gtpo_megatron.rollout.collector import StepRollout, share_step
 from gtpo_megatron.rollout.exchange import EngineTally, raise_leader_failures
 from gtpo_megatron.rollout.push import FilesWeightSync
@@ -67,7 +68,7 @@ class _Worker:
     """
 
     def __init__(self, collector: RolloutCollector, *, streaming: bool = False) -> None:
-        self._streaming = streaming
+        self._streaming, self.clock = streaming, BusyClock()
         self._queue: queue.Queue[_Batch | _Weights | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, args=(collector,), name="gtpo-async-rollout", daemon=True)
         self._thread.start()
@@ -91,14 +92,17 @@ class _Worker:
                     failed_load = failed_load or (item.step, err)
                 continue
             if self._streaming:
-                threading.Thread(target=_sample, args=(collector, item, None), name=f"gtpo-batch-{item.step}",
-                                 daemon=True).start()  # fmt: skip
+                threading.Thread(target=_sample, args=(collector, item, None, self.clock),
+                                 name=f"gtpo-batch-{item.step}", daemon=True).start()  # fmt: skip
             else:
-                _sample(collector, item, failed_load)
+                _sample(collector, item, failed_load, self.clock)
 
 
-def _sample(collector: RolloutCollector, batch: _Batch, failed_load: tuple[int, BaseException] | None) -> None:
-    """Sample and score ``batch`` (its error kept for the main thread); refused after a failed queued load."""
+def _sample(
+    collector: RolloutCollector, batch: _Batch, failed_load: tuple[int, BaseException] | None, clock: BusyClock
+) -> None:
+    """Sample and score ``batch`` with ``clock`` running; refused after a failed queued load (errors kept for take)."""
+    clock.enter()
     try:
         if failed_load is not None:
             step, err = failed_load
@@ -107,6 +111,7 @@ def _sample(collector: RolloutCollector, batch: _Batch, failed_load: tuple[int, 
     except BaseException as err:  # handed to the main thread at take or drain
         batch.error = err
     finally:
+        clock.leave()
         batch.done.set()
 
 
@@ -187,6 +192,7 @@ class AsyncRollouts:
                 tally.aborted = 1.0
             except RuntimeError as err:  # shared at the exchange: the other ranks wait there for this batch
                 tally.fail(err)
+            tally.busy_s = self._worker.clock.read()
         wait_s = time.perf_counter() - start
         engine_index = None if self.collector is None else self.collector.engine_index
         rollout = share_step([scored], [], tally, self.exchange, engine_index=engine_index)
@@ -198,7 +204,7 @@ class AsyncRollouts:
         """Staleness, waits and occupancy of a take; the fractions are of the seconds since the previous take."""
         now = time.perf_counter()
         interval_s, self._last_take_s = max(now - self._last_take_s, 1e-9), now
-        engine_s = stats.get("time/generate_s", 0.0) + stats.get("time/reward_s", 0.0)
+        engine_s = stats.get("async/engine_busy_s", 0.0)
         rollout_cfg, group_size = self.cfg.rollout, self.cfg.algorithm.group_size
         return {
             "async/staleness_mean": float(staleness),
