@@ -1,8 +1,4 @@
-"""The engine's busy seconds in async mode: the union of the intervals in which any batch is sampled or scored.
-
-Streamed batches (``rollout.partial_rollouts``) overlap, so summing each batch's seconds counts the shared seconds
-twice (or more); this clock counts each second in which at least one batch is in progress once.
-"""
+"""Async mode's engine busy seconds: any batch sampled or scored, overlapping (streamed) batches counted once."""
 
 from __future__ import annotations
 
@@ -12,10 +8,7 @@ from collections.abc import Callable
 
 
 class BusyClock:
-    """Counts seconds with at least one :meth:`enter` not yet matched by :meth:`leave` (thread-safe).
-
-    ``now``: the clock in seconds (``time.perf_counter``; a test passes its own).
-    """
+    """Seconds with an :meth:`enter` not yet matched by :meth:`leave` (thread-safe); ``now``: the clock, seconds."""
 
     def __init__(self, now: Callable[[], float] = time.perf_counter) -> None:
         self._now, self._lock = now, threading.Lock()
