@@ -14,6 +14,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from gtpo_megatron.rollout.busy_clock import BusyClock
 from gtpo_megatron.rollout.exchange import EngineTally
 
 if TYPE_CHECKING:
@@ -60,7 +61,7 @@ class Worker:
     """
 
     def __init__(self, collector: RolloutCollector, *, streaming: bool = False) -> None:
-        self._streaming = streaming
+        self._streaming, self.clock = streaming, BusyClock()
         self._order = itertools.count()  # FIFO within a priority (submitted from the main thread only)
         self._queue: queue.PriorityQueue[tuple[int, int, Batch | Weights | None]] = queue.PriorityQueue()
         self._thread = threading.Thread(target=self._run, args=(collector,), name="gtpo-async-rollout", daemon=True)
@@ -86,17 +87,21 @@ class Worker:
                     failed_load = failed_load or (item.step, err)
                 continue
             if self._streaming:
-                threading.Thread(target=sample_batch, args=(collector, item, None), name=f"gtpo-batch-{item.step}",
-                                 daemon=True).start()  # fmt: skip
+                threading.Thread(target=sample_batch, args=(collector, item, None, self.clock),
+                                 name=f"gtpo-batch-{item.step}", daemon=True).start()  # fmt: skip
             else:
-                sample_batch(collector, item, failed_load)
+                sample_batch(collector, item, failed_load, self.clock)
 
 
-def sample_batch(collector: RolloutCollector, batch: Batch, failed_load: tuple[int, BaseException] | None) -> None:
-    """Sample and score ``batch`` (its error kept for the main thread); refused after a failed queued load."""
+def sample_batch(
+    collector: RolloutCollector, batch: Batch, failed_load: tuple[int, BaseException] | None, clock: BusyClock
+) -> None:
+    """Sample and score ``batch`` with ``clock`` running; refused after a failed queued load (errors kept for take)."""
+    if batch.cancelled:
+        batch.done.set()
+        return
+    clock.enter()
     try:
-        if batch.cancelled:
-            return
         if failed_load is not None:
             step, err = failed_load
             raise RuntimeError(f"loading the weights after step {step} failed ({type(err).__name__}: {err})")
@@ -104,4 +109,5 @@ def sample_batch(collector: RolloutCollector, batch: Batch, failed_load: tuple[i
     except BaseException as err:  # handed to the main thread at take or drain
         batch.error = err
     finally:
+        clock.leave()
         batch.done.set()

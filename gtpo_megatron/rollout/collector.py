@@ -288,7 +288,8 @@ def _sample_interruptibly(
 def _engine_stats(counters: torch.Tensor) -> dict[str, float]:
     """Step metrics from the ``[N, K]`` per-engine counters: slowest engine's times, summed grader failures."""
     column = {name: counters[:, i] for i, name in enumerate(ENGINE_COUNTERS)}
-    return {
+    busy_s = float(column["busy_s"].max())  # async mode only
+    return ({"async/engine_busy_s": busy_s} if busy_s > 0 else {}) | {
         "rollout/num_engines": float(counters.shape[0]),
         "rollout/tokens_per_engine_min": float(column["tokens"].min()),
         "rollout/tokens_per_engine_max": float(column["tokens"].max()),

@@ -32,10 +32,10 @@ if TYPE_CHECKING:
     from gtpo_megatron.config import AlgorithmConfig, GTPOConfig, RewardConfig, RolloutConfig
 
 _HEAD = ("prompt_len", "response_len", "score", "correct", "format_ok", "truncated")
-ENGINE_COUNTERS = ("tokens", "generate_s", "reward_s", "num_timeouts", "num_errors", "aborted", "failed")
-"""Per-engine counters of a step: generated tokens, seconds generating and scoring, grader timeouts and errors, 1
-when a SIGTERM made the leader leave its rollout (``preemption``), and 1 when its rollout failed
-(:func:`raise_leader_failures`)."""
+ENGINE_COUNTERS = ("tokens", "generate_s", "reward_s", "busy_s", "num_timeouts", "num_errors", "aborted", "failed")
+"""Per-engine counters of a step: generated tokens, seconds generating and scoring, async mode's busy seconds since
+the previous take (``rollout/busy_clock.py``; 0 in sync mode), grader timeouts and errors, 1 when a SIGTERM made the
+leader leave its rollout (``preemption``), and 1 when its rollout failed (:func:`raise_leader_failures`)."""
 
 
 @dataclass
@@ -55,6 +55,7 @@ class EngineTally:
     tokens: float = 0.0
     generate_s: float = 0.0
     reward_s: float = 0.0
+    busy_s: float = 0.0
     num_timeouts: float = 0.0
     num_errors: float = 0.0
     aborted: float = 0.0

@@ -131,6 +131,7 @@ class AsyncRollouts:
                 tally.aborted = 1.0
             except RuntimeError as err:  # shared at the exchange: the other ranks wait there for this batch
                 tally.fail(err)
+            tally.busy_s = self._worker.clock.read()
         wait_s = time.perf_counter() - start
         engine_index = None if self.collector is None else self.collector.engine_index
         rollout = share_step([scored], [], tally, self.exchange, engine_index=engine_index)
@@ -151,7 +152,7 @@ class AsyncRollouts:
         """Staleness, waits and occupancy of a take; the fractions are of the seconds since the previous take."""
         now = time.perf_counter()
         interval_s, self._last_take_s = max(now - self._last_take_s, 1e-9), now
-        engine_s = stats.get("time/generate_s", 0.0) + stats.get("time/reward_s", 0.0)
+        engine_s = stats.get("async/engine_busy_s", 0.0)
         rollout_cfg, group_size = self.cfg.rollout, self.cfg.algorithm.group_size
         return {
             "async/staleness_mean": float(staleness),

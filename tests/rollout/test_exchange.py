@@ -59,5 +59,5 @@ def test_rows_that_do_not_fit_are_refused(slots, message):
 
 
 def test_engine_tally_is_a_row_of_counters():
-    tally = EngineTally(tokens=12, generate_s=1.5, reward_s=0.25, num_timeouts=1, num_errors=2, aborted=1)
-    assert tally.as_tensor().tolist() == [12, 1.5, 0.25, 1, 2, 1, 0] and tally.as_tensor().dtype == torch.float64
+    tally = EngineTally(tokens=12, generate_s=1.5, reward_s=0.25, busy_s=3, num_timeouts=1, num_errors=2, aborted=1)
+    assert tally.as_tensor().tolist() == [12, 1.5, 0.25, 3, 1, 2, 1, 0] and tally.as_tensor().dtype == torch.float64
