@@ -3,7 +3,7 @@
 logged, or its worker killed during its first weight update. The run must finish its steps on engine 0 and the
 restarted engine 1, with the metrics of an undisturbed run (the same prompts and completions: request seeds follow
 the global prompt index, never the engine), ``rollout/engine_restarts`` 1 and the moved requests counted. A
-checkpoint saved while engine 1 is down resumes with both. Slow: seven jobs (minutes each on 2 cores).
+checkpoint saved while engine 1 is down resumes with both. Slow: six jobs (minutes each on 2 cores).
 """
 
 from __future__ import annotations
@@ -113,9 +113,10 @@ def undisturbed(tmp_path_factory):
     return records
 
 
-@pytest.mark.parametrize("fault", ["killed", "stopped", "killed in a sync", "killed in a generation"])
+@pytest.mark.parametrize("fault", ["stopped", "killed in a sync", "killed in a generation"])
 def test_a_failed_engine_is_replaced_and_the_run_trains_the_undisturbed_steps(undisturbed, tmp_path, fault):
-    """SIGKILL or SIGSTOP once step 1 is logged, or a death during the first weight update or step 2's rollout."""
+    """SIGSTOP once step 1 is logged, or a death during the first weight update or step 2's rollout (a SIGKILL from
+    outside after step 1: the checkpoint test below)."""
     sig = signal.SIGSTOP if fault == "stopped" else signal.SIGKILL
     hook = fault.removeprefix("killed in a ") if fault.startswith("killed in") else None
     records, log = _run(tmp_path / "disturbed", kill_after_step=None if hook else 1, sig=sig, hook=hook)
@@ -128,17 +129,17 @@ def test_a_failed_engine_is_replaced_and_the_run_trains_the_undisturbed_steps(un
         print({k: record.get(k) for k in (*RECOVERY, "time/step_s", "time/rollout_s", "time/sync_s")})
 
 
-@pytest.mark.timeout(2400)  # three jobs
-def test_a_checkpoint_taken_while_an_engine_is_down_resumes_with_every_engine(tmp_path):
+@pytest.mark.timeout(2400)  # two jobs
+def test_a_checkpoint_taken_while_an_engine_is_down_resumes_with_every_engine(undisturbed, tmp_path):
     """Engine 1 killed after step 1 and the job stopped (SIGUSR1) at once: the step in flight is saved after the
-    failure, before engine 1 is back; the resumed run starts both engines and continues the undisturbed run."""
+    failure, before engine 1 is back; the resumed run starts both engines and continues the undisturbed run (the
+    demo's learning rate is constant, so a longer run's first steps are this run's)."""
     steps = 4
     first, log = _run(tmp_path / "stopped", kill_after_step=1, steps=steps, then_stop=True)
     failed, saved = log.index("engine 1 of 2 (leader rank 1, ranks [1]) failed"), log.index("SIGUSR1: saved step")
     assert failed < saved and "is back" not in log and len(first) < steps  # saved while engine 1 was down
     records, _ = _run(tmp_path / "stopped", kill_after_step=None, steps=steps, extra=("resume=true",))
-    undisturbed, _ = _run(tmp_path / "undisturbed", kill_after_step=None, steps=steps)
     assert [r["step"] for r in records] == list(range(1, steps + 1))  # none lost, none twice
-    assert [untimed(r) for r in records] == [untimed(r) for r in undisturbed]  # the same prompts and completions
+    assert [untimed(r) for r in records] == [untimed(r) for r in undisturbed[:steps]]  # the same prompts, completions
     assert [r["rollout/engines_alive"] for r in records[len(first) :]] == [2] * (steps - len(first))
     assert [r["rollout/engine_restarts"] for r in records[len(first) :]] == [0] * (steps - len(first))
