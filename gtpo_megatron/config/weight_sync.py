@@ -1,7 +1,6 @@
-"""Which weight-sync path a run takes: ``rollout.weight_sync`` against the settings that rule paths out.
+"""Which weight-sync path a run takes (:func:`sync_rules`; ``auto``: the first of :data:`AUTO_ORDER` that applies).
 
-One rule for both uses (:func:`sync_rules`): an explicit path a setting rules out is refused naming it; ``auto``
-takes the first path of :data:`AUTO_ORDER` no setting rules out, so ``sharded`` wherever it applies.
+An explicit path a setting rules out is refused naming it.
 """
 
 from __future__ import annotations

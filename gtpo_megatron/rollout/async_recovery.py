@@ -1,10 +1,7 @@
 """Fault tolerance in async mode: every queued batch settled by ``FaultTolerance``'s rounds before weights move.
 
-A batch is dealt to the live engines when it is queued (``FaultTolerance.deal_round``, every rank) and settled at
-its take, or at the drain before a weight sync, whichever comes first: one ``FaultTolerance.sample_round`` whose
-first pass reads what each leader's worker sampled in the background and whose later passes sample a failed
-engine's prompts on the survivors, through their workers (urgent items, with the batch's request seeds). Why the
-moved prompts get their batch's own weights, and how a restarted engine rejoins: docs/training.md, "Engine
+Dealt at queueing (``FaultTolerance.deal_round``), settled at the take or the drain before a sync, whichever comes
+first (``sample_round``; moved prompts run as urgent items on the survivors' workers): docs/training.md, "Engine
 failures".
 """
 

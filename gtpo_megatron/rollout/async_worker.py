@@ -1,8 +1,6 @@
 """An engine leader's background worker for async rollouts: its queue of batches and weight loads, run in order.
 
-``rollout/pipeline.py`` owns the schedule (what is queued when); this module only runs the queue. An urgent item
-(fault tolerance: a failed engine's prompts dealt to this leader, ``rollout/async_recovery.py``) runs before the
-queued ones, after the item in progress.
+``rollout/pipeline.py`` owns the schedule; an urgent item (``rollout/async_recovery.py``) runs next.
 """
 
 from __future__ import annotations
@@ -31,8 +29,7 @@ _URGENT, _QUEUED = 0, 1
 class Batch:
     """One step's batch on an engine leader: its prompts, and what the worker made of them.
 
-    ``share``: the global prompt indices to sample (fault tolerance deals them), else the leader's own share;
-    ``cancelled``: skip it (its engine failed: another engine samples its prompts).
+    ``share``: the global indices fault tolerance dealt it (None: its own); ``cancelled``: another engine samples it.
     """
 
     step: int
@@ -56,8 +53,7 @@ class Weights:
 class Worker:
     """A daemon thread that runs a leader's queue of batches and weight loads in order (on the collector's cores).
 
-    ``streaming`` (partial rollouts): each batch is sampled in a thread of its own as soon as it is queued, so the
-    engine holds the requests of every queued batch at once and never waits for a batch's longest completion.
+    ``streaming`` (partial rollouts): each batch sampled in a thread of its own as soon as it is queued.
     """
 
     def __init__(self, collector: RolloutCollector, *, streaming: bool = False) -> None:
