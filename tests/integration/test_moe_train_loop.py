@@ -1,6 +1,6 @@
 """A mixture-of-experts policy in the real loop: ``torchrun --nproc_per_node=2`` on ``builtin:tiny-qwen3-moe``
 (8 experts a layer) with expert parallelism 2 (each rank holds 4 experts of every layer), vLLM rollouts on rank 0 and
-the collective weight sync, fp32 on both sides, 3 GTPO steps.
+the default weight sync (sharded: each rank sends its own experts), fp32 on both sides, 3 GTPO steps.
 
 After every sync the engine samples with the trainer's weights: the rollout log-probs the engine reports equal the
 trainer's recomputation (``mismatch/abs_logprob_diff``; 3e-7 to 5e-7 measured) at every step, so every expert of

@@ -5,7 +5,7 @@ the script's per-node command N times at once, each as one node with node-local 
 cache (``GTPO_CACHE_DIR``, holding only a link to SmolLM2, so each node builds ``builtin:tiny-qwen2`` once), weight
 staging (``GTPO_STAGING_DIR``) and a ``TMPDIR`` as long as a cluster job's scratch can be (a unix socket under it
 would not fit ``AF_UNIX``). Each node's torchrun joins the c10d rendezvous on the head with one rank; each rank
-leads one CPU engine (``rollout.num_engines=2``, the collective weight sync), data parallelism 2; the run folder is
+leads one CPU engine (``rollout.num_engines=2``, the default weight sync), data parallelism 2; the run folder is
 shared.
 
 Two nodes train 2 steps and checkpoint step 2, then a ``resume=true`` job trains step 3. One node with 2 ranks (the
