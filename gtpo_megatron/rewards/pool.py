@@ -35,7 +35,7 @@ _FAILED = RewardResult(score=0.0, correct=False, format_ok=False, extracted=None
 
 
 def _worker_main(conn: Connection, reward: str | RewardFn, timeout_s: float, parent_pid: int) -> None:
-    """Worker loop: resolve the reward once, say ready, then answer ``(index, job, kwargs)`` messages.
+    """Worker loop: resolve the reward, warm math-verify, say ready, then answer ``(index, job, kwargs)`` messages.
 
     Ignores SIGINT (Ctrl-C reaches the process group; the trainer closes the pool) and ends with the trainer.
     """
@@ -46,6 +46,7 @@ def _worker_main(conn: Connection, reward: str | RewardFn, timeout_s: float, par
         "score": get_reward(reward) if isinstance(reward, str) else reward,
         "same": functools.partial(same_answer, decimal_abs_tol=decimal_tolerance(reward)),
     }
+    same_answer("\\frac{1}{2}", "0.5")  # math-verify's first call builds its parsers: ~35x a warm call, not timed
     conn.send("ready")
     while True:
         task = conn.recv()
