@@ -55,6 +55,20 @@ def release_stop_signals() -> None:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR1})
 
 
+@contextlib.contextmanager
+def stop_signals_held() -> Iterator[None]:
+    """Start helper processes in this block: SIGUSR1 is blocked in this thread, and a child keeps the block.
+
+    torchrun passes SIGUSR1 to each rank's whole process group, where it must only ask the trainer to save; a helper
+    started mid-run (a reward worker, a restarted engine) would die of it. One arriving meanwhile waits for the end.
+    """
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
 def init_helper_process(parent_pid: int, ignored: tuple[int, ...] = (*ABORT_SIGNALS, signal.SIGUSR1)) -> None:
     """Initialise a helper process of the trainer ``parent_pid``: ignore the ``ignored`` signals, end with it.
 

@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from gtpo_megatron.preemption import KILL_GRACE_S, WAIT_SLICE_S, init_helper_process, wait_until
+from gtpo_megatron.preemption import KILL_GRACE_S, WAIT_SLICE_S, init_helper_process, stop_signals_held, wait_until
 from gtpo_megatron.rewards.answer_text import STRICT, check_extraction
 from gtpo_megatron.rewards.deadline import GradingTimeout, grading_deadline
 from gtpo_megatron.rewards.registry import RewardFn, RewardResult, decimal_tolerance, get_reward
@@ -37,9 +37,10 @@ _FAILED = RewardResult(score=0.0, correct=False, format_ok=False, extracted=None
 def _worker_main(conn: Connection, reward: str | RewardFn, timeout_s: float, parent_pid: int) -> None:
     """Worker loop: resolve the reward, warm math-verify, say ready, then answer ``(index, job, kwargs)`` messages.
 
-    Ignores SIGINT (Ctrl-C reaches the process group; the trainer closes the pool) and ends with the trainer.
+    Ignores SIGINT and SIGUSR1 (both reach the rank's process group; the trainer closes the pool or saves) and ends
+    with the trainer.
     """
-    init_helper_process(parent_pid, ignored=(signal.SIGINT,))
+    init_helper_process(parent_pid, ignored=(signal.SIGINT, signal.SIGUSR1))
     from gtpo_megatron.rewards.math_answer import same_answer  # math-verify: imported by the workers only
 
     jobs = {
@@ -110,7 +111,8 @@ class _Worker:
     def __init__(self, ctx: Any, reward: str | RewardFn, timeout_s: float) -> None:
         self.conn, child_conn = ctx.Pipe()
         self.process = ctx.Process(target=_worker_main, args=(child_conn, reward, timeout_s, os.getpid()), daemon=True)
-        self.process.start()
+        with stop_signals_held():
+            self.process.start()
         child_conn.close()
 
     def wait_ready(self) -> None:

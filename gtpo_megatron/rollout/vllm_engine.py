@@ -13,6 +13,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import torch
 
 from gtpo_megatron.builtin_models import resolve_model_path
+from gtpo_megatron.preemption import stop_signals_held
 from gtpo_megatron.rollout import engine_processes, vllm_logging
 from gtpo_megatron.rollout.engine import NamedTensor
 from gtpo_megatron.rollout.engine_settings import EngineSettings
@@ -77,7 +78,7 @@ class VLLMEngine(VLLMGeneration):
             extra=start.environment,
             quiet_logs=quiet_logs,
         )
-        with env:
+        with env, stop_signals_held():  # a restarted engine's processes must survive the run's SIGUSR1
             self._llm = self._start(LLM, **start.kwargs)
             if self._capture_by_prefill:
                 self._llm.collective_rpc("gtpo_bind_routing_capture")
