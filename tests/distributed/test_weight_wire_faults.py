@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from gtpo_megatron.parallel.weight_group import WorkerLink
+from gtpo_megatron.parallel.weight_group import WorkerLink, abandon
 from gtpo_megatron.rollout import weight_wire
 from gtpo_megatron.rollout.vllm_worker import WeightReloadExtension
 from gtpo_megatron.rollout.weight_wire import receive_weights, send_weights
@@ -134,7 +134,7 @@ def test_a_failed_collective_sync_tells_the_workers_on_the_side_channel(monkeypa
     (the sender's group is abandoned, not destroyed: that would wait for its broadcasts in flight)."""
     from gtpo_megatron.rollout.push import CollectiveWeightSync
 
-    groups = _groups(2, timeout_s=120.0)  # a worker still waiting at this timeout would fail the match below
+    groups = _groups(2, timeout_s=30.0)  # a worker still waiting at this timeout would fail the match below
     worker = groups.pop()
     sync = CollectiveWeightSync(engine=None, group=groups.pop(), exporting=True, bucket_bytes=64, dtype=torch.float32)
 
@@ -154,3 +154,6 @@ def test_a_failed_collective_sync_tells_the_workers_on_the_side_channel(monkeypa
         assert sync.group is None
         with pytest.raises(RuntimeError, match=r"abandoned: the sender failed \(OSError: injected: a member died\)"):
             received.result()
+    # as the engine worker does with a replaced link: its broadcast is still in flight, and a group collected with
+    # work in flight blocks the whole process (GIL held) until the group's timeout
+    abandon(worker)

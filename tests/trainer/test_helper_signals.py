@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -33,7 +34,7 @@ def mid_run():
 def _dies_of_sigusr1(process: subprocess.Popen) -> bool:
     os.kill(process.pid, signal.SIGUSR1)
     try:
-        return process.wait(timeout=5) == -signal.SIGUSR1
+        return process.wait(timeout=2) == -signal.SIGUSR1
     except subprocess.TimeoutExpired:  # still running: it kept the signal pending
         process.kill()
         process.wait()
@@ -48,10 +49,11 @@ def test_a_process_started_inside_the_block_keeps_sigusr1_pending(mid_run):
     assert not mid_run.save_requested
 
 
-def test_a_sigusr1_to_the_trainer_during_the_block_is_delivered_after_it(mid_run):
+def test_a_sigusr1_for_the_main_thread_during_the_block_is_delivered_after_it(mid_run):
+    """Thread-directed (a process-directed one may be taken at once by another thread: the handler runs either way)."""
     with stop_signals_held():
-        os.kill(os.getpid(), signal.SIGUSR1)
-        assert not mid_run.save_requested
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGUSR1)
+        assert not mid_run.save_requested and signal.SIGUSR1 in signal.sigpending()
     assert mid_run.save_requested  # the mask is restored: the run's handler saw it
 
 
@@ -61,7 +63,7 @@ def test_reward_workers_started_mid_run_survive_sigusr1(mid_run):
         for worker in workers:
             os.kill(worker.pid, signal.SIGUSR1)
         for worker in workers:
-            worker.join(timeout=2)
+            worker.join(timeout=1)
             assert worker.is_alive() and worker.exitcode is None
         results, stats = pool.score(["<answer>12</answer>"] * 4, ["12"] * 4)
         assert [r.correct for r in results] == [True] * 4 and stats["num_errors"] == 0
