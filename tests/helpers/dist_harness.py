@@ -49,6 +49,7 @@ def _entry(rank: int, fn, world_size: int, port: int, threads: int, args: tuple)
     torch.set_num_threads(threads)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=_TIMEOUT)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=_TIMEOUT)
+    dist.barrier()  # a rank's init can end before its peers' handshakes do: none leaves before every mesh is up
     try:
         fn(rank, world_size, *args)
     except BaseException as exc:  # re-raised with the traceback text, which pickling would otherwise drop
