@@ -57,12 +57,7 @@ def release_stop_signals() -> None:
 
 @contextlib.contextmanager
 def stop_signals_held() -> Iterator[None]:
-    """Start helper processes in this block: SIGUSR1 is blocked in this thread, and a child keeps the block.
-
-    torchrun passes SIGUSR1 to each rank's whole process group, where it must only ask the trainer to save; a helper
-    started mid-run (a reward worker, a restarted engine) would die of it. None is lost: another thread takes it, or
-    this one at the block's end.
-    """
+    """Start helpers here: SIGUSR1, which torchrun sends to each rank's process group, is blocked for them."""
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
     try:
         yield

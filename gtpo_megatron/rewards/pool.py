@@ -37,8 +37,7 @@ _FAILED = RewardResult(score=0.0, correct=False, format_ok=False, extracted=None
 def _worker_main(conn: Connection, reward: str | RewardFn, timeout_s: float, parent_pid: int) -> None:
     """Worker loop: resolve the reward, warm math-verify, say ready, then answer ``(index, job, kwargs)`` messages.
 
-    Ignores SIGINT and SIGUSR1 (both reach the rank's process group; the trainer closes the pool or saves) and ends
-    with the trainer.
+    Ignores SIGINT and SIGUSR1 (they reach the rank's process group: the trainer acts on them); ends with the trainer.
     """
     init_helper_process(parent_pid, ignored=(signal.SIGINT, signal.SIGUSR1))
     from gtpo_megatron.rewards.math_answer import same_answer  # math-verify: imported by the workers only
