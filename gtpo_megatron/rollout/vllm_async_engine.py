@@ -142,4 +142,6 @@ class AsyncVLLMEngine(VLLMEngine):
         loop = getattr(self, "_loop", None)
         if loop is not None:
             loop.stop()
+        if facade is not None:  # collected now: its __del__ shuts down again, which fails at interpreter exit
+            facade.llm_engine = None
         self._remove_staging()
