@@ -130,6 +130,7 @@ class AsyncRollouts:
                 tally.aborted = 1.0
             except RuntimeError as err:  # shared at the exchange: the other ranks wait there for this batch
                 tally.fail(err)
+        if self._worker is not None:
             tally.busy_s = self._worker.clock.read()
         wait_s = time.perf_counter() - start
         engine_index = None if self.collector is None else self.collector.engine_index

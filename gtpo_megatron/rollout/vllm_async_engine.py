@@ -13,6 +13,7 @@ Why the KV is kept and each token's recorded version is exact: docs/training.md,
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import threading
 from collections.abc import Coroutine
@@ -96,6 +97,13 @@ class AsyncFacade:
         self.loop.run(self.llm_engine.resume_generation())
 
 
+async def _cancelled(task: asyncio.Task) -> None:
+    """Cancel ``task`` and wait until it ended."""
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
 class AsyncVLLMEngine(VLLMEngine):
     """A ``RolloutEngine`` whose weights can change during ``generate`` (module docstring); ``VLLMEngine``'s args.
 
@@ -138,6 +146,9 @@ class AsyncVLLMEngine(VLLMEngine):
         """Shut the engine down, stop its loop, delete the staging folder; idempotent."""
         facade, self._llm = getattr(self, "_llm", None), None
         if facade is not None:
+            handler = getattr(facade.llm_engine, "output_handler", None)
+            if handler is not None:  # first: vLLM's shutdown stops the core while it reads, and it logs a death
+                facade.loop.run(_cancelled(handler))
             facade.llm_engine.shutdown()
         loop = getattr(self, "_loop", None)
         if loop is not None:
