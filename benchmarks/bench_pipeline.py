@@ -50,11 +50,12 @@ class _SleepingEngine(SeededFakeEngine):
 
     version = 0
 
-    def update_in_flight(self, version, load=None):
-        """Partial rollouts: load now (the fake's requests need no pause) and label the next tokens."""
-        if load is not None:
-            load()
-        self.version = version
+    def pause(self):
+        """Partial rollouts: the fake's requests need no pause."""
+
+    def resume(self, version):
+        """Label the next tokens ``version`` (None: keep the label)."""
+        self.version = self.version if version is None else version
 
     def generate(self, prompt_ids, n, sampling, prompt_indices=None):
         step, first = sampling.seed // 1000, self.version

@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from gtpo_megatron.node_local import socket_path
@@ -65,16 +66,32 @@ def stop_signals_held() -> Iterator[None]:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
-def init_helper_process(parent_pid: int, ignored: tuple[int, ...] = (*ABORT_SIGNALS, signal.SIGUSR1)) -> None:
-    """Initialise a helper process of the trainer ``parent_pid``: ignore the ``ignored`` signals, end with it.
+@dataclass(frozen=True, slots=True)
+class HelperParent:
+    """Where a helper process is started: the trainer's ``pid``, and whether from its ``main_thread``."""
 
-    SIGKILL when the thread that started it ends (``PR_SET_PDEATHSIG``, Linux), else a thread polling ``getppid``.
+    pid: int
+    main_thread: bool
+
+
+def helper_parent() -> HelperParent:
+    """This process and the calling thread, for :func:`init_helper_process` (call it where the helper starts)."""
+    return HelperParent(os.getpid(), threading.current_thread() is threading.main_thread())
+
+
+def init_helper_process(parent: HelperParent, ignored: tuple[int, ...] = (*ABORT_SIGNALS, signal.SIGUSR1)) -> None:
+    """Initialise a helper process of ``parent``: ignore the ``ignored`` signals, end with the trainer.
+
+    A thread polls ``getppid`` (the helper ends within a second of the trainer); a helper started by the main
+    thread also gets SIGKILL the moment the trainer ends (``PR_SET_PDEATHSIG``, Linux). That signal follows the
+    thread that started the helper, not its process: armed from another thread (a partial-rollout batch's, an
+    engine call's) it would kill the helper when that thread ends.
     """
     for sig in ignored:
         signal.signal(sig, signal.SIG_IGN)
-    if sys.platform == "linux":
+    if sys.platform == "linux" and parent.main_thread:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    threading.Thread(target=_exit_with_parent, args=(parent_pid,), name="gtpo-parent-watch", daemon=True).start()
+    threading.Thread(target=_exit_with_parent, args=(parent.pid,), name="gtpo-parent-watch", daemon=True).start()
 
 
 def start_helper_manager() -> SyncManager:
@@ -84,7 +101,7 @@ def start_helper_manager() -> SyncManager:
 
     # its own socket folder: under a long TMPDIR, Python's default socket path would not fit AF_UNIX
     manager = SyncManager(address=socket_path("gtpo-ckpt"), ctx=multiprocessing.get_context("fork"))
-    manager.start(init_helper_process, (os.getpid(),))
+    manager.start(init_helper_process, (helper_parent(),))
     return manager
 
 

@@ -55,6 +55,10 @@ class ModelConfig:
     parameters."""
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     """Low-rank adapters instead of full fine-tuning (``config/lora.py``; off unless ``model.lora.rank`` is set)."""
+    layer_spec: Literal["auto", "local", "transformer_engine"] = "auto"
+    """Megatron's layer spec: ``transformer_engine`` (fused kernels; needs it installed), ``local`` (Megatron's
+    PyTorch layers, SDPA attention), ``auto``: Transformer Engine where it imports, except with ``model.lora``
+    (``local``: TE fuses the input norm into linear_qkv and linear_fc1, whose adapters need its output)."""
 
     def __post_init__(self) -> None:
         _require(
@@ -74,6 +78,14 @@ class ModelConfig:
         for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
             value = getattr(self, name)
             _require(0 <= value < math.inf, f"model.{name}", value, "must be finite and >= 0", "use 0 (off) or 1e-3")
+        _require(
+            not (self.lora.enabled and self.layer_spec == "transformer_engine"),
+            "model.layer_spec/model.lora.rank",
+            (self.layer_spec, self.lora.rank),
+            "Transformer Engine fuses the input norm into linear_qkv and linear_fc1, so their adapters would see the "
+            "un-normalised input (not built)",
+            "set model.layer_spec=auto (local with LoRA) or local",
+        )
         _require(
             self.megatron_checkpoint is None or (bool(self.megatron_checkpoint) and not self.pad_attention_heads),
             "model.megatron_checkpoint/model.pad_attention_heads",

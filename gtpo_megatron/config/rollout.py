@@ -32,8 +32,9 @@ class RolloutConfig:
     """``async`` only: policy versions between a batch's weights and the policy it trains (1: one-step-off)."""
     partial_rollouts: bool = False
     """``async`` with ``placement: separate`` only: a weight update lands in the middle of the engines' requests
-    (paused keeping their KV cache, loaded, resumed: ``rollout/vllm_async_engine.py``); each token records the
-    policy version that sampled it, and tokens more than ``max_staleness`` versions old leave the loss
+    (paused keeping their KV cache, loaded through any ``weight_sync`` path, resumed:
+    ``rollout/vllm_async_engine.py``), with one engine or many, with ``fault_tolerance`` too; each token records
+    the policy version that sampled it, and tokens more than ``max_staleness`` versions old leave the loss
     (docs/algorithm.md section 11, "Mixed versions")."""
     num_prompts: int = 1
     """Prompts P per step (the paper uses 1); B = P * group_size sequences."""
@@ -80,7 +81,7 @@ class RolloutConfig:
     nodes (null: ``engine_tp_size``, one engine)."""
     weight_sync: Literal["auto", "collective", "sharded", "files"] = "auto"
     """How new weights reach the engines after each step. ``auto`` (resolved at start-up, logged once) takes
-    ``sharded`` wherever it applies, else ``collective`` (``files`` with ``partial_rollouts``); what rules each path
+    ``sharded`` wherever it applies, else ``collective``; what rules each path
     out is ``config/weight_sync.py``'s. ``collective`` broadcasts bucketed tensors from global rank 0 to every engine
     worker over a process group of their own (gloo on CPU, NCCL on GPU), each worker loading them in one reload
     pass; ``sharded`` has every training rank send the pieces it holds straight to every worker (at
@@ -103,8 +104,8 @@ class RolloutConfig:
     """Keep training when an engine dies or stops answering (``rollout/fault_tolerance.py``, docs/training.md,
     "Engine failures"): its prompts move to the surviving engines with the same request seeds, it restarts in the
     background and rejoins with the current weights at a weight sync (sync or async mode). Needs
-    ``rollout.num_engines >= 2`` and ``weight_sync: collective`` (or ``auto``), not with ``partial_rollouts``. Off: a
-    failed engine stops the job, naming it."""
+    ``rollout.num_engines >= 2`` and ``weight_sync: collective`` (or ``auto``). Off: a failed engine stops the job,
+    naming it."""
     health_check_interval_s: float = 10.0
     """Fault tolerance: seconds between two health checks of an engine that is generating or receiving weights."""
     health_check_timeout_s: float = 5.0
@@ -168,14 +169,6 @@ class RolloutConfig:
         """In-flight weight updates need async mode, engines of their own and no routed-experts capture."""
         if not self.partial_rollouts:
             return
-        _require(
-            not self.fault_tolerance,
-            "rollout.partial_rollouts/rollout.fault_tolerance",
-            (self.partial_rollouts, self.fault_tolerance),
-            "an engine that dies holds requests of several policy versions, which no survivor holds any more to "
-            "sample them again, and partial rollouts feed one engine (weight_sync: files; docs/training.md)",
-            "set rollout.partial_rollouts=false (async mode takes fault tolerance), or rollout.fault_tolerance=false",
-        )
         _require(
             self.mode == "async" and self.placement == "separate",
             "rollout.partial_rollouts/rollout.mode/rollout.placement",

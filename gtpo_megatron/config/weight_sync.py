@@ -16,8 +16,8 @@ if TYPE_CHECKING:
     from gtpo_megatron.config.run import GTPOConfig
 
 SyncPath = Literal["collective", "sharded", "files"]
-AUTO_ORDER: tuple[SyncPath, ...] = ("sharded", "collective", "files")
-"""``rollout.weight_sync: auto``'s preference: the first path no setting rules out."""
+AUTO_ORDER: tuple[SyncPath, ...] = ("sharded", "collective")
+"""``rollout.weight_sync: auto``'s preference: the first path no setting rules out (every rule allows collective)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,12 +35,6 @@ class SyncRule:
 def sync_rules(rollout: RolloutConfig, *, lora: bool | None = None, accelerator: bool | None = None) -> list[SyncRule]:
     """The rules of ``rollout``'s settings (module docstring); ``lora``/``accelerator`` None: those rules left out."""
     sync, rules = rollout.weight_sync, []
-    if rollout.partial_rollouts:
-        rules.append(SyncRule(
-            "rollout.partial_rollouts", "rollout.partial_rollouts/rollout.weight_sync", (True, sync), ("files",),
-            "an in-flight update loads staged weights while the engine's requests are paused (files sync only)",
-            "set rollout.weight_sync=files, or rollout.partial_rollouts=false",
-        ))  # fmt: skip
     if rollout.num_engines not in ("auto", 1):
         rules.append(SyncRule(
             f"rollout.num_engines={rollout.num_engines}", "rollout.weight_sync", sync, ("sharded", "collective"),
@@ -87,17 +81,14 @@ def choose_weight_sync(
     """The path of ``rollout`` given what is known (:func:`sync_rules`); pure.
 
     Raises:
-        ValueError: an explicit path a rule rules out (naming the setting, why and the fix), or ``auto`` with no
-            path left (naming the settings that conflict).
+        ValueError: an explicit path a rule rules out (naming the setting, why and the fix).
     """
     rules = sync_rules(rollout, lora=lora, accelerator=accelerator)
     if rollout.weight_sync != "auto":
         for rule in rules:
             require(rollout.weight_sync in rule.allowed, rule.field, rule.value, rule.why, rule.fix)
         return SyncChoice(rollout.weight_sync, "set")
-    left = [path for path in AUTO_ORDER if all(path in rule.allowed for rule in rules)]
-    needs = "; ".join(f"{rule.setting} allows {'/'.join(rule.allowed)}" for rule in rules)
-    require(bool(left), "rollout.weight_sync", "auto", f"no path is left ({needs})", "change one of those settings")
+    left = [path for path in AUTO_ORDER if all(path in rule.allowed for rule in rules)]  # collective at least
     if left[0] == AUTO_ORDER[0]:
         return SyncChoice(left[0], "auto")
     against = [rule.setting for rule in rules if AUTO_ORDER[0] not in rule.allowed]

@@ -155,8 +155,8 @@ def attach_lora(model, lora: LoRAConfig, geometry, *, seed: int) -> int:
     if getattr(model, "layer_spec_backend", "local") != "local":
         raise ValueError(
             f"model.lora.rank={lora.rank} with Transformer Engine layer specs: their linear_qkv and linear_fc1 fuse "
-            "the layer norm, so the adapters would see the un-normalised input; not built. Run without "
-            "transformer_engine installed (Megatron's local specs), or set model.lora.rank=null"
+            "the layer norm, so the adapters would see the un-normalised input; not built. Build the model with "
+            "Megatron's local specs (model.layer_spec=auto or local), or set model.lora.rank=null"
         )
     model.requires_grad_(False)
     count = 0

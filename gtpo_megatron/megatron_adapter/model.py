@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +36,7 @@ from gtpo_megatron.plan.architectures import architecture_from_hf_config
 from gtpo_megatron.plan.layout import expert_problems, raise_problems
 
 if TYPE_CHECKING:
+    from gtpo_megatron.config.model import ModelConfig
     from gtpo_megatron.megatron_adapter.settings import PolicySettings
 
 logger = logging.getLogger(__name__)
@@ -49,6 +50,27 @@ def transformer_engine_available() -> bool:
     except Exception:  # a meta package without CUDA raises RuntimeError (and breaks megatron)
         return False
     return True
+
+
+LayerBackend = Literal["transformer_engine", "local"]
+
+
+def layer_spec_backend(model: ModelConfig | None = None) -> LayerBackend:
+    """The layer spec ``model.layer_spec`` resolves to (docstring of that field); None: ``auto`` without LoRA.
+
+    Raises:
+        ValueError: ``transformer_engine`` asked for where it does not import, naming the field and the fix.
+    """
+    asked = "auto" if model is None else model.layer_spec
+    if asked == "auto":
+        lora = model is not None and model.lora.enabled
+        return "transformer_engine" if transformer_engine_available() and not lora else "local"
+    if asked == "transformer_engine" and not transformer_engine_available():
+        raise ValueError(
+            "model.layer_spec=transformer_engine: transformer_engine does not import here; install it (bash "
+            "launch/install.sh gpu) or set model.layer_spec=auto"
+        )
+    return asked
 
 
 @functools.cache
@@ -144,25 +166,29 @@ def _with_sequence_parallel_norms(spec):
 
 
 def select_layer_spec(
-    *, qk_layernorm: bool, biases: LinearBiases, sequence_parallel: bool = False, num_experts: int | None = None
+    *,
+    qk_layernorm: bool,
+    biases: LinearBiases,
+    sequence_parallel: bool = False,
+    num_experts: int | None = None,
+    backend: LayerBackend | None = None,
 ):
-    """``(layer_spec, "transformer_engine" | "local")``, logged once.
+    """``(layer_spec, backend)``, logged once; ``backend`` None: :func:`layer_spec_backend`'s default.
 
     ``biases`` and ``sequence_parallel`` adapt the local spec (TE's supports both natively); ``num_experts`` makes
     the MLP an ``MoELayer`` (TE: grouped GEMMs, local: ``SequentialMLP``).
     """
     from megatron.core.models.gpt import gpt_layer_specs
 
-    if transformer_engine_available():
+    backend = backend or layer_spec_backend()
+    if backend == "transformer_engine":
         spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
             num_experts=num_experts, moe_grouped_gemm=num_experts is not None, qk_layernorm=qk_layernorm
         )
-        backend = "transformer_engine"
     else:
         spec = gpt_layer_specs.get_gpt_layer_local_spec(
             num_experts=num_experts, qk_layernorm=qk_layernorm, normalization="RMSNorm"
         )
-        backend = "local"
         spec = _with_sdpa_attention(spec)
         if sequence_parallel:
             spec = _with_sequence_parallel_norms(spec)
@@ -280,7 +306,9 @@ def hf_transformer_fields(hf_config, settings: PolicySettings, *, padding_tp_siz
         add_qkv_bias=linear_biases(hf_config).qkv,
         qk_layernorm=has_qk_norm(hf_config),
         **sliding_window_settings(hf_config),
-        **moe_transformer_fields(hf_config, settings, grouped_gemm=transformer_engine_available()),
+        **moe_transformer_fields(
+            hf_config, settings, grouped_gemm=layer_spec_backend(settings.model) == "transformer_engine"
+        ),
     )
 
 
@@ -317,9 +345,18 @@ def _variable_shapes(settings: PolicySettings) -> dict:
 
 
 def build_gpt_model(
-    hf_config, config, *, padded_vocab_size: int, pre_process: bool, post_process: bool, fp32_output_layer: bool = False
+    hf_config,
+    config,
+    *,
+    padded_vocab_size: int,
+    pre_process: bool,
+    post_process: bool,
+    fp32_output_layer: bool = False,
+    backend: LayerBackend | None = None,
 ):
     """This rank's ``GPTModel`` stage, ``parallel_output=True``, random weights in ``config.params_dtype``.
+
+    ``backend``: the layer spec (:func:`layer_spec_backend`; None: its default).
 
     Logits are ``[B, S, V/tp]``, fp32 with ``fp32_output_layer`` (16-bit parameters only). Sets
     ``layer_spec_backend``. Collectives: with tied embeddings and PP > 1, one all-reduce on Megatron's embedding
@@ -337,6 +374,7 @@ def build_gpt_model(
         biases=linear_biases(hf_config),
         sequence_parallel=config.sequence_parallel,
         num_experts=config.num_moe_experts,
+        backend=backend,
     )
     model = GPTModel(
         config=config,

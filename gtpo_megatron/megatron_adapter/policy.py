@@ -59,9 +59,16 @@ def _log_head_padding(geometry: hf_conversion.ModelGeometry, pad_attention_heads
 
 
 def _build_stage(
-    hf_config, config, groups: ParallelGroups, *, padded_vocab_size: int, seed: int, fp32_output_layer: bool
+    hf_config,
+    config,
+    groups: ParallelGroups,
+    *,
+    padded_vocab_size: int,
+    seed: int,
+    fp32_output_layer: bool,
+    backend: str,
 ):
-    """This rank's ``GPTModel`` stage, initialised from ``seed`` (torch and Megatron's model-parallel RNG)."""
+    """This rank's ``GPTModel`` stage (``backend``'s layer spec), seeded from ``seed`` (torch, Megatron's TP RNG)."""
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     torch.manual_seed(seed)
@@ -74,6 +81,7 @@ def _build_stage(
             pre_process=groups.is_first_pp_stage,
             post_process=groups.is_last_pp_stage,
             fp32_output_layer=fp32_output_layer,
+            backend=backend,
         )
 
 
@@ -202,6 +210,7 @@ class MegatronPolicy:
             padded_vocab_size=vocab_size,
             seed=settings.seed,
             fp32_output_layer=settings.model.fp32_output_layer,
+            backend=model_lib.layer_spec_backend(settings.model),
         )
         _load_initial_weights(gpt_model, settings.model, hf_path, geometry, tp_rank=groups.tp_rank)
         if trainable and settings.model.lora.enabled:

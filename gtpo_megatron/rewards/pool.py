@@ -15,8 +15,8 @@ quietly: a failed answer scores 0 (``same_answers``: not the same).
 from __future__ import annotations
 
 import functools
+import logging
 import multiprocessing as mp
-import os
 import signal
 import time
 from collections import deque
@@ -24,7 +24,15 @@ from collections.abc import Callable, Mapping, Sequence
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from gtpo_megatron.preemption import KILL_GRACE_S, WAIT_SLICE_S, init_helper_process, stop_signals_held, wait_until
+from gtpo_megatron.preemption import (
+    KILL_GRACE_S,
+    WAIT_SLICE_S,
+    HelperParent,
+    helper_parent,
+    init_helper_process,
+    stop_signals_held,
+    wait_until,
+)
 from gtpo_megatron.rewards.answer_text import STRICT, check_extraction
 from gtpo_megatron.rewards.deadline import GradingTimeout, grading_deadline
 from gtpo_megatron.rewards.registry import RewardFn, RewardResult, decimal_tolerance, get_reward
@@ -32,14 +40,15 @@ from gtpo_megatron.rewards.registry import RewardFn, RewardResult, decimal_toler
 _STARTUP_TIMEOUT_S = 120.0
 _MAX_MESSAGES = 5
 _FAILED = RewardResult(score=0.0, correct=False, format_ok=False, extracted=None)
+logger = logging.getLogger(__name__)
 
 
-def _worker_main(conn: Connection, reward: str | RewardFn, timeout_s: float, parent_pid: int) -> None:
+def _worker_main(conn: Connection, reward: str | RewardFn, timeout_s: float, parent: HelperParent) -> None:
     """Worker loop: resolve the reward, warm math-verify, say ready, then answer ``(index, job, kwargs)`` messages.
 
     Ignores SIGINT and SIGUSR1 (they reach the rank's process group: the trainer acts on them); ends with the trainer.
     """
-    init_helper_process(parent_pid, ignored=(signal.SIGINT, signal.SIGUSR1))
+    init_helper_process(parent, ignored=(signal.SIGINT, signal.SIGUSR1))
     from gtpo_megatron.rewards.math_answer import same_answer  # math-verify: imported by the workers only
 
     jobs = {
@@ -85,6 +94,7 @@ def check_grader_failures(
 ) -> None:
     """Stops a run whose grader failed on more than ``max_error_frac`` of one :meth:`RewardPool.score` call.
 
+    Fewer failures are logged (a warning with the counts and the first message; ``reward/num_*`` counts them).
     ``where`` prefixes the message (the benchmark); ``fields`` name the error fraction and timeout settings.
 
     Raises:
@@ -94,8 +104,12 @@ def check_grader_failures(
     frac_field, timeout_field = fields
     check_error_frac(max_error_frac, field=frac_field)
     failed = stats["num_timeouts"] + stats["num_errors"]
+    example = stats["errors"][0] if stats["errors"] else "no message"
+    if 0 < failed <= max_error_frac * stats["num_scored"]:
+        logger.warning("%sreward %r did not grade %d of %d answers (%d timeouts, %d errors), e.g. %s", where,
+                       stats["reward"], failed, stats["num_scored"], stats["num_timeouts"], stats["num_errors"],
+                       example)  # fmt: skip
     if failed > max_error_frac * stats["num_scored"]:
-        example = stats["errors"][0] if stats["errors"] else "no message"
         raise RuntimeError(
             f"{where}reward {stats['reward']!r} failed to grade {failed} of {stats['num_scored']} answers "
             f"({stats['num_timeouts']} timeouts, {stats['num_errors']} errors), more than "
@@ -109,7 +123,9 @@ class _Worker:
 
     def __init__(self, ctx: Any, reward: str | RewardFn, timeout_s: float) -> None:
         self.conn, child_conn = ctx.Pipe()
-        self.process = ctx.Process(target=_worker_main, args=(child_conn, reward, timeout_s, os.getpid()), daemon=True)
+        self.process = ctx.Process(
+            target=_worker_main, args=(child_conn, reward, timeout_s, helper_parent()), daemon=True
+        )
         with stop_signals_held():
             self.process.start()
         child_conn.close()

@@ -69,13 +69,16 @@ class AsyncRecovery:
     def _sample(self, batch: Batch, stop: StopRequests | None, mine: list[int]) -> dict[int, ScoredGroup]:
         """A pass's ``sample``: the worker's groups of ``mine``, the others (moved here) sampled now before its queue.
 
+        A batch cancelled since its queueing (this leader's engine was lost, then restarted and admitted: partial
+        rollouts settle without a drain) counts as unsampled: what the lost engine made of it is not waited for.
         Raises the batch's error: ``EngineFailure`` (the engine failed: ``sample_round`` moves the whole block) or
         a grader's (the job stops at the exchange).
         """
         try:
-            self._wait(batch, stop)
-            scored = {i: batch.scored[i] for i in mine if i in batch.scored}
-            moved = [i for i in mine if i not in batch.scored]
+            if not batch.cancelled:
+                self._wait(batch, stop)
+            scored = {} if batch.cancelled else {i: batch.scored[i] for i in mine if i in batch.scored}
+            moved = [i for i in mine if i not in scored]
             if moved:
                 extra = Batch(step=batch.step, problems=batch.problems, share=moved, tally=batch.tally)
                 self.worker.submit(extra, urgent=True)

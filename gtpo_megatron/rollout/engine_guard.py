@@ -5,7 +5,8 @@
 naming the engine and its ranks (an ``EngineFailure``); an update that fails half-way marks the engine unusable.
 With a ``HealthCheck`` (``rollout.fault_tolerance``) every wait also probes the engine's processes each
 ``health_check_interval_s``, so a dead or stopped engine is found before ``timeout_s``. The collective path's
-worker calls run in the background (:meth:`~GuardedEngine.start_receive`) while this process sends. ``close``
+worker calls run in the background (:meth:`~GuardedEngine.start_receive`) while this process sends;
+:func:`load_in_flight` wraps any path's load in a pause (partial rollouts). ``close``
 waits ``CLOSE_TIMEOUT_S`` at most; :func:`close_all` runs every teardown step, keeping the job's own error first.
 """
 
@@ -148,7 +149,7 @@ class GuardedEngine:
 
     def _check_usable(self) -> None:
         if self.unusable is not None:
-            raise RuntimeError(f"{self.name} is unusable since a weight update failed half-way ({self.unusable})")
+            raise EngineFailure(f"{self.name} is unusable since a weight update failed half-way ({self.unusable})")
 
     # ------------------------------------------------------------------------------------------- RolloutEngine
     def generate(
@@ -181,11 +182,14 @@ class GuardedEngine:
         """``engine.finish_weight_update`` under the watchdog; a failed reload marks the engine unusable."""
         self._guarded(self.engine.finish_weight_update, "weight update (files)", breaks_weights=True)
 
-    def update_in_flight(self, version: int, load: Callable[[], object] | None = None) -> None:
-        """``engine.update_in_flight`` (partial rollouts) under the watchdog; a failure marks the engine unusable."""
+    def pause(self) -> None:
+        """``engine.pause`` (partial rollouts: its requests frozen with their KV) under the watchdog."""
         self._check_usable()
-        call = lambda: self.engine.update_in_flight(version, load)  # noqa: E731
-        self._guarded(call, "in-flight weight update", breaks_weights=True)
+        self._guarded(self.engine.pause, "pausing for an in-flight update", breaks_weights=False)
+
+    def resume(self, version: int | None) -> None:
+        """``engine.resume(version)`` under the watchdog; a failure marks the engine unusable."""
+        self._guarded(lambda: self.engine.resume(version), "resuming after an in-flight update", breaks_weights=True)
 
     def sleep(self) -> None:
         """``engine.sleep`` (skipped on an unusable engine: a lost one may be dead)."""
@@ -224,6 +228,39 @@ class GuardedEngine:
         """Start the workers' ``receive_weights`` for one update in the background; :meth:`wait` for it."""
         self._check_usable()
         return EngineCall(self.engine.receive_weights, "weight update (collective)")
+
+
+def load_in_flight(engine: GuardedEngine | None, version: int, load: Callable[[], dict]) -> dict[str, float]:
+    """Pause ``engine`` (keeping its requests and KV), ``load``, label the weights ``version`` and resume.
+
+    ``engine`` None or unusable (lost, under fault tolerance): ``load`` alone. Every rank's ``load`` runs whatever
+    the pause did: a dead engine fails its part of it, which that path reports (its side channel, fault tolerance).
+    A failed load resumes the engine unlabelled and raises; a lost engine is not resumed (it is replaced); a failed
+    resume leaves the engine unusable (its next batch fails, naming it). Returns ``load``'s value. Why the kept KV
+    and the recorded versions are exact: docs/training.md, "Partial rollouts" (the order: ``rollout/pipeline.py``).
+    """
+    if engine is None or engine.unusable is not None:
+        return load()
+    try:
+        engine.pause()
+    except EngineFailure as err:
+        logger.warning("%s did not pause for the in-flight update (%s); loading regardless", engine.name, err)
+    try:
+        metrics = load()
+    except BaseException:
+        resume_quietly(engine, None)
+        raise
+    if engine.unusable is None:
+        resume_quietly(engine, version)
+    return metrics
+
+
+def resume_quietly(engine: GuardedEngine, version: int | None) -> None:
+    """``engine.resume(version)``; a failure is logged (the guard marked the engine unusable)."""
+    try:
+        engine.resume(version)
+    except EngineFailure as err:
+        logger.warning("%s did not resume after the in-flight update (%s)", engine.name, err)
 
 
 def close_all(steps: Sequence[tuple[str, Callable[[], object]]]) -> None:

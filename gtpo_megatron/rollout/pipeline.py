@@ -20,12 +20,11 @@ from gtpo_megatron.preemption import StepInterrupted, wait_until
 from gtpo_megatron.rollout.async_recovery import AsyncRecovery
 from gtpo_megatron.rollout.async_worker import Batch, Weights, Worker
 from gtpo_megatron.rollout.collector import StepRollout, share_step
+from gtpo_megatron.rollout.engine_guard import load_in_flight, resume_quietly
 from gtpo_megatron.rollout.exchange import EngineTally, raise_leader_failures
 from gtpo_megatron.rollout.push import FilesWeightSync
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-
     from gtpo_megatron.config import GTPOConfig
     from gtpo_megatron.data.loader import PromptLoader
     from gtpo_megatron.preemption import StopRequests
@@ -82,7 +81,7 @@ class AsyncRollouts:
         """Queue the first k+1 batches after ``completed_steps`` (the engines must hold that step's weights)."""
         self._version = completed_steps
         if self._worker is not None and self.partial:  # the engine's tokens carry the start weights' version
-            self._update_in_flight(completed_steps, None)
+            self.collector.engine.resume(completed_steps)
         self._ahead = self.loader.fork()
         self._last_take_s = time.perf_counter()
         for step in range(completed_steps + 1, completed_steps + 2 + self.max_staleness):
@@ -131,6 +130,7 @@ class AsyncRollouts:
                 tally.aborted = 1.0
             except RuntimeError as err:  # shared at the exchange: the other ranks wait there for this batch
                 tally.fail(err)
+        if self._worker is not None:
             tally.busy_s = self._worker.clock.read()
         wait_s = time.perf_counter() - start
         engine_index = None if self.collector is None else self.collector.engine_index
@@ -172,20 +172,21 @@ class AsyncRollouts:
     ) -> dict[str, float]:
         """After ``step``'s update: queue its weights and batch step+1+k; the sync's metrics.
 
-        ``files`` queues the gathered weights; any other ``sync`` drains, then pushes. Nothing when no batch is left for
+        ``files`` queues the gathered weights; any other ``sync`` drains, then pushes. With partial rollouts nothing
+        drains: every path loads into the paused engines (:meth:`_push_in_flight`). Nothing when no batch is left for
         these weights (step+1+k > ``trainer.max_steps``).
 
-        Collectives: the weight gather of ``stream`` (exporting ranks); ``collective`` also a MAX of the leaders'
-        drain failures and one of the abort flags (world): an abort signal during the drain skips the push, and a
-        leader's failure raises RuntimeError on every rank, naming the engine.
+        Collectives: the weight gather of ``stream`` (exporting ranks), ``sync``'s; ``collective`` without partial
+        rollouts also a MAX of the leaders' drain failures and one of the abort flags (world): an abort signal
+        during the drain skips the push, and a leader's failure raises RuntimeError on every rank, naming the engine.
         """
         if step + 1 + self.max_staleness > self.cfg.trainer.max_steps:
             return {}
-        if isinstance(sync, FilesWeightSync):
+        if self.partial:
+            metrics = self._push_in_flight(step, sync, stream)
+        elif isinstance(sync, FilesWeightSync):
             load, metrics = sync.stage(stream)
-            if self._worker is not None and self.partial:
-                metrics |= self._update_in_flight(step, load)
-            elif self._worker is not None:
+            if self._worker is not None:
                 self._worker.submit(Weights(step=step, load=load))
         else:
             metrics = self.drain(stop)
@@ -196,18 +197,33 @@ class AsyncRollouts:
         self._submit(step + 1 + self.max_staleness)
         return metrics
 
-    def _update_in_flight(self, step: int, load: Callable[[], dict[str, float]] | None) -> dict[str, float]:
-        """Partial rollouts: load the weights after ``step`` into the running engine now (its requests paused).
+    def _push_in_flight(
+        self,
+        step: int,
+        sync: FilesWeightSync | CollectiveWeightSync | AdapterWeightSync | FaultTolerance,
+        stream: StreamFactory,
+    ) -> dict[str, float]:
+        """Partial rollouts: the weights after ``step`` load into the running engines (:func:`load_in_flight`).
 
-        A failure is kept and reported at every later take (as a failed queued load is). ``async/pause_s``: the
-        seconds the engine's requests stood still (the load included).
+        ``files`` gathers first and loads into rank 0's engine; another path's whole ``sync.sync`` runs on every
+        rank, each leader's engine paused around it. A failed ``files`` load is kept and reported at every later take
+        (as a failed queued load is); a failed sync raises as it does between batches. An engine that fault
+        tolerance admitted during the sync is labelled too. ``async/pause_s``: this leader's engine's still seconds.
         """
-        start, loaded = time.perf_counter(), {}
+        files = isinstance(sync, FilesWeightSync)
+        load, metrics = sync.stage(stream) if files else ((lambda: sync.sync(stream)), {})
+        before = None if self._worker is None else self.collector.engine
+        start = time.perf_counter()
         try:
-            self.collector.engine.update_in_flight(step, None if load is None else lambda: loaded.update(load()))
-        except BaseException as err:  # every rank learns of it at the next take, naming the engine
-            self._failed_load = self._failed_load or (step, err)
-        return loaded | {"async/pause_s": time.perf_counter() - start}
+            metrics |= load_in_flight(before, step, load)
+        except BaseException as err:
+            if not files:
+                raise
+            self._failed_load = self._failed_load or (step, err)  # every rank learns of it at the next take
+        admitted = None if self._worker is None else self.collector.engine
+        if admitted is not before and admitted.unusable is None:  # it received these weights whole
+            resume_quietly(admitted, step)
+        return metrics if before is None else metrics | {"async/pause_s": time.perf_counter() - start}
 
     def drain(self, stop: StopRequests | None) -> dict[str, float]:
         """Wait until every queued batch is sampled (a stop signal leaves the wait); ``async/drain_wait_s``."""

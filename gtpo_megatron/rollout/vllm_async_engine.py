@@ -2,10 +2,10 @@
 
 ``AsyncVLLMEngine`` is ``VLLMEngine`` (the same settings, seeds, staging and ``reload_weights`` walk of
 ``rollout/vllm_worker.py``) started as an ``AsyncLLM`` whose event loop runs in a daemon thread: ``generate`` submits
-each batch's requests to it and returns when they finish, and :meth:`AsyncVLLMEngine.update_in_flight`, called from
-another thread while a batch generates, does
-
-    pause_generation(mode="keep", clear_cache=False) -> load the new weights -> label them ``version`` -> resume
+each batch's requests to it and returns when they finish; while a batch generates, another thread may call
+:meth:`AsyncVLLMEngine.pause` (``pause_generation(mode="keep", clear_cache=False)``), load new weights through any
+sync path, and :meth:`AsyncVLLMEngine.resume` (label them ``version``, ``resume_generation``): the order is
+``rollout/pipeline.py:load_in_flight``'s.
 
 Why the KV is kept and each token's recorded version is exact: docs/training.md, "Partial rollouts".
 """
@@ -13,9 +13,10 @@ Why the KV is kept and each token's recorded version is exact: docs/training.md,
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import threading
-from collections.abc import Callable, Coroutine
+from collections.abc import Coroutine
 from typing import Any
 
 from gtpo_megatron.rollout.vllm_engine import VLLMEngine
@@ -96,19 +97,11 @@ class AsyncFacade:
         self.loop.run(self.llm_engine.resume_generation())
 
 
-def update_in_flight(facade: AsyncFacade, version: int, load: Callable[[], object] | None) -> None:
-    """Pause (keep requests and KV), ``load`` the weights, label them ``version``, resume (also after a failed load).
-
-    A failed load leaves the engine resumed with partly loaded weights: ``GuardedEngine`` marks it unusable and
-    ``rollout/pipeline.py`` fails every later batch, naming it.
-    """
-    facade.pause()
-    try:
-        if load is not None:
-            load()
-        facade.label(version)
-    finally:
-        facade.resume()
+async def _cancelled(task: asyncio.Task) -> None:
+    """Cancel ``task`` and wait until it ended."""
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
 
 
 class AsyncVLLMEngine(VLLMEngine):
@@ -134,16 +127,32 @@ class AsyncVLLMEngine(VLLMEngine):
         self._loop = loop
         return AsyncFacade(loop.run(start()), loop)
 
-    def update_in_flight(self, version: int, load: Callable[[], object] | None = None) -> None:
-        """:func:`update_in_flight` on this engine (``load``: e.g. ``rollout.push``'s staged update; None: relabel)."""
-        update_in_flight(self._llm, version, load)
+    @property
+    def facade(self) -> AsyncFacade:
+        """The ``AsyncFacade`` that ``VLLMEngine``'s code calls as its ``vllm.LLM``."""
+        return self._llm
+
+    def pause(self) -> None:
+        """Freeze every request with its KV cache (``AsyncFacade.pause``)."""
+        self.facade.pause()
+
+    def resume(self, version: int | None) -> None:
+        """Label the next tokens ``version`` (None: keep the label, e.g. after a failed load), then resume."""
+        if version is not None:
+            self.facade.label(version)
+        self.facade.resume()
 
     def close(self) -> None:
         """Shut the engine down, stop its loop, delete the staging folder; idempotent."""
         facade, self._llm = getattr(self, "_llm", None), None
         if facade is not None:
+            handler = getattr(facade.llm_engine, "output_handler", None)
+            if handler is not None:  # first: vLLM's shutdown stops the core while it reads, and it logs a death
+                facade.loop.run(_cancelled(handler))
             facade.llm_engine.shutdown()
         loop = getattr(self, "_loop", None)
         if loop is not None:
             loop.stop()
+        if facade is not None:  # collected now: its __del__ shuts down again, which fails at interpreter exit
+            facade.llm_engine = None
         self._remove_staging()

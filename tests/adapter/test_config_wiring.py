@@ -50,6 +50,8 @@ NOT_MEGATRON = {
     "the built policy and reference)",
     "model.lora": "not a TransformerConfig field: policy._attach_lora adds the adapters after the base weights load "
     "(tests/distributed/test_lora_parity.py checks the built policy)",
+    "model.layer_spec": "not a TransformerConfig field: model.layer_spec_backend resolves it and policy._build_stage "
+    "builds that spec (tests/config/test_lora_config.py checks the choice)",
     "parallel.cp_size": "only 1 is accepted (ParallelConfig refuses more); Megatron's context_parallel_size stays at "
     "its default 1",
     "parallel.backend": "the torch.distributed backend of parallel.groups.init_distributed (train.py); Megatron's "
@@ -82,7 +84,7 @@ def cfg(tmp_path_factory) -> GTPOConfig:
         model=ModelConfig(
             name_or_path=str(folder), params_dtype="float32", make_vocab_size_divisible_by=96, recompute="full",
             pad_attention_heads=True, megatron_overrides={"attention_dropout": 0.125, "bias_dropout_fusion": True},
-            fp32_output_layer=False, moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001,
+            fp32_output_layer=False, moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001, layer_spec="local",
         ),
         parallel=ParallelConfig(
             tp_size=2, pp_size=2, ep_size=2, sequence_parallel=True, use_distributed_optimizer=True, backend="gloo"

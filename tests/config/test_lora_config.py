@@ -30,11 +30,16 @@ def test_off_by_default_and_all_linear_expands_to_the_seven_projections():
         ("model.lora.alpha=0", "model.lora.alpha=0.0: must be > 0 or null"),
         ("model.lora.dropout=1", "model.lora.dropout=1.0: must be in \\[0, 1\\)"),
         ("model.lora.target_modules=[q_proj,qkv_proj]", "names \\['qkv_proj'\\]; each must be one of .*all-linear"),
+        (
+            "model.layer_spec=transformer_engine",
+            r"model.layer_spec/model.lora.rank=\('transformer_engine', 4\): Transformer Engine fuses the input norm"
+            r".*set model.layer_spec=auto \(local with LoRA\) or local",
+        ),
     ],
 )
 def test_bad_section_values_are_refused(override, message):
     with pytest.raises(ValueError, match=message):
-        load_config(None, [*BASE, override])
+        load_config(None, [*BASE, "model.lora.rank=4", override])
 
 
 @pytest.mark.parametrize(
@@ -94,3 +99,32 @@ def test_adapter_sync_passes_and_sizes_the_engines_max_lora_rank():
 def test_attention_adapters_on_a_moe_model_pass():
     overrides = ["model.lora.rank=4", "model.lora.target_modules=[q_proj,k_proj,v_proj,o_proj]"]
     load_config(None, [*BASE, *overrides]).validate(1, hf_config=MOE)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "te_imports", "backend"),
+    [
+        ([], True, "transformer_engine"),
+        ([], False, "local"),
+        (["model.lora.rank=4"], True, "local"),  # the adapters need the norm's output, which TE fuses away
+        (["model.lora.rank=4"], False, "local"),
+        (["model.layer_spec=local"], True, "local"),
+        (["model.layer_spec=transformer_engine"], True, "transformer_engine"),
+    ],
+)
+def test_auto_builds_local_layers_with_lora_even_where_transformer_engine_imports(
+    monkeypatch, overrides, te_imports, backend
+):
+    from gtpo_megatron.megatron_adapter import model as model_lib
+
+    monkeypatch.setattr(model_lib, "transformer_engine_available", lambda: te_imports)
+    assert model_lib.layer_spec_backend(load_config(None, [*BASE, *overrides]).model) == backend
+
+
+def test_transformer_engine_asked_for_where_it_does_not_import_is_refused(monkeypatch):
+    from gtpo_megatron.megatron_adapter import model as model_lib
+
+    monkeypatch.setattr(model_lib, "transformer_engine_available", lambda: False)
+    model = load_config(None, [*BASE, "model.layer_spec=transformer_engine"]).model
+    with pytest.raises(ValueError, match=r"model.layer_spec=transformer_engine: .* does not import here; install it"):
+        model_lib.layer_spec_backend(model)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from gtpo_megatron.config import load_config
-from gtpo_megatron.config.weight_sync import choose_weight_sync, run_weight_sync, with_weight_sync
+from gtpo_megatron.config.weight_sync import choose_weight_sync, run_weight_sync, sync_rules, with_weight_sync
 
 BASE = ["model=builtin:tiny-llama", "output_dir=/tmp/unused"]
 PARTIAL = [
@@ -33,7 +33,6 @@ def test_the_default_is_auto_and_takes_sharded_on_cpu_and_collective_on_gpus():
     ("overrides", "path", "setting"),
     [
         (FAULTS, "collective", "rollout.fault_tolerance"),
-        (PARTIAL, "files", "rollout.partial_rollouts"),
         (["model.lora.rank=4"], "collective", "model.lora"),
         (["model.lora.rank=4", "rollout.lora_sync=adapter"], "collective", "model.lora"),
     ],
@@ -51,8 +50,6 @@ def test_auto_falls_back_where_sharded_is_refused(overrides, path, setting):
     [
         (FAULTS, False, r"rollout.fault_tolerance/rollout.weight_sync=\(True, 'sharded'\): a restarted engine "
                         r"rejoins .*set rollout.weight_sync=collective"),
-        (PARTIAL, False, r"rollout.partial_rollouts/rollout.weight_sync=\(True, 'sharded'\): an in-flight update "
-                         r".*set rollout.weight_sync=files"),
         (["model.lora.rank=4"], False, r"rollout.weight_sync='sharded': sends each rank's own parameter views, "
                                        r".*set rollout.weight_sync=collective \(or files\) with model.lora"),
         ([], True, r"rollout.weight_sync='sharded': its wire is gloo over TCP.*on GPUs use "
@@ -74,11 +71,12 @@ def test_explicit_paths_stay_as_they_are():
     assert gpu.path == "files"
 
 
-def test_auto_with_no_path_left_names_the_settings_that_conflict():
-    rollout = load_config(None, BASE).rollout
-    with pytest.raises(ValueError, match=r"rollout.weight_sync='auto': no path is left \(rollout.partial_rollouts "
-                       r"allows files; rollout.num_engines=2 allows sharded/collective\)"):  # fmt: skip
-        load_config(None, [*BASE, *PARTIAL, "rollout.num_engines=2"])
+def test_every_rule_leaves_collective_so_auto_always_has_a_path():
+    everything = [*BASE, *PARTIAL, *FAULTS, "model.lora.rank=4"]
+    rules = sync_rules(load_config(None, everything).rollout, lora=True, accelerator=True)
+    assert len(rules) == 4 and all("collective" in rule.allowed for rule in rules)
+    assert choose_weight_sync(load_config(None, everything).rollout, lora=True, accelerator=True).path == "collective"
     # a rule whose input is not known yet waits: the accelerator before start-up, the adapters in the section
+    rollout = load_config(None, BASE).rollout
     assert choose_weight_sync(rollout).path == "sharded"
     assert choose_weight_sync(rollout, lora=True, accelerator=None).path == "collective"

@@ -16,7 +16,9 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from gtpo_megatron.builtin_models import resolve_model_path
+from gtpo_megatron.plan.engines import EnginePlacement
 from gtpo_megatron.rollout.engine import SamplingConfig
+from gtpo_megatron.rollout.engine_guard import GuardedEngine, load_in_flight
 from gtpo_megatron.rollout.engine_settings import EngineSettings
 from gtpo_megatron.rollout.push import push_weights
 from gtpo_megatron.rollout.vllm_async_engine import AsyncVLLMEngine
@@ -25,6 +27,7 @@ from tests.integration.test_vllm_engine import TINY_ATOL, hf_logprobs, perturb
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 WAIT_S = 300.0
+PLACEMENT = EnginePlacement(index=0, num_engines=1, leader_rank=0, ranks=(0,), devices=())
 
 
 def _wait_for_tokens(engine: AsyncVLLMEngine, at_least: int) -> None:
@@ -47,7 +50,8 @@ def test_an_update_mid_generation_splits_each_completion_into_version_0_then_1()
         worker = threading.Thread(target=lambda: result.update(out=engine.generate([prompt], 2, sampling)))
         worker.start()
         _wait_for_tokens(engine, 3)
-        engine.update_in_flight(1, lambda: push_weights(engine, perturb(original).items(), bucket_bytes=2**20))
+        guarded = GuardedEngine(engine, placement=PLACEMENT, timeout_s=WAIT_S)
+        load_in_flight(guarded, 1, lambda: push_weights(engine, perturb(original).items(), bucket_bytes=2**20))
         worker.join(WAIT_S)
         completions = result["out"][0].completions
     hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()

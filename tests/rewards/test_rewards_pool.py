@@ -127,7 +127,7 @@ def test_pool_counts_timeouts_and_crashes_and_keeps_going() -> None:
         (1, 1, 0.25, True),
     ],
 )
-def test_check_grader_failures_threshold(timeouts: int, errors: int, frac: float, stops: bool) -> None:
+def test_check_grader_failures_threshold(timeouts: int, errors: int, frac: float, stops: bool, caplog) -> None:
     stats = {
         "reward": "paper",
         "num_scored": 4,
@@ -138,8 +138,19 @@ def test_check_grader_failures_threshold(timeouts: int, errors: int, frac: float
     if stops:
         with pytest.raises(RuntimeError, match=r"reward 'paper' failed to grade .* of 4 answers.*e\.g\. answer 2"):
             check_grader_failures(stats, max_error_frac=frac)
-    else:
+    else:  # under the limit: said once, with the counts and the first message
         check_grader_failures(stats, max_error_frac=frac)
+        (record,) = caplog.records
+        assert record.levelname == "WARNING" and record.getMessage() == (
+            f"reward 'paper' did not grade {timeouts + errors} of 4 answers ({timeouts} timeouts, {errors} errors), "
+            "e.g. answer 2 (error: ValueError: x), ending '\\\\boxed{?}'"
+        )
+
+
+def test_check_grader_failures_is_silent_without_failures(caplog) -> None:
+    stats = {"reward": "paper", "num_scored": 4, "num_timeouts": 0, "num_errors": 0, "errors": []}
+    check_grader_failures(stats, max_error_frac=0.5)
+    assert caplog.records == []
 
 
 @pytest.mark.parametrize("frac", [0.0, -0.1, 1.5])

@@ -143,7 +143,7 @@ class ThreadWorld:
 
 
 class Rank:
-    """One rank leading engine ``rank`` (a fresh ``FaultyEngine()`` on each restart); ``group``: the ranks' group."""
+    """One rank leading engine ``rank`` (a fresh engine of its class on each restart); ``group``: the ranks' group."""
 
     def __init__(self, cfg, rank: int, engine: FaultyEngine, sync_log: list, group=None):
         self.cfg, self.rank = cfg, rank
@@ -165,7 +165,7 @@ class Rank:
                              health=health)  # fmt: skip
 
     def restart(self) -> GuardedEngine:
-        self.restarted.append(FaultyEngine(version=None))
+        self.restarted.append(type(self.collector.engine.engine)(version=None))
         return self.guard(self.restarted[-1])
 
     def step(self, step: int):
@@ -173,7 +173,8 @@ class Rank:
 
     def run_async(self) -> list[tuple]:
         """The trainer's async loop (``rollout.mode: async``): ``(rollout, push metrics)`` of every step; before a
-        push that syncs, the queued batches are settled and a restart awaited (so it rejoins at that sync)."""
+        push that syncs, the queued batches are settled (not with partial rollouts: they load in flight) and a
+        restart awaited (so it rejoins at that sync)."""
         k, steps, out = self.cfg.rollout.max_staleness, self.cfg.trainer.max_steps, []
         rollouts = AsyncRollouts(self.cfg, collector=self.collector, loader=self.loader, exchange=self.exchange,
                                  recovery=self.ft)  # fmt: skip
@@ -182,7 +183,8 @@ class Rank:
             for step in range(1, steps + 1):
                 rollout = rollouts.take(step, None)
                 if step + 1 + k <= steps:
-                    rollouts.drain(None)
+                    if not self.cfg.rollout.partial_rollouts:
+                        rollouts.drain(None)
                     if self.ft._restarting is not None:
                         assert self.ft._restarting[0].finished(WAIT_S)
                 out.append((rollout, rollouts.push(step, self.ft, lambda s=step: iter([("version", s)]), None)))

@@ -111,8 +111,8 @@ def test_the_job_stops_when_no_engine_is_left(monkeypatch):
          "rollout.health_check_timeout_s"),
         (["rollout.num_engines=2", "rollout.health_check_interval_s=0"], "rollout.health_check_interval_s"),
         (["rollout.num_engines=2", "rollout.health_check_first_wait_s=-1"], "rollout.health_check_first_wait_s"),
-        (["rollout.num_engines=2", "rollout.placement=separate", "rollout.mode=async", "rollout.partial_rollouts=true"],
-         "rollout.partial_rollouts/rollout.fault_tolerance"),
+        (["rollout.num_engines=2", "rollout.placement=separate", "rollout.mode=async", "rollout.partial_rollouts=true",
+          "rollout.weight_sync=sharded"], "rollout.fault_tolerance/rollout.weight_sync"),
     ],
 )  # fmt: skip
 def test_bad_fault_tolerance_settings_name_the_field_and_a_fix(overrides, field):

@@ -41,7 +41,10 @@ class FakeEngine:
     """Completion j of a prompt is ``[10 + j % 3, EOS]``; its text is ``"9"`` when j is even, else ``"0"``.
 
     ``uniform_rounds``: the first that many ``generate`` calls return the same text for every completion.
+    ``name`` and ``unusable`` are ``GuardedEngine``'s (the trainer's engine is used unguarded here).
     """
+
+    name, unusable = "the fake engine", None
 
     def __init__(self, uniform_rounds: int = 0):
         self.calls: list[tuple[list[list[int]], int, object]] = []

@@ -18,8 +18,11 @@ import threading
 import pytest
 
 from gtpo_megatron.config import load_config
+from gtpo_megatron.config.weight_sync import choose_weight_sync
 from gtpo_megatron.ops import compute_normalizer, policy_objective
-from gtpo_megatron.rollout.vllm_async_engine import AsyncFacade, EventLoopThread, update_in_flight
+from gtpo_megatron.plan.engines import EnginePlacement
+from gtpo_megatron.rollout.engine_guard import GuardedEngine, load_in_flight
+from gtpo_megatron.rollout.vllm_async_engine import AsyncFacade, AsyncVLLMEngine, EventLoopThread
 from tests.trainer.fakes import (
     FakePolicy,
     SeededFakeEngine,
@@ -45,12 +48,12 @@ class _PartialEngine(SeededFakeEngine):
         self.log, self.version, self.hold, self.lag_first = [], None, hold, lag_first
         self.updated = threading.Condition()
 
-    def update_in_flight(self, version, load=None):
+    def pause(self):
         self.log.append("pause")
-        if load is not None:
-            load()
+
+    def resume(self, version):
         with self.updated:
-            self.version = version
+            self.version = self.version if version is None else version
             self.updated.notify_all()
         self.log.append(f"resume{version}")
 
@@ -85,9 +88,10 @@ def test_weights_land_in_flight_and_a_batch_holds_tokens_of_two_versions(tmp_pat
     engine = _PartialEngine()
     _, rows = _run(tmp_path, engine)
     # The start weights are labelled, then each push pauses, loads and resumes while batch 2 is in flight.
-    assert engine.log[:2] == ["pause", "resume0"]
+    assert engine.log[0] == "resume0"
     assert engine.log.index("gen1") < engine.log.index("resume1") < engine.log.index("gen2")
-    pushes = [i for i, event in enumerate(engine.log) if event == "pause"][1:]
+    pushes = [i for i, event in enumerate(engine.log) if event == "pause"]
+    assert len(pushes) == 2  # the weights after steps 1 and 2 (batches 3 and 4 use them); none after 3 and 4
     for i in pushes:
         assert engine.log[i + 1] == "load" and engine.log[i + 2].startswith("resume")
     step2 = rows[1]
@@ -148,7 +152,7 @@ def test_tokens_past_the_bound_leave_the_loss_and_it_matches_float64(tmp_path):
             r"rollout.partial_rollouts/rollout.mode/rollout.placement=\(True, 'sync', 'separate'\)",
         ),
         (["rollout.placement=colocated", "rollout.mode=sync"], r"=\(True, 'sync', 'colocated'\): in-flight"),
-        (["rollout.weight_sync=collective"], r"rollout.partial_rollouts/rollout.weight_sync=\(True, 'collective'\)"),
+        (["rollout.routing_replay=rollout"], r"rollout.partial_rollouts/rollout.routing_replay=\(True, 'rollout'\)"),
         (["rollout.max_staleness=0"], r"rollout.max_staleness=0: must be >= 1"),
     ],
 )
@@ -157,6 +161,21 @@ def test_bad_partial_settings_are_refused(overrides, match):
             "rollout.partial_rollouts=true", "rollout.weight_sync=files"]  # fmt: skip
     with pytest.raises(ValueError, match=match):
         load_config(None, [*base, *overrides])
+
+
+@pytest.mark.parametrize(
+    ("overrides", "path"),
+    [
+        ([], "sharded"),
+        (["rollout.num_engines=2"], "sharded"),
+        (["rollout.num_engines=2", "rollout.weight_sync=collective"], "collective"),
+        (["rollout.num_engines=2", "rollout.fault_tolerance=true"], "collective"),
+    ],
+)
+def test_partial_rollouts_take_any_sync_path_and_fault_tolerance(overrides, path):
+    base = ["model=builtin:tiny-qwen2", "output_dir=/tmp/x", *PARTIAL[:3], "rollout.weight_sync=auto"]
+    cfg = load_config(None, [*base, *overrides])
+    assert choose_weight_sync(cfg.rollout, lora=False, accelerator=False).path == path
 
 
 def test_partial_rollouts_without_a_clipped_importance_weight_are_refused():
@@ -191,6 +210,10 @@ class _FakeAsyncLLM:
 def test_the_async_engine_pauses_keeping_its_cache_loads_labels_and_resumes_in_order(fails):
     llm, loop = _FakeAsyncLLM(), EventLoopThread()
     facade = AsyncFacade(llm, loop)
+    engine = AsyncVLLMEngine.__new__(AsyncVLLMEngine)  # not started: its facade answers
+    engine._llm = facade
+    placement = EnginePlacement(index=0, num_engines=1, leader_rank=0, ranks=(0,), devices=())
+    guarded = GuardedEngine(engine, placement=placement, timeout_s=WAIT_S)
 
     def load():
         facade.collective_rpc("gtpo_reload_weights", ("/staging",))
@@ -200,9 +223,9 @@ def test_the_async_engine_pauses_keeping_its_cache_loads_labels_and_resumes_in_o
     try:
         if fails:
             with pytest.raises(RuntimeError, match="reload failed"):
-                update_in_flight(facade, 3, load)
+                load_in_flight(guarded, 3, load)
         else:
-            update_in_flight(facade, 3, load)
+            load_in_flight(guarded, 3, load)
     finally:
         loop.stop()
     expected = [("pause", {"mode": "keep", "clear_cache": False}), ("rpc", "gtpo_reload_weights")]
@@ -256,4 +279,4 @@ def test_a_stop_saves_the_unfinished_batches_and_a_resume_regenerates_them_with_
     prompts = lambda t: [c[0] for c in sorted(t.collector.engine.calls, key=lambda c: c[2].seed)]  # noqa: E731
     assert prompts(resumed) == prompts(full)[2:]  # steps 3 and 4 sampled again: no prompt lost or repeated
     log = resumed.collector.engine.log  # the resumed weights load, then label the regenerated batches' tokens
-    assert log[:3] == ["load", "pause", "resume2"] and len(resumed.policy.train_batches) == 2
+    assert log[:2] == ["load", "resume2"] and len(resumed.policy.train_batches) == 2

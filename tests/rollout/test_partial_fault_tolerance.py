@@ -1,0 +1,107 @@
+"""Partial rollouts over several engines, with ``rollout.fault_tolerance``: every push pauses each live engine around
+the whole weight sync and labels the new version; an engine lost mid-batch or mid-sync is not resumed, its prompts
+move to the survivor (sampled from scratch with the weights the survivor holds then), and the restarted engine is
+labelled with the version it was admitted at.
+
+Ranks are threads (``ft_fakes.ThreadWorld``) running the trainer's async loop (take, push: no drain).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from tests.rollout.ft_fakes import WAIT_S, FaultyEngine, Rank, ThreadWorld, ft_config
+
+PARTIAL = ("rollout.placement=separate", "rollout.mode=async", "rollout.partial_rollouts=true",
+           "algorithm.off_policy_correction=tis")  # fmt: skip
+
+
+class PartialEngine(FaultyEngine):
+    """A ``FaultyEngine`` that pauses and resumes (``log``) and records each token's version (the weights it holds).
+
+    ``die`` here dies sampling batch ``at`` (after batch 1 is served: the batches generate side by side), and stays
+    dead.
+    """
+
+    def __init__(self, fault: str | None = None, at: int = 1, version: int | None = 0):
+        super().__init__(None if fault == "die" else fault, at, version)
+        self.dies_at = at if fault == "die" else None
+        self.first_served = threading.Event()
+        self.log: list[str] = []
+
+    def pause(self):
+        self.log.append("pause")
+
+    def resume(self, version):
+        self.version = self.version if version is None else version
+        self.log.append(f"resume{version}")
+
+    def receive(self, version=None):
+        self.log.append("receive")
+        super().receive(version)
+
+    def generate(self, prompt_ids, n, sampling, prompt_indices=None):
+        if self.dies_at is not None and (self.dead or sampling.seed // 1000 == self.dies_at):
+            assert self.first_served.wait(WAIT_S)
+            self.calls.append(([], n, sampling))
+            self.dead = True
+            raise RuntimeError("EngineDeadError: the engine core died")
+        groups = super().generate(prompt_ids, n, sampling, prompt_indices)
+        self.first_served.set()
+        for completion in (c for g in groups for c in g.completions):
+            completion.token_versions = [self.version] * len(completion.token_ids)
+        return groups
+
+
+def _rows(rollout):
+    """The step's prompts and completions, group by group (a lost, repeated or moved prompt changes them)."""
+    return [(list(g.prompt_ids), [c.token_ids for c in g.completions]) for g in rollout.groups], rollout.rewards
+
+
+def _run(monkeypatch, faults: list[PartialEngine], steps: int = 4):
+    cfg = ft_config(len(faults), *PARTIAL, "rollout.max_staleness=1", f"trainer.max_steps={steps}")
+    world = ThreadWorld(len(faults), monkeypatch)
+    ranks = [Rank(cfg, r, faults[r], []) for r in range(len(faults))]
+    return ranks, world.run(lambda rank: ranks[rank].run_async())
+
+
+def test_every_push_pauses_each_engine_around_the_whole_sync_and_labels_the_new_version(monkeypatch):
+    engines = [PartialEngine(), PartialEngine()]
+    _, results = _run(monkeypatch, engines)
+    for out in results:
+        assert not isinstance(out, BaseException), out
+        assert [("async/pause_s" in metrics) for _, metrics in out] == [True, True, False, False]
+    for engine in engines:  # the start label, then the weights after steps 1 and 2 (batches 3 and 4 take them)
+        assert engine.log == ["resume0", "pause", "receive", "resume1", "pause", "receive", "resume2"]
+
+
+@pytest.mark.parametrize(
+    ("fault", "at", "faulty_log"),
+    [
+        # dies sampling batch 2 (batch 3, queued on it after the push, fails too): found at take 2
+        ("die", 2, ["resume0", "pause", "receive", "resume1"]),
+        # dies receiving the weights after step 1 while paused: never resumed
+        ("sync_death", 1, ["resume0", "pause", "receive"]),
+    ],
+)
+def test_an_engine_lost_with_partial_rollouts_loses_no_prompt_and_its_restart_is_labelled(
+    monkeypatch, fault, at, faulty_log
+):
+    _, expected = _run(monkeypatch, [PartialEngine(), PartialEngine()])
+    faulty = PartialEngine(fault, at=at)
+    ranks, results = _run(monkeypatch, [PartialEngine(), faulty])
+    for rank, out in enumerate(results):
+        assert not isinstance(out, BaseException), out
+        assert [_rows(r) for r, _ in out] == [_rows(r) for r, _ in expected[0]], f"rank {rank}"  # none lost or twice
+        stats = [r.stats for r, _ in out]
+        assert stats[-1]["rollout/engine_restarts"] == 1 and stats[-1]["rollout/engines_alive"] == 2
+        assert sum(s["rollout/requests_moved"] for s in stats) >= 2
+    assert faulty.log == faulty_log
+    (restarted,) = ranks[1].restarted
+    assert restarted.log == ["receive", "resume2"]  # admitted at the sync after step 2, labelled, never paused
+    survivor = ranks[0].collector.engine.engine
+    assert survivor.version == restarted.version == 2 and restarted.served  # it sampled batch 4's share
+    for engine in (survivor, restarted, faulty):  # batch j sampled with the newest weights of its time, >= j - 2
+        assert all(version >= max(0, step - 2) for step, version in engine.served), engine.served
