@@ -356,11 +356,10 @@ def build_gpt_model(
 ):
     """This rank's ``GPTModel`` stage, ``parallel_output=True``, random weights in ``config.params_dtype``.
 
-    ``backend``: the layer spec (:func:`layer_spec_backend`; None: its default).
-
-    Logits are ``[B, S, V/tp]``, fp32 with ``fp32_output_layer`` (16-bit parameters only). Sets
-    ``layer_spec_backend``. Collectives: with tied embeddings and PP > 1, one all-reduce on Megatron's embedding
-    group (inside ``GPTModel``; under ``cpu_compat.cuda_to_cpu_mode()`` on CPU).
+    Logits are ``[B, S, V/tp]``, fp32 with ``fp32_output_layer`` (16-bit parameters only). ``backend``: the layer
+    spec (:func:`layer_spec_backend`; None: its default), set as the model's ``layer_spec_backend``. Collectives:
+    with tied embeddings and PP > 1, one all-reduce on Megatron's embedding group (inside ``GPTModel``; under
+    ``cpu_compat.cuda_to_cpu_mode()`` on CPU).
 
     Raises:
         ValueError: ``fp32_output_layer`` with ``config.gradient_accumulation_fusion``.
