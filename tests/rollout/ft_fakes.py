@@ -1,6 +1,7 @@
-"""Fault-tolerance stand-ins: engines that die, hang or fail a weight sync, a fake weight sync, and ``ThreadWorld``,
-ranks as threads of one process whose SUM all-reduce, MAX of a flag and object all-gather meet at a barrier (the
-protocol's own logic is what is tested; tests/distributed/test_fault_tolerance_gloo.py runs it on gloo)."""
+"""Fault-tolerance stand-ins: engines that die, hang or fail a weight sync (and a partial-rollout one), a fake
+weight sync, and ``ThreadWorld``, ranks as threads of one process whose SUM all-reduce, MAX of a flag and object
+all-gather meet at a barrier (the protocol's own logic is what is tested; tests/distributed/test_fault_tolerance_gloo.py
+runs it on gloo)."""
 
 from __future__ import annotations
 
@@ -79,6 +80,43 @@ class FaultyEngine(SeededFakeEngine):
     def kill(self):
         self.dead, self.stopped = True, False
         self.release.set()
+
+
+class PartialEngine(FaultyEngine):
+    """A ``FaultyEngine`` that pauses and resumes (``log``) and records each token's version (the weights it holds).
+
+    ``die`` here dies sampling batch ``at`` (after batch 1 is served: the batches generate side by side), and stays
+    dead.
+    """
+
+    def __init__(self, fault: str | None = None, at: int = 1, version: int | None = 0):
+        super().__init__(None if fault == "die" else fault, at, version)
+        self.dies_at = at if fault == "die" else None
+        self.first_served = threading.Event()
+        self.log: list[str] = []
+
+    def pause(self):
+        self.log.append("pause")
+
+    def resume(self, version):
+        self.version = self.version if version is None else version
+        self.log.append(f"resume{version}")
+
+    def receive(self, version=None):
+        self.log.append("receive")
+        super().receive(version)
+
+    def generate(self, prompt_ids, n, sampling, prompt_indices=None):
+        if self.dies_at is not None and (self.dead or sampling.seed // 1000 == self.dies_at):
+            assert self.first_served.wait(WAIT_S)
+            self.calls.append(([], n, sampling))
+            self.dead = True
+            raise RuntimeError("EngineDeadError: the engine core died")
+        groups = super().generate(prompt_ids, n, sampling, prompt_indices)
+        self.first_served.set()
+        for completion in (c for g in groups for c in g.completions):
+            completion.token_versions = [self.version] * len(completion.token_ids)
+        return groups
 
 
 class FakeSync:

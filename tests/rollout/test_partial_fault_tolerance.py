@@ -8,51 +8,12 @@ Ranks are threads (``ft_fakes.ThreadWorld``) running the trainer's async loop (t
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 
-from tests.rollout.ft_fakes import WAIT_S, FaultyEngine, Rank, ThreadWorld, ft_config
+from tests.rollout.ft_fakes import PartialEngine, Rank, ThreadWorld, ft_config
 
 PARTIAL = ("rollout.placement=separate", "rollout.mode=async", "rollout.partial_rollouts=true",
            "algorithm.off_policy_correction=tis")  # fmt: skip
-
-
-class PartialEngine(FaultyEngine):
-    """A ``FaultyEngine`` that pauses and resumes (``log``) and records each token's version (the weights it holds).
-
-    ``die`` here dies sampling batch ``at`` (after batch 1 is served: the batches generate side by side), and stays
-    dead.
-    """
-
-    def __init__(self, fault: str | None = None, at: int = 1, version: int | None = 0):
-        super().__init__(None if fault == "die" else fault, at, version)
-        self.dies_at = at if fault == "die" else None
-        self.first_served = threading.Event()
-        self.log: list[str] = []
-
-    def pause(self):
-        self.log.append("pause")
-
-    def resume(self, version):
-        self.version = self.version if version is None else version
-        self.log.append(f"resume{version}")
-
-    def receive(self, version=None):
-        self.log.append("receive")
-        super().receive(version)
-
-    def generate(self, prompt_ids, n, sampling, prompt_indices=None):
-        if self.dies_at is not None and (self.dead or sampling.seed // 1000 == self.dies_at):
-            assert self.first_served.wait(WAIT_S)
-            self.calls.append(([], n, sampling))
-            self.dead = True
-            raise RuntimeError("EngineDeadError: the engine core died")
-        groups = super().generate(prompt_ids, n, sampling, prompt_indices)
-        self.first_served.set()
-        for completion in (c for g in groups for c in g.completions):
-            completion.token_versions = [self.version] * len(completion.token_ids)
-        return groups
 
 
 def _rows(rollout):
