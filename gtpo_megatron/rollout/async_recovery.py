@@ -70,12 +70,15 @@ class AsyncRecovery:
         """A pass's ``sample``: the worker's groups of ``mine``, the others (moved here) sampled now before its queue.
 
         A batch cancelled since its queueing (this leader's engine was lost, then restarted and admitted: partial
-        rollouts settle without a drain) counts as unsampled: what the lost engine made of it is not waited for.
+        rollouts settle without a drain) counts as unsampled: what the lost engine made of it, and its counts, are
+        dropped, not waited for.
         Raises the batch's error: ``EngineFailure`` (the engine failed: ``sample_round`` moves the whole block) or
         a grader's (the job stops at the exchange).
         """
         try:
-            if not batch.cancelled:
+            if batch.cancelled:
+                batch.tally.drop_sampled()
+            else:
                 self._wait(batch, stop)
             scored = {} if batch.cancelled else {i: batch.scored[i] for i in mine if i in batch.scored}
             moved = [i for i in mine if i not in scored]

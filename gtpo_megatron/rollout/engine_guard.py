@@ -233,14 +233,18 @@ class GuardedEngine:
 def load_in_flight(engine: GuardedEngine | None, version: int, load: Callable[[], dict]) -> dict[str, float]:
     """Pause ``engine`` (keeping its requests and KV), ``load``, label the weights ``version`` and resume.
 
-    ``engine`` None or unusable (lost, under fault tolerance): ``load`` alone. Every rank's ``load`` runs whatever
-    the pause did: a dead engine fails its part of it, which that path reports (its side channel, fault tolerance).
-    A failed load resumes the engine unlabelled and raises; a lost engine is not resumed (it is replaced); a failed
-    resume leaves the engine unusable (its next batch fails, naming it). Returns ``load``'s value. Why the kept KV
-    and the recorded versions are exact: docs/training.md, "Partial rollouts" (the order: ``rollout/pipeline.py``).
+    ``engine`` None or unusable (lost, under fault tolerance): ``load`` alone, then the label if the load made it
+    whole again. Every rank's ``load`` runs whatever the pause did: a dead engine fails its part of it, which that
+    path reports (its side channel, fault tolerance). A failed load resumes a usable engine unlabelled and raises;
+    an unusable one is not resumed (it is replaced, or the job stops); a failed resume leaves the engine unusable
+    (its next batch fails, naming it). Returns ``load``'s value. Why the kept KV and the recorded versions are
+    exact: docs/training.md, "Partial rollouts" (the order: ``rollout/pipeline.py``).
     """
     if engine is None or engine.unusable is not None:
-        return load()
+        metrics = load()
+        if engine is not None and engine.unusable is None:  # fault tolerance took it back whole: label it
+            resume_quietly(engine, version)
+        return metrics
     try:
         engine.pause()
     except EngineFailure as err:
@@ -248,7 +252,8 @@ def load_in_flight(engine: GuardedEngine | None, version: int, load: Callable[[]
     try:
         metrics = load()
     except BaseException:
-        resume_quietly(engine, None)
+        if engine.unusable is None:
+            resume_quietly(engine, None)
         raise
     if engine.unusable is None:
         resume_quietly(engine, version)

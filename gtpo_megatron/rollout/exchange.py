@@ -67,6 +67,10 @@ class EngineTally:
         """Record a failed rollout: the exchange still runs, then every rank raises naming ``error``."""
         self.failed, self.error = 1.0, error
 
+    def drop_sampled(self) -> None:
+        """Forget what was sampled and scored so far (a lost engine's batch, sampled again elsewhere)."""
+        self.tokens = self.generate_s = self.reward_s = self.num_timeouts = self.num_errors = 0.0
+
     def as_tensor(self) -> torch.Tensor:
         """``[K]`` float64 in ``ENGINE_COUNTERS`` order."""
         return torch.tensor([getattr(self, k) for k in ENGINE_COUNTERS], dtype=torch.float64)

@@ -64,7 +64,7 @@ class AsyncRollouts:
         self._ahead: PromptLoader | None = None
         self._version = 0
         self._last_take_s = 0.0
-        self.partial = cfg.rollout.partial_rollouts  # weights load into the running engine (_update_in_flight)
+        self.partial = cfg.rollout.partial_rollouts  # weights load into the running engines (_push_in_flight)
         self._worker = Worker(collector, streaming=self.partial) if collector is not None else None
         self._failed_load: tuple[int, BaseException] | None = None
         self._recovery = None  # with fault tolerance: every rank's deals and settled batches of the queued steps
@@ -81,7 +81,7 @@ class AsyncRollouts:
         """Queue the first k+1 batches after ``completed_steps`` (the engines must hold that step's weights)."""
         self._version = completed_steps
         if self._worker is not None and self.partial:  # the engine's tokens carry the start weights' version
-            self.collector.engine.resume(completed_steps)
+            resume_quietly(self.collector.engine, completed_steps)  # failed: its first batch fails, naming it
         self._ahead = self.loader.fork()
         self._last_take_s = time.perf_counter()
         for step in range(completed_steps + 1, completed_steps + 2 + self.max_staleness):

@@ -5,7 +5,7 @@
 each batch's requests to it and returns when they finish; while a batch generates, another thread may call
 :meth:`AsyncVLLMEngine.pause` (``pause_generation(mode="keep", clear_cache=False)``), load new weights through any
 sync path, and :meth:`AsyncVLLMEngine.resume` (label them ``version``, ``resume_generation``): the order is
-``rollout/pipeline.py:load_in_flight``'s.
+``rollout/engine_guard.py:load_in_flight``'s.
 
 Why the KV is kept and each token's recorded version is exact: docs/training.md, "Partial rollouts".
 """

@@ -85,14 +85,14 @@ class FaultyEngine(SeededFakeEngine):
 class PartialEngine(FaultyEngine):
     """A ``FaultyEngine`` that pauses and resumes (``log``) and records each token's version (the weights it holds).
 
-    ``die`` here dies sampling batch ``at`` (after batch 1 is served: the batches generate side by side), and stays
-    dead.
+    ``die`` here dies sampling batch ``at`` once the batches ``after`` are served (the batches generate side by
+    side), and stays dead.
     """
 
-    def __init__(self, fault: str | None = None, at: int = 1, version: int | None = 0):
+    def __init__(self, fault: str | None = None, at: int = 1, version: int | None = 0, after: tuple[int, ...] = (1,)):
         super().__init__(None if fault == "die" else fault, at, version)
-        self.dies_at = at if fault == "die" else None
-        self.first_served = threading.Event()
+        self.dies_at, self.after = (at if fault == "die" else None), set(after)
+        self.served_steps = threading.Condition()
         self.log: list[str] = []
 
     def pause(self):
@@ -107,15 +107,18 @@ class PartialEngine(FaultyEngine):
         super().receive(version)
 
     def generate(self, prompt_ids, n, sampling, prompt_indices=None):
-        if self.dies_at is not None and (self.dead or sampling.seed // 1000 == self.dies_at):
-            assert self.first_served.wait(WAIT_S)
+        step = sampling.seed // 1000
+        if self.dies_at is not None and (self.dead or step == self.dies_at):
+            with self.served_steps:
+                assert self.served_steps.wait_for(lambda: self.after <= {s for s, _ in self.served}, WAIT_S)
             self.calls.append(([], n, sampling))
             self.dead = True
             raise RuntimeError("EngineDeadError: the engine core died")
         groups = super().generate(prompt_ids, n, sampling, prompt_indices)
-        self.first_served.set()
         for completion in (c for g in groups for c in g.completions):
             completion.token_versions = [self.version] * len(completion.token_ids)
+        with self.served_steps:
+            self.served_steps.notify_all()
         return groups
 
 

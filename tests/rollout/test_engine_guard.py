@@ -11,7 +11,7 @@ import pytest
 from gtpo_megatron.plan.engines import EnginePlacement
 from gtpo_megatron.preemption import StepInterrupted, StopRequests
 from gtpo_megatron.rollout.engine import SamplingConfig
-from gtpo_megatron.rollout.engine_guard import EngineCall, EngineFailure, GuardedEngine, HealthCheck
+from gtpo_megatron.rollout.engine_guard import EngineCall, EngineFailure, GuardedEngine, HealthCheck, load_in_flight
 from tests.trainer.fakes import FakeEngine
 
 PLACEMENT = EnginePlacement(index=1, num_engines=2, leader_rank=2, ranks=(2, 3), devices=(2, 3))
@@ -136,3 +136,55 @@ def test_a_healthy_engine_answers_through_the_health_checks():
     engine.check_health = lambda: None
     guarded = GuardedEngine(engine, placement=PLACEMENT, timeout_s=5.0, health=_health())
     assert len(guarded.generate([[1, 2]], 2, SamplingConfig())[0].completions) == 2
+
+
+class _Pausable(FakeEngine):
+    """Logs pauses, loads and resumes; ``dead``: pausing and resuming fail (its processes are gone)."""
+
+    def __init__(self, dead=False):
+        super().__init__()
+        self.log, self.dead = [], dead
+
+    def pause(self):
+        if self.dead:
+            raise RuntimeError("engine core died")
+        self.log.append("pause")
+
+    def resume(self, version):
+        if self.dead:
+            raise RuntimeError("engine core died")
+        self.log.append(f"resume{version}")
+
+
+@pytest.mark.parametrize(
+    ("start_unusable", "dead", "load_fails", "load_breaks", "load_mends", "log"),
+    [
+        (False, False, False, False, False, ["pause", "load", "resume3"]),
+        (False, False, True, False, False, ["pause", "load", "resumeNone"]),  # resumed unlabelled, then raised
+        (False, False, True, True, False, ["pause", "load"]),  # the failed receive broke it: not resumed
+        (True, False, False, False, False, ["load"]),  # lost (fault tolerance): not paused, not resumed
+        (True, False, False, False, True, ["load", "resume3"]),  # made whole by the load: labelled
+        (False, True, False, False, False, ["load"]),  # dead: the pause fails, every rank's load still runs
+    ],
+)
+def test_load_in_flight_pauses_loads_and_labels_only_engines_it_can(
+    start_unusable, dead, load_fails, load_breaks, load_mends, log
+):
+    engine = _Pausable(dead=dead)
+    guarded = GuardedEngine(engine, placement=PLACEMENT, timeout_s=5.0)
+    guarded.unusable = "failed: restarting" if start_unusable else None
+
+    def load():
+        engine.log.append("load")
+        guarded.unusable = "receive failed" if load_breaks else None if load_mends else guarded.unusable
+        if load_fails:
+            raise RuntimeError("the sync failed")
+        return {"sync/bytes": 1.0}
+
+    if load_fails:
+        with pytest.raises(RuntimeError, match="the sync failed"):
+            load_in_flight(guarded, 3, load)
+    else:
+        assert load_in_flight(guarded, 3, load) == {"sync/bytes": 1.0}
+    assert engine.log == log
+    assert (guarded.unusable is not None) == (start_unusable and not load_mends or load_breaks or dead)

@@ -21,8 +21,8 @@ def _rows(rollout):
     return [(list(g.prompt_ids), [c.token_ids for c in g.completions]) for g in rollout.groups], rollout.rewards
 
 
-def _run(monkeypatch, faults: list[PartialEngine], steps: int = 4):
-    cfg = ft_config(len(faults), *PARTIAL, "rollout.max_staleness=1", f"trainer.max_steps={steps}")
+def _run(monkeypatch, faults: list[PartialEngine], steps: int = 4, k: int = 1):
+    cfg = ft_config(len(faults), *PARTIAL, f"rollout.max_staleness={k}", f"trainer.max_steps={steps}")
     world = ThreadWorld(len(faults), monkeypatch)
     ranks = [Rank(cfg, r, faults[r], []) for r in range(len(faults))]
     return ranks, world.run(lambda rank: ranks[rank].run_async())
@@ -66,3 +66,20 @@ def test_an_engine_lost_with_partial_rollouts_loses_no_prompt_and_its_restart_is
     assert survivor.version == restarted.version == 2 and restarted.served  # it sampled batch 4's share
     for engine in (survivor, restarted, faulty):  # batch j sampled with the newest weights of its time, >= j - 2
         assert all(version >= max(0, step - 2) for step, version in engine.served), engine.served
+
+
+def test_a_batch_the_lost_engine_had_served_is_sampled_again_by_its_restart_and_counted_once(monkeypatch):
+    """k = 2: batches 1-3 start together; engine 1 serves 1 and 3, dies on 2 (found at take 2) and is admitted at
+    the push after step 2; its shares of batches 3 and 4, queued before the loss, are sampled again by the restart."""
+    per_engine = ("rollout/tokens_per_engine_min", "rollout/tokens_per_engine_max")
+    _, expected = _run(monkeypatch, [PartialEngine(), PartialEngine()], steps=5, k=2)
+    faulty = PartialEngine("die", at=2, after=(1, 3))
+    ranks, results = _run(monkeypatch, [PartialEngine(), faulty], steps=5, k=2)
+    (restarted,) = ranks[1].restarted
+    assert sorted(faulty.served) == [(1, 0), (3, 0)] and sorted(restarted.served) == [(3, 2), (4, 2), (5, 2)]
+    for out in results:
+        assert not isinstance(out, BaseException), out
+        assert [_rows(r) for r, _ in out] == [_rows(r) for r, _ in expected[0]]  # the same completions again
+        for step in (3, 4, 5):  # the lost engine's batch-3 tokens are not counted beside the restart's
+            got, undisturbed = out[step - 1][0].stats, expected[0][step - 1][0].stats
+            assert [got[key] for key in per_engine] == [undisturbed[key] for key in per_engine], step
