@@ -10,7 +10,6 @@ from gtpo_megatron.config.checks import require as _require
 from gtpo_megatron.config.lora import MLP_PROJECTIONS
 from gtpo_megatron.config.model import ModelConfig, OptimConfig, ParallelConfig
 from gtpo_megatron.config.rollout import ENGINE_LORA_RANKS, DataConfig, RewardConfig, RolloutConfig
-from gtpo_megatron.config.weight_sync import choose_weight_sync
 from gtpo_megatron.plan import engines, layout, waits
 from gtpo_megatron.plan.architectures import architecture_from_hf_config
 
@@ -279,7 +278,6 @@ class GTPOConfig:
         )  # fmt: skip
         if lora.enabled and self.rollout.lora_sync == "adapter":
             self._validate_adapter_sync()
-        choose_weight_sync(self.rollout, lora=lora.enabled)  # merged adapters: not the sharded path
         _require(
             lora.dropout == 0 or self.parallel.tp_size == 1, "model.lora.dropout", lora.dropout,
             f"needs the same dropout mask on every TP rank, which is not built (parallel.tp_size="

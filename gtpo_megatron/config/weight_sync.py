@@ -32,8 +32,8 @@ class SyncRule:
     fix: str
 
 
-def sync_rules(rollout: RolloutConfig, *, lora: bool | None = None, accelerator: bool | None = None) -> list[SyncRule]:
-    """The rules of ``rollout``'s settings (module docstring); ``lora``/``accelerator`` None: those rules left out."""
+def sync_rules(rollout: RolloutConfig, *, accelerator: bool | None = None) -> list[SyncRule]:
+    """The rules of ``rollout``'s settings (module docstring); ``accelerator`` None: that rule left out."""
     sync, rules = rollout.weight_sync, []
     if rollout.num_engines not in ("auto", 1):
         rules.append(SyncRule(
@@ -47,12 +47,6 @@ def sync_rules(rollout: RolloutConfig, *, lora: bool | None = None, accelerator:
             "a restarted engine rejoins through the collective weight group (files feeds one engine; sharded's "
             "point-to-point waits cannot stop for a dead engine before rollout.timeout_s)",
             "set rollout.weight_sync=collective",
-        ))  # fmt: skip
-    if lora:
-        rules.append(SyncRule(
-            "model.lora", "rollout.weight_sync", sync, ("collective", "files"),
-            "sends each rank's own parameter views, which hold the base weights without the adapters merged",
-            "set rollout.weight_sync=collective (or files) with model.lora",
         ))  # fmt: skip
     if accelerator:
         rules.append(SyncRule(
@@ -75,15 +69,13 @@ class SyncChoice:
         return f"rollout.weight_sync={self.path} ({self.reason})"
 
 
-def choose_weight_sync(
-    rollout: RolloutConfig, *, lora: bool | None = None, accelerator: bool | None = None
-) -> SyncChoice:
+def choose_weight_sync(rollout: RolloutConfig, *, accelerator: bool | None = None) -> SyncChoice:
     """The path of ``rollout`` given what is known (:func:`sync_rules`); pure.
 
     Raises:
         ValueError: an explicit path a rule rules out (naming the setting, why and the fix).
     """
-    rules = sync_rules(rollout, lora=lora, accelerator=accelerator)
+    rules = sync_rules(rollout, accelerator=accelerator)
     if rollout.weight_sync != "auto":
         for rule in rules:
             require(rollout.weight_sync in rule.allowed, rule.field, rule.value, rule.why, rule.fix)
@@ -97,7 +89,7 @@ def choose_weight_sync(
 
 def run_weight_sync(cfg: GTPOConfig, *, accelerator: bool) -> SyncChoice:
     """:func:`choose_weight_sync` of a run once the accelerator is known (start-up, ``gtpo-plan``)."""
-    return choose_weight_sync(cfg.rollout, lora=cfg.model.lora.enabled, accelerator=accelerator)
+    return choose_weight_sync(cfg.rollout, accelerator=accelerator)
 
 
 def with_weight_sync(cfg: GTPOConfig, choice: SyncChoice) -> GTPOConfig:

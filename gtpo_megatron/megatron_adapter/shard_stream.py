@@ -1,10 +1,10 @@
 """The pieces of Hugging Face tensors this rank's own parameters hold, for ``rollout.weight_sync: sharded``.
 
-No collectives and no copies: each exported parameter of the unwrapped stage goes through
-``hf_conversion.hf_pieces`` (fusions split, head padding and padded vocabulary rows dropped) at this rank's TP rank,
-and the views are offered to ``rollout/shard_plan.py`` as part ``tp_rank`` of ``tp_size`` (a replicated tensor or an
-expert: part 0 of 1). Names are global, so PP stages offer their own layers and EP ranks their own experts; every
-data-parallel replica offers the same pieces and the plan spreads the sending over them.
+No collectives and no copies (but a LoRA run's merged weights): each exported parameter of the unwrapped stage goes
+through ``hf_conversion.hf_pieces`` (fusions split, head padding and padded vocabulary rows dropped) at this rank's
+TP rank, and the views are offered to ``rollout/shard_plan.py`` as part ``tp_rank`` of ``tp_size`` (a replicated
+tensor or an expert: part 0 of 1). Names are global, so PP stages offer their own layers and EP ranks their own
+experts; every data-parallel replica offers the same pieces and the plan spreads the sending over them.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from gtpo_megatron.megatron_adapter.hf_conversion import (
     hf_pieces,
     param_mapping,
 )
+from gtpo_megatron.megatron_adapter.lora import adapters_by_weight, merged_weight
 from gtpo_megatron.rollout.shard_plan import Offer
 
 if TYPE_CHECKING:
@@ -54,7 +55,7 @@ def shard_pieces(
 def local_shard_pieces(
     model, geometry: ModelGeometry, groups: ParallelGroups
 ) -> tuple[list[Offer], dict[PieceKey, torch.Tensor]]:
-    """:func:`shard_pieces` of the unwrapped stage ``model`` on this rank (``geometry.tp_size == groups.tp_size``)."""
-    return shard_pieces(
-        global_named_parameters(model), geometry, tp_rank=groups.tp_rank, tp_size=groups.tp_size, stage=groups.pp_rank
-    )
+    """:func:`shard_pieces` of this rank's unwrapped stage; each adapted weight merged (a copy, ``merged_weight``)."""
+    adapters = adapters_by_weight(model)
+    named = ((name, merged_weight(shard, adapters.get(name))) for name, shard in global_named_parameters(model))
+    return shard_pieces(named, geometry, tp_rank=groups.tp_rank, tp_size=groups.tp_size, stage=groups.pp_rank)

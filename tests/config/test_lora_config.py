@@ -73,7 +73,6 @@ def test_bad_section_values_are_refused(override, message):
             "rollout.partial_rollouts=True: .*set rollout.partial_rollouts=false or set rollout.lora_sync=merged",
         ),
         (["model.lora.rank=null", "rollout.lora_sync=adapter"], None, "model.lora.rank is null"),
-        (["rollout.weight_sync=sharded"], None, "rollout.weight_sync='sharded': .*set rollout.weight_sync=collective"),
         (["model.lora.dropout=0.1", "parallel.tp_size=2"], None, "model.lora.dropout=0.1: .*parallel.tp_size=2"),
         ([], MOE, "model.lora.target_modules=\\('all-linear',\\): targets the MLP .*experts.*\\[q_proj, k_proj"),
     ],

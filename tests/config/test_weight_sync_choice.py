@@ -33,8 +33,6 @@ def test_the_default_is_auto_and_takes_sharded_on_cpu_and_collective_on_gpus():
     ("overrides", "path", "setting"),
     [
         (FAULTS, "collective", "rollout.fault_tolerance"),
-        (["model.lora.rank=4"], "collective", "model.lora"),
-        (["model.lora.rank=4", "rollout.lora_sync=adapter"], "collective", "model.lora"),
     ],
 )
 def test_auto_falls_back_where_sharded_is_refused(overrides, path, setting):
@@ -50,8 +48,6 @@ def test_auto_falls_back_where_sharded_is_refused(overrides, path, setting):
     [
         (FAULTS, False, r"rollout.fault_tolerance/rollout.weight_sync=\(True, 'sharded'\): a restarted engine "
                         r"rejoins .*set rollout.weight_sync=collective"),
-        (["model.lora.rank=4"], False, r"rollout.weight_sync='sharded': sends each rank's own parameter views, "
-                                       r".*set rollout.weight_sync=collective \(or files\) with model.lora"),
         ([], True, r"rollout.weight_sync='sharded': its wire is gloo over TCP.*on GPUs use "
                    r"rollout.weight_sync=collective"),
     ],
@@ -73,10 +69,16 @@ def test_explicit_paths_stay_as_they_are():
 
 def test_every_rule_leaves_collective_so_auto_always_has_a_path():
     everything = [*BASE, *PARTIAL, *FAULTS, "model.lora.rank=4"]
-    rules = sync_rules(load_config(None, everything).rollout, lora=True, accelerator=True)
-    assert len(rules) == 4 and all("collective" in rule.allowed for rule in rules)
-    assert choose_weight_sync(load_config(None, everything).rollout, lora=True, accelerator=True).path == "collective"
-    # a rule whose input is not known yet waits: the accelerator before start-up, the adapters in the section
+    rules = sync_rules(load_config(None, everything).rollout, accelerator=True)
+    assert len(rules) == 3 and all("collective" in rule.allowed for rule in rules)
+    assert choose_weight_sync(load_config(None, everything).rollout, accelerator=True).path == "collective"
+    # a rule whose input is not known yet waits: the accelerator before start-up
     rollout = load_config(None, BASE).rollout
     assert choose_weight_sync(rollout).path == "sharded"
-    assert choose_weight_sync(rollout, lora=True, accelerator=None).path == "collective"
+    assert choose_weight_sync(rollout, accelerator=True).path == "collective"
+
+
+def test_merged_lora_takes_the_sharded_path():
+    cfg = load_config(None, [*BASE, "model.lora.rank=4"])
+    cfg.validate(2)
+    assert run_weight_sync(cfg, accelerator=False).path == "sharded"  # each rank sends its merged shards

@@ -1,6 +1,7 @@
 """A real Megatron model's own pieces (``MegatronPolicy.shard_pieces``) join into the gathered stream, 2 gloo ranks.
 
-For tiny-qwen2 at TP=2 and PP=2 and tiny Qwen3-MoE at EP=2 and TP=2 x EP=2: every rank offers its pieces, the
+For tiny-qwen2 at TP=2 and PP=2 (also with LoRA adapters, B random: the pieces are the merged weights) and tiny
+Qwen3-MoE at EP=2 and TP=2 x EP=2: every rank offers its pieces, the
 plan (``rollout/shard_plan.py``) picks the owners, the owners' parts are shared with ``all_gather_object`` (the
 wire is ``test_sharded_sync.py``'s), and the tensors joined per the plan must be ``torch.equal`` to those
 ``iter_hf_weights`` yields (the collective path's stream), with the same names.
@@ -12,20 +13,28 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from gtpo_megatron.config import LoRAConfig
 from tests.adapter.megatron_helpers import TINY_QWEN2, model_section, settings_at
 from tests.helpers.dist_harness import run_distributed
 
 pytestmark = pytest.mark.distributed
 
 
-def _build(path: str, tp: int, pp: int, ep: int):
+def _build(path: str, tp: int, pp: int, ep: int, lora: LoRAConfig | None = None):
     from gtpo_megatron.megatron_adapter.policy import MegatronPolicy
     from gtpo_megatron.parallel.groups import init_distributed
 
     groups = init_distributed(tp_size=tp, pp_size=pp, ep_size=ep)
-    model = model_section(path, make_vocab_size_divisible_by=100)
+    model = model_section(path, make_vocab_size_divisible_by=100, lora=lora or LoRAConfig())
     settings = settings_at(groups, model, sequence_parallel=tp > 1 and ep > 1)
-    return MegatronPolicy.from_pretrained(settings, groups=groups)
+    policy = MegatronPolicy.from_pretrained(settings, groups=groups)
+    if lora is not None:  # B starts at zero (merged == base): give every adapter a nonzero B
+        generator = torch.Generator().manual_seed(dist.get_rank())
+        with torch.no_grad():
+            for name, param in policy.model.named_parameters():
+                if ".lora_B." in name:
+                    param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
+    return policy
 
 
 def _check(policy, label: str) -> None:
@@ -65,6 +74,7 @@ def _worker(rank: int, world_size: int, out_root: str) -> None:
     dist.barrier()
     for tp, pp in ((2, 1), (1, 2)):
         _check(_build(TINY_QWEN2, tp, pp, 1), f"tiny-qwen2 tp={tp} pp={pp}")
+        _check(_build(TINY_QWEN2, tp, pp, 1, LoRAConfig(rank=4, alpha=8)), f"tiny-qwen2 LoRA tp={tp} pp={pp}")
     for tp, ep in ((1, 2), (2, 2)):
         _check(_build(moe, tp, 1, ep), f"qwen3_moe tp={tp} ep={ep}")
 

@@ -1,6 +1,7 @@
 """LoRA end to end: ``gtpo-train`` with ``model.lora.rank=4`` at TP=2 (gloo), the real vLLM engine on CPU, 2 steps.
 
-After step 1's update the merged weights (``W + alpha / rank * B @ A``) go to the engine, which samples step 2:
+After step 1's update the merged weights (``W + alpha / rank * B @ A``, each TP rank sending its merged shards: the
+default sharded sync) go to the engine, which samples step 2:
 its log-probs must still match the trainer's (``mismatch/abs_logprob_diff``), with a learning rate large enough
 (1e-2) that the adapters move the log-probs past that tolerance if the merge were wrong (0.09 with the adapters
 left out of the sync, 0.0015 merged). The checkpoints hold the adapters. With ``rollout.lora_sync=adapter`` the
@@ -51,3 +52,5 @@ def test_lora_trains_and_keeps_engine_in_sync(tmp_path, lora_sync):
     print({key: [r.get(key) for r in records] for key in ("mismatch/abs_logprob_diff", "sync/bytes", "loss")})
     assert (records[0]["sync/bytes"] == ADAPTER_BYTES) == (lora_sync == "adapter"), records[0]["sync/bytes"]
     assert (tmp_path / "checkpoints" / "step_000002").is_dir()
+    sharded = "weight sync: rollout.weight_sync=sharded (auto)" in proc.stdout + proc.stderr
+    assert sharded == (lora_sync == "merged")  # merged shards sent by both TP ranks

@@ -175,7 +175,7 @@ def test_bad_partial_settings_are_refused(overrides, match):
 def test_partial_rollouts_take_any_sync_path_and_fault_tolerance(overrides, path):
     base = ["model=builtin:tiny-qwen2", "output_dir=/tmp/x", *PARTIAL[:3], "rollout.weight_sync=auto"]
     cfg = load_config(None, [*base, *overrides])
-    assert choose_weight_sync(cfg.rollout, lora=False, accelerator=False).path == path
+    assert choose_weight_sync(cfg.rollout, accelerator=False).path == path
 
 
 def test_partial_rollouts_without_a_clipped_importance_weight_are_refused():
