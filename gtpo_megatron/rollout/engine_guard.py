@@ -240,22 +240,19 @@ def load_in_flight(engine: GuardedEngine | None, version: int, load: Callable[[]
     (its next batch fails, naming it). Returns ``load``'s value. Why the kept KV and the recorded versions are
     exact: docs/training.md, "Partial rollouts" (the order: ``rollout/pipeline.py``).
     """
-    if engine is None or engine.unusable is not None:
-        metrics = load()
-        if engine is not None and engine.unusable is None:  # fault tolerance took it back whole: label it
-            resume_quietly(engine, version)
-        return metrics
-    try:
-        engine.pause()
-    except EngineFailure as err:
-        logger.warning("%s did not pause for the in-flight update (%s); loading regardless", engine.name, err)
+    paused = engine is not None and engine.unusable is None
+    if paused:
+        try:
+            engine.pause()
+        except EngineFailure as err:
+            logger.warning("%s did not pause for the in-flight update (%s); loading regardless", engine.name, err)
     try:
         metrics = load()
     except BaseException:
-        if engine.unusable is None:
+        if paused and engine.unusable is None:
             resume_quietly(engine, None)
         raise
-    if engine.unusable is None:
+    if engine is not None and engine.unusable is None:  # also one fault tolerance made whole again in ``load``
         resume_quietly(engine, version)
     return metrics
 
